@@ -1,0 +1,116 @@
+"""Fault injection: perturb chosen target-side API outputs to prove that a gate catches a regression.
+
+File format (YAML, loaded with ``yaml.safe_load``)::
+
+    faults:
+      - {api: Functional.layer_norm, call: 3, direction: forward, perturb: scale, value: 1.02}
+
+* ``api``: ``{Prefix}.{name}`` as in dump names (``Functional.linear``, ``Tensor.__add__``, ``Torch.matmul``).
+* ``call``: the call counter as it appears in the dump name (``Functional.layer_norm.3.forward`` is call 3);
+  absent or ``null`` perturbs every call.
+* ``direction``: ``forward`` (the API's outputs) or ``backward`` (the gradients it produces); default forward.
+* ``perturb``: ``scale`` (``x * value``), ``offset`` (``x + value``) or ``noise`` (``x + value * |x| * N(0, 1)``,
+  i.e. ``value`` is the relative standard deviation; the generator is seeded per fault and call, so runs repeat).
+
+The perturbed value is what the caller receives *and* what capture records, exactly as a buggy kernel would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..errors import MsprobeError
+
+PERTURBS = ("scale", "offset", "noise")
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault. See the module docstring for the fields."""
+
+    api: str
+    call: int | None = None
+    direction: str = "forward"
+    perturb: str = "scale"
+    value: float = 1.0
+
+    def matches(self, api: str, call: int, direction: str) -> bool:
+        return self.api == api and self.direction == direction and (self.call is None or self.call == call)
+
+    def apply(self, value: Any, call: int) -> Any:
+        """Perturb every floating tensor in ``value`` (nested tuples/lists kept)."""
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            if not value.is_floating_point():
+                return value
+            if self.perturb == "scale":
+                return value * self.value
+            if self.perturb == "offset":
+                return value + self.value
+            gen = torch.Generator(device=value.device)
+            gen.manual_seed((hash(self.api) & 0xFFFF) * 1000 + call)
+            noise = torch.randn(value.shape, generator=gen, device=value.device, dtype=torch.float32)
+            return value + (self.value * value.detach().abs().float() * noise).to(value.dtype)
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self.apply(v, call) for v in value)
+        if isinstance(value, list):
+            return [self.apply(v, call) for v in value]
+        return value
+
+
+def parse_faults(raw: Any, source: str = "faults") -> tuple[Fault, ...]:
+    """Validate the parsed YAML document; see the module docstring for the format.
+
+    Raises:
+        MsprobeError: naming the file, the fault index and the bad field.
+    """
+    if not isinstance(raw, dict) or not isinstance(raw.get("faults"), list):
+        raise MsprobeError(f"{source}: expected a mapping with a 'faults' list")
+    out = []
+    for i, item in enumerate(raw["faults"]):
+        where = f"{source}: faults[{i}]"
+        if not isinstance(item, dict):
+            raise MsprobeError(f"{where}: expected a mapping, got {item!r}")
+        unknown = sorted(set(item) - {"api", "call", "direction", "perturb", "value"})
+        if unknown:
+            raise MsprobeError(f"{where}: unknown field(s) {unknown}")
+        api = item.get("api")
+        if not isinstance(api, str) or api.count(".") < 1:
+            raise MsprobeError(f"{where}.api: expected '<Prefix>.<name>' such as 'Functional.linear', got {api!r}")
+        call = item.get("call")
+        if call is not None and (isinstance(call, bool) or not isinstance(call, int) or call < 0):
+            raise MsprobeError(f"{where}.call: expected a non-negative int, got {call!r}")
+        direction = item.get("direction", "forward")
+        if direction not in DIRECTIONS:
+            raise MsprobeError(f"{where}.direction: expected one of {', '.join(DIRECTIONS)}, got {direction!r}")
+        perturb = item.get("perturb", "scale")
+        if perturb not in PERTURBS:
+            raise MsprobeError(f"{where}.perturb: expected one of {', '.join(PERTURBS)}, got {perturb!r}")
+        value = item.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MsprobeError(f"{where}.value: expected a number, got {value!r}")
+        out.append(Fault(api, call, direction, perturb, float(value)))
+    return tuple(out)
+
+
+def load_faults(path: str | os.PathLike) -> tuple[Fault, ...]:
+    """Read a fault file (YAML, ``safe_load``). Raises :class:`MsprobeError` for a missing or malformed file."""
+    import yaml
+
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise MsprobeError(f"{p}: fault file not found") from None
+    except yaml.YAMLError as exc:
+        raise MsprobeError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return parse_faults(raw, p)
+
+
+def select(faults: Iterable[Fault], api: str) -> tuple[Fault, ...]:
+    return tuple(f for f in faults if f.api == api)

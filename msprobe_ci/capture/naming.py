@@ -1,0 +1,137 @@
+"""API identity → msprobe names (``Functional.linear``, ``Tensor.__add__``, ``Torch.matmul``).
+
+L1 capture sees the function object that ``TorchFunctionMode`` is handed. This module maps it to msprobe's
+prefix and API name, and classifies it:
+
+* ``SKIP``: metadata and plumbing (``size``, ``dim``, property getters, ``backward``, ``__getitem__`` ...):
+  neither counted nor recorded, as msprobe does not wrap them.
+* ``LOW``: shape/view/dtype/creation APIs that msprobe's default ``risk_level: FOCUS`` leaves out of dump.json;
+  they are still counted, so call numbers match msprobe's, and listed in construct.json at mix.
+* ``RECORD``: everything else.
+
+Binary operators reach the mode as plain methods (``y + 1`` arrives as ``TensorBase.add``). The caller's bytecode
+instruction tells them apart, so ``y + 1`` is named ``Tensor.__add__`` and ``y.add(1)`` ``Tensor.add``, as
+msprobe names them.
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import sys
+from typing import Any
+
+SKIP, LOW, RECORD = 0, 1, 2
+
+_SKIP_NAMES = frozenset("""
+size dim ndimension numel nelement stride storage_offset is_contiguous data_ptr element_size is_floating_point
+is_complex is_signed get_device tolist item type requires_grad_ retain_grad register_hook
+register_post_accumulate_grad_hook backward untyped_storage storage is_leaf is_set_to is_shared is_pinned
+__getitem__ __setitem__ __len__ __iter__ __reversed__ __hash__ __repr__ __format__ __reduce_ex__ __deepcopy__
+__setstate__ __array__ __array_wrap__ __contains__ __index__ __int__ __float__ __complex__ __long__ __dir__
+__get__ __set__ __delete__ __torch_function__ __torch_dispatch__ as_subclass share_memory_ pin_memory cpu cuda npu
+detach detach_ is_tensor is_storage is_grad_enabled get_default_dtype is_nonzero numpy dim_order
+is_inference is_autocast_enabled set_grad_enabled has_names refine_names rename align_to
+""".split())
+
+_LOW_NAMES = frozenset("""
+view view_as reshape reshape_as transpose transpose_ permute flatten unflatten unsqueeze unsqueeze_ squeeze
+squeeze_ cat concat concatenate stack split split_with_sizes chunk unbind narrow select expand expand_as t
+contiguous to float half bfloat16 double int long bool short byte char type_as clone zeros ones full empty
+zeros_like ones_like full_like empty_like arange range linspace new_zeros new_ones new_full new_empty
+new_tensor tensor as_tensor movedim moveaxis swapaxes swapdims __bool__ repeat_interleave tile
+""".split())
+
+# dunder name by BINARY_OP argument (CPython 3.11+ ``NB_*`` order)
+_BINARY_OPS = ["add", "and", "floordiv", "lshift", "matmul", "mul", "mod", "or", "pow", "rshift", "sub",
+               "truediv", "xor"]
+_COMPARE = {"<": "lt", "<=": "le", "==": "eq", "!=": "ne", ">": "gt", ">=": "ge"}
+_OPERATOR_CANDIDATES = frozenset("""add sub mul div true_divide floor_divide matmul pow remainder fmod
+bitwise_and bitwise_or bitwise_xor bitwise_left_shift bitwise_right_shift __lshift__ __rshift__ __and__ __or__
+__xor__ neg negative bitwise_not logical_not abs lt le eq ne gt ge __eq__ __ne__ __lt__ __le__ __gt__ __ge__
+add_ sub_ mul_ div_ pow_ matmul_ remainder_ floor_divide_ __iand__ __ior__ __ixor__ __ilshift__ __irshift__
+""".split())
+
+_TORCH_DIR = os.path.dirname(os.path.dirname(__import__("torch").__file__)) + os.sep + "torch" + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_INTERNAL_FILES = (os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, "_tensor.py"))
+_PLUMBING_FILES = (os.path.join(_TORCH_DIR, "utils", "hooks.py"), os.path.join(_TORCH_DIR, "autograd", "function.py"))
+
+
+def called_from_hook_plumbing() -> bool:
+    """True when torch's hook/autograd.Function machinery made the call (``view_as`` aliases), not user code."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename in _PLUMBING_FILES
+
+_TABLE: dict[Any, tuple[str, str, int]] | None = None
+
+
+def _classify(name: str) -> int:
+    if name in _SKIP_NAMES or (name.startswith("_") and not (name.startswith("__") and name.endswith("__"))):
+        return SKIP
+    return LOW if name in _LOW_NAMES else RECORD
+
+
+def table() -> dict[Any, tuple[str, str, int]]:
+    """``{function object: (prefix, api name, kind)}``, built once. Functional wins over Tensor over Torch."""
+    global _TABLE
+    if _TABLE is None:
+        import torch
+        import torch.nn.functional as F
+
+        tab: dict[Any, tuple[str, str, int]] = {}
+        for prefix, owner in (("Functional", F), ("Tensor", torch.Tensor), ("Torch", torch)):
+            for name in dir(owner):
+                try:
+                    obj = getattr(owner, name)
+                except Exception:  # pragma: no cover - exotic attributes
+                    continue
+                if isinstance(obj, type) or not callable(obj):
+                    continue
+                try:
+                    if obj in tab:
+                        continue
+                    tab[obj] = (prefix, name, _classify(name))
+                except TypeError:  # unhashable callables
+                    continue
+        _TABLE = tab
+    return _TABLE
+
+
+def operator_name(api: str) -> str | None:
+    """Return the dunder name when the user's code reached ``api`` through an operator (``a + b``), else None.
+
+    Looks at the first caller frame outside torch's own dispatch files and decodes its current instruction.
+    """
+    if api not in _OPERATOR_CANDIDATES:
+        return None
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename in _INTERNAL_FILES or f.f_code.co_filename.startswith(_PKG_DIR)):
+        f = f.f_back
+    if f is None:
+        return None
+    try:
+        op = f.f_code.co_code[f.f_lasti]
+        arg = f.f_code.co_code[f.f_lasti + 1]
+    except IndexError:  # pragma: no cover
+        return None
+    opname = dis.opname[op]
+    if opname == "BINARY_OP":
+        inplace = arg >= 13
+        base = _BINARY_OPS[arg - 13 if inplace else arg]
+        return f"__i{base}__" if inplace else f"__{base}__"
+    if opname == "COMPARE_OP":
+        idx = arg >> 4 if sys.version_info >= (3, 12) else arg
+        if sys.version_info >= (3, 13):
+            idx = arg >> 5
+        try:
+            return f"__{_COMPARE[dis.cmp_op[idx]]}__"
+        except (IndexError, KeyError):  # pragma: no cover
+            return None
+    if opname == "UNARY_NEGATIVE":
+        return "__neg__"
+    if opname == "UNARY_INVERT":
+        return "__invert__"
+    return None

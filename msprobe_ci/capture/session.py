@@ -1,0 +1,492 @@
+"""The capture engine: module hooks (L0), torch API capture through ``TorchFunctionMode`` (L1), and both (mix).
+
+One :class:`CaptureSession` owns the per-step state (call counters, dump entries, construct parents, stacks) and
+writes an msprobe-layout dump folder at :meth:`CaptureSession.stop` / :meth:`CaptureSession.step`.
+
+Names, counters and the JSON layout follow msprobe 26.2.0 (``shared/spec/dump-format.md`` §4-7):
+
+* API forward/backward: ``{Prefix}.{api}.{n}.forward`` / ``.backward``; one counter per ``{Prefix}.{api}.``,
+  read before the call and incremented after it; only the outermost API call is seen (the mode is off while it
+  runs the call), so ``F.layer_norm`` calling ``torch.layer_norm`` yields one record.
+* Module: ``Module.{path}.{Class}.forward.{n}`` / ``.backward.{n}`` (the backward reuses the index of the forward
+  call it belongs to, matched last-in-first-out); the root model itself is not hooked.
+* Parameter gradients: ``Module.{path}.{Class}.parameters_grad.{k}`` = ``{param: [record]}`` in hook order.
+* Backward entries swap sides: ``input`` = gradients w.r.t. the forward outputs, ``output`` = gradients the node
+  produces (w.r.t. its forward inputs; module backward lists only inputs that required grad).
+* Module entries are placed after the APIs they contain (msprobe moves them to the end when they complete).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import warnings
+from typing import Any, Iterable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..config import DumpConfig
+from ..dump.writer import ensure_fresh_dir, write_dump_folder
+from ..errors import MsprobeError
+from . import naming
+from .inject import Fault
+from .records import RecordBuilder
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
+
+
+class _ApiMode(TorchFunctionMode):
+    def __init__(self, session: "CaptureSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.session._on_api(func, args, kwargs or {})
+
+
+class CaptureSession:
+    """Capture one model run (or a training loop) into msprobe-compatible dumps.
+
+    Args:
+        config: the validated :class:`~msprobe_ci.config.DumpConfig` (task, level, dump_path, filters).
+        faults: target-side :class:`~msprobe_ci.capture.inject.Fault` list; their APIs are perturbed even at L0.
+        rank: rank folder suffix; ``None`` picks ``torch.distributed.get_rank()`` when initialised, else the
+            folder is plain ``rank``.
+
+    Raises:
+        MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
+    """
+
+    def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None):
+        config.validate()
+        self.config = config
+        self.faults = tuple(faults)
+        self._fault_apis = {f.api for f in self.faults}
+        self.rank = rank
+        self.current_step = 0
+        self.running = False
+        self._busy = False
+        self._mode: _ApiMode | None = None
+        self._hooked: dict[int, list] = {}
+        self._folders_written: list[str] = []
+        self.api_level = config.level in ("L1", "mix")
+        self.module_level = config.level in ("L0", "mix")
+        self.with_construct = self.module_level
+        modes = config.allowed_modes
+        self._fwd_in = "forward" in modes and "input" in modes
+        self._fwd_out = "forward" in modes and "output" in modes
+        self._bwd_in = "backward" in modes and "input" in modes
+        self._bwd_out = "backward" in modes and "output" in modes
+        self._bwd = "backward" in modes
+        self._reset_step_state()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _reset_step_state(self) -> None:
+        self.data: dict[str, Any] = {}
+        self.construct: dict[str, Any] = {}
+        self.stacks: dict[tuple, list[str]] = {}
+        self.api_counts: dict[str, int] = {}
+        self.module_counts: dict[str, int] = {}
+        self.builder = RecordBuilder(self.config.summary_mode)
+        self._fwd_stack: list[str] = []
+        self._bwd_stack: list[str] = []
+        self._fwd_calls: dict[int, list[int]] = {}
+        self._pending_fwd: dict[int, list[tuple[str, dict | None]]] = {}
+        self._pending_bwd: dict[int, list[tuple[str, list | None]]] = {}
+        self._pgrad: dict[str, list] = {}
+        self._in_scope = not self.config.scope
+        self._scope_done = False
+        self._folder_checked = False
+
+    @property
+    def step_enabled(self) -> bool:
+        return not self.config.step or self.current_step in self.config.step
+
+    def rank_dir(self) -> str:
+        rank = self.rank
+        if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        if self.config.rank and (rank or 0) not in self.config.rank:
+            return ""
+        return "rank" if rank is None else f"rank{rank}"
+
+    def dump_folder(self, step: int | None = None) -> str:
+        """``{dump_path}/step{N}/rank[R]`` for the current (or given) step."""
+        return os.path.join(os.fspath(self.config.dump_path), f"step{self.current_step if step is None else step}",
+                            self.rank_dir() or "rank")
+
+    def start(self, model: Any = None) -> None:
+        """Install the hooks (once per model) and begin recording.
+
+        Args:
+            model: an ``nn.Module`` or a list/tuple of them; required at L0 and mix.
+        """
+        if self.module_level and model is None:
+            raise MsprobeError(f"level {self.config.level} needs the model: call start(model)")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise MsprobeError("start(model): torch.jit.ScriptModule cannot be hooked; pass the eager module")
+        if model is not None and self.module_level:
+            models = list(model) if isinstance(model, (list, tuple)) else [model]
+            for i, m in enumerate(models):
+                if not isinstance(m, torch.nn.Module):
+                    raise MsprobeError(f"start(model): expected torch.nn.Module, got {type(m).__name__}")
+                self._hook_model(m, f"{i}." if len(models) > 1 else "")
+        if self.step_enabled and self.rank_dir() and not self._folder_checked:
+            ensure_fresh_dir(self.dump_folder())
+            self._folder_checked = True
+        if self.running:
+            return
+        self.running = self.step_enabled and bool(self.rank_dir())
+        if (self.api_level or self._fault_apis) and self._mode is None:
+            self._mode = _ApiMode(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Stop recording and write the current step's files (atomically)."""
+        self.running = False
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        self.flush()
+
+    def step(self) -> None:
+        """Flush, then start a new step: counters and per-step caches reset, the next folder is ``step{N+1}``."""
+        self.flush()
+        self.current_step += 1
+        self._reset_step_state()
+
+    def close(self) -> None:
+        """Stop and remove every hook this session installed."""
+        if self.running or self._mode is not None:
+            self.stop()
+        for handles in self._hooked.values():
+            for h in handles:
+                h.remove()
+        self._hooked.clear()
+
+    def flush(self) -> None:
+        if not self._folder_checked or (not self.data and not self.construct):
+            return
+        self.builder.resolve()
+        folder = self.dump_folder()
+        stack = {}
+        for i, (frames, names) in enumerate(self.stacks.items()):
+            stack[str(i)] = [names, [_format_frame(f) for f in frames]]
+        save_tensors = self.config.task == "tensor" or bool(self.config.tensor_list)
+        write_dump_folder(folder, task=self.config.task, level=self.config.level, data=self.data, stack=stack,
+                          construct=self.construct if self.with_construct else {},
+                          tensors=self.builder.tensors if save_tensors else None)
+        if folder not in self._folders_written:
+            self._folders_written.append(folder)
+
+    @property
+    def folders(self) -> list[str]:
+        """Rank folders written so far."""
+        return list(self._folders_written)
+
+    # ------------------------------------------------------------------ filters
+    def _keep(self, name: str) -> bool:
+        cfg = self.config
+        if cfg.scope:
+            if not self._in_scope:
+                if self._scope_done or name != cfg.scope[0]:
+                    return False
+                self._in_scope = True
+            if name == cfg.scope[1]:
+                self._in_scope, self._scope_done = False, True
+        if cfg.list:
+            if any(s in name for s in cfg.list):
+                return True
+            return any(s in m for m in self._fwd_stack + self._bwd_stack for s in cfg.list if s.startswith("Module"))
+        return True
+
+    def _tensor_file(self, name: str) -> bool:
+        if self.config.task == "tensor":
+            return True
+        return any(s in name for s in self.config.tensor_list)
+
+    def _stack(self, name: str) -> None:
+        f = sys._getframe(2)
+        frames = []
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith(_PKG_DIR):
+                frames.append((fn, f.f_lineno, f.f_code.co_name))
+            f = f.f_back
+        self.stacks.setdefault(tuple(frames), []).append(name)
+
+    # ------------------------------------------------------------------ L1: APIs
+    def _on_api(self, func, args, kwargs):
+        if self._busy or not self.running:
+            return func(*args, **kwargs)
+        try:
+            info = naming.table().get(func)
+        except TypeError:  # unhashable callable
+            info = None
+        if info is None or info[2] == naming.SKIP:
+            return func(*args, **kwargs)
+        prefix, api, kind = info
+        if api == "view_as" and naming.called_from_hook_plumbing():
+            return func(*args, **kwargs)
+        if prefix != "Functional":
+            op = naming.operator_name(api)
+            if op is not None:
+                prefix, api = "Tensor", op
+        key = f"{prefix}.{api}."
+        n = self.api_counts.get(key, 0)
+        fwd_name = f"{key}{n}.forward"
+        api_id = f"{prefix}.{api}"
+        faults = [f for f in self.faults if f.api == api_id] if api_id in self._fault_apis else ()
+        if self.with_construct and self.api_level:
+            self.construct[fwd_name] = self._fwd_stack[-1] if self._fwd_stack else None
+        record = self.api_level and kind == naming.RECORD and self._keep(fwd_name)
+        entry = None
+        if record and self._fwd_in:
+            self._busy = True
+            try:
+                files = self._tensor_file(fwd_name)
+                entry = {
+                    "input_args": [self.builder.value(a, f"{fwd_name}.input.{i}" if files else None)
+                                   for i, a in enumerate(args)],
+                    "input_kwargs": {k: self.builder.value(v, f"{fwd_name}.kwargs.{k}" if files else None, k)
+                                     for k, v in kwargs.items()},
+                }
+                self._stack(fwd_name)
+            finally:
+                self._busy = False
+        out = orig = func(*args, **kwargs)
+        for f in faults:
+            if f.direction == "forward" and f.matches(api_id, n, "forward"):
+                out = f.apply(out, n)
+        self.api_counts[key] = n + 1
+        if record:
+            self._busy = True
+            try:
+                files = self._tensor_file(fwd_name)
+                if entry is None:
+                    entry = {"input_args": [], "input_kwargs": {}}
+                    self._stack(fwd_name)
+                entry["output"] = (self._encode_output(out, f"{fwd_name}.output" if files else None)
+                                   if self._fwd_out else [])
+                self.data[fwd_name] = entry
+            finally:
+                self._busy = False
+        bwd_faults = [f for f in faults if f.matches(api_id, n, "backward")]
+        if (record and self._bwd) or bwd_faults:
+            node = _first_grad_fn(orig)
+            if node is not None and torch.is_grad_enabled():
+                bwd_name = f"{key}{n}.backward"
+                node.register_hook(self._api_backward_hook(bwd_name, record and self._bwd and self._keep(bwd_name),
+                                                           bwd_faults, n))
+        return out
+
+    def _encode_output(self, out: Any, stem: str | None) -> Any:
+        if isinstance(out, torch.Tensor):
+            return [self.builder.value(out, f"{stem}.0" if stem else None)]
+        if isinstance(out, tuple) and hasattr(out, "_fields") and not hasattr(out, "n_fields"):
+            return self.builder.value(out, stem)
+        if isinstance(out, (list, tuple)):
+            return [self.builder.value(v, f"{stem}.{i}" if stem else None) for i, v in enumerate(out)]
+        if isinstance(out, dict) or (hasattr(out, "to_tuple") and hasattr(out, "keys")):
+            return self.builder.value(out, stem)
+        return [self.builder.value(out, f"{stem}.0" if stem else None)]
+
+    def _api_backward_hook(self, name: str, record: bool, faults: list[Fault], call: int):
+        def hook(grad_inputs, grad_outputs):
+            new = None
+            if faults:
+                new = tuple(grad_inputs)
+                for f in faults:
+                    new = f.apply(new, call)
+                grad_inputs = new
+            if record and self.running and not self._busy:
+                self._busy = True
+                try:
+                    files = self._tensor_file(name)
+                    if self.with_construct:
+                        self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
+                    self.data[name] = {
+                        "input": [self.builder.value(g, f"{name}.input.{i}" if files else None)
+                                  for i, g in enumerate(grad_outputs)] if self._bwd_in else [],
+                        "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
+                                   for i, g in enumerate(grad_inputs)] if self._bwd_out else [],
+                    }
+                finally:
+                    self._busy = False
+            return new
+        return hook
+
+    # ------------------------------------------------------------------ L0: modules
+    def _hook_model(self, model: torch.nn.Module, root_prefix: str) -> None:
+        if id(model) in self._hooked:
+            return
+        # torch warns when a full backward hook fires for a module whose inputs need no grad (the first layer);
+        # that is expected here and the record is still right.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                "respect to module outputs", category=UserWarning)
+        handles = []
+        for path, mod in model.named_modules():
+            if mod is model:
+                continue
+            base = f"Module.{root_prefix}{path}.{type(mod).__name__}"
+            handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base), with_kwargs=True))
+            handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True, always_call=True))
+            if self._bwd:
+                handles.append(mod.register_full_backward_pre_hook(self._bwd_pre_hook(base)))
+                handles.append(mod.register_full_backward_hook(self._bwd_hook(base)))
+                for pname, p in mod.named_parameters(recurse=False):
+                    if p.requires_grad:
+                        handles.append(p.register_post_accumulate_grad_hook(self._pgrad_hook(base, pname)))
+        self._hooked[id(model)] = handles
+
+    def _fwd_pre_hook(self, base: str):
+        key = f"{base}.forward."
+
+        def hook(module, args, kwargs):
+            if not self.running or self._busy:
+                return None
+            n = self.module_counts.get(key, 0)
+            self.module_counts[key] = n + 1
+            name = f"{key}{n}"
+            if self.with_construct:
+                self.construct[name] = self._fwd_stack[-1] if self._fwd_stack else None
+            self._fwd_stack.append(name)
+            self._fwd_calls.setdefault(id(module), []).append(n)
+            entry = None
+            if self._keep(name):
+                entry = {"input_args": [], "input_kwargs": {}}
+                if self._fwd_in:
+                    self._busy = True
+                    try:
+                        files = self._tensor_file(name)
+                        entry["input_args"] = [self.builder.value(a, f"{name}.input.{i}" if files else None)
+                                               for i, a in enumerate(args)]
+                        entry["input_kwargs"] = {k: self.builder.value(v, f"{name}.kwargs.{k}" if files else None, k)
+                                                 for k, v in kwargs.items()}
+                        self._stack(name)
+                    finally:
+                        self._busy = False
+            self._pending_fwd.setdefault(id(module), []).append((name, entry))
+            return None
+        return hook
+
+    def _fwd_hook(self, base: str):
+        def hook(module, args, kwargs, output):
+            pending = self._pending_fwd.get(id(module))
+            if not pending:
+                return None
+            name, entry = pending.pop()
+            if self._fwd_stack and self._fwd_stack[-1] == name:
+                self._fwd_stack.pop()
+            if entry is None or not self.running:
+                return None
+            self._busy = True
+            try:
+                files = self._tensor_file(name)
+                entry["output"] = self._encode_output(output, f"{name}.output" if files else None) \
+                    if self._fwd_out else []
+                entry["parameters"] = {
+                    pname: self.builder.value(p, f"{name}.parameters.{pname}" if files else None)
+                    for pname, p in module.named_parameters(recurse=False)} if self._fwd_out else {}
+                self.data.pop(name, None)
+                self.data[name] = entry
+            finally:
+                self._busy = False
+            return None
+        return hook
+
+    def _bwd_pre_hook(self, base: str):
+        def hook(module, grad_output):
+            if not self.running or self._busy:
+                return None
+            calls = self._fwd_calls.get(id(module))
+            n = calls.pop() if calls else 0
+            name = f"{base}.backward.{n}"
+            if self.with_construct:
+                self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
+            self._bwd_stack.append(name)
+            recs = None
+            if self._keep(name):
+                self._busy = True
+                try:
+                    files = self._tensor_file(name)
+                    recs = [self.builder.value(g, f"{name}.input.{i}" if files else None)
+                            for i, g in enumerate(grad_output)] if self._bwd_in else []
+                finally:
+                    self._busy = False
+            self._pending_bwd.setdefault(id(module), []).append((name, recs))
+            return None
+        return hook
+
+    def _bwd_hook(self, base: str):
+        def hook(module, grad_input, grad_output):
+            pending = self._pending_bwd.get(id(module))
+            if not pending:
+                return None
+            name, recs = pending.pop()
+            if name in self._bwd_stack:
+                self._bwd_stack.remove(name)
+            if recs is None or not self.running:
+                return None
+            self._busy = True
+            try:
+                files = self._tensor_file(name)
+                grads = [g for g in grad_input if g is not None]
+                self.data[name] = {
+                    "input": recs,
+                    "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
+                               for i, g in enumerate(grads)] if self._bwd_out else [],
+                }
+            finally:
+                self._busy = False
+            return None
+        return hook
+
+    def _pgrad_hook(self, base: str, pname: str):
+        key = f"{base}.parameters_grad"
+
+        def hook(param):
+            if not self.running or self._busy or param.grad is None:
+                return
+            state = self._pgrad.setdefault(key, [None, 0, None])  # first param, count, current entry name
+            if state[0] is None:
+                state[0] = pname
+            if pname == state[0] or state[2] is None:
+                state[2] = f"{key}.{state[1]}"
+                state[1] += 1
+            name = state[2]
+            if not self._keep(name):
+                return
+            self._busy = True
+            try:
+                files = self._tensor_file(name)
+                entry = self.data.setdefault(name, {})
+                entry[pname] = [self.builder.value(param.grad, f"{name}.{pname}" if files else None)]
+            finally:
+                self._busy = False
+        return hook
+
+
+def _first_grad_fn(value: Any):
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            node = _first_grad_fn(v)
+            if node is not None:
+                return node
+    if isinstance(value, dict):
+        for v in value.values():
+            node = _first_grad_fn(v)
+            if node is not None:
+                return node
+    return None
+
+
+def _format_frame(frame: tuple) -> str:
+    fn, lineno, func = frame
+    src = linecache.getline(fn, lineno).strip()
+    return f"File {fn}, line {lineno}, in {func}, \n {src}"

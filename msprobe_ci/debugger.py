@@ -1,0 +1,56 @@
+"""``PrecisionDebugger``: msprobe's dump entry point, so msprobe users switch by changing one import.
+
+    from msprobe_ci import PrecisionDebugger      # was: from msprobe.pytorch import PrecisionDebugger
+    debugger = PrecisionDebugger(config_path="config.json")
+    for batch in loader:
+        debugger.start(model)
+        loss = model(batch).sum(); loss.backward()
+        debugger.stop()
+        debugger.step()
+
+Differences from msprobe, on purpose: constructing a debugger patches nothing (capture uses
+``TorchFunctionMode`` and module hooks installed at ``start``), and each construction is a new, independent
+debugger rather than a process-wide singleton.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .config import load_config
+
+
+class PrecisionDebugger:
+    """Dump model data in msprobe's format.
+
+    Args:
+        config_path: an msprobe ``config.json``; ``None`` uses the defaults (task statistics, level L1).
+        task: overrides the file's ``task`` (``statistics`` or ``tensor``).
+        dump_path: overrides ``dump_path``.
+        level: overrides ``level`` (``L0``, ``L1``, ``mix``).
+        step: overrides ``step`` (list of ints / ``"a-b"`` ranges).
+
+    Raises:
+        MsprobeError: invalid configuration (one line naming the field), or at ``start()`` a dump folder that
+            already holds files.
+    """
+
+    def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
+                 dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None):
+        from .capture import CaptureSession
+
+        self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)
+        self.session = CaptureSession(self.config)
+
+    def start(self, model: Any = None) -> None:
+        """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix."""
+        self.session.start(model)
+
+    def stop(self) -> None:
+        """Stop recording and write this step's dump.json, stack.json and construct.json."""
+        self.session.stop()
+
+    def step(self) -> None:
+        """Close the step: counters reset and the next ``start()`` writes ``step{N+1}``."""
+        self.session.step()

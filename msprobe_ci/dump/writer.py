@@ -1,0 +1,75 @@
+"""Writing a dump folder in msprobe's layout: ``dump.json``, ``stack.json``, ``construct.json`` and
+``dump_tensor_data/*.pt`` under ``step{N}/rank[R]/`` (``shared/spec/dump-format.md`` §7-12).
+
+Every file is written to a temporary name in the same folder and renamed into place, so a reader never sees a half
+written file and a crash leaves the previous version intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Mapping
+
+from ..errors import MsprobeError
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    """JSON with ``indent=1`` as msprobe; NaN/Inf are written as the bare literals msprobe uses."""
+    atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))
+
+
+def ensure_fresh_dir(path: str) -> None:
+    """Create ``path``; refuse a folder that already holds files (never overwrite a dump silently).
+
+    Raises:
+        MsprobeError: ``path`` exists and is non-empty, or exists as a file.
+    """
+    if os.path.isfile(path):
+        raise MsprobeError(f"{path}: dump folder path exists as a file")
+    if os.path.isdir(path) and os.listdir(path):
+        raise MsprobeError(f"{path}: dump folder already exists and is not empty; choose another dump_path "
+                           "or remove it (msprobe-ci never overwrites a dump)")
+    os.makedirs(path, exist_ok=True)
+
+
+def write_dump_folder(folder: str, *, task: str, level: str, data: Mapping[str, Any],
+                      stack: Mapping[str, Any], construct: Mapping[str, Any],
+                      tensors: Mapping[str, Any] | None = None) -> None:
+    """Write one rank folder. ``tensors`` maps file names to CPU tensors saved under ``dump_tensor_data/``."""
+    os.makedirs(folder, exist_ok=True)
+    data_dir = None
+    if tensors:
+        import torch
+
+        data_dir = os.path.join(os.path.abspath(folder), "dump_tensor_data")
+        os.makedirs(data_dir, exist_ok=True)
+        for name, t in tensors.items():
+            if os.sep in name or name.startswith("."):
+                raise MsprobeError(f"{name}: tensor file name must stay inside dump_tensor_data/")
+            target = os.path.join(data_dir, name)
+            tmp = target + ".tmp"
+            torch.save(t, tmp)
+            os.replace(tmp, target)
+    elif task == "tensor":
+        data_dir = os.path.join(os.path.abspath(folder), "dump_tensor_data")
+        os.makedirs(data_dir, exist_ok=True)
+    atomic_write_json(os.path.join(folder, "dump.json"), {
+        "task": task, "level": level, "framework": "pytorch", "dump_data_dir": data_dir, "data": dict(data)})
+    atomic_write_json(os.path.join(folder, "stack.json"), dict(stack))
+    atomic_write_json(os.path.join(folder, "construct.json"), dict(construct))
