@@ -1,0 +1,276 @@
+"""Full-network compare: every row of target vs bench, matched by name, msprobe's metrics, our node verdicts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dump.reader import Dump
+from ..errors import MsprobeError
+from . import metrics as M
+from .rows import Row, match_rows
+from .verdict import CompareResult, Thresholds, judge, unit_roundoff
+
+_FWD_API = re.compile(r"^(.*)\.(\d+)\.backward$")
+_MOD_BWD = re.compile(r"^(Module\..*)\.backward\.(\d+)$")
+_PGRAD = re.compile(r"^(Module\..*)\.parameters_grad\.(\d+)$")
+
+
+@dataclass
+class RowResult:
+    """One compared row: the target row, its bench row (or None), msprobe's columns and our relative error."""
+
+    target: Row
+    bench: Row | None
+    metrics: dict[str, Any]
+    error: float
+
+
+@dataclass
+class CompareReport:
+    """Everything one compare produced.
+
+    Attributes:
+        mode: ``statistics``, ``tensor`` (msprobe's "all") or ``md5``.
+        rows: per-row results in target dump order.
+        nodes: node verdicts (one per target dump entry) in execution order.
+        first_divergence: the earliest node whose own verdict is ``error``, or None.
+        unmatched: target nodes without a bench counterpart.
+    """
+
+    mode: str
+    rows: list[RowResult]
+    nodes: list[CompareResult]
+    target_stack: dict[str, list[str]] = field(default_factory=dict)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    @property
+    def first_divergence(self) -> CompareResult | None:
+        return next((n for n in self.nodes if n.status == "error"), None)
+
+    @property
+    def unmatched(self) -> list[str]:
+        return [n.name for n in self.nodes if n.status == "unmatched"]
+
+    def counts(self) -> dict[str, int]:
+        out = {s: 0 for s in ("pass", "warning", "error", "unmatched")}
+        for n in self.nodes:
+            out[n.status] += 1
+        return out
+
+    def worst(self, k: int = 5) -> list[CompareResult]:
+        """The ``k`` judged nodes with the largest value/threshold ratio, errors first."""
+        judged = [n for n in self.nodes if n.status != "unmatched"]
+        return sorted(judged, key=lambda n: -(n.value / n.threshold if n.threshold > 0 else math.inf))[:k]
+
+    def __bool__(self) -> bool:
+        return self.first_divergence is None
+
+    # ------------------------------------------------------------------ CSV
+    def columns(self) -> list[str]:
+        head = ["NPU Name", "Bench Name", "NPU Dtype", "Bench Dtype", "NPU Tensor Shape", "Bench Tensor Shape",
+                "NPU Requires_grad", "Bench Requires_grad"]
+        stats = ["NPU max", "NPU min", "NPU mean", "NPU l2norm", "Bench max", "Bench min", "Bench mean",
+                 "Bench l2norm"]
+        tail = ["Requires_grad Consistent", "Result", "Err_message", "NPU_Stack_Info"]
+        if self.mode == "md5":
+            return head + ["NPU MD5", "BENCH MD5"] + tail
+        if self.mode == "tensor":
+            return head + list(M.TENSOR_COLUMNS) + stats + tail + ["Data_name"]
+        return head + list(M.STAT_DIFF_COLUMNS) + list(M.STAT_REL_COLUMNS) + stats + tail
+
+    def write_csv(self, out_dir: str, prefix: str = "compare_result") -> str:
+        """Write ``compare_result_<YYYYmmddHHMMSS>.csv`` with msprobe's columns; returns the path.
+
+        ``Result``/``Err_message`` carry our node verdict (on the node's output rows) instead of msprobe's
+        dtype-blind one. Never overwrites: a clash in the same second gets a ``_N`` suffix.
+        """
+        os.makedirs(out_dir, exist_ok=True)
+        stamp = time.strftime("%Y%m%d%H%M%S")
+        path = os.path.join(out_dir, f"{prefix}_{stamp}.csv")
+        i = 1
+        while os.path.exists(path):
+            path = os.path.join(out_dir, f"{prefix}_{stamp}_{i}.csv")
+            i += 1
+        verdicts = {n.name: n for n in self.nodes}
+        stack_done: set[str] = set()
+        tmp = path + ".tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            w.writerow(self.columns())
+            for rr in self.rows:
+                w.writerow(self._csv_row(rr, verdicts.get(rr.target.entry), stack_done))
+        os.replace(tmp, path)
+        return path
+
+    def _csv_row(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
+        t, b = rr.target, rr.bench
+        na = "N/A"
+        row: list[Any] = [t.name, b.name if b else na, t.dtype, b.dtype if b else na, t.shape,
+                          b.shape if b else na, t.requires_grad, b.requires_grad if b else na]
+        ts = t.stats()
+        bs = b.stats() if b else (na,) * 4
+        if self.mode == "md5":
+            row += [t.md5, b.md5 if b else na]
+        elif self.mode == "tensor":
+            row += [rr.metrics.get(c, na) for c in M.TENSOR_COLUMNS]
+        else:
+            row += [rr.metrics.get(c, na) for c in M.STAT_DIFF_COLUMNS + M.STAT_REL_COLUMNS]
+        if self.mode != "md5":
+            row += [_s(v) for v in ts] + [_s(v) for v in bs]
+        consistent = b is None or t.requires_grad == b.requires_grad
+        status, message = "pass", []
+        if b is None:
+            status, message = "unmatched", ["warning: No bench data matched."]
+        elif node is not None and t.side == "output" and node.status in ("warning", "error") and \
+                node.worst_row == t.name:
+            status, message = node.status, [f"{node.status}: {node.message}"]
+        stack = na
+        if t.entry not in stack_done:
+            stack_done.add(t.entry)
+            frames = self.target_stack.get(t.entry)
+            if frames:
+                stack = str(list(frames))
+        row += [str(consistent), status, json.dumps(message), stack]
+        if self.mode == "tensor":
+            row.append(str([t.data_name, b.data_name if b else "-1"]))
+        return row
+
+
+def _s(v: Any) -> Any:
+    return "None" if v is None else v
+
+
+def _mode(target: Dump, bench: Dump) -> str:
+    if target.task != bench.task:
+        if {target.task, bench.task} <= {"statistics", "tensor"}:
+            return "md5" if target.summary_mode == "md5" and bench.summary_mode == "md5" else "statistics"
+        raise MsprobeError(f"dump tasks differ: target {target.task!r} vs bench {bench.task!r}")
+    if target.task == "tensor":
+        return "tensor"
+    if target.summary_mode == "md5" and bench.summary_mode == "md5":
+        return "md5"
+    return "statistics"
+
+
+def _twin_entries(name: str) -> list[str]:
+    """Entries whose rows a node computes from, besides its own inputs."""
+    m = _FWD_API.match(name)
+    if m:
+        return [f"{m.group(1)}.{m.group(2)}.forward"]
+    m = _MOD_BWD.match(name)
+    if m:
+        return [f"{m.group(1)}.forward.{m.group(2)}"]
+    m = _PGRAD.match(name)
+    if m:
+        return [f"{m.group(1)}.forward.{m.group(2)}", f"{m.group(1)}.backward.{m.group(2)}"]
+    return []
+
+
+def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
+                  thresholds: Thresholds | None = None) -> CompareReport:
+    """Compare a target dump against a bench dump.
+
+    Args:
+        target: the dump under test (msprobe's "NPU" side).
+        bench: the reference (msprobe's "Bench"/golden side).
+        fuzzy: ignore call indices when matching (``-fm``).
+        thresholds: node-rule factors; defaults as documented in :mod:`msprobe_ci.compare.verdict`.
+
+    Returns:
+        A :class:`CompareReport`; ``bool(report)`` is true when no node is an error.
+
+    Raises:
+        MsprobeError: incompatible dumps, or (tensor mode) a missing or non-tensor ``.pt`` file.
+    """
+    th = thresholds or Thresholds()
+    mode = _mode(target, bench)
+    pairs = match_rows(target.data, bench.data, fuzzy=fuzzy)
+    rows: list[RowResult] = []
+    for t, b in pairs:
+        rows.append(_compare_row(t, b, mode, target, bench))
+    by_entry: dict[str, list[RowResult]] = {}
+    for rr in rows:
+        by_entry.setdefault(rr.target.entry, []).append(rr)
+    nodes = [_judge_node(name, by_entry.get(name, []), by_entry, mode, th) for name in target.data]
+    return CompareReport(mode=mode, rows=rows, nodes=nodes, target_stack=target.stack, thresholds=th)
+
+
+def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) -> RowResult:
+    if b is None:
+        return RowResult(t, None, {}, math.nan)
+    if t.record is None or b.record is None:
+        both_none = t.record is None and b.record is None
+        cols = {c: M.UNSUPPORTED for c in M.TENSOR_COLUMNS} if mode == "tensor" else \
+            M.stats_metrics(t.stats(), b.stats())
+        return RowResult(t, b, cols, 0.0 if both_none else math.inf)
+    if not t.is_tensor or not b.is_tensor:
+        tv, bv = t.stats()[0], b.stats()[0]
+        err = 0.0 if str(tv) == str(bv) else _scalar_err(tv, bv)
+        cols = {c: M.UNSUPPORTED for c in M.TENSOR_COLUMNS} if mode == "tensor" else \
+            M.stats_metrics(t.stats(), b.stats())
+        return RowResult(t, b, cols, err)
+    if mode == "md5":
+        return RowResult(t, b, {}, 0.0 if t.md5 == b.md5 else 1.0)
+    if mode == "tensor" and t.data_name != "-1" and b.data_name != "-1":
+        tn = M.to_array(target.load_tensor(t.data_name))
+        bn = M.to_array(bench.load_tensor(b.data_name))
+        cols = M.tensor_metrics(tn, bn)
+        return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
+    cols = M.stats_metrics(t.stats(), b.stats())
+    if t.shape != b.shape:
+        return RowResult(t, b, cols, math.inf)
+    return RowResult(t, b, cols, M.relative_error_stats(t.stats(), b.stats(), t.numel))
+
+
+def _scalar_err(tv: Any, bv: Any) -> float:
+    try:
+        t, b = float(tv), float(bv)
+    except (TypeError, ValueError):
+        return math.inf
+    if math.isnan(t) and math.isnan(b):
+        return 0.0
+    return abs(t - b) / max(abs(b), 1e-12)
+
+
+def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowResult]], mode: str,
+                th: Thresholds) -> CompareResult:
+    outputs = [r for r in own if r.target.side == "output" and r.bench is not None]
+    inputs = [r for r in own if r.target.side == "input" and r.bench is not None]
+    for twin in _twin_entries(name):
+        inputs += [r for r in by_entry.get(twin, []) if r.bench is not None]
+    if not own or all(r.bench is None for r in own):
+        return CompareResult(name=name, status="unmatched", message=f"{name}: no bench data matched")
+    if not outputs:
+        return CompareResult(name=name, status="pass", message=f"{name}: no output to judge")
+    if mode == "md5":
+        return _judge_md5(name, inputs, outputs)
+    r_in = max((r.error for r in inputs if not math.isnan(r.error)), default=0.0)
+    worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
+    dtypes = []
+    for r in outputs:
+        dtypes += [r.target.dtype, r.bench.dtype if r.bench else ""]
+    return judge(name, worst.error, r_in, unit_roundoff(*dtypes), th, worst.target.name, worst.metrics)
+
+
+def _judge_md5(name: str, inputs: list[RowResult], outputs: list[RowResult]) -> CompareResult:
+    diff_out = [r for r in outputs if r.error > 0]
+    if not diff_out:
+        return CompareResult(name=name, status="pass", metric="MD5", message=f"{name}: CRC-32 equal")
+    worst = diff_out[0]
+    if any(r.target.dtype != r.bench.dtype for r in outputs if r.bench is not None):
+        return CompareResult(name=name, status="warning", metric="MD5", value=1.0, threshold=0.0,
+                             worst_row=worst.target.name,
+                             message=f"{name}: CRC-32 differs but the dtypes differ, md5 cannot judge")
+    if any(r.error > 0 for r in inputs):
+        return CompareResult(name=name, status="pass", metric="MD5", value=1.0, threshold=1.0,
+                             worst_row=worst.target.name, message=f"{name}: CRC-32 differs as its inputs do")
+    return CompareResult(name=name, status="error", metric="MD5", value=1.0, threshold=0.0, budget=0.0,
+                         worst_row=worst.target.name, passing_threshold=1.0,
+                         message=f"{name}: CRC-32 of {worst.target.name} differs while every input is identical")

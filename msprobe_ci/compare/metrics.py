@@ -1,0 +1,188 @@
+"""msprobe's compare metrics, reproduced to the digit (``shared/spec/compare-overflow-visualization.md`` §1.4-1.5).
+
+Statistics mode: ``Max diff, Min diff, Mean diff, L2norm diff`` (target − bench) and ``MaxRelativeErr,
+MinRelativeErr, MeanRelativeErr, NormRelativeErr`` (``|diff / bench| × 100`` as a ``%`` string).
+
+Real-data (tensor) mode, on flattened float64 copies: ``Cosine``, ``EucDist``, ``MaxAbsErr``, ``MaxRelativeErr``,
+``One Thousandth Err Ratio``, ``Five Thousandths Err Ratio``.
+
+Besides msprobe's columns every pair also gets :func:`relative_error`, the single number the verdicts use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+NA, NAN_STR, UNSUPPORTED = "N/A", "Nan", "unsupported"
+STAT_DIFF_COLUMNS = ("Max diff", "Min diff", "Mean diff", "L2norm diff")
+STAT_REL_COLUMNS = ("MaxRelativeErr", "MinRelativeErr", "MeanRelativeErr", "NormRelativeErr")
+TENSOR_COLUMNS = ("Cosine", "EucDist", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio",
+                  "Five Thousandths Err Ratio")
+
+
+def _cls(v: Any) -> str:
+    if v is None or v == NA:
+        return "na"
+    if isinstance(v, bool):
+        return "num"
+    if isinstance(v, (int, float)):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return "num"
+    s = str(v).strip().lower()
+    if s in ("nan",):
+        return "nan"
+    if s in ("inf", "infinity"):
+        return "inf"
+    if s in ("-inf", "-infinity"):
+        return "-inf"
+    try:
+        float(s)
+        return "num"
+    except ValueError:
+        return "other"
+
+
+def stat_diff(target: Any, bench: Any) -> tuple[Any, Any]:
+    """One statistic: ``(diff, relative error string)`` with msprobe's special cases."""
+    if str(target) == str(bench):
+        return 0, 0
+    ct, cb = _cls(target), _cls(bench)
+    if ct == "na" or cb == "na":
+        return NA, NA
+    if ct == "nan" or cb == "nan":
+        return NAN_STR, NAN_STR
+    if ct in ("inf", "-inf") or cb in ("inf", "-inf"):
+        if ct == "inf":
+            return "inf", "inf"
+        if ct == "-inf":
+            return "-inf", "-inf"
+        return ("-inf", "-inf") if cb == "inf" else ("inf", "inf")
+    if ct == "other" or cb == "other":
+        return "Diff", "Diff"
+    t, b = float(target), float(bench)
+    diff = t - b
+    if b == 0:
+        return diff, "inf"
+    return diff, f"{abs(diff / b) * 100}%"
+
+
+def stats_metrics(t_stats: tuple, b_stats: tuple) -> dict[str, Any]:
+    """The eight statistics-mode columns for one pair of (Max, Min, Mean, Norm)."""
+    out: dict[str, Any] = {}
+    for i, (dc, rc) in enumerate(zip(STAT_DIFF_COLUMNS, STAT_REL_COLUMNS)):
+        out[dc], out[rc] = stat_diff(t_stats[i], b_stats[i])
+    return out
+
+
+def to_array(tensor) -> np.ndarray:
+    """msprobe's reader: detach, bf16/fp8 → float32, numpy, squeeze."""
+    import torch
+
+    t = tensor.detach().cpu()
+    if t.dtype in (torch.bfloat16,) or "float8" in str(t.dtype):
+        t = t.float()
+    return np.squeeze(t.numpy())
+
+
+def tensor_metrics(n: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """The six real-data columns for one pair of arrays (already squeezed)."""
+    if n.size == 0 or b.size == 0:
+        return {c: UNSUPPORTED for c in TENSOR_COLUMNS}
+    if n.shape != b.shape:
+        return {c: "shape unmatched" for c in TENSOR_COLUMNS}
+    working = np.result_type(n.dtype, b.dtype, np.float32)
+    eps = float(np.finfo(working).eps) if np.issubdtype(working, np.floating) else float(np.finfo(np.float32).eps)
+    n64 = n.astype(np.float64).reshape(-1)
+    b64 = b.astype(np.float64).reshape(-1)
+    if n.dtype == bool or b.dtype == bool:
+        n64, b64 = n64.astype(np.float64), b64.astype(np.float64)
+    n_bad, b_bad = ~np.isfinite(n64), ~np.isfinite(b64)
+    if n_bad.any() or b_bad.any():
+        same = (np.array_equal(np.isnan(n64), np.isnan(b64)) and np.array_equal(np.isposinf(n64), np.isposinf(b64))
+                and np.array_equal(np.isneginf(n64), np.isneginf(b64)))
+        if not same:
+            return {c: NA for c in TENSOR_COLUMNS}
+        n64 = np.where(n_bad, 0.0, n64)
+        b64 = np.where(b_bad, 0.0, b64)
+    zero_dim = n.ndim == 0
+    out: dict[str, Any] = {}
+    if zero_dim or n64.size == 1:
+        out["Cosine"] = UNSUPPORTED
+    else:
+        nn, nb = np.linalg.norm(n64), np.linalg.norm(b64)
+        if nn <= np.finfo(np.float64).eps and nb <= np.finfo(np.float64).eps:
+            out["Cosine"] = 1.0
+        elif nn <= np.finfo(np.float64).eps or nb <= np.finfo(np.float64).eps:
+            out["Cosine"] = NAN_STR
+        else:
+            cos = float(np.dot(n64, b64) / (nn * nb))
+            cos = round(cos, 12)
+            out["Cosine"] = round(cos, 6) if cos > 0.9999 else cos
+    out["EucDist"] = UNSUPPORTED if zero_dim else float(np.linalg.norm(n64 - b64))
+    abs_err = np.abs(n64 - b64)
+    out["MaxAbsErr"] = round(float(abs_err.max()), 12)
+    # relative error in the working dtype (float32 for fp32/bf16/fp16 data), as msprobe computes it
+    nw, bw = n64.astype(working), b64.astype(working)
+    zero = bw == 0
+    nw = np.where(zero, nw + working.type(eps), nw)
+    bw = np.where(zero, bw + working.type(eps), bw)
+    rel = np.abs((nw - bw) / bw)
+    out["MaxRelativeErr"] = round(float(rel.max()), 12)
+    if zero_dim:
+        out["One Thousandth Err Ratio"] = out["Five Thousandths Err Ratio"] = UNSUPPORTED
+    else:
+        out["One Thousandth Err Ratio"] = float(np.sum(rel < 0.001) / rel.size)
+        out["Five Thousandths Err Ratio"] = float(np.sum(rel < 0.005) / rel.size)
+    return out
+
+
+def relative_error_arrays(n: np.ndarray, b: np.ndarray) -> float:
+    """``‖target − bench‖₂ / ‖bench‖₂`` in float64; NaN/Inf at identical positions ignored, else ``inf``."""
+    if n.shape != b.shape:
+        return math.inf
+    n64 = n.astype(np.float64).reshape(-1)
+    b64 = b.astype(np.float64).reshape(-1)
+    if n64.size == 0:
+        return 0.0
+    n_bad, b_bad = ~np.isfinite(n64), ~np.isfinite(b64)
+    if n_bad.any() or b_bad.any():
+        if not np.array_equal(n_bad, b_bad) or not np.array_equal(n64[n_bad], b64[b_bad]) and \
+                not (np.isnan(n64[n_bad]) == np.isnan(b64[b_bad])).all():
+            return math.inf
+        n64, b64 = n64[~n_bad], b64[~b_bad]
+    diff = float(np.linalg.norm(n64 - b64))
+    scale = float(np.linalg.norm(b64))
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0 else math.inf
+
+
+def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int) -> float:
+    """Statistics-mode stand-in for the relative error: the worst of Max, Min, Mean and Norm, each measured
+    against ``max(|bench statistic|, bench RMS)`` (RMS = Norm/√numel keeps near-zero Means and Mins from
+    exploding). Missing statistics are skipped; a non-finite target statistic where the bench is finite is
+    ``inf``."""
+    norm_b = b_stats[3]
+    rms = abs(float(norm_b)) / math.sqrt(max(numel, 1)) if _cls(norm_b) == "num" else 0.0
+    worst = 0.0
+    for t, b in zip(t_stats, b_stats):
+        ct, cb = _cls(t), _cls(b)
+        if ct == "na" or cb == "na" or ct == "other" or cb == "other":
+            continue
+        if ct != "num" or cb != "num":
+            if ct == cb:
+                continue
+            return math.inf
+        t, b = float(t), float(b)
+        d = abs(t - b)
+        if d == 0.0:
+            continue
+        scale = max(abs(b), rms)
+        worst = max(worst, d / scale if scale > 0 else math.inf)
+    return worst

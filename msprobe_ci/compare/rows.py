@@ -1,0 +1,207 @@
+"""Flatten dump entries into rows, then match target rows to bench rows ("flatten into pairs, then judge").
+
+Row names follow msprobe (``shared/spec/compare-overflow-visualization.md`` §1.3): ``{entry}.input.{i}``,
+``{entry}.input.{kwarg}``, ``{entry}.parameters.{name}``, ``{entry}.output.{i}``, ``{entry}.{param}`` for
+parameter gradients, nested indices appended; a record with a ``data_name`` is named by it (minus ``.pt``).
+Within an entry the order is inputs and kwargs, parameters, outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+_BWD_API = re.compile(r"^(.*\.)(\d+)(\.backward)$")
+_BWD_MOD = re.compile(r"^(Module\..*\.backward\.)(\d+)$")
+_INDEX = re.compile(r"\.\d+\.(forward|backward)")
+
+
+@dataclass
+class Row:
+    """One leaf of a dump entry.
+
+    Attributes:
+        name: msprobe row name.
+        entry: the dump entry (node) name it belongs to.
+        side: ``input`` or ``output`` (parameters and parameter gradients count as inputs of a forward
+            entry / outputs of a parameters_grad entry).
+        record: the raw record (``None`` for a null slot).
+    """
+
+    name: str
+    entry: str
+    side: str
+    record: Any
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.record, dict) and "dtype" in self.record and "shape" in self.record
+
+    @property
+    def dtype(self) -> str:
+        r = self.record
+        if r is None:
+            return "N/A"
+        if self.is_tensor:
+            return str(r["dtype"])
+        return f"<class '{r.get('type')}'>"
+
+    @property
+    def shape(self) -> str:
+        if self.record is None:
+            return "N/A"
+        if self.is_tensor:
+            return str(list(self.record["shape"]))
+        return "[]"
+
+    @property
+    def requires_grad(self) -> str:
+        if self.is_tensor and "requires_grad" in self.record:
+            return str(self.record["requires_grad"])
+        return "N/A"
+
+    def stats(self) -> tuple[Any, Any, Any, Any]:
+        """(Max, Min, Mean, Norm); scalars repeat their value, null slots give ``None``."""
+        r = self.record
+        if r is None:
+            return (None, None, None, None)
+        if self.is_tensor:
+            return (r.get("Max"), r.get("Min"), r.get("Mean"), r.get("Norm"))
+        v = r.get("value")
+        return (v, v, v, v)
+
+    @property
+    def data_name(self) -> str:
+        if self.is_tensor and self.record.get("data_name"):
+            return str(self.record["data_name"])
+        return "-1"
+
+    @property
+    def md5(self) -> str:
+        r = self.record
+        if self.is_tensor:
+            return str(r.get("md5", "N/A"))
+        return "N/A" if r is None else _scalar_crc(r.get("value"))
+
+    @property
+    def numel(self) -> int:
+        if self.is_tensor:
+            return math.prod(self.record["shape"]) if self.record["shape"] else 1
+        return 1
+
+
+def _scalar_crc(value: Any) -> str:
+    import zlib
+
+    return f"{zlib.crc32(str(value).encode()):08x}"
+
+
+def _leaves(value: Any, name: str, entry: str, side: str) -> Iterator[Row]:
+    if value is None:
+        yield Row(name, entry, side, None)
+    elif isinstance(value, dict) and ("type" in value or "dtype" in value):
+        if "data_name" in value and value.get("data_name"):
+            dn = str(value["data_name"])
+            name = dn[:-3] if dn.endswith(".pt") else dn
+        yield Row(name, entry, side, value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{name}.{k}", entry, side)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{name}.{i}", entry, side)
+
+
+def entry_rows(key: str, entry: Any) -> list[Row]:
+    """All rows of one dump entry, in msprobe's order."""
+    rows: list[Row] = []
+    if not isinstance(entry, dict):
+        return rows
+    if ".parameters_grad" in key:
+        for pname, recs in entry.items():
+            if isinstance(recs, list) and len(recs) == 1:
+                rows.extend(_leaves(recs[0], f"{key}.{pname}", key, "output"))
+            else:
+                rows.extend(_leaves(recs, f"{key}.{pname}", key, "output"))
+        return rows
+    if "input_args" in entry or "input_kwargs" in entry or "parameters" in entry:
+        for i, v in enumerate(entry.get("input_args") or []):
+            rows.extend(_leaves(v, f"{key}.input.{i}", key, "input"))
+        for k, v in (entry.get("input_kwargs") or {}).items():
+            rows.extend(_leaves(v, f"{key}.input.{k}", key, "input"))
+        for k, v in (entry.get("parameters") or {}).items():
+            rows.extend(_leaves(v, f"{key}.parameters.{k}", key, "input"))
+    else:
+        for i, v in enumerate(entry.get("input") or []):
+            rows.extend(_leaves(v, f"{key}.input.{i}", key, "input"))
+    out = entry.get("output")
+    if isinstance(out, dict) and not ("type" in out or "dtype" in out):
+        for k, v in out.items():
+            rows.extend(_leaves(v, f"{key}.output.{k}", key, "output"))
+    else:
+        for i, v in enumerate(out or []):
+            rows.extend(_leaves(v, f"{key}.output.{i}", key, "output"))
+    return rows
+
+
+def backward_renumbering(keys: list[str]) -> dict[str, str]:
+    """Map each backward entry name to the name with its call index replaced by the ordinal of that backward
+    call of the same API/module in dump order (msprobe's rule, so recomputation does not break matching)."""
+    seen: dict[str, int] = {}
+    out: dict[str, str] = {}
+    for key in keys:
+        m = _BWD_API.match(key) or _BWD_MOD.match(key)
+        if not m:
+            continue
+        base = m.group(1) + (m.group(3) if m.re is _BWD_API else "")
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        out[key] = f"{m.group(1)}{k}{m.group(3)}" if m.re is _BWD_API else f"{m.group(1)}{k}"
+    return out
+
+
+def fuzzy_name(name: str) -> str:
+    """Drop the call index: ``Functional.linear.3.forward.input.0`` → ``Functional.linear.forward.input.0``."""
+    return _INDEX.sub(lambda m: "." + m.group(1), name, count=1)
+
+
+_FLOATS = {"torch.float16", "torch.float32", "torch.float64", "torch.bfloat16"}
+
+
+def _dtype_compatible(a: Row, b: Row) -> bool:
+    return a.dtype == b.dtype or (a.dtype in _FLOATS and b.dtype in _FLOATS)
+
+
+def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = False) -> list[tuple[Row, Row | None]]:
+    """Pair every target row with its bench row (or ``None``), in target dump order.
+
+    Exact mode joins on the row name after backward renumbering; fuzzy mode (``-fm``) ignores call indices and
+    pairs rows of equal normalised name in order of appearance. A bench row whose dtype is not compatible
+    (both floating, or equal) is treated as unmatched, as msprobe does.
+    """
+    t_rows = [r for k, e in target.items() for r in entry_rows(k, e)]
+    b_rows = [r for k, e in bench.items() for r in entry_rows(k, e)]
+    pairs: list[tuple[Row, Row | None]] = []
+    if fuzzy:
+        queues: dict[str, list[Row]] = {}
+        for r in b_rows:
+            queues.setdefault(fuzzy_name(r.name), []).append(r)
+        for r in t_rows:
+            q = queues.get(fuzzy_name(r.name))
+            b = q.pop(0) if q else None
+            pairs.append((r, b if b is not None and _dtype_compatible(r, b) else None))
+        return pairs
+    t_map = backward_renumbering(list(target))
+    b_map = backward_renumbering(list(bench))
+
+    def key_of(row: Row, mapping: dict[str, str]) -> str:
+        new = mapping.get(row.entry)
+        return new + row.name[len(row.entry):] if new and row.name.startswith(row.entry) else row.name
+
+    index = {key_of(r, b_map): r for r in b_rows}
+    for r in t_rows:
+        b = index.get(key_of(r, t_map))
+        pairs.append((r, b if b is not None and _dtype_compatible(r, b) else None))
+    return pairs

@@ -1,0 +1,144 @@
+"""Node verdicts that are dtype-aware and input-aware, and the one result type every judgement returns.
+
+The rule (per node = one dump entry: an API or module call, forward or backward, or a parameters_grad entry):
+
+    r_out  = worst relative error over the node's output rows (target vs bench)
+    r_in   = worst relative error over what the node computes from: its input rows (args, kwargs, parameters)
+             and, for a backward node, also the rows of its forward twin (the saved activations); for a
+             parameters_grad entry, the module's forward inputs and backward inputs
+    u      = unit roundoff of the coarser of the two output dtypes (bf16 2^-8, fp16 2^-11, fp32 2^-24,
+             fp64 2^-53; integers and bool 0)
+    budget = round_factor · u + propagation · r_in + atol
+    pass     if r_out <= budget
+    warning  if budget < r_out <= error_factor · budget
+    error    if r_out >  error_factor · budget
+
+Relative error: ``‖t − b‖₂ / ‖b‖₂`` on real tensors (task ``tensor``); with statistics only, the worst of
+Max/Min/Mean/Norm against ``max(|bench stat|, RMS)`` (:func:`~msprobe_ci.compare.metrics.relative_error_stats`).
+
+Why: a bf16 target against an fp32 bench differs by bf16 rounding of every tensor (relative L2 about u/2), and an
+op passes on what its own inputs already carried, so downstream nodes of a fault are not blamed (msprobe marks
+every bf16-vs-fp32 row ``error`` for the dtype difference alone; its RelativeErr/RelativeWarn checkers use the same
+"output error versus input error" idea with fixed ratios 10 and 0.5/0.1, §1.6 of the compare spec). The factors
+default to 2 (round_factor: an op result is rounded once to the target dtype and its inputs once more;
+propagation: error amplification of a well-conditioned op; error_factor: margin between warning and error) and
+were checked on the example models (bf16 vs fp32: worst pass ratio is printed by ``benchmarks/verdict_margin.py``).
+A 2% scale on one API output against bf16 rounding (u = 0.0039) of clean inputs is an error.
+
+md5 mode can only say equal or not: a node whose output CRC differs while every input CRC matches (and the dtypes
+agree) is an error; a difference that its inputs already carried passes; differing dtypes give a warning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+UNIT_ROUNDOFF = {"torch.float64": 2.0 ** -53, "torch.float32": 2.0 ** -24, "torch.float16": 2.0 ** -11,
+                 "torch.bfloat16": 2.0 ** -8, "torch.float8_e4m3fn": 2.0 ** -4, "torch.float8_e5m2": 2.0 ** -3}
+STATUSES = ("pass", "warning", "error", "unmatched")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Factors of the node rule (see module docstring). All non-negative; defaults 2, 2, 2 and atol 1e-6."""
+
+    round_factor: float = 2.0
+    propagation: float = 2.0
+    error_factor: float = 2.0
+    atol: float = 1e-6
+
+    def __post_init__(self) -> None:
+        from ..errors import MsprobeError
+
+        for name in ("round_factor", "propagation", "error_factor", "atol"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
+                raise MsprobeError(f"threshold '{name}': expected a non-negative number, got {v!r}")
+        if self.error_factor < 1:
+            raise MsprobeError(f"threshold 'error_factor': expected >= 1, got {self.error_factor!r}")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "Thresholds":
+        from ..errors import MsprobeError
+
+        raw = dict(raw or {})
+        unknown = sorted(set(raw) - {"round_factor", "propagation", "error_factor", "atol"})
+        if unknown:
+            raise MsprobeError(f"thresholds: unknown key(s) {unknown}; allowed: round_factor, propagation, "
+                               "error_factor, atol")
+        out = {}
+        for k, v in raw.items():
+            try:
+                out[k] = float(v)
+            except (TypeError, ValueError):
+                raise MsprobeError(f"threshold '{k}': expected a number, got {v!r}") from None
+        return cls(**out)
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """The one result type: the verdict of one node (or row), with the numbers that produced it.
+
+    Attributes:
+        name: node name (dump entry), e.g. ``Functional.linear.0.forward``.
+        status: ``pass`` / ``warning`` / ``error`` / ``unmatched``.
+        metric: the metric judged (``RelativeErr`` or ``MD5``).
+        value: r_out, the node's worst output relative error (0/1 in md5 mode).
+        threshold: the error threshold applied (``error_factor × budget``).
+        budget: the pass threshold (``round_factor·u + propagation·r_in + atol``).
+        input_error: r_in.
+        worst_row: the output row that produced ``value``.
+        passing_threshold: the loosest error threshold that would have passed this node (= value).
+        metrics: msprobe columns of the worst row (Cosine, MaxAbsErr ... or the statistics diffs).
+        message: one line explaining the verdict.
+    """
+
+    name: str
+    status: str
+    metric: str = "RelativeErr"
+    value: float = 0.0
+    threshold: float = math.inf
+    budget: float = math.inf
+    input_error: float = 0.0
+    worst_row: str = ""
+    passing_threshold: float = 0.0
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status in ("pass", "warning", "unmatched")
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+
+def unit_roundoff(*dtypes: str) -> float:
+    """The largest unit roundoff among ``dtypes`` (unknown and integer dtypes count 0)."""
+    return max((UNIT_ROUNDOFF.get(d, 0.0) for d in dtypes), default=0.0)
+
+
+def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_row: str = "",
+          metrics: Mapping[str, Any] | None = None) -> CompareResult:
+    """Apply the node rule to measured errors."""
+    budget = th.round_factor * u + th.propagation * r_in + th.atol
+    limit = th.error_factor * budget
+    if math.isnan(r_out):
+        r_out = math.inf
+    if r_out <= budget:
+        status = "pass"
+    elif r_out <= limit:
+        status = "warning"
+    else:
+        status = "error"
+    msg = (f"{name}: RelativeErr {_fmt(r_out)} at {worst_row or 'output'} vs threshold {_fmt(limit)} "
+           f"(= {th.error_factor:g} x ({th.round_factor:g}*u {u:.3g} + {th.propagation:g}*input error "
+           f"{_fmt(r_in)} + atol {th.atol:g}))")
+    return CompareResult(name=name, status=status, value=r_out, threshold=limit, budget=budget, input_error=r_in,
+                         worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg)
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4g}"

@@ -1,0 +1,143 @@
+"""Reading dumps written by msprobe-ci or by msprobe itself.
+
+Accepted paths (as ``msprobe compare``): a ``dump.json`` file, a rank folder (``rank``, ``rank{N}``, ``proc*``,
+holding dump.json), or a step folder holding exactly one rank folder (several: see :func:`rank_folders`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MsprobeError
+
+_RANK_RE = re.compile(r"^(rank\d*|proc\d+)$")
+
+
+@dataclass
+class Dump:
+    """One rank folder of one step.
+
+    Attributes:
+        folder: the folder holding dump.json.
+        task: ``statistics`` / ``tensor`` / ... from dump.json.
+        level: ``L0`` / ``L1`` / ``mix``.
+        data: the ``data`` mapping, in file (execution) order.
+        stack: ``{entry name: [frame strings]}`` (msprobe's grouped format inverted), empty when absent.
+        construct: ``{name: parent or None}``, empty when absent.
+    """
+
+    folder: str
+    task: str
+    level: str
+    data: dict[str, Any]
+    stack: dict[str, list[str]] = field(default_factory=dict)
+    construct: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def summary_mode(self) -> str:
+        """``md5`` when any tensor record carries an ``md5`` field (msprobe's rule), else ``statistics``."""
+        for entry in self.data.values():
+            if '"md5"' in json.dumps(entry):
+                return "md5"
+        return "statistics"
+
+    def tensor_path(self, data_name: str) -> str:
+        """The file of ``data_name``, confined to ``dump_tensor_data/``.
+
+        Raises:
+            MsprobeError: the name escapes the folder.
+        """
+        base = os.path.realpath(os.path.join(self.folder, "dump_tensor_data"))
+        path = os.path.realpath(os.path.join(base, data_name))
+        if not path.startswith(base + os.sep):
+            raise MsprobeError(f"{self.folder}/dump.json: data_name {data_name!r} points outside dump_tensor_data/")
+        return path
+
+    def load_tensor(self, data_name: str):
+        """Load one saved tensor with ``torch.load(weights_only=True)``.
+
+        Raises:
+            MsprobeError: missing file, unreadable file, or a file that holds something other than a tensor.
+        """
+        import torch
+
+        path = self.tensor_path(data_name)
+        if not os.path.isfile(path):
+            raise MsprobeError(f"{path}: tensor file listed in dump.json is missing")
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # pickle errors, zip errors, weights_only refusals
+            raise MsprobeError(f"{path}: not a loadable tensor file ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(obj, torch.Tensor):
+            raise MsprobeError(f"{path}: expected a torch.Tensor, found {type(obj).__name__}")
+        return obj
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise MsprobeError(f"{path}: file not found") from None
+    except json.JSONDecodeError as exc:
+        raise MsprobeError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError:
+        raise MsprobeError(f"{path}: not a UTF-8 text file") from None
+
+
+def rank_folders(path: str) -> list[str]:
+    """Rank folders below a step folder, sorted by rank number; ``[path]`` for a rank folder itself."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "dump.json")):
+        return [path]
+    if not os.path.isdir(path):
+        raise MsprobeError(f"{path}: no such dump file or folder")
+    subs = [d for d in os.listdir(path) if _RANK_RE.match(d) and os.path.isfile(os.path.join(path, d, "dump.json"))]
+    if not subs:
+        raise MsprobeError(f"{path}: expected dump.json, or rank/rank<N>/proc<pid> folders holding one")
+    subs.sort(key=lambda d: int(re.sub(r"\D", "", d) or -1))
+    return [os.path.join(path, d) for d in subs]
+
+
+def load_dump(path: str | os.PathLike) -> Dump:
+    """Load a dump from a dump.json file, a rank folder, or a step folder with a single rank folder.
+
+    Raises:
+        MsprobeError: missing files, malformed JSON, or a dump.json without a ``data`` object.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        folder, file = os.path.dirname(path) or ".", path
+    else:
+        folders = rank_folders(path)
+        if len(folders) > 1:
+            raise MsprobeError(f"{path}: holds {len(folders)} rank folders; pass one of them")
+        folder = folders[0]
+        file = os.path.join(folder, "dump.json")
+    raw = _read_json(file)
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
+        raise MsprobeError(f"{file}: expected a JSON object with a 'data' object (an msprobe dump.json)")
+    stack: dict[str, list[str]] = {}
+    stack_file = os.path.join(folder, "stack.json")
+    if os.path.isfile(stack_file):
+        raw_stack = _read_json(stack_file)
+        if isinstance(raw_stack, dict):
+            if "0" in raw_stack:
+                for names, frames in raw_stack.values():
+                    for n in names:
+                        stack[n] = frames
+            else:
+                stack = raw_stack
+    construct: dict[str, Any] = {}
+    construct_file = os.path.join(folder, "construct.json")
+    if os.path.isfile(construct_file):
+        construct = _read_json(construct_file) or {}
+        if not isinstance(construct, dict):
+            raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
+    return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
+                data=raw["data"], stack=stack, construct=construct)

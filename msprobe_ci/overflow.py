@@ -1,0 +1,128 @@
+"""Overflow / NaN-Inf checks on a dump: msprobe's anomaly levels and the first anomalous node.
+
+Levels (``shared/spec/compare-overflow-visualization.md`` §2.1; first matching scene wins):
+
+========  =============================================================================================
+critical  no anomaly in the inputs, anomaly in the output (the node itself produced the NaN/Inf)
+high      anomaly in the inputs and in the output, or a numerical mutation: the largest output Norm is
+          more than 100× the largest input Norm (input Norms all 0: output Norm > 100)
+medium    anomaly in the inputs only
+========  =============================================================================================
+
+A record is anomalous when its ``Max``, ``Min`` or ``Mean`` is ``inf``, ``-inf`` or ``nan`` (Norm is not read, as
+msprobe). Outputs of ``Torch.empty*`` are ignored (uninitialised memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .dump.reader import Dump
+
+LEVELS = ("critical", "high", "medium")
+_IGNORED_OUTPUT = ("Torch.empty", "Torch.empty_like", "Torch.empty_strided", "Tensor.new_empty")
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One anomalous node: its name, level, and the rows (``input``/``output`` paths) that are NaN/Inf."""
+
+    name: str
+    level: str
+    rows: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        return f"{self.name}: {self.level} overflow (NaN/Inf in {', '.join(self.rows[:4]) or 'norm jump'})"
+
+
+def _bad(v: Any) -> bool:
+    return str(v).strip().lower() in ("inf", "-inf", "nan", "infinity", "-infinity")
+
+
+def _records(value: Any, path: str) -> Iterator[tuple[str, dict]]:
+    if isinstance(value, dict) and ("dtype" in value or "type" in value):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _records(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _records(v, f"{path}.{i}")
+
+
+def _sides(entry: dict) -> tuple[list, list]:
+    if "input" in entry or "output" in entry and "input_args" not in entry:
+        ins = list(_records(entry.get("input") or [], "input"))
+    else:
+        ins = list(_records(entry.get("input_args") or [], "input")) + \
+            list(_records(entry.get("input_kwargs") or {}, "input"))
+    outs = list(_records(entry.get("output") or [], "output"))
+    return ins, outs
+
+
+def check_entry(name: str, entry: Any) -> Anomaly | None:
+    """The anomaly level of one dump entry, or None."""
+    if not isinstance(entry, dict):
+        return None
+    if ".parameters_grad" in name:
+        outs = list(_records(entry, "parameters_grad"))
+        bad = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
+        return Anomaly(name, "critical", tuple(bad)) if bad else None
+    ins, outs = _sides(entry)
+    bad_in = [p for p, r in ins if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
+    bad_out = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
+    if any(name.startswith(p + ".") for p in _IGNORED_OUTPUT):
+        bad_out = []
+    if bad_out and not bad_in:
+        return Anomaly(name, "critical", tuple(bad_out))
+    if bad_out and bad_in:
+        return Anomaly(name, "high", tuple(bad_in + bad_out))
+    if bad_in:
+        return Anomaly(name, "medium", tuple(bad_in))
+    norms_in = [_num(r.get("Norm")) for _, r in ins if r.get("type") == "torch.Tensor"]
+    norms_out = [_num(r.get("Norm")) for _, r in outs if r.get("type") == "torch.Tensor"]
+    norms_in = [abs(n) for n in norms_in if n is not None]
+    norms_out = [abs(n) for n in norms_out if n is not None]
+    if norms_in and norms_out:
+        mi, mo = max(norms_in), max(norms_out)
+        if (mi == 0 and mo > 100) or (mi > 0 and mo / mi > 100):
+            return Anomaly(name, "high", ())
+    return None
+
+
+def _num(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """All anomalies of a dump, in execution order."""
+
+    anomalies: tuple[Anomaly, ...]
+
+    @property
+    def first(self) -> Anomaly | None:
+        """The first node where NaN/Inf appears (first ``critical``; else the first anomaly of any level)."""
+        crit = [a for a in self.anomalies if a.level == "critical"]
+        return crit[0] if crit else (self.anomalies[0] if self.anomalies else None)
+
+    @property
+    def has_overflow(self) -> bool:
+        """True when any node produced or carried NaN/Inf (numerical mutations alone do not count)."""
+        return any(a.rows for a in self.anomalies)
+
+    def __bool__(self) -> bool:
+        return not self.has_overflow
+
+
+def check_overflow(dump: Dump) -> OverflowReport:
+    """Scan every entry of ``dump`` in order."""
+    found = [a for a in (check_entry(k, e) for k, e in dump.data.items()) if a is not None]
+    return OverflowReport(tuple(found))
