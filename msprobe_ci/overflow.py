@@ -122,6 +122,13 @@ class OverflowReport:
         return not self.has_overflow
 
 
+def new_overflows(target: OverflowReport, bench: OverflowReport) -> OverflowReport:
+    """Anomalies of the target that the bench does not have at the same node and level (NaN/Inf that a model
+    produces by design, such as ``-inf`` attention masks, appear on both sides and are not blamed)."""
+    seen = {(a.name, a.level, a.rows) for a in bench.anomalies}
+    return OverflowReport(tuple(a for a in target.anomalies if (a.name, a.level, a.rows) not in seen))
+
+
 def check_overflow(dump: Dump) -> OverflowReport:
     """Scan every entry of ``dump`` in order."""
     found = [a for a in (check_entry(k, e) for k, e in dump.data.items()) if a is not None]

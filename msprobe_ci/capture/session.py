@@ -277,6 +277,8 @@ class CaptureSession:
         bwd_faults = [f for f in faults if f.matches(api_id, n, "backward")]
         if (record and self._bwd) or bwd_faults:
             node = _first_grad_fn(orig)
+            if node is not None and _is_input_node(node, args, kwargs):
+                node = None  # identity (eval dropout, p=0) or alias: the node belongs to an earlier op
             if node is not None and torch.is_grad_enabled():
                 bwd_name = f"{key}{n}.backward"
                 node.register_hook(self._api_backward_hook(bwd_name, record and self._bwd and self._keep(bwd_name),
@@ -327,6 +329,9 @@ class CaptureSession:
         # that is expected here and the record is still right.
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
                                 "respect to module outputs", category=UserWarning)
+        # modules returning dicts (transformers ModelOutput) get no backward record, as in msprobe
+        warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a "
+                                "Tensor or a tuple of Tensors", category=UserWarning)
         handles = []
         for path, mod in model.named_modules():
             if mod is model:
@@ -484,6 +489,16 @@ def _first_grad_fn(value: Any):
             if node is not None:
                 return node
     return None
+
+
+def _is_input_node(node, args, kwargs) -> bool:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.grad_fn is node:
+            return True
+        if isinstance(v, (list, tuple)):
+            if any(isinstance(x, torch.Tensor) and x.grad_fn is node for x in v):
+                return True
+    return False
 
 
 def _format_frame(frame: tuple) -> str:

@@ -251,12 +251,70 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
         return CompareResult(name=name, status="pass", message=f"{name}: no output to judge")
     if mode == "md5":
         return _judge_md5(name, inputs, outputs)
-    r_in = max((r.error for r in inputs if not math.isnan(r.error)), default=0.0)
+    errs = sorted((r.error for r in inputs if not math.isnan(r.error)), reverse=True)
+    # bilinear ops (mul, matmul, linear) add the errors of their two operands; a backward node combines the
+    # incoming gradient with the saved operands of its forward twin, so three
+    r_in = sum(errs[:3] if ".backward" in name or ".parameters_grad" in name else errs[:2])
     worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
+    api = _api_name(name)
+    if api in POWER_APIS and ".forward" in name:
+        r_in *= max(1.0, _exponent(api, own))
+    if api in LIPSCHITZ_APIS:
+        r_in = max(r_in, _absolute_input_error(inputs, worst))
     dtypes = []
     for r in outputs:
         dtypes += [r.target.dtype, r.bench.dtype if r.bench else ""]
-    return judge(name, worst.error, r_in, unit_roundoff(*dtypes), th, worst.target.name, worst.metrics)
+    return judge(name, worst.error, r_in, unit_roundoff(*dtypes), th, worst.target.name, worst.metrics,
+                 statistics=mode == "statistics")
+
+
+# Elementwise APIs with |f'(x)| <= ~1.1: their absolute output error is bounded by the absolute input error, so
+# relative error may grow where |x| >> |f(x)| (sin/cos of large angles, as in rotary embeddings).
+LIPSCHITZ_APIS = frozenset({"sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "leaky_relu", "elu",
+                            "hardtanh", "softsign", "atan", "erf", "clamp", "abs"})
+
+
+# x**p multiplies a relative error by |p| (its condition number)
+POWER_APIS = frozenset({"pow", "__pow__", "square", "float_power"})
+
+
+def _exponent(api: str, rows: list[RowResult]) -> float:
+    if api == "square":
+        return 2.0
+    for r in rows:
+        if r.target.side == "input" and not r.target.is_tensor and r.target.record is not None:
+            try:
+                return abs(float(r.target.record.get("value")))
+            except (TypeError, ValueError):
+                continue
+    return 1.0
+
+
+def _api_name(node: str) -> str:
+    parts = node.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] in ("Tensor", "Torch", "Functional") else ""
+
+
+def _absolute_input_error(inputs: list[RowResult], out: RowResult) -> float:
+    """Worst input error expressed relative to the output's scale: ``r_in · ‖in‖ / ‖out‖`` (Norm statistics)."""
+    out_norm = _norm(out.bench)
+    if not out_norm:
+        return 0.0
+    worst = 0.0
+    for r in inputs:
+        n = _norm(r.bench)
+        if n and not math.isnan(r.error):
+            worst = max(worst, r.error * n / out_norm)
+    return worst
+
+
+def _norm(row: Row | None) -> float:
+    if row is None or not row.is_tensor:
+        return 0.0
+    try:
+        return abs(float(row.stats()[3]))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _judge_md5(name: str, inputs: list[RowResult], outputs: list[RowResult]) -> CompareResult:

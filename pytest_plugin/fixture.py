@@ -1,0 +1,186 @@
+"""The ``msprobe`` fixture object: ``msprobe.check(model, *inputs, loss_fn=None, **options)``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable
+
+import pytest
+
+from .session import RESULT_PROPERTY, ProbeSession
+
+CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
+                 "round_factor", "propagation", "error_factor", "atol")
+
+
+class MsprobeFixture:
+    """What a test sees as ``msprobe``. Options: per call > ``@pytest.mark.msprobe(...)`` > command line > ini."""
+
+    def __init__(self, request: pytest.FixtureRequest, session: ProbeSession):
+        self.request = request
+        self.session = session
+        self.checks = 0
+        marker_opts: dict[str, Any] = {}
+        for mark in reversed(list(request.node.iter_markers("msprobe"))):
+            marker_opts.update(mark.kwargs)
+        self._check_keys(marker_opts, "@pytest.mark.msprobe")
+        self.marker_options = marker_opts
+
+    @staticmethod
+    def _check_keys(options: dict, where: str) -> None:
+        unknown = sorted(set(options) - set(CHECK_OPTIONS))
+        if unknown:
+            raise pytest.UsageError(f"msprobe: {where}: unknown option(s) {unknown}; allowed: {list(CHECK_OPTIONS)}")
+
+    def _settings(self, options: dict) -> dict:
+        s = self.session
+        merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
+                  "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False}
+        merged.update(s.thresholds_raw)
+        merged.update(self.marker_options)
+        merged.update(options)
+        return merged
+
+    def check(self, model: Any, *inputs: Any, loss_fn: Callable[[Any], Any] | None = None, **options: Any):
+        """Run ``model(*inputs)`` on the bench and on the target under capture, compare, and fail on divergence.
+
+        A single ``dict`` input is passed as keyword arguments (``model(**inputs)``), as transformers models take
+        it. The model is deep-copied per side (same weights), moved to the side's device and cast to its dtype;
+        floating inputs follow, integer inputs (token ids) only move. With ``loss_fn`` the backward pass runs too:
+        ``loss_fn(output).backward()`` on each side.
+
+        Args:
+            model: an ``nn.Module`` (left untouched).
+            *inputs: positional inputs, or one dict of keyword inputs.
+            loss_fn: maps the model output to a scalar loss; enables backward capture.
+            **options: ``bench``, ``target``, ``bench_dtype``, ``target_dtype``, ``level``, ``task``, ``inject``
+                (a fault file), ``seed`` (default 1234), ``fuzzy``, and the rule factors ``round_factor``,
+                ``propagation``, ``error_factor``, ``atol`` (see :mod:`msprobe_ci.compare.verdict`).
+
+        Returns:
+            The :class:`~msprobe_ci.compare.CompareReport` (when the test has not failed).
+
+        Raises:
+            pytest.fail.Exception: a node's verdict is ``error`` (the first line names the first diverging
+                API/module, the metric, its value and the threshold) or the target overflows where the bench
+                does not.
+        """
+        __tracebackhide__ = True
+        from ..backends import Backend
+        from ..capture import CaptureSession
+        from ..capture.inject import load_faults
+        from ..compare import Thresholds, compare_dumps
+        from ..config import DumpConfig
+        from ..dump.reader import load_dump
+        from ..errors import MsprobeError
+        from ..overflow import check_overflow, new_overflows
+
+        self._check_keys(options, "msprobe.check()")
+        st = self._settings(options)
+        self.session.validate_files()
+        try:
+            bench = Backend.from_options(st["bench"], st["bench_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"])
+            thresholds = Thresholds.from_mapping({k: st[k] for k in ("round_factor", "propagation", "error_factor",
+                                                                       "atol")})
+            faults = load_faults(st["inject"]) if st["inject"] else self.session.faults
+            base_dir = self.session.test_dir(self.request.node.nodeid)
+        except MsprobeError as exc:
+            pytest.fail(f"msprobe: {exc}", pytrace=False)
+        index = self.checks
+        self.checks += 1
+        check_dir = os.path.join(base_dir, f"check{index}")
+        task = st["task"]
+        cfg_base = self.session.dump_config or DumpConfig()
+        summary = "md5" if task == "md5" else cfg_base.summary_mode
+        cfg = cfg_base.with_overrides(task="tensor" if task == "tensor" else "statistics", level=st["level"],
+                                      summary_mode=summary)
+        dumps = {}
+        for side, backend, side_faults in (("bench", bench, ()), ("target", target, faults)):
+            try:
+                backend.check_available()
+            except MsprobeError as exc:
+                pytest.skip(f"msprobe: {exc}")
+            side_cfg = cfg.with_overrides(dump_path=os.path.join(check_dir, side))
+            dumps[side] = self._run_side(model, inputs, loss_fn, backend, side_cfg, side_faults, int(st["seed"]),
+                                         CaptureSession)
+        try:
+            bench_dump = load_dump(dumps["bench"])
+            target_dump = load_dump(dumps["target"])
+            report = compare_dumps(target_dump, bench_dump, fuzzy=bool(st["fuzzy"]), thresholds=thresholds)
+        except MsprobeError as exc:
+            pytest.fail(f"msprobe: {exc}", pytrace=False)
+        csv_path = report.write_csv(check_dir)
+        overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
+        overflow_failed = overflow_t.has_overflow
+        first = report.first_divergence
+        summary_row = {
+            "test": self.request.node.nodeid, "index": index, "dir": check_dir, "csv": csv_path,
+            "bench": bench.label, "target": target.label, "mode": report.mode,
+            "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
+            "first_divergence": first.name if first else None,
+            "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
+            "overflow_failed": overflow_failed,
+            "overflow_message": overflow_t.first.message if overflow_t.first else "",
+            "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
+                       "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
+                       "message": n.message} for n in report.nodes],
+        }
+        props = self.request.node.user_properties
+        props.append((RESULT_PROPERTY, json.dumps(summary_row)))
+        c = report.counts()
+        props += [("msprobe.nodes_compared", summary_row["nodes_compared"]), ("msprobe.pass", c["pass"]),
+                  ("msprobe.warning", c["warning"]), ("msprobe.error", c["error"]),
+                  ("msprobe.unmatched", c["unmatched"]),
+                  ("msprobe.first_divergence", summary_row["first_divergence"] or ""),
+                  ("msprobe.csv", csv_path)]
+        if first is not None:
+            pytest.fail(_failure_message(report, check_dir), pytrace=False)
+        if overflow_failed:
+            pytest.fail(f"msprobe: overflow on the target at {overflow_t.first.name} "
+                        f"({overflow_t.first.level}: NaN/Inf in {', '.join(overflow_t.first.rows[:4])}); "
+                        f"the bench has none there. Artifacts: {check_dir}", pytrace=False)
+        return report
+
+    @staticmethod
+    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, CaptureSession) -> str:
+        import torch
+
+        side_model = backend.prepare_model(model)
+        side_inputs = backend.prepare_inputs(inputs)
+        capture = CaptureSession(cfg, faults=faults)
+        torch.manual_seed(seed)
+        try:
+            capture.start(side_model)
+            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
+                out = side_model(**side_inputs[0])
+            else:
+                out = side_model(*side_inputs)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+                loss.backward()
+            capture.stop()
+        finally:
+            capture.close()
+        if not capture.folders:
+            raise pytest.fail.Exception("msprobe: nothing was captured (no torch API or submodule ran)")
+        return capture.folders[0]
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _failure_message(report, check_dir: str) -> str:
+    first = report.first_divergence
+    lines = [f"msprobe: first divergence at {first.name}: {first.metric} {first.value:.4g} > threshold "
+             f"{first.threshold:.4g} (row {first.worst_row}; input error {first.input_error:.3g})",
+             f"{'node':<48} {'status':<8} {'RelativeErr':>12} {'threshold':>10} {'input err':>10}"]
+    for n in report.worst(8):
+        lines.append(f"{n.name:<48} {n.status:<8} {n.value:>12.4g} {n.threshold:>10.4g} {n.input_error:>10.3g}")
+    c = report.counts()
+    lines.append(f"{len(report.nodes)} nodes: pass {c['pass']}, warning {c['warning']}, error {c['error']}, "
+                 f"unmatched {c['unmatched']}. Compare CSV and dumps: {check_dir}")
+    return "\n".join(lines)

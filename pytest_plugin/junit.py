@@ -1,0 +1,56 @@
+"""JUnit XML for the plugin, written with the ``junit-xml`` package.
+
+One ``<testsuite>`` per checked test (per ``msprobe.check`` call), one ``<testcase>`` per compared node (named by
+the node, e.g. ``Functional.linear.0.forward``) plus one ``overflow`` testcase. ``junit-xml`` has no per-testcase
+properties, so the metrics are added to each ``<testcase>`` as ``<properties>`` after rendering.
+"""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+
+from junit_xml import TestCase, TestSuite, to_xml_report_string
+
+
+def write_junit(path: str, results: list[dict]) -> None:
+    """Write ``results`` (the plugin's serialisable check summaries) to ``path`` atomically."""
+    suites = []
+    props: dict[tuple[str, str], dict[str, str]] = {}
+    for r in results:
+        suite_name = f"{r['test']}[check {r['index']}]"
+        cases = []
+        for n in r["nodes"]:
+            case = TestCase(n["name"], classname=suite_name)
+            if n["status"] == "error":
+                case.add_failure_info(message=n["message"], failure_type="accuracy")
+            elif n["status"] == "unmatched":
+                case.add_skipped_info(message=n["message"] or "no bench data matched")
+            cases.append(case)
+            props[(suite_name, n["name"])] = {
+                "msprobe.status": n["status"], "msprobe.metric": n["metric"], "msprobe.value": str(n["value"]),
+                "msprobe.threshold": str(n["threshold"]), "msprobe.input_error": str(n["input_error"]),
+                "msprobe.worst_row": n["worst_row"]}
+        ov = TestCase("overflow", classname=suite_name)
+        if r.get("overflow_failed"):
+            ov.add_failure_info(message=r["overflow_message"], failure_type="overflow")
+        cases.append(ov)
+        props[(suite_name, "overflow")] = {"msprobe.first_overflow": r.get("overflow_first") or ""}
+        suites.append(TestSuite(suite_name, cases, properties={
+            "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
+            "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"]}))
+    root = ET.fromstring(to_xml_report_string(suites, encoding="utf-8"))
+    for suite in root.iter("testsuite"):
+        for case in suite.iter("testcase"):
+            values = props.get((case.get("classname"), case.get("name")))
+            if not values:
+                continue
+            el = ET.Element("properties")
+            for k, v in values.items():
+                ET.SubElement(el, "property", name=k, value=v)
+            case.insert(0, el)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = path + ".tmp"
+    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
+    os.replace(tmp, path)

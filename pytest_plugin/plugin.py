@@ -1,0 +1,99 @@
+"""pytest plugin ``msprobe``: options, ini keys, the ``msprobe`` fixture and marker, JUnit and terminal reports.
+
+Thin by design: every option is read and validated once by :class:`~msprobe_ci.pytest_plugin.session.ProbeSession`
+(kept in ``config.stash``); this module only wires pytest hooks to it. It imports neither torch nor numpy, so
+``pytest --help`` stays fast in any environment where the plugin is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from .session import ProbeSession, session_key
+
+# flag spellings, reused by the tests
+BENCH, TARGET = "--msprobe-bench", "--msprobe-target"
+BENCH_DTYPE, TARGET_DTYPE = "--msprobe-bench-dtype", "--msprobe-target-dtype"
+LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
+OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
+
+_DTYPES = ("fp64", "fp32", "fp16", "bf16")
+
+
+def _device(value: str) -> str:
+    from ..backends import parse_device
+    from ..errors import MsprobeError
+
+    try:
+        return parse_device(value)
+    except MsprobeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _choice(allowed):
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return value
+    return check
+
+
+OPTIONS = [
+    # (flag, ini key, type, default, metavar, help)
+    (BENCH, "msprobe_bench", _device, "cpu", "DEVICE", "device of the bench (reference) side: cpu, gpu, cuda[:N], npu[:N]."),
+    (TARGET, "msprobe_target", _device, "cpu", "DEVICE", "device of the target side under test."),
+    (BENCH_DTYPE, "msprobe_bench_dtype", _choice(_DTYPES), None, "DTYPE", "cast the bench model and floating inputs to fp64/fp32/fp16/bf16 (default: the model's own)."),
+    (TARGET_DTYPE, "msprobe_target_dtype", _choice(_DTYPES), None, "DTYPE", "cast the target model and floating inputs (default: the model's own)."),
+    (LEVEL, "msprobe_level", _choice(("L0", "L1", "mix")), "mix", "LEVEL", "capture level: L0 modules, L1 torch APIs, mix both."),
+    (TASK, "msprobe_task", _choice(("statistics", "tensor", "md5")), "statistics", "TASK", "statistics, tensor (also saves .pt files, real-data metrics) or md5."),
+    (CONFIG, "msprobe_config", str, None, "PATH", "an msprobe config.json (task, level, scope, list, data_mode, summary_mode)."),
+    (OUT, "msprobe_out", str, "msprobe-out", "DIR", "folder for all artifacts, one sub-folder per test."),
+    (JUNIT, "msprobe_junitxml", str, None, "PATH", "write a JUnit XML file: one testsuite per test, one testcase per compared node."),
+    (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
+]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("msprobe", "msprobe accuracy checks")
+    for flag, ini, typ, default, metavar, help_text in OPTIONS:
+        group.addoption(flag, dest=ini, type=typ, default=None, metavar=metavar,
+                        help=f"{help_text} Default: {default!r} (ini: {ini}).")
+        parser.addini(ini, help=f"default for {flag}", default=default)
+    for key, default, text in (("msprobe_round_factor", "2", "verdict rule: multiples of the dtype's unit roundoff"),
+                               ("msprobe_propagation", "1", "verdict rule: allowed amplification of input error"),
+                               ("msprobe_error_factor", "1.5", "verdict rule: error threshold as a multiple of the pass budget"),
+                               ("msprobe_atol", "1e-6", "verdict rule: absolute floor of the relative-error budget")):
+        parser.addini(key, help=text, default=default)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
+                            "target_dtype, level, task, inject, seed, fuzzy, round_factor, propagation, "
+                            "error_factor, atol)")
+    session = ProbeSession(config)
+    config.stash[session_key] = session
+    config.pluginmanager.register(session, "msprobe-session")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(session_key, None)
+    if session is not None:
+        config.pluginmanager.unregister(session)
+        del config.stash[session_key]
+
+
+@pytest.fixture
+def msprobe(request: pytest.FixtureRequest):
+    """Run a model on the bench and the target backend under capture, compare, and fail on divergence.
+
+    Usage::
+
+        def test_model(msprobe):
+            msprobe.check(model, input_ids, loss_fn=lambda out: out.logits.float().mean())
+    """
+    from .fixture import MsprobeFixture
+
+    session = request.config.stash[session_key]
+    return MsprobeFixture(request, session)

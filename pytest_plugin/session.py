@@ -1,0 +1,129 @@
+"""Per-run state of the plugin: validated options, collected results, JUnit and terminal reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import pytest
+
+session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
+RESULT_PROPERTY = "msprobe.result"
+
+
+def _opt(config: pytest.Config, ini: str) -> Any:
+    value = config.getoption(ini, default=None)
+    if value is None:
+        value = config.getini(ini)
+    return value if value not in ("", None) else None
+
+
+class ProbeSession:
+    """Reads every ``--msprobe-*`` option once (command line over ini), validates it, and collects results.
+
+    Raises:
+        pytest.UsageError: an invalid ini value, an unreadable fault file or config.json.
+    """
+
+    def __init__(self, config: pytest.Config):
+        from ..backends import parse_device
+        from ..errors import MsprobeError
+
+        self.config = config
+        self.results: list[dict] = []
+        try:
+            self.bench = parse_device(_opt(config, "msprobe_bench") or "cpu")
+            self.target = parse_device(_opt(config, "msprobe_target") or "cpu")
+        except MsprobeError as exc:
+            raise pytest.UsageError(f"msprobe: {exc}") from None
+        self.bench_dtype = _opt(config, "msprobe_bench_dtype")
+        self.target_dtype = _opt(config, "msprobe_target_dtype")
+        for name, value in (("msprobe_bench_dtype", self.bench_dtype), ("msprobe_target_dtype", self.target_dtype)):
+            if value is not None and value not in ("fp64", "fp32", "fp16", "bf16"):
+                raise pytest.UsageError(f"msprobe: ini {name}: expected fp64, fp32, fp16 or bf16, got {value!r}")
+        self.level = _opt(config, "msprobe_level") or "mix"
+        if self.level not in ("L0", "L1", "mix"):
+            raise pytest.UsageError(f"msprobe: ini msprobe_level: expected L0, L1 or mix, got {self.level!r}")
+        self.task = _opt(config, "msprobe_task") or "statistics"
+        if self.task not in ("statistics", "tensor", "md5"):
+            raise pytest.UsageError(f"msprobe: ini msprobe_task: expected statistics, tensor or md5, got {self.task!r}")
+        self.out = os.path.abspath(_opt(config, "msprobe_out") or "msprobe-out")
+        self.junitxml = _opt(config, "msprobe_junitxml")
+        self.config_path = _opt(config, "msprobe_config")
+        self.inject_path = _opt(config, "msprobe_inject")
+        self.thresholds_raw = {k: config.getini(f"msprobe_{k}")
+                               for k in ("round_factor", "propagation", "error_factor", "atol")}
+        self._validated = False
+
+    def validate_files(self) -> None:
+        """Load the fault file and config.json once, lazily (they need yaml/torch-free parsing only)."""
+        if self._validated:
+            return
+        from ..capture.inject import load_faults
+        from ..compare.verdict import Thresholds
+        from ..config import load_config
+        from ..errors import MsprobeError
+
+        try:
+            self.faults = load_faults(self.inject_path) if self.inject_path else ()
+            self.dump_config = load_config(self.config_path) if self.config_path else None
+            self.thresholds = Thresholds.from_mapping(self.thresholds_raw)
+        except MsprobeError as exc:
+            raise pytest.UsageError(f"msprobe: {exc}") from None
+        self._validated = True
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.validate_files()
+
+    def test_dir(self, nodeid: str) -> str:
+        """``{out}/{sanitised test id}``; a previous run's folder (marked ``.msprobe-ci``) is replaced, anything
+        else there is refused."""
+        import shutil
+
+        from ..errors import MsprobeError
+
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150]
+        path = os.path.join(self.out, name)
+        if os.path.isdir(path) and os.listdir(path):
+            if not os.path.isfile(os.path.join(path, ".msprobe-ci")):
+                raise MsprobeError(f"{path}: exists and was not written by msprobe-ci; choose another --msprobe-out")
+            shutil.rmtree(path)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, ".msprobe-ci"), "w", encoding="utf-8") as fh:
+            fh.write(nodeid + "\n")
+        return path
+
+    # ------------------------------------------------------------------ collection of results (xdist-safe)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "call":
+            return
+        for name, value in report.user_properties:
+            if name == RESULT_PROPERTY:
+                self.results.append(json.loads(value))
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
+        if not self.results:
+            return
+        tr = terminalreporter
+        tr.section("msprobe")
+        for r in self.results:
+            c = r["counts"]
+            first = r.get("first_divergence") or "none"
+            overflow = r.get("overflow_first") or "none"
+            tr.write_line(f"{r['test']} [check {r['index']}]: {r['nodes_compared']} nodes compared "
+                          f"({r['bench']} vs {r['target']}, {r['mode']}): pass {c['pass']}, warning {c['warning']}, "
+                          f"error {c['error']}, unmatched {c['unmatched']}; first divergence: {first}; "
+                          f"first overflow: {overflow}")
+            tr.write_line(f"    artifacts: {r['dir']}")
+        if self.junitxml:
+            tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
+        if not self.junitxml or hasattr(session.config, "workerinput"):
+            return
+        from .junit import write_junit
+
+        write_junit(self.junitxml, self.results)
