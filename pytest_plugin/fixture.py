@@ -120,7 +120,7 @@ class MsprobeFixture:
             "test": self.request.node.nodeid, "index": index, "dir": check_dir, "csv": csv_path,
             "bench": bench.label, "target": target.label, "mode": report.mode,
             "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
-            "first_divergence": first.name if first else None,
+            "first_divergence": first.name if first is not None else None,
             "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
             "overflow_failed": overflow_failed,
             "overflow_message": overflow_t.first.message if overflow_t.first else "",

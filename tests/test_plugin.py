@@ -1,0 +1,118 @@
+"""The plugin end to end through pytester: pass, injected fault fails naming the API, JUnit content, bad options."""
+
+import pytest
+
+pytest.importorskip("junitparser")
+
+MODEL_TEST = """
+import torch
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 8)
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.norm(self.fc1(x))))
+
+def build():
+    torch.manual_seed(0)
+    return Net()
+
+def test_net(msprobe):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    msprobe.check(build(), x, loss_fn=lambda out: out.float().pow(2).mean())
+"""
+
+FAULT = """faults:
+  - {api: Functional.layer_norm, call: 0, direction: forward, perturb: scale, value: 1.02}
+"""
+
+
+@pytest.fixture
+def suite(pytester):
+    pytester.makepyfile(test_model=MODEL_TEST)
+    pytester.makefile(".yaml", faults=FAULT)
+    return pytester
+
+
+def test_bf16_target_passes(suite):
+    result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*msprobe*", "*test_net*nodes compared*error 0*first divergence: none*"])
+
+
+def test_injected_fault_fails_naming_the_api(suite):
+    result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", "--msprobe-inject", "faults.yaml",
+                                        "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at Functional.layer_norm.0.forward: RelativeErr * > threshold *"])
+
+
+def test_noise_fault_in_tensor_mode_and_backward_fault(suite):
+    suite.makefile(".yaml", noise="faults:\n  - {api: Functional.gelu, perturb: noise, value: 0.05}\n",
+                   bwd="faults:\n  - {api: Functional.linear, call: 1, direction: backward, perturb: scale, value: 1.1}\n")
+    result = suite.runpytest_subprocess("--msprobe-task=tensor", "--msprobe-inject", "noise.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*first divergence at Functional.gelu.0.forward*"])
+    result = suite.runpytest_subprocess("--msprobe-inject", "bwd.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*first divergence at Functional.linear.1.backward*"])
+
+
+def test_junit_content(suite):
+    from junitparser import Failure, JUnitXml
+
+    result = suite.runpytest_subprocess("--msprobe-inject", "faults.yaml", "--msprobe-junitxml", "out.xml",
+                                        "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    xml = JUnitXml.fromfile(str(suite.path / "out.xml"))
+    suites = list(xml)
+    assert len(suites) == 1
+    cases = {c.name: c for c in suites[0]}
+    assert "Functional.linear.0.forward" in cases and "overflow" in cases
+    bad = cases["Functional.layer_norm.0.forward"]
+    assert any(isinstance(r, Failure) for r in bad.result)
+    import xml.etree.ElementTree as ET
+
+    case_el = next(c for c in ET.parse(str(suite.path / "out.xml")).iter("testcase")
+                   if c.get("name") == "Functional.layer_norm.0.forward")
+    props = {p.get("name"): p.get("value") for p in case_el.iter("property")}
+    assert props["msprobe.status"] == "error" and float(props["msprobe.value"]) > float(props["msprobe.threshold"])
+    assert not any(isinstance(r, Failure) for r in cases["Functional.linear.0.forward"].result)
+
+
+def test_marker_and_per_call_options_win(suite):
+    suite.makepyfile(test_marker=MODEL_TEST.replace("def test_net(msprobe):",
+                                                    "import pytest\n@pytest.mark.msprobe(atol=1.0)\ndef test_net(msprobe):"))
+    result = suite.runpytest_subprocess("test_marker.py", "--msprobe-inject", "faults.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--msprobe-target=tpu"], "*--msprobe-target: device 'tpu': expected cpu, gpu, cuda, cuda:N, npu or npu:N*"),
+    (["--msprobe-target-dtype=fp8"], "*--msprobe-target-dtype: expected one of fp64, fp32, fp16, bf16, got 'fp8'*"),
+    (["--msprobe-inject", "missing.yaml"], "*msprobe: missing.yaml: fault file not found*"),
+])
+def test_bad_options(suite, args, message):
+    result = suite.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines([message])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_absent_device_is_a_clear_skip(suite):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = suite.runpytest_subprocess("--msprobe-target=gpu", "-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*device 'cuda' is not available*"])
+
+
+def test_plugin_import_does_not_load_torch(pytester):
+    pytester.makepyfile(test_plain="def test_x():\n    import sys\n    assert 'torch' not in sys.modules\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
