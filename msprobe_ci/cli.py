@@ -1,0 +1,96 @@
+"""``msprobe-ci`` command line: ``compare`` and ``overflow`` with msprobe's flag spellings.
+
+    msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
+    msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
+
+Paths are dump.json files, rank folders or step folders (ranks are paired in order). Exit status: 0 when no node
+is an error (compare) / no NaN-Inf (overflow), 1 otherwise, 2 for bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .errors import MsprobeError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="msprobe-ci", description="msprobe-compatible accuracy tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="compare a target dump against a golden (bench) dump")
+    c.add_argument("-tp", "--target_path", required=True, help="target dump.json, rank folder or step folder")
+    c.add_argument("-gp", "--golden_path", required=True, help="bench dump.json, rank folder or step folder")
+    c.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
+    c.add_argument("-fm", "--fuzzy_match", action="store_true", help="ignore call indices when matching")
+    o = sub.add_parser("overflow", help="find NaN/Inf and the first anomalous node")
+    o.add_argument("-i", "--input_path", required=True, help="step folder, rank folder or dump.json")
+    o.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
+    return p
+
+
+def _pairs(target: str, golden: str) -> list[tuple[str, str, str]]:
+    from .dump.reader import rank_folders
+
+    if os.path.isfile(target) or os.path.isfile(golden):
+        return [(target, golden, "")]
+    t, g = rank_folders(target), rank_folders(golden)
+    if len(t) != len(g):
+        raise MsprobeError(f"{target} has {len(t)} rank folders but {golden} has {len(g)}")
+    if len(t) == 1:
+        return [(t[0], g[0], "")]
+    return [(a, b, os.path.basename(a)) for a, b in zip(t, g)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "compare":
+            return _compare(args)
+        return _overflow(args)
+    except MsprobeError as exc:
+        print(f"msprobe-ci: {exc}", file=sys.stderr)
+        return 2
+
+
+def _compare(args) -> int:
+    from .compare import compare_dumps
+    from .dump.reader import load_dump
+
+    worst = 0
+    for t, g, rank in _pairs(args.target_path, args.golden_path):
+        report = compare_dumps(load_dump(t), load_dump(g), fuzzy=args.fuzzy_match)
+        path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
+        c = report.counts()
+        first = report.first_divergence
+        print(f"{path}: {len(report.nodes)} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, "
+              f"unmatched {c['unmatched']}; first divergence: {first.message if first is not None else 'none'}")
+        worst = max(worst, 0 if first is None else 1)
+    return worst
+
+
+def _overflow(args) -> int:
+    from .dump.reader import load_dump, rank_folders
+    from .overflow import check_overflow
+
+    result = {}
+    found = False
+    for i, folder in enumerate(rank_folders(args.input_path) if os.path.isdir(args.input_path) else [args.input_path]):
+        rep = check_overflow(load_dump(folder))
+        result[f"rank_{i}"] = [{"op_name": a.name, "level": a.level, "rows": list(a.rows)} for a in rep.anomalies]
+        first = rep.first
+        found |= rep.has_overflow
+        print(f"{folder}: {len(rep.anomalies)} anomalous nodes; first: {first.message if first else 'none'}")
+    os.makedirs(args.output_path, exist_ok=True)
+    out = os.path.join(args.output_path, f"anomaly_analyze_{time.time_ns()}.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(out)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
