@@ -1,0 +1,137 @@
+"""Capture overhead: no capture vs msprobe-ci (mix, statistics) vs msprobe's PrecisionDebugger, interleaved.
+
+A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
+    python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
+Prints per-mode median ms per iteration, the ratio to no capture, records per step and ms per record.
+msprobe runs in a subprocess (its API wrapping is global and cannot be undone in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+SIZES = {"small": (2, 32, 128, 512), "medium": (8, 128, 256, 1024)}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d, ff, heads=4):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc1, self.fc2 = torch.nn.Linear(d, ff), torch.nn.Linear(ff, d)
+        self.h = heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * (d // self.h) ** -0.5, dim=-1)
+        y = torch.matmul(att, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d, ff):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(d, ff) for _ in range(4))
+        self.head = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x).mean()
+
+
+def _setup(size):
+    b, t, d, ff = SIZES[size]
+    torch.manual_seed(0)
+    return Net(d, ff), torch.randn(b, t, d)
+
+
+def _time_mode(mode, size, iters, warmup=3):
+    """Median ms per fwd+bwd iteration for one mode, and records per step."""
+    model, x = _setup(size)
+    records = 0
+    tmp = tempfile.mkdtemp()
+    dbg = None
+    if mode == "msprobe-ci":
+        from msprobe_ci import PrecisionDebugger
+        dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
+    elif mode == "msprobe":
+        from msprobe.pytorch import PrecisionDebugger
+        cfg = os.path.join(tmp, "config.json")
+        with open(cfg, "w") as fh:
+            json.dump({"task": "statistics", "dump_path": os.path.join(tmp, "d"), "level": "mix", "rank": [],
+                       "step": [], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
+                                                  "summary_mode": "statistics"}}, fh)
+        dbg = PrecisionDebugger(config_path=cfg)
+    times = []
+    for i in range(warmup + iters):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        if dbg is not None:
+            dbg.start(model)
+        model(x).backward()
+        if dbg is not None:
+            dbg.stop()
+            dbg.step()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt * 1000)
+    if mode != "none":
+        for root, _, files in os.walk(tmp):
+            if "dump.json" in files:
+                with open(os.path.join(root, "dump.json")) as fh:
+                    records = len(json.load(fh)["data"])
+                break
+    return statistics.median(times), records
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="medium", choices=sorted(SIZES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    iters = args.iters or (20 if args.size == "small" else 8)
+    if args.worker:
+        print(json.dumps(_time_mode(args.worker, args.size, iters)))
+        return
+    try:
+        import msprobe  # noqa: F401
+        modes = ["none", "msprobe-ci", "msprobe"]
+    except ImportError:
+        modes = ["none", "msprobe-ci"]
+    results = {m: [] for m in modes}
+    recs = {}
+    for _ in range(args.rounds):
+        for m in modes:  # interleaved; each mode in a fresh process so msprobe's global wrapping stays contained
+            out = subprocess.run([sys.executable, __file__, "--size", args.size, "--iters", str(iters),
+                                  "--worker", m], capture_output=True, text=True, check=True)
+            ms, n = json.loads(out.stdout.strip().splitlines()[-1])
+            results[m].append(ms)
+            recs[m] = n
+    base = statistics.median(results["none"])
+    print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), 1 thread, {args.rounds} interleaved rounds x {iters} iters")
+    for m in modes:
+        med = statistics.median(results[m])
+        per = (med - base) / recs[m] if recs.get(m) else float("nan")
+        print(f"{m:>11}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
+              f"{per:6.3f} ms/record")
+
+
+if __name__ == "__main__":
+    main()
