@@ -6,15 +6,7 @@ import zlib
 
 import pytest
 
-
-def _read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
-
-
-def _lines(path):
-    with open(path, newline="") as fh:
-        return fh.read().splitlines(keepends=True)
+from _files import read_json as _read_json, read_lines as _lines
 import torch
 import torch.nn.functional as F
 from torch import relu

@@ -7,15 +7,7 @@ import os
 
 import pytest
 
-
-def _read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
-
-
-def _lines(path):
-    with open(path, newline="") as fh:
-        return fh.read().splitlines(keepends=True)
+from _files import read_json as _read_json, read_lines as _lines
 
 from msprobe_ci.compare import compare_dumps
 from msprobe_ci.dump import load_dump
