@@ -95,6 +95,32 @@ def test_function_mode_sees_imported_names_and_operators(tmp_path):
     assert "Functional.layer_norm.0.backward" in data
 
 
+def test_statistics_follow_in_place_updates_and_cover_dtypes(tmp_path):
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="L1")
+    x = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
+    dbg.start()
+    y = torch.relu(x)
+    torch.neg(y)          # same object, unchanged: statistics reused
+    y.mul_(10)            # in place: the next record must see the new values
+    torch.neg(y)
+    torch.abs(x.bfloat16())
+    torch.abs(torch.tensor([3, -7, 5]))
+    torch.logical_not(torch.tensor([True, False]))
+    torch.neg(torch.tensor(2.5))
+    dbg.stop()
+    data = _read_json(tmp_path / "d" / "step0" / "rank" / "dump.json")["data"]
+    stat = lambda rec: (rec["Max"], rec["Min"], rec["Mean"], rec["Norm"])  # noqa: E731
+    assert stat(data["Torch.relu.0.forward"]["output"][0]) == pytest.approx((4, 0, 2, 26 ** 0.5))
+    assert stat(data["Torch.neg.0.forward"]["input_args"][0]) == pytest.approx((4, 0, 2, 26 ** 0.5))
+    assert stat(data["Torch.neg.1.forward"]["input_args"][0]) == pytest.approx((40, 0, 20, 2600 ** 0.5))
+    assert stat(data["Torch.abs.0.forward"]["output"][0]) == pytest.approx((4, 1, 2.5, 30 ** 0.5))
+    ints = data["Torch.abs.1.forward"]["output"][0]
+    assert (ints["Max"], ints["Min"], ints["Mean"], ints["dtype"]) == (7, 3, None, "torch.int64")
+    bools = data["Torch.logical_not.0.forward"]["output"][0]
+    assert (bools["Max"], bools["Min"]) == (True, False)
+    assert stat(data["Torch.neg.2.forward"]["output"][0]) == pytest.approx((-2.5,) * 4)
+
+
 def test_existing_dump_is_never_overwritten(tinynet, tmp_path):
     _run(tinynet, tmp_path, level="mix")
     before = (tmp_path / "dump" / "step0" / "rank" / "dump.json").read_bytes()

@@ -100,6 +100,7 @@ class CaptureSession:
         self._in_scope = not self.config.scope
         self._scope_done = False
         self._folder_checked = False
+        self._dirty = False  # something was recorded since the last flush
 
     @property
     def step_enabled(self) -> bool:
@@ -140,6 +141,7 @@ class CaptureSession:
         if self.running:
             return
         self.running = self.step_enabled and bool(self.rank_dir())
+        self._dirty = self._dirty or self.running
         if (self.api_level or self._fault_apis) and self._mode is None:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
@@ -168,8 +170,10 @@ class CaptureSession:
         self._hooked.clear()
 
     def flush(self) -> None:
-        if not self._folder_checked or (not self.data and not self.construct):
+        """Write the step's files when something was recorded since the last flush (stop() then step() writes once)."""
+        if not self._dirty or not self._folder_checked or (not self.data and not self.construct):
             return
+        self._dirty = False
         self.builder.resolve()
         folder = self.dump_folder()
         stack = {}
