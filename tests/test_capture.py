@@ -87,11 +87,15 @@ def test_function_mode_sees_imported_names_and_operators(tmp_path):
     z = y * 2 + x        # operators
     w = F.layer_norm(z, (3,))  # calls torch.layer_norm inside: recorded once
     w.sum().backward()
+    scale = 0.5
+    with torch.no_grad():
+        1 + x, scale * x, x * scale  # reflected operators reach torch as add/mul(x, scalar) too
     dbg.stop()
     data = _read_json(tmp_path / "d" / "step0" / "rank" / "dump.json")["data"]
     assert {"Torch.relu.0.forward", "Tensor.__mul__.0.forward", "Tensor.__add__.0.forward",
             "Functional.layer_norm.0.forward", "Tensor.sum.0.forward"} <= set(data)
     assert not any(k.startswith("Torch.layer_norm") for k in data)
+    assert {"Tensor.__radd__.0.forward", "Tensor.__rmul__.0.forward", "Tensor.__mul__.1.forward"} <= set(data)
     assert "Functional.layer_norm.0.backward" in data
 
 

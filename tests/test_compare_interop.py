@@ -1,4 +1,3 @@
-import json
 """Our compare on msprobe's own fixture dumps reproduces msprobe's CSV metrics exactly."""
 
 import csv

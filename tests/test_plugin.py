@@ -116,3 +116,29 @@ def test_plugin_import_does_not_load_torch(pytester):
     pytester.makepyfile(test_plain="def test_x():\n    import sys\n    assert 'torch' not in sys.modules\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_xdist_workers_report_to_the_controller(suite):
+    """Under ``-n 2`` each worker captures its own test into its own folder; only the controller writes JUnit."""
+    pytest.importorskip("xdist")
+    from junitparser import JUnitXml
+
+    suite.makepyfile(test_mlp="""
+import torch
+
+def test_mlp(msprobe):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU())
+    msprobe.check(model, torch.randn(4, 16, generator=torch.Generator().manual_seed(2)))
+""")
+    result = suite.runpytest_subprocess("-n", "2", "--msprobe-inject", "faults.yaml", "--msprobe-out", "art",
+                                        "--msprobe-junitxml", "out.xml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_mlp.py::test_mlp*nodes compared*error 0*"])  # finish order varies
+    result.stdout.fnmatch_lines(["*test_model.py::test_net*first divergence: Functional.layer_norm.0.forward*"])
+    suites = {s.name: s for s in JUnitXml.fromfile(str(suite.path / "out.xml"))}
+    assert set(suites) == {"test_mlp.py::test_mlp[check 0]", "test_model.py::test_net[check 0]"}
+    assert suites["test_model.py::test_net[check 0]"].failures >= 1 and suites["test_mlp.py::test_mlp[check 0]"].failures == 0
+    folders = sorted(p.name for p in (suite.path / "art").iterdir())
+    assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
+    assert all((suite.path / "art" / f / ".msprobe-ci").is_file() for f in folders)

@@ -100,10 +100,14 @@ def table() -> dict[Any, tuple[str, str, int]]:
     return _TABLE
 
 
-def operator_name(api: str) -> str | None:
+def operator_name(api: str, args: tuple = ()) -> str | None:
     """Return the dunder name when the user's code reached ``api`` through an operator (``a + b``), else None.
 
     Looks at the first caller frame outside torch's own dispatch files and decodes its current instruction.
+    ``1 + y`` reaches torch as ``TensorBase.add(y, 1)``, exactly like ``y + 1``; it is named ``__radd__`` (as
+    msprobe, which wraps ``Tensor.__radd__``) when the operator's right operand, read from the instruction that
+    loaded it (a local, global, cell or constant), is the tensor torch got first. A right operand computed by an
+    expression cannot be read back and is named as the forward operator.
     """
     if api not in _OPERATOR_CANDIDATES:
         return None
@@ -121,7 +125,11 @@ def operator_name(api: str) -> str | None:
     if opname == "BINARY_OP":
         inplace = arg >= 13
         base = _BINARY_OPS[arg - 13 if inplace else arg]
-        return f"__i{base}__" if inplace else f"__{base}__"
+        if inplace:
+            return f"__i{base}__"
+        if base in _REFLECTABLE and len(args) > 1 and not _is_tensor(args[1]) and _right_operand_is(f, args[0]):
+            return f"__r{base}__"
+        return f"__{base}__"
     if opname == "COMPARE_OP":
         idx = arg >> 4 if sys.version_info >= (3, 12) else arg
         if sys.version_info >= (3, 13):
@@ -135,3 +143,42 @@ def operator_name(api: str) -> str | None:
     if opname == "UNARY_INVERT":
         return "__invert__"
     return None
+
+
+# operators torch answers with the plain method for both operand orders (sub/div/pow/... have __r*__ functions)
+_REFLECTABLE = frozenset(("add", "mul", "and", "or", "xor"))
+_MISSING = object()
+_INSTRUCTIONS: dict[Any, tuple[list, dict]] = {}
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _right_operand_is(frame: Any, first: Any) -> bool:
+    """Whether the value the instruction before ``frame``'s current BINARY_OP loaded is ``first``."""
+    code = frame.f_code
+    cached = _INSTRUCTIONS.get(code)
+    if cached is None:
+        instrs = list(dis.get_instructions(code))
+        cached = _INSTRUCTIONS[code] = (instrs, {ins.offset: i for i, ins in enumerate(instrs)})
+    instrs, index = cached
+    i = index.get(frame.f_lasti)
+    if not i:
+        return False
+    prev = instrs[i - 1]
+    name, argval = prev.opname, prev.argval
+    if name == "LOAD_CONST":
+        return argval is first
+    if name == "LOAD_FAST_LOAD_FAST" and isinstance(argval, tuple):  # CPython 3.13+: both operands at once
+        name, argval = "LOAD_FAST", argval[-1]
+    if name in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF", "LOAD_NAME"):
+        value = frame.f_locals.get(argval, _MISSING)
+        if value is _MISSING and name == "LOAD_NAME":
+            value = frame.f_globals.get(argval, _MISSING)
+        return value is first
+    if name == "LOAD_GLOBAL":
+        return frame.f_globals.get(argval, _MISSING) is first
+    return False

@@ -236,7 +236,7 @@ class CaptureSession:
         if api == "view_as" and naming.called_from_hook_plumbing():
             return func(*args, **kwargs)
         if prefix != "Functional":
-            op = naming.operator_name(api)
+            op = naming.operator_name(api, args)
             if op is not None:
                 prefix, api = "Tensor", op
         key = f"{prefix}.{api}."

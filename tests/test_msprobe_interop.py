@@ -1,0 +1,73 @@
+"""Our dumps fed to msprobe's own ``msprobe compare``: it reads them, and every metric column it writes equals ours.
+
+Needs the ``test`` extra (mindstudio-probe); skipped with the reason otherwise. msprobe runs as a subprocess, as a
+user would run it, so its global API wrapping never touches this process.
+"""
+
+import csv
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _files import read_lines as _lines
+from conftest import TinyNet
+
+from msprobe_ci import PrecisionDebugger
+from msprobe_ci.compare import compare_dumps
+from msprobe_ci.dump import load_dump
+
+pytest.importorskip("msprobe", reason="mindstudio-probe (test extra) not installed")
+
+SKIP = {"Result", "Err_message", "NPU_Stack_Info"}  # verdict columns: ours are dtype-aware on purpose
+
+
+def _msprobe_cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "msprobe")
+    return exe if os.path.exists(exe) else shutil.which("msprobe")
+
+
+def _capture(tmp_path, dtype, task, summary_mode=None):
+    torch.manual_seed(7)
+    model = TinyNet().to(dtype)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = tmp_path / f"{dtype}_{task}_{summary_mode}"
+    kwargs = {}
+    if summary_mode:
+        cfg = tmp_path / f"config_{summary_mode}.json"
+        cfg.write_text('{"task": "statistics", "level": "mix", "statistics": {"summary_mode": "md5"}}')
+        kwargs["config_path"] = str(cfg)
+    dbg = PrecisionDebugger(dump_path=str(out), level="mix", task=task, **kwargs)
+    dbg.start(model)
+    model(x).float().pow(2).mean().backward()
+    dbg.stop()
+    dbg.step()
+    return out / "step0" / "rank"
+
+
+@pytest.mark.parametrize("task,summary_mode", [("statistics", None), ("tensor", None), ("statistics", "md5")])
+def test_msprobe_compare_reads_our_dumps_with_equal_metrics(tmp_path, task, summary_mode):
+    cli = _msprobe_cli()
+    if cli is None:
+        pytest.skip("the msprobe command is not on PATH")
+    target = _capture(tmp_path, torch.bfloat16, task, summary_mode)
+    bench = _capture(tmp_path, torch.float32, task, summary_mode)
+    out = tmp_path / "msprobe-out"
+    proc = subprocess.run([cli, "compare", "-tp", str(target / "dump.json"), "-gp", str(bench / "dump.json"),
+                           "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (theirs_path,) = glob.glob(str(out / "compare_result_*.csv"))
+    theirs = list(csv.DictReader(_lines(theirs_path)))
+    report = compare_dumps(load_dump(str(target)), load_dump(str(bench)))
+    ours = list(csv.DictReader(_lines(report.write_csv(str(tmp_path / "ours")))))
+    assert len(ours) == len(theirs) > 40
+    assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in theirs]
+    assert list(ours[0]) == list(theirs[0])
+    mismatches = [(t["NPU Name"], k, o[k], t[k]) for o, t in zip(ours, theirs) for k in t
+                  if k not in SKIP and o[k] != t[k]]
+    assert mismatches == []
+    assert report.counts()["error"] == 0  # bf16 rounding explains every difference; msprobe's Result column errs
