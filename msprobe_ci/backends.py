@@ -1,16 +1,24 @@
-"""Backends: where a side (bench or target) runs and in which dtype.
+"""Backends: where a side (bench or target) runs, in which dtype, and whether through ``torch.compile``.
 
 A backend is a device spec plus a dtype policy. ``cpu`` runs here; ``gpu``/``cuda[:N]`` needs a CUDA build of
-torch and ``npu[:N]`` needs ``torch_npu`` (imported lazily, only when asked for). A backend that is not
-available raises :class:`MsprobeError` with a one-line reason naming the device and how to fix it.
+torch and ``npu[:N]`` needs ``torch_npu`` (imported lazily, only when asked for). Accelerators are described by
+:class:`DeviceKind` entries in :data:`DEVICE_KINDS` (runtime module to import, ``torch.<attr>`` namespace with
+``is_available()``/``device_count()``, install hint), so every accelerator goes through the same code path, which
+the tests exercise with a stand-in kind whose namespace is ``torch.cpu``. A backend that is not available raises
+:class:`MsprobeError` with a one-line reason naming the device and how to fix it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+import os
 import re
+import shutil
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .errors import MsprobeError
 
@@ -53,13 +61,99 @@ def parse_dtype(name: str | None) -> "torch.dtype | None":
 
 
 @dataclass(frozen=True)
+class DeviceKind:
+    """How to reach one accelerator family.
+
+    Attributes:
+        name: the device kind in specs (``cuda``, ``npu``).
+        runtime: module imported lazily before first use (``torch_npu`` registers the ``npu`` device), or None.
+        torch_attr: the ``torch.<attr>`` namespace with ``is_available()`` and ``device_count()``; tensors move
+            to ``"<attr>:<index>"``.
+        install_hint: what to do where the device is missing (shown in the skip reason).
+    """
+
+    name: str
+    runtime: str | None
+    torch_attr: str
+    install_hint: str
+
+    def namespace(self) -> Any:
+        """Import the runtime and return ``torch.<attr>``; raises MsprobeError naming what is missing."""
+        import torch
+
+        if self.runtime:
+            try:
+                importlib.import_module(self.runtime)
+            except ImportError:
+                raise MsprobeError(f"device {self.name!r} is not available: {self.runtime} is not installed "
+                                   f"({self.install_hint})") from None
+        ns = getattr(torch, self.torch_attr, None)
+        if ns is None or not hasattr(ns, "is_available"):
+            raise MsprobeError(f"device {self.name!r} is not available: torch has no torch.{self.torch_attr} "
+                               f"({self.install_hint})")
+        return ns
+
+
+DEVICE_KINDS: dict[str, DeviceKind] = {
+    "cuda": DeviceKind("cuda", None, "cuda", "install a CUDA build of torch on a GPU runner, or use a recorded "
+                       "baseline: --msprobe-baseline DIR"),
+    "npu": DeviceKind("npu", "torch_npu", "npu", "pip install torch_npu on an Ascend runner, or use a recorded "
+                      "baseline: --msprobe-baseline DIR"),
+}
+
+
+def compile_backend() -> str:
+    """The ``torch.compile`` backend used for compiled targets: ``inductor`` where a C++ compiler is on PATH
+    (inductor's CPU code generation needs one), else ``aot_eager`` (same graph capture and AOT autograd, no
+    code generation). ``MSPROBE_CI_COMPILE_BACKEND`` overrides the choice."""
+    chosen = os.environ.get("MSPROBE_CI_COMPILE_BACKEND")
+    if chosen:
+        return chosen
+    return "inductor" if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "aot_eager"
+
+
+def compile_regions(model: "torch.nn.Module") -> list[str]:
+    """Module paths compiled for a compiled target: every block held in an ``nn.ModuleList`` (PyTorch's
+    regional compilation of repeated blocks); a model without one compiles each direct child of the root."""
+    import torch
+
+    regions = []
+    for path, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList):
+            regions += [f"{path}.{name}" if path else name for name, _ in mod.named_children()]
+    if not regions:
+        regions = [name for name, _ in model.named_children()]
+    return regions
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` for the duration, previous setting restored.
+
+    cuBLAS gets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set; warnings about ops with no deterministic kernel
+    are silenced (both sides run the same ops, so the gate compares like with like)."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*", category=UserWarning)
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@dataclass(frozen=True)
 class Backend:
     """One side of a check.
 
     Attributes:
         device: normalised device string (``cpu``, ``cuda``, ``cuda:1``, ``npu:0`` ...).
         dtype: floating dtype the model and floating inputs are cast to; ``None`` keeps the model's own.
-        compile: run the model through ``torch.compile`` (module-level capture only).
+        compile: run the model through ``torch.compile``, regionally (:func:`compile_regions`), with
+            :func:`compile_backend`; API capture cannot see inside compiled regions, so capture is module level.
     """
 
     device: str = "cpu"
@@ -75,38 +169,60 @@ class Backend:
         import torch
 
         names = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-        return f"{self.device}/{names.get(self.dtype, 'model-dtype')}"
+        return f"{self.device}/{names.get(self.dtype, 'model-dtype')}" + ("+compile" if self.compile else "")
+
+    @property
+    def kind(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def torch_device(self) -> str:
+        """The device string tensors are moved to (``cpu``, ``cuda:1``, ``npu`` ...)."""
+        if self.kind == "cpu":
+            return "cpu"
+        attr = DEVICE_KINDS[self.kind].torch_attr if self.kind in DEVICE_KINDS else self.kind
+        index = self.device.partition(":")[2]
+        return f"{attr}:{index}" if index else attr
 
     def check_available(self) -> None:
-        """Raise :class:`MsprobeError` when the device cannot run here."""
-        import torch
+        """Raise :class:`MsprobeError` when the device cannot run here (runtime missing, no device, bad index)."""
+        if self.kind == "cpu":
+            return
+        kind = DEVICE_KINDS.get(self.kind)
+        if kind is None:
+            raise MsprobeError(f"device {self.device!r}: unsupported")
+        ns = kind.namespace()
+        if not ns.is_available():
+            raise MsprobeError(f"device {self.device!r} is not available: torch.{kind.torch_attr} finds no device "
+                               f"({kind.install_hint})")
+        index = self.device.partition(":")[2]
+        if index and int(index) >= ns.device_count():
+            raise MsprobeError(f"device {self.device!r} is not available: only {ns.device_count()} "
+                               f"{kind.name} device(s) here")
 
-        kind = self.device.split(":")[0]
-        if kind == "cpu":
-            return
-        if kind == "cuda":
-            if not torch.cuda.is_available():
-                raise MsprobeError(f"device {self.device!r} is not available: this torch build sees no CUDA GPU "
-                                   "(install a CUDA build of torch on a GPU runner, or use a recorded baseline)")
-            return
-        if kind == "npu":
-            try:
-                import torch_npu  # noqa: F401  (registers the npu device)
-            except ImportError:
-                raise MsprobeError(f"device {self.device!r} is not available: torch_npu is not installed "
-                                   "(pip install torch_npu on an Ascend runner, or use a recorded baseline)") from None
-            if not torch.npu.is_available():  # type: ignore[attr-defined]
-                raise MsprobeError(f"device {self.device!r} is not available: torch_npu found no Ascend device")
-            return
-        raise MsprobeError(f"device {self.device!r}: unsupported")
+    def prepare_model(self, model: "torch.nn.Module", *, eval_mode: bool = False) -> "torch.nn.Module":
+        """Return a deep copy of ``model`` on this device, floating parameters/buffers cast to ``dtype``.
 
-    def prepare_model(self, model: "torch.nn.Module") -> "torch.nn.Module":
-        """Return a deep copy of ``model`` on this device, floating parameters/buffers cast to ``dtype``."""
+        Args:
+            model: left untouched.
+            eval_mode: put the copy in ``eval()`` (dropout off), for comparisons across device types whose
+                random streams differ.
+        """
         self.check_available()
         clone = copy.deepcopy(model)
-        clone.to(self.device)
+        clone.to(self.torch_device)
         if self.dtype is not None:
             clone.to(self.dtype)  # nn.Module.to(dtype) casts floating params and buffers only
+        if eval_mode:
+            clone.eval()
+        if self.compile:
+            import torch
+
+            backend = compile_backend()
+            for path in compile_regions(clone):
+                mod = clone.get_submodule(path)
+                # the module's own hooks stay outside the compiled region (they run in _call_impl)
+                mod.forward = torch.compile(mod.forward, backend=backend)
         return clone
 
     def prepare_inputs(self, value: Any) -> Any:
@@ -114,7 +230,7 @@ class Backend:
         import torch
 
         if isinstance(value, torch.Tensor):
-            value = value.detach().clone().to(self.device)
+            value = value.detach().clone().to(self.torch_device)
             if self.dtype is not None and value.is_floating_point():
                 value = value.to(self.dtype)
             return value

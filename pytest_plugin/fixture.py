@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from .session import RESULT_PROPERTY, ProbeSession
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "round_factor", "propagation", "error_factor", "atol")
+                 "compile", "round_factor", "propagation", "error_factor", "atol")
 
 
 class MsprobeFixture:
@@ -22,6 +23,8 @@ class MsprobeFixture:
         self.request = request
         self.session = session
         self.checks = 0
+        self._record = None
+        self._base_dir = ""
         marker_opts: dict[str, Any] = {}
         for mark in reversed(list(request.node.iter_markers("msprobe"))):
             marker_opts.update(mark.kwargs)
@@ -37,7 +40,8 @@ class MsprobeFixture:
     def _settings(self, options: dict) -> dict:
         s = self.session
         merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
-                  "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False}
+                  "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
+                  "compile": s.target_compile}
         merged.update(s.thresholds_raw)
         merged.update(self.marker_options)
         merged.update(options)
@@ -56,11 +60,16 @@ class MsprobeFixture:
             *inputs: positional inputs, or one dict of keyword inputs.
             loss_fn: maps the model output to a scalar loss; enables backward capture.
             **options: ``bench``, ``target``, ``bench_dtype``, ``target_dtype``, ``level``, ``task``, ``inject``
-                (a fault file), ``seed`` (default 1234), ``fuzzy``, and the rule factors ``round_factor``,
+                (a fault file), ``seed`` (default 1234), ``fuzzy``, ``compile`` (target through
+                ``torch.compile``, capture at L0), and the rule factors ``round_factor``,
                 ``propagation``, ``error_factor``, ``atol`` (see :mod:`msprobe_ci.compare.verdict`).
 
+        Baselines: with ``--msprobe-record`` only the bench runs and its dump is stored under
+        ``--msprobe-baseline DIR`` (returns ``None``); with ``--msprobe-baseline DIR`` alone the bench dump is read
+        from there (the bench device need not exist) and the target is captured with the baseline's task/level.
+
         Returns:
-            The :class:`~msprobe_ci.compare.CompareReport` (when the test has not failed).
+            The :class:`~msprobe_ci.compare.CompareReport` (when the test has not failed), ``None`` when recording.
 
         Raises:
             pytest.fail.Exception: a node's verdict is ``error`` (the first line names the first diverging
@@ -68,11 +77,10 @@ class MsprobeFixture:
                 does not.
         """
         __tracebackhide__ = True
-        from ..backends import Backend
-        from ..capture import CaptureSession
+        from ..backends import Backend, compile_backend, compile_regions
+        from ..baseline import load_check
         from ..capture.inject import load_faults
         from ..compare import Thresholds, compare_dumps
-        from ..config import DumpConfig
         from ..dump.reader import load_dump
         from ..errors import MsprobeError
         from ..overflow import check_overflow, new_overflows
@@ -80,45 +88,93 @@ class MsprobeFixture:
         self._check_keys(options, "msprobe.check()")
         st = self._settings(options)
         self.session.validate_files()
+        session = self.session
+        replay = session.baseline is not None and not session.record
         try:
             bench = Backend.from_options(st["bench"], st["bench_dtype"])
-            target = Backend.from_options(st["target"], st["target_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"], bool(st["compile"]))
             thresholds = Thresholds.from_mapping({k: st[k] for k in ("round_factor", "propagation", "error_factor",
                                                                        "atol")})
-            faults = load_faults(st["inject"]) if st["inject"] else self.session.faults
-            base_dir = self.session.test_dir(self.request.node.nodeid)
+            faults = load_faults(st["inject"]) if st["inject"] else session.faults
+            base_dir = session.test_dir(self.request.node.nodeid) if self.checks == 0 else self._base_dir
         except MsprobeError as exc:
-            pytest.fail(f"msprobe: {exc}", pytrace=False)
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
         index = self.checks
         self.checks += 1
         check_dir = os.path.join(base_dir, f"check{index}")
-        task = st["task"]
-        cfg_base = self.session.dump_config or DumpConfig()
-        summary = "md5" if task == "md5" else cfg_base.summary_mode
-        cfg = cfg_base.with_overrides(task="tensor" if task == "tensor" else "statistics", level=st["level"],
-                                      summary_mode=summary)
-        dumps = {}
-        for side, backend, side_faults in (("bench", bench, ()), ("target", target, faults)):
+        nodeid = self.request.node.nodeid
+        task, level = st["task"], ("L0" if target.compile else st["level"])
+        # dropout: identical seeds give identical masks on one device type; across types the copies run in eval
+        eval_mode = bool(getattr(model, "training", False)) and bench.kind != target.kind
+        notes = []
+        if eval_mode:
+            notes.append("model copies in eval mode (dropout masks differ across device types)")
+        if target.compile:
+            regions = compile_regions(model)
+            notes.append(f"target compiled with {compile_backend()} ({len(regions)} region(s)); capture at L0, "
+                         "submodules inside compiled regions not captured")
+        else:
+            regions = []
+        row = {"test": nodeid, "index": index, "dir": check_dir, "bench": bench.label, "target": target.label,
+               "level": level, "notes": notes}
+
+        if session.record:
+            try:
+                bench.check_available()
+            except MsprobeError as exc:
+                raise pytest.skip.Exception(f"msprobe: {exc}") from None
+            recording = self._recording(bench, st, task, level)
+            folder = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
+                                    recording.check_dir(index)), (), int(st["seed"]), regions, eval_mode)
+            size = recording.add_check(index, folder)
+            row.update(recorded=True, mode=task, baseline_bytes=size,
+                       baseline=os.path.join(session.baseline, _folder(nodeid)))
+            self.request.node.user_properties += [(RESULT_PROPERTY, json.dumps(row)),
+                                                  ("msprobe.baseline_bytes", size)]
+            return None
+
+        stored = None
+        if replay:
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    stored = load_check(session.baseline, nodeid, index, bench_device=bench.device,
+                                        bench_dtype=st["bench_dtype"], task=task, level=level)
+            except MsprobeError as exc:
+                raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+            for w in caught:
+                warnings.warn(w.message, stacklevel=2)
+            task = stored.manifest.get("task", task)
+            level = "L0" if target.compile else stored.manifest.get("level", level)
+            recorded = stored.manifest.get("bench") or {}
+            row.update(level=level, baseline=os.path.join(session.baseline, _folder(nodeid)),
+                       baseline_bytes=stored.bytes,
+                       bench=f"{recorded.get('device')}/{recorded.get('dtype') or 'model-dtype'} (baseline)")
+        sides = [("target", target, faults)] if replay else [("bench", bench, ()), ("target", target, faults)]
+        for _, backend, _ in sides:
             try:
                 backend.check_available()
             except MsprobeError as exc:
-                pytest.skip(f"msprobe: {exc}")
-            side_cfg = cfg.with_overrides(dump_path=os.path.join(check_dir, side))
-            dumps[side] = self._run_side(model, inputs, loss_fn, backend, side_cfg, side_faults, int(st["seed"]),
-                                         CaptureSession)
+                raise pytest.skip.Exception(f"msprobe: {exc}") from None
+        dumps = {"bench": stored.rank_folder} if stored is not None else {}
+        for side, backend, side_faults in sides:
+            dumps[side] = self._run_side(model, inputs, loss_fn, backend,
+                                         self._capture_config(task, level, os.path.join(check_dir, side)),
+                                         side_faults, int(st["seed"]), regions, eval_mode)
         try:
             bench_dump = load_dump(dumps["bench"])
             target_dump = load_dump(dumps["target"])
             report = compare_dumps(target_dump, bench_dump, fuzzy=bool(st["fuzzy"]), thresholds=thresholds)
         except MsprobeError as exc:
-            pytest.fail(f"msprobe: {exc}", pytrace=False)
+            hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
+            raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
         csv_path = report.write_csv(check_dir)
         overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
         overflow_failed = overflow_t.has_overflow
         first = report.first_divergence
-        summary_row = {
-            "test": self.request.node.nodeid, "index": index, "dir": check_dir, "csv": csv_path,
-            "bench": bench.label, "target": target.label, "mode": report.mode,
+        row.update({
+            "csv": csv_path, "mode": report.mode,
             "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
             "first_divergence": first.name if first is not None else None,
             "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
@@ -127,15 +183,17 @@ class MsprobeFixture:
             "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
                        "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
                        "message": n.message} for n in report.nodes],
-        }
+        })
         props = self.request.node.user_properties
-        props.append((RESULT_PROPERTY, json.dumps(summary_row)))
+        props.append((RESULT_PROPERTY, json.dumps(row)))
         c = report.counts()
-        props += [("msprobe.nodes_compared", summary_row["nodes_compared"]), ("msprobe.pass", c["pass"]),
+        props += [("msprobe.nodes_compared", row["nodes_compared"]), ("msprobe.pass", c["pass"]),
                   ("msprobe.warning", c["warning"]), ("msprobe.error", c["error"]),
                   ("msprobe.unmatched", c["unmatched"]),
-                  ("msprobe.first_divergence", summary_row["first_divergence"] or ""),
-                  ("msprobe.csv", csv_path)]
+                  ("msprobe.first_divergence", row["first_divergence"] or ""),
+                  ("msprobe.csv", csv_path), ("msprobe.level", level)]
+        if stored is not None:
+            props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if first is not None:
             pytest.fail(_failure_message(report, check_dir), pytrace=False)
         if overflow_failed:
@@ -144,29 +202,67 @@ class MsprobeFixture:
                         f"the bench has none there. Artifacts: {check_dir}", pytrace=False)
         return report
 
+    def _capture_config(self, task: str, level: str, dump_path: str):
+        from ..config import DumpConfig
+
+        base = self.session.dump_config or DumpConfig()
+        summary = "md5" if task == "md5" else base.summary_mode
+        return base.with_overrides(task="tensor" if task == "tensor" else "statistics", level=level,
+                                   summary_mode=summary, dump_path=dump_path)
+
+    def _recording(self, bench, st: dict, task: str, level: str):
+        """The test's baseline recording, created at its first check and committed at teardown."""
+        if self._record is None:
+            from ..baseline import Recording, new_manifest
+
+            nodeid = self.request.node.nodeid
+            manifest = new_manifest(nodeid, bench_device=bench.device, bench_dtype=st["bench_dtype"], task=task,
+                                    level=level, seed=int(st["seed"]))
+            self._record = Recording(self.session.baseline, nodeid, manifest)
+        return self._record
+
+    def finish(self) -> None:
+        """Teardown: move a recorded baseline into place (nothing is stored for a test that recorded no check)."""
+        if self._record is not None:
+            if self._record.checks:
+                self._record.commit()
+            else:
+                self._record.discard()
+            self._record = None
+
     @staticmethod
-    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, CaptureSession) -> str:
+    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode) -> str:
         import torch
 
-        side_model = backend.prepare_model(model)
+        from ..backends import deterministic
+        from ..capture import CaptureSession
+
+        side_model = backend.prepare_model(model, eval_mode=eval_mode)
         side_inputs = backend.prepare_inputs(inputs)
-        capture = CaptureSession(cfg, faults=faults)
-        torch.manual_seed(seed)
+        capture = CaptureSession(cfg, faults=faults, opaque_modules=regions)
+        torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
         try:
-            capture.start(side_model)
-            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
-                out = side_model(**side_inputs[0])
-            else:
-                out = side_model(*side_inputs)
-            if loss_fn is not None:
-                loss = loss_fn(out)
-                loss.backward()
-            capture.stop()
+            with deterministic():
+                capture.start(side_model)
+                if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
+                    out = side_model(**side_inputs[0])
+                else:
+                    out = side_model(*side_inputs)
+                if loss_fn is not None:
+                    loss = loss_fn(out)
+                    loss.backward()
+                capture.stop()
         finally:
             capture.close()
         if not capture.folders:
             raise pytest.fail.Exception("msprobe: nothing was captured (no torch API or submodule ran)")
         return capture.folders[0]
+
+
+def _folder(nodeid: str) -> str:
+    from ..baseline import test_folder_name
+
+    return test_folder_name(nodeid)
 
 
 def _num(x: float) -> float | str:

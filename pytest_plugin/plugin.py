@@ -18,6 +18,7 @@ BENCH, TARGET = "--msprobe-bench", "--msprobe-target"
 BENCH_DTYPE, TARGET_DTYPE = "--msprobe-bench-dtype", "--msprobe-target-dtype"
 LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
+BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 
 _DTYPES = ("fp64", "fp32", "fp16", "bf16")
 
@@ -52,6 +53,12 @@ OPTIONS = [
     (OUT, "msprobe_out", str, "msprobe-out", "DIR", "folder for all artifacts, one sub-folder per test."),
     (JUNIT, "msprobe_junitxml", str, None, "PATH", "write a JUnit XML file: one testsuite per test, one testcase per compared node."),
     (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
+    (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
+]
+FLAGS = [
+    # (flag, ini key, help): booleans
+    (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),
+    (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
 ]
 
 
@@ -61,6 +68,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         group.addoption(flag, dest=ini, type=typ, default=None, metavar=metavar,
                         help=f"{help_text} Default: {default!r} (ini: {ini}).")
         parser.addini(ini, help=f"default for {flag}", default=default)
+    for flag, ini, help_text in FLAGS:
+        group.addoption(flag, dest=ini, action="store_true", default=None, help=f"{help_text} (ini: {ini}).")
+        parser.addini(ini, help=f"default for {flag}", type="bool", default=False)
     for key, default, text in (("msprobe_round_factor", "2", "verdict rule: multiples of the dtype's unit roundoff"),
                                ("msprobe_propagation", "1", "verdict rule: allowed amplification of input error"),
                                ("msprobe_error_factor", "1.5", "verdict rule: error threshold as a multiple of the pass budget"),
@@ -70,7 +80,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
-                            "target_dtype, level, task, inject, seed, fuzzy, round_factor, propagation, "
+                            "target_dtype, level, task, inject, seed, fuzzy, compile, round_factor, propagation, "
                             "error_factor, atol)")
     session = ProbeSession(config)
     config.stash[session_key] = session
@@ -96,4 +106,6 @@ def msprobe(request: pytest.FixtureRequest):
     from .fixture import MsprobeFixture
 
     session = request.config.stash[session_key]
-    return MsprobeFixture(request, session)
+    fixture = MsprobeFixture(request, session)
+    yield fixture
+    fixture.finish()

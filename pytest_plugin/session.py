@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 import pytest
@@ -53,6 +52,18 @@ class ProbeSession:
         self.junitxml = _opt(config, "msprobe_junitxml")
         self.config_path = _opt(config, "msprobe_config")
         self.inject_path = _opt(config, "msprobe_inject")
+        self.baseline = _opt(config, "msprobe_baseline")
+        self.baseline = os.path.abspath(self.baseline) if self.baseline else None
+        self.record = bool(_opt(config, "msprobe_record"))
+        self.target_compile = bool(_opt(config, "msprobe_target_compile"))
+        args = [str(a) for a in config.invocation_params.args]
+        if "--msprobe-baseline" in args[:-1] and os.path.exists(args[args.index("--msprobe-baseline") + 1]):
+            # pytest takes an existing path after a space for a test path when it picks the rootdir, which
+            # changes node ids (and so baseline folders) between runs
+            raise pytest.UsageError(f"msprobe: write --msprobe-baseline={self.baseline} (with '='): pytest reads "
+                                    "an existing path given after a space as a test path when it picks the rootdir")
+        if self.record and not self.baseline:
+            raise pytest.UsageError("msprobe: --msprobe-record needs --msprobe-baseline DIR (where to store the bench)")
         self.thresholds_raw = {k: config.getini(f"msprobe_{k}")
                                for k in ("round_factor", "propagation", "error_factor", "atol")}
         self._validated = False
@@ -85,7 +96,9 @@ class ProbeSession:
 
         from ..errors import MsprobeError
 
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150]
+        from ..baseline import test_folder_name
+
+        name = test_folder_name(nodeid)
         path = os.path.join(self.out, name)
         if os.path.isdir(path) and os.listdir(path):
             if not os.path.isfile(os.path.join(path, ".msprobe-ci")):
@@ -110,13 +123,22 @@ class ProbeSession:
         tr = terminalreporter
         tr.section("msprobe")
         for r in self.results:
+            head = f"{r['test']} [check {r['index']}]"
+            if r.get("recorded"):
+                tr.write_line(f"{head}: recorded the bench ({r['bench']}, {r['mode']}, {r['level']}): "
+                              f"{_size(r['baseline_bytes'])} in {r['baseline']}")
+                continue
             c = r["counts"]
             first = r.get("first_divergence") or "none"
             overflow = r.get("overflow_first") or "none"
-            tr.write_line(f"{r['test']} [check {r['index']}]: {r['nodes_compared']} nodes compared "
-                          f"({r['bench']} vs {r['target']}, {r['mode']}): pass {c['pass']}, warning {c['warning']}, "
-                          f"error {c['error']}, unmatched {c['unmatched']}; first divergence: {first}; "
-                          f"first overflow: {overflow}")
+            tr.write_line(f"{head}: {r['nodes_compared']} nodes compared "
+                          f"({r['bench']} vs {r['target']}, {r['mode']}, {r.get('level', '')}): pass {c['pass']}, "
+                          f"warning {c['warning']}, error {c['error']}, unmatched {c['unmatched']}; "
+                          f"first divergence: {first}; first overflow: {overflow}")
+            if r.get("baseline"):
+                tr.write_line(f"    bench from baseline {r['baseline']} ({_size(r['baseline_bytes'])})")
+            for note in r.get("notes", ()):
+                tr.write_line(f"    note: {note}")
             tr.write_line(f"    artifacts: {r['dir']}")
         if self.junitxml:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
@@ -127,3 +149,7 @@ class ProbeSession:
         from .junit import write_junit
 
         write_junit(self.junitxml, self.results)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:.2f} MiB"

@@ -55,13 +55,18 @@ class CaptureSession:
         faults: target-side :class:`~msprobe_ci.capture.inject.Fault` list; their APIs are perturbed even at L0.
         rank: rank folder suffix; ``None`` picks ``torch.distributed.get_rank()`` when initialised, else the
             folder is plain ``rank``.
+        opaque_modules: module paths (as in ``named_modules()``) whose submodules get no hooks: regions run
+            through ``torch.compile``, where a hook inside would be traced or break the graph. The module itself
+            is still captured.
 
     Raises:
         MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
     """
 
-    def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None):
+    def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None,
+                 opaque_modules: Iterable[str] = ()):
         config.validate()
+        self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
         self.config = config
         self.faults = tuple(faults)
         self._fault_apis = {f.api for f in self.faults}
@@ -338,7 +343,7 @@ class CaptureSession:
                                 "Tensor or a tuple of Tensors", category=UserWarning)
         handles = []
         for path, mod in model.named_modules():
-            if mod is model:
+            if mod is model or path.startswith(self.opaque_prefixes):
                 continue
             base = f"Module.{root_prefix}{path}.{type(mod).__name__}"
             handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base), with_kwargs=True))
