@@ -140,9 +140,15 @@ def deterministic() -> Iterator[None]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*deterministic.*", category=UserWarning)
+            _ignore_torch_self_warnings()
             yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _ignore_torch_self_warnings() -> None:
+    """torch modules imported by the first ``torch.compile`` (dynamo, inductor) warn about torch itself."""
+    warnings.filterwarnings("ignore", message="`torch.jit.script_method` is deprecated", category=DeprecationWarning)
 
 
 @dataclass(frozen=True)
@@ -219,10 +225,12 @@ class Backend:
             import torch
 
             backend = compile_backend()
-            for path in compile_regions(clone):
-                mod = clone.get_submodule(path)
-                # the module's own hooks stay outside the compiled region (they run in _call_impl)
-                mod.forward = torch.compile(mod.forward, backend=backend)
+            with warnings.catch_warnings():
+                _ignore_torch_self_warnings()
+                for path in compile_regions(clone):
+                    mod = clone.get_submodule(path)
+                    # the module's own hooks stay outside the compiled region (they run in _call_impl)
+                    mod.forward = torch.compile(mod.forward, backend=backend)
         return clone
 
     def prepare_inputs(self, value: Any) -> Any:

@@ -256,6 +256,13 @@ class MsprobeFixture:
             capture.close()
         if not capture.folders:
             raise pytest.fail.Exception("msprobe: nothing was captured (no torch API or submodule ran)")
+        for i, f in enumerate(faults):
+            if i not in capture.faults_applied:
+                where = "" if f.call is None else f" call {f.call}"
+                why = ("it ran inside a torch.compile region, where APIs cannot be reached" if backend.compile
+                       else "no such call ran on the target")
+                warnings.warn(f"msprobe: fault {f.api}{where} ({f.direction}) was never applied: {why}",
+                              UserWarning, stacklevel=3)
         return capture.folders[0]
 
 

@@ -118,3 +118,23 @@ def test_mlp(msprobe):
     folders = sorted(p.name for p in (suite.path / "art").iterdir())
     assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
     assert all((suite.path / "art" / f / ".msprobe-ci").is_file() for f in folders)
+
+
+def test_compiled_target_is_captured_at_module_level(suite):
+    result = suite.runpytest_subprocess("--msprobe-target-compile", "--msprobe-target-dtype=bf16",
+                                        "--msprobe-inject", "faults.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*test_net*nodes compared (cpu/model-dtype vs cpu/bf16+compile, statistics, L0)*error 0*",
+        "*note: target compiled with * (3 region(s)); capture at L0*",
+    ])
+    # the fault's API runs inside a compiled region: said, not silently ignored
+    result.stdout.fnmatch_lines(["*fault Functional.layer_norm call 0 (forward) was never applied: it ran inside a "
+                                 "torch.compile region*"])
+
+
+def test_fault_that_matches_no_call_is_reported(suite):
+    suite.makefile(".yaml", typo="faults:\n  - {api: Functional.layer_norm, call: 7, perturb: scale, value: 1.1}\n")
+    result = suite.runpytest_subprocess("--msprobe-inject", "typo.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*fault Functional.layer_norm call 7 (forward) was never applied: no such call ran*"])

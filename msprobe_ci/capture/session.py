@@ -39,12 +39,20 @@ _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "module
 
 
 class _ApiMode(TorchFunctionMode):
+    """Routes every torch API call to the session. Inside code that ``torch.compile`` traces it steps aside: API
+    capture (and fault injection) cannot reach into compiled graphs; module hooks outside them still record."""
+
     def __init__(self, session: "CaptureSession"):
         super().__init__()
         self.session = session
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_compiling():
+            return func(*args, **(kwargs or {}))
         return self.session._on_api(func, args, kwargs or {})
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 class CaptureSession:
@@ -70,6 +78,7 @@ class CaptureSession:
         self.config = config
         self.faults = tuple(faults)
         self._fault_apis = {f.api for f in self.faults}
+        self.faults_applied: set[int] = set()  # indices into ``faults`` that perturbed at least one value
         self.rank = rank
         self.current_step = 0
         self.running = False
@@ -270,6 +279,7 @@ class CaptureSession:
         for f in faults:
             if f.direction == "forward" and f.matches(api_id, n, "forward"):
                 out = f.apply(out, n)
+                self.faults_applied.add(self.faults.index(f))
         self.api_counts[key] = n + 1
         if record:
             self._busy = True
@@ -312,6 +322,7 @@ class CaptureSession:
                 new = tuple(grad_inputs)
                 for f in faults:
                     new = f.apply(new, call)
+                    self.faults_applied.add(self.faults.index(f))
                 grad_inputs = new
             if record and self.running and not self._busy:
                 self._busy = True

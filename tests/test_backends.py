@@ -1,0 +1,97 @@
+"""Backends: device specs, the accelerator code path exercised with a stand-in kind on cpu, compile regions,
+determinism, and GPU/NPU smoke tests that run where the device exists."""
+
+import importlib.util
+
+import pytest
+import torch
+from _suites import MODEL_TEST
+
+from msprobe_ci import MsprobeError
+from msprobe_ci.backends import (DEVICE_KINDS, Backend, DeviceKind, compile_regions, deterministic, parse_device)
+
+STAND_IN = "msprobe_ci_stand_in_runtime"
+
+
+@pytest.fixture
+def npu_on_cpu(monkeypatch, tmp_path):
+    """The npu kind, with its runtime module a stand-in file and its namespace torch.cpu."""
+    (tmp_path / f"{STAND_IN}.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(DEVICE_KINDS, "npu", DeviceKind("npu", STAND_IN, "cpu", "stand-in"))
+
+
+@pytest.mark.parametrize("spec, device", [("cpu", "cpu"), ("gpu", "cuda"), ("CUDA:1", "cuda:1"), ("npu:0", "npu:0")])
+def test_parse_device(spec, device):
+    assert parse_device(spec) == device
+
+
+def test_accelerator_path_with_a_stand_in_kind(npu_on_cpu):
+    backend = Backend.from_options("npu", "bf16")
+    backend.check_available()
+    assert backend.torch_device == "cpu" and backend.label == "npu/bf16"
+    model = torch.nn.Linear(4, 2)
+    moved = backend.prepare_model(model)
+    assert moved is not model and moved.weight.dtype == torch.bfloat16 and model.weight.dtype == torch.float32
+    x, ids = backend.prepare_inputs((torch.randn(2, 4), torch.tensor([1, 2])))
+    assert x.dtype == torch.bfloat16 and ids.dtype == torch.int64
+    with pytest.raises(MsprobeError, match=r"^device 'npu:3' is not available: only 1 npu device\(s\) here$"):
+        Backend.from_options("npu:3").check_available()
+
+
+def test_missing_runtime_and_missing_device_messages(monkeypatch):
+    if importlib.util.find_spec("torch_npu") is None:
+        with pytest.raises(MsprobeError, match=r"^device 'npu' is not available: torch_npu is not installed "
+                                               r"\(pip install torch_npu on an Ascend runner, or use a recorded "
+                                               r"baseline: --msprobe-baseline DIR\)$"):
+            Backend.from_options("npu").check_available()
+    if not torch.cuda.is_available():
+        with pytest.raises(MsprobeError, match=r"^device 'cuda' is not available: torch.cuda finds no device"):
+            Backend.from_options("gpu").check_available()
+    monkeypatch.setitem(DEVICE_KINDS, "npu", DeviceKind("npu", "no_such_runtime_xyz", "npu", "hint"))
+    with pytest.raises(MsprobeError, match=r"no_such_runtime_xyz is not installed \(hint\)$"):
+        Backend.from_options("npu").check_available()
+
+
+def test_stand_in_npu_target_end_to_end(pytester):
+    """The plugin's whole path for --msprobe-target=npu, with the npu kind standing in on cpu."""
+    pytester.makepyfile(**{STAND_IN: "LOADED = True\n", "test_model": MODEL_TEST})
+    pytester.makeconftest(f"""
+from msprobe_ci.backends import DEVICE_KINDS, DeviceKind
+DEVICE_KINDS["npu"] = DeviceKind("npu", "{STAND_IN}", "cpu", "stand-in")
+""")
+    result = pytester.runpytest_subprocess("--msprobe-target=npu", "--msprobe-target-dtype=bf16", "-p",
+                                           "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_net*(cpu/model-dtype vs npu/bf16, statistics, mix)*error 0*"])
+
+
+def test_compile_regions():
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(2, 2)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3))
+
+    assert compile_regions(Blocks()) == ["layers.0", "layers.1", "layers.2"]
+    assert compile_regions(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == ["0", "1"]
+
+
+def test_deterministic_restores_the_previous_setting():
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic():
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("gpu", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")),
+    pytest.param("npu", marks=pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None,
+                                                 reason="torch_npu not installed")),
+])
+def test_device_smoke(pytester, device):
+    """On a machine with the device: cpu bench vs device target passes, and the device appears in the report."""
+    pytester.makepyfile(test_model=MODEL_TEST)
+    result = pytester.runpytest_subprocess(f"--msprobe-target={device}", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*vs {'cuda' if device == 'gpu' else 'npu'}/model-dtype*error 0*"])
