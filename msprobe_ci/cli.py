@@ -2,6 +2,7 @@
 
     msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
     msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
+    msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
 
 Paths are dump.json files, rank folders or step folders (ranks are paired in order). Exit status: 0 when no node
 is an error (compare) / no NaN-Inf (overflow), 1 otherwise, 2 for bad input (one line on stderr).
@@ -29,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     o = sub.add_parser("overflow", help="find NaN/Inf and the first anomalous node")
     o.add_argument("-i", "--input_path", required=True, help="step folder, rank folder or dump.json")
     o.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
+    g = sub.add_parser("graph", help="build (or with -gp compare) model graphs into a .vis.db for tb-graph-ascend")
+    g.add_argument("-tp", "--target_path", required=True, help="target rank folder, step folder or dump root")
+    g.add_argument("-gp", "--golden_path", default=None, help="bench dump (same layout): compare instead of build")
+    g.add_argument("-o", "--output_path", required=True, help="output folder for build_/compare_<ts>.vis.db")
+    g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
+    g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
     return p
 
 
@@ -50,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "compare":
             return _compare(args)
+        if args.command == "graph":
+            return _graph(args)
         return _overflow(args)
     except MsprobeError as exc:
         print(f"msprobe-ci: {exc}", file=sys.stderr)
@@ -90,6 +99,19 @@ def _overflow(args) -> int:
         json.dump(result, fh, indent=1)
     print(out)
     return 1 if found else 0
+
+
+def _graph(args) -> int:
+    from .graph import build_vis_db, compare_vis_db
+
+    if args.golden_path:
+        path = compare_vis_db(args.target_path, args.golden_path, args.output_path, overflow=args.overflow_check,
+                              fuzzy=args.fuzzy_match)
+    else:
+        path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check)
+    print(path)
+    print(f"open it with: tensorboard --logdir {os.path.dirname(os.path.abspath(path))} (tb-graph-ascend installed)")
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

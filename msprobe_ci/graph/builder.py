@@ -1,0 +1,286 @@
+"""Model graphs from a dump, built as msprobe's ``graph_visualize`` builds them (``shared/spec/
+compare-overflow-visualization.md`` §3.2), so tb-graph-ascend shows our dumps the way it shows msprobe's.
+
+A graph has a root ``DefaultModel`` (a module node), the module and API nodes of ``construct.json`` under their
+parents, ``X.parameters_grad.N`` entries under ``X.backward.N`` (or the last backward call), and every run of two
+or more consecutive API nodes at the root wrapped into an ``Apis_Between_Modules.<k>`` collection. Node data are
+the dump entry's rows as msprobe writes them in ``.vis.db`` (every value a string), micro-steps split where a module
+forward follows a module backward, and ``order`` is the post-order index (children first, root last).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..compare.rows import entry_rows
+from ..dump.reader import Dump
+from ..errors import MsprobeError
+
+ROOT = "DefaultModel"
+MODULE, API, COLLECTION = 0, 1, 9
+_API_RE = re.compile(r"^(Tensor|Torch|Functional|NPU|VF|Distributed|Aten|Mint|Primitive|Jit|MintFunctional|MindSpeed)\.")
+_PGRAD_RE = re.compile(r"^(?P<base>.+)\.parameters_grad(?:\.(?P<n>\d+))?$")
+_BWD_RE = re.compile(r"\.backward(\.|$)")
+
+
+@dataclass
+class Node:
+    """One graph node.
+
+    Attributes:
+        name: node id (``Module.fc1.Linear.forward.0``, ``Functional.linear.0.forward``, ``DefaultModel``).
+        type: 0 module, 1 function API, 9 API collection (msprobe's ``NodeOp``).
+        parent: parent name, ``None`` for the root.
+        children: child names in display order.
+        input_data, output_data: ``{row name: {field: str}}``.
+        stack: frame strings of the call site.
+        micro_step: micro-step id (0 when no split).
+        order: post-order index within the graph.
+        precision_index: ``None``, 0, 0.5 or 1 (compare graphs, target side).
+        overflow_level: ``None`` or ``medium``/``high``/``critical``.
+        matched_link: ancestors + matched node (compare graphs), ``[]`` when unmatched.
+    """
+
+    name: str
+    type: int
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
+    input_data: dict[str, dict] = field(default_factory=dict)
+    output_data: dict[str, dict] = field(default_factory=dict)
+    stack: list[str] = field(default_factory=list)
+    micro_step: int = 0
+    order: int = 0
+    precision_index: float | None = None
+    overflow_level: str | None = None
+    matched_link: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Graph:
+    """All nodes of one (data_source, step, rank), root first in ``nodes`` insertion order."""
+
+    nodes: dict[str, Node]
+    data_source: str = "NPU"
+    step: int = 0
+    rank: int = 0
+    dump_data_dir: str | None = None
+
+    @property
+    def root(self) -> Node:
+        return self.nodes[ROOT]
+
+    @property
+    def graph_id(self) -> str:
+        return f"{self.data_source}_{self.step}_{self.rank}"
+
+    @property
+    def micro_steps(self) -> int:
+        return max((n.micro_step for n in self.nodes.values()), default=0) + 1
+
+    def ancestors(self, name: str) -> list[str]:
+        """Names from the root down to ``name``'s parent."""
+        chain = []
+        parent = self.nodes[name].parent
+        while parent is not None:
+            chain.append(parent)
+            parent = self.nodes[parent].parent
+        return chain[::-1]
+
+    def post_order(self) -> list[Node]:
+        return sorted(self.nodes.values(), key=lambda n: n.order)
+
+
+def node_type(name: str) -> int:
+    """msprobe's node type: 1 for torch APIs (``Tensor.``, ``Torch.``, ``Functional.`` ...), else 0 (module)."""
+    return API if _API_RE.match(name) else MODULE
+
+
+def _twin(name: str, a: str, b: str) -> str:
+    return name.replace(f".{a}.", f".{b}.") if f".{a}." in name else re.sub(rf"\.{a}$", f".{b}", name)
+
+
+def _parents(construct: dict[str, Any], where: str) -> dict[str, str | None]:
+    """construct.json with msprobe's backward fix-ups, checked for dangling parents and cycles."""
+    parents: dict[str, str | None] = {}
+    for child, parent in construct.items():
+        if parent is not None and not isinstance(parent, str):
+            raise MsprobeError(f"{where}: {child!r}: parent must be a node name or null, got {parent!r}")
+        if _BWD_RE.search(child) and (parent is None or ".forward" in parent):
+            # a backward node without a (backward) parent borrows its forward twin's parent, renamed to backward
+            twin_parent = construct.get(_twin(child, "backward", "forward"))
+            if isinstance(twin_parent, str):
+                candidate = _twin(twin_parent, "forward", "backward")
+                if candidate in construct:
+                    parent = candidate
+        parents[child] = parent
+    for child, parent in parents.items():
+        if parent is not None and parent not in parents:
+            raise MsprobeError(f"{where}: {child!r} has parent {parent!r}, which is not in construct.json")
+    for start in parents:
+        seen = [start]
+        parent = parents[start]
+        while parent is not None:
+            if parent in seen:
+                loop = " -> ".join(seen[seen.index(parent):] + [parent])
+                raise MsprobeError(f"{where}: cycle in construct.json: {loop}")
+            seen.append(parent)
+            parent = parents[parent]
+    return parents
+
+
+def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: int = 0) -> Graph:
+    """Build the graph of one rank folder.
+
+    Args:
+        dump: a loaded dump with ``construct.json`` (level L0 or mix).
+        data_source: ``NPU`` (target, also build graphs) or ``Bench``.
+        step, rank: the graph's step and rank.
+
+    Raises:
+        MsprobeError: construct.json missing or empty (the message says L0 or mix is needed), a parent that is not
+            a node, or a cycle.
+    """
+    where = f"{dump.folder}/construct.json"
+    if not dump.construct:
+        raise MsprobeError(f"{where}: missing or empty; a graph needs the module structure, dump with level L0 or "
+                           f"mix (this dump is level {dump.level or 'L1'})")
+    parents = _parents(dump.construct, where)
+    nodes: dict[str, Node] = {ROOT: Node(ROOT, MODULE)}
+    for name in parents:
+        nodes[name] = Node(name, node_type(name))
+    for name, parent in parents.items():
+        nodes[name].parent = parent or ROOT
+        nodes[parent or ROOT].children.append(name)
+    # parameter gradients: module-type children of the module's backward node
+    for name in dump.data:
+        m = _PGRAD_RE.match(name)
+        if not m or name in nodes:
+            continue
+        base = m.group("base")
+        backs = sorted((int(k.rsplit(".", 1)[1]) for k in nodes if k.startswith(f"{base}.backward.")
+                        and k.rsplit(".", 1)[1].isdigit()))
+        if not backs:
+            continue
+        n = int(m.group("n")) if m.group("n") is not None and int(m.group("n")) in backs else backs[-1]
+        parent = f"{base}.backward.{n}"
+        nodes[name] = Node(name, MODULE, parent=parent)
+        nodes[parent].children.append(name)
+    _group_root_apis(nodes)
+    for node in nodes.values():
+        if node.type == COLLECTION:
+            continue
+        entry = dump.data.get(node.name)
+        if entry is not None:
+            node.input_data, node.output_data = node_data(node.name, entry)
+        frames = dump.stack.get(node.name)
+        if frames is None and _BWD_RE.search(node.name):
+            frames = dump.stack.get(_twin(node.name, "backward", "forward"))
+        node.stack = list(frames or [])
+    _micro_steps(nodes)
+    _post_order(nodes)
+    data_dir = None
+    if dump.task == "tensor":
+        import os
+
+        data_dir = os.path.join(dump.folder, "dump_tensor_data")
+    return Graph(nodes, data_source, step, rank, data_dir)
+
+
+def _group_root_apis(nodes: dict[str, Node]) -> None:
+    root = nodes[ROOT]
+    grouped: list[str] = []
+    run: list[str] = []
+    k = 0
+
+    def close() -> None:
+        nonlocal k
+        if len(run) >= 2:
+            name = f"Apis_Between_Modules.{k}"
+            k += 1
+            nodes[name] = Node(name, COLLECTION, parent=ROOT, children=list(run))
+            for child in run:
+                nodes[child].parent = name
+            grouped.append(name)
+        else:
+            grouped.extend(run)
+        run.clear()
+
+    for child in root.children:
+        if nodes[child].type == API:
+            run.append(child)
+        else:
+            close()
+            grouped.append(child)
+    close()
+    root.children = grouped
+
+
+def _micro_steps(nodes: dict[str, Node]) -> None:
+    step, seen_backward = 0, False
+    for child in nodes[ROOT].children:
+        node = nodes[child]
+        if node.type == MODULE and ".forward" in child and seen_backward:
+            step += 1
+            seen_backward = False
+        if node.type == MODULE and _BWD_RE.search(child):
+            seen_backward = True
+        stack = [child]
+        while stack:
+            n = nodes[stack.pop()]
+            n.micro_step = step
+            stack.extend(n.children)
+
+
+def _post_order(nodes: dict[str, Node]) -> None:
+    order = 0
+    stack: list[tuple[str, bool]] = [(ROOT, False)]
+    while stack:
+        name, done = stack.pop()
+        if done:
+            nodes[name].order = order
+            order += 1
+            continue
+        stack.append((name, True))
+        stack.extend((c, False) for c in reversed(nodes[name].children))
+
+
+# --------------------------------------------------------------------------------------------- node data rows
+def _text(v: Any) -> str:
+    return "null" if v is None else str(v).replace("'", "")
+
+
+def row_fields(record: Any) -> dict[str, str]:
+    """One data row as msprobe writes it into ``input_data``/``output_data`` (every value a string)."""
+    if not isinstance(record, dict):
+        return {"value": "null"}
+    if record.get("type") in ("torch.Tensor", "mindspore.Tensor") or "dtype" in record and "shape" in record:
+        if record.get("Max") is None and "md5" not in record:
+            return {"value": "null"}
+        out = {"type": _text(record.get("type")), "dtype": _text(record.get("dtype")),
+               "shape": _text(record.get("shape")), "Max": _text(record.get("Max")), "Min": _text(record.get("Min")),
+               "Mean": _text(record.get("Mean")), "Norm": _text(record.get("Norm")),
+               "requires_grad": _text(record.get("requires_grad")),
+               "data_name": _text(record.get("data_name") or "-1")}
+        if "md5" in record:
+            out["md5"] = _text(record["md5"])
+        return out
+    value = record.get("value")
+    if value is None and "value" not in record:
+        return {k: _text(v) for k, v in record.items() if k not in ("state", "full_op_name")}
+    out = {"type": _text(record.get("type")), "value": _text(value), "data_name": "-1", "requires_grad": "null"}
+    out.update(Max=_text(value), Min=_text(value), Mean=_text(value), Norm=_text(value),
+               dtype=f"<class {record.get('type')}>", shape="[]")
+    return out
+
+
+def node_data(name: str, entry: Any) -> tuple[dict[str, dict], dict[str, dict]]:
+    """``(input_data, output_data)`` of one dump entry: rows with ``.output.`` (and no ``.input.``) are outputs;
+    inputs, kwargs, parameters and parameter gradients are inputs, as msprobe files them."""
+    inputs: dict[str, dict] = {}
+    outputs: dict[str, dict] = {}
+    for row in entry_rows(name, entry):
+        target = outputs if ".output." in row.name and ".input." not in row.name else inputs
+        target[row.name] = row_fields(row.record)
+    return inputs, outputs

@@ -1,0 +1,110 @@
+"""Compare two graphs: match nodes, attach our metrics to the target side, colour nodes by our verdicts.
+
+Matching follows msprobe's graph comparator (``shared/spec/compare-overflow-visualization.md`` §3.3): a target node
+matches the bench node with the same name when both ancestor chains are equal; with ``fuzzy`` module and collection
+nodes match by name alone and the API children of a matched pair by their name without call numbers plus their
+order of occurrence. Both nodes of a pair get the same ``matched_link`` (ancestors + the partner's name).
+
+Colours come from our node verdicts (:mod:`msprobe_ci.compare.verdict`), not from msprobe's dtype-blind Result:
+``precision_index`` is 0 (pass), 0.5 (warning) or 1 (error) on matched target nodes with data, the maximum of the
+children on API collections, and NULL on the root, bench nodes and unmatched nodes (grey in the viewer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+
+from ..compare.engine import CompareReport
+from ..compare.rows import fuzzy_name
+from .builder import API, COLLECTION, ROOT, Graph
+
+PRECISION = {"pass": 0, "warning": 0.5, "error": 1}
+_EMPTY_APIS = {"empty", "empty_like", "empty_with_format", "new_empty_strided", "new_empty", "empty_strided"}
+
+
+def _match_exact(target: Graph, bench: Graph) -> dict[str, str]:
+    pairs = {}
+    for name in target.nodes:
+        if name in bench.nodes and target.ancestors(name) == bench.ancestors(name):
+            pairs[name] = name
+    return pairs
+
+
+def _match_fuzzy(target: Graph, bench: Graph) -> dict[str, str]:
+    pairs = {n: n for n, node in target.nodes.items() if node.type != API and n in bench.nodes}
+    for t_name, b_name in list(pairs.items()):
+        t_apis = [c for c in target.nodes[t_name].children if target.nodes[c].type == API]
+        b_by_key: dict[str, list[str]] = defaultdict(list)
+        for c in bench.nodes[b_name].children:
+            if bench.nodes[c].type == API:
+                b_by_key[_api_key(c)].append(c)
+        seen: dict[str, int] = defaultdict(int)
+        for c in t_apis:
+            key = _api_key(c)
+            i = seen[key]
+            seen[key] += 1
+            if i < len(b_by_key[key]):
+                pairs[c] = b_by_key[key][i]
+    return pairs
+
+
+def _api_key(name: str) -> str:
+    return re.sub(r"_rank\d+", "", fuzzy_name(name))
+
+
+def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy: bool = False) -> dict[str, str]:
+    """Match ``target`` (data_source NPU) against ``bench`` and annotate both in place.
+
+    Args:
+        target, bench: graphs of the two sides of the same step and rank.
+        report: :func:`~msprobe_ci.compare.compare_dumps` of the same two dumps (metrics and node verdicts).
+        fuzzy: msprobe's ``-fm`` matching.
+
+    Returns:
+        ``{target node name: bench node name}`` for every matched pair.
+    """
+    pairs = _match_fuzzy(target, bench) if fuzzy else _match_exact(target, bench)
+    for t_name, b_name in pairs.items():
+        if fuzzy:  # crosswise, as msprobe stores them
+            target.nodes[t_name].matched_link = bench.ancestors(b_name) + [b_name]
+            bench.nodes[b_name].matched_link = target.ancestors(t_name) + [t_name]
+        else:
+            link = target.ancestors(t_name) + [t_name]
+            target.nodes[t_name].matched_link = link
+            bench.nodes[b_name].matched_link = list(link)
+    rows = {rr.target.name: rr for rr in report.rows}
+    verdicts = {n.name: n for n in report.nodes}
+    for t_name in pairs:
+        node = target.nodes[t_name]
+        if node.type == COLLECTION or t_name == ROOT:
+            continue
+        verdict = verdicts.get(t_name)
+        for data in (node.input_data, node.output_data):
+            for row_name, fields in data.items():
+                rr = rows.get(row_name)
+                if rr is None or rr.bench is None:
+                    continue
+                fields.update({k: _text(v) for k, v in rr.metrics.items()})
+                consistent = rr.target.requires_grad == rr.bench.requires_grad
+                status, message = "pass", []
+                if verdict is not None and verdict.worst_row == row_name and verdict.status in ("warning", "error"):
+                    status, message = verdict.status, [f"{verdict.status}: {verdict.message}"]
+                fields.update({"Requires_grad Consistent": str(consistent), "Result": status,
+                               "Err_message": json.dumps(message)})
+        if verdict is not None and verdict.status in PRECISION and (node.input_data or node.output_data):
+            node.precision_index = PRECISION[verdict.status]
+            api = t_name.split(".")[1] if t_name.count(".") >= 1 else ""
+            if api in _EMPTY_APIS:  # uninitialised memory is never comparable
+                node.precision_index = 1 if report.mode == "md5" else 0
+    for node in target.nodes.values():
+        if node.type == COLLECTION:
+            values = [target.nodes[c].precision_index for c in node.children]
+            values = [v for v in values if v is not None]
+            node.precision_index = max(values, default=0) if node.name in pairs else None
+    return pairs
+
+
+def _text(v) -> str:
+    return "null" if v is None else str(v)

@@ -1,0 +1,148 @@
+"""The ``.vis.db`` SQLite file tb-graph-ascend opens (``shared/spec/compare-overflow-visualization.md`` §3.5, §4).
+
+Tables ``tb_nodes``, ``tb_stack``, ``tb_config`` and indexes ``index1``…``index7`` exactly as msprobe creates
+them. The file is written under a temporary name in the output folder, in one transaction with WAL journaling,
+indexes created after the inserts, then renamed into place and made not group/other-writable (the viewer refuses
+such files): an error leaves no partial ``.vis.db`` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from typing import Iterable
+
+from ..errors import MsprobeError
+from .builder import Graph
+
+SCHEMA = """
+CREATE TABLE tb_nodes (id TEXT PRIMARY KEY, graph_id TEXT NOT NULL, node_order INTEGER NOT NULL,
+  node_name TEXT NOT NULL, node_type TEXT NOT NULL, up_node TEXT, sub_nodes TEXT, precision_index INTEGER,
+  overflow_level TEXT, micro_step_id INTEGER NOT NULL, matched_node_link TEXT, stack_id TEXT,
+  parallel_merge_info TEXT, matched_distributed TEXT, modified INTEGER NOT NULL, input_data TEXT,
+  output_data TEXT, data_source TEXT, dump_data_dir TEXT, step INTEGER NOT NULL, rank INTEGER NOT NULL,
+  is_distributed INTEGER);
+CREATE TABLE tb_stack (id TEXT PRIMARY KEY, stack_info TEXT);
+CREATE TABLE tb_config (id TEXT PRIMARY KEY, graph_type TEXT NOT NULL, task TEXT, tool_tip TEXT,
+  micro_steps INTEGER, overflow_check INTEGER, node_colors TEXT NOT NULL, rank_list TEXT NOT NULL,
+  step_list TEXT NOT NULL);
+"""
+INDEXES = """
+CREATE INDEX index1 ON tb_nodes (step, rank, data_source, up_node, node_order);
+CREATE INDEX index2 ON tb_nodes (step, rank, data_source, node_name);
+CREATE INDEX index3 ON tb_nodes (step, rank, data_source, node_order);
+CREATE INDEX index4 ON tb_nodes (step, rank, node_order);
+CREATE INDEX index5 ON tb_nodes (step, rank, micro_step_id, node_order);
+CREATE INDEX index6 ON tb_nodes (step, rank, modified, matched_node_link);
+CREATE INDEX index7 ON tb_nodes (is_distributed);
+"""
+
+_DESCRIPTION = ("node verdict of msprobe-ci (dtype- and input-aware relative error against its threshold); the "
+                "darker, the further the target is from the bench")
+NODE_COLORS = {
+    "#FFFCF3": {"value": [0, 0.3], "description": _DESCRIPTION, "accuracy_level": "pass"},
+    "#FFDC7F": {"value": [0.3, 0.6], "description": _DESCRIPTION, "accuracy_level": "warning"},
+    "#FF704D": {"value": [0.6, 1], "description": _DESCRIPTION, "accuracy_level": "error"},
+    "#C7C7C7": {"value": [], "description": "no bench node matched this node", "accuracy_level": "unmatched"},
+}
+TOOL_TIPS = {
+    "summary": {"Max diff": "target minus bench maximum", "Min diff": "target minus bench minimum",
+                "Mean diff": "target minus bench mean", "L2norm diff": "target minus bench L2 norm"},
+    "all": {"Cosine": "", "EucDist": "", "MaxAbsErr": "", "MaxRelativeErr": "", "One Thousandth Err Ratio": "",
+            "Five Thousandths Err Ratio": ""},
+    "md5": {"md5": "CRC-32 of the tensor bytes"},
+}
+TASKS = {"statistics": "summary", "tensor": "all", "md5": "md5"}
+
+
+def out_path(out_dir: str, kind: str) -> str:
+    """``<out_dir>/<kind>_<YYYYmmddHHMMSS>.vis.db`` that does not exist yet (``_N`` suffix on a clash).
+
+    Raises:
+        MsprobeError: ``out_dir`` exists as a file.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise MsprobeError(f"{out_dir}: output path exists and is not a folder")
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    path = os.path.join(out_dir, f"{kind}_{stamp}.vis.db")
+    i = 1
+    while os.path.exists(path):
+        path = os.path.join(out_dir, f"{kind}_{stamp}_{i}.vis.db")
+        i += 1
+    return path
+
+
+def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str = "statistics",
+                 overflow_check: bool = False) -> str:
+    """Write ``graphs`` (every side, step and rank) to ``path``; returns ``path``.
+
+    Args:
+        path: the ``.vis.db`` file to create (must not exist).
+        graphs: built (and for ``compare`` compared) graphs.
+        compare: ``graph_type`` ``compare`` (colour legend, task) or ``build``.
+        task: the compare mode: ``statistics`` (stored as msprobe's ``summary``), ``tensor`` (``all``), ``md5``.
+        overflow_check: the ``-oc`` flag shown by the viewer.
+
+    Raises:
+        MsprobeError: ``path`` exists, or its folder cannot be written.
+    """
+    graphs = list(graphs)
+    if os.path.exists(path):
+        raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        conn = sqlite3.connect(tmp, isolation_level=None)  # transactions are explicit below
+    except sqlite3.Error as exc:
+        raise MsprobeError(f"{path}: cannot create ({exc})") from None
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("BEGIN")
+        for statement in _statements(SCHEMA):
+            conn.execute(statement)
+        node_rows, stack_rows = [], []
+        for g in graphs:
+            stacks: dict[str, str] = {}
+            for node in g.post_order():
+                key = json.dumps(node.stack, ensure_ascii=False)
+                if key not in stacks:
+                    stacks[key] = f"{g.graph_id}_{len(stacks)}"
+                    stack_rows.append((stacks[key], key))
+                node_rows.append((
+                    f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type),
+                    node.parent or "", json.dumps(node.children) if node.children else "",
+                    node.precision_index, node.overflow_level, node.micro_step,
+                    json.dumps(node.matched_link), stacks[key], "", "{}", 0,
+                    json.dumps(node.input_data, ensure_ascii=False),
+                    json.dumps(node.output_data, ensure_ascii=False), g.data_source,
+                    g.dump_data_dir, g.step, g.rank, int(node.name.startswith("Distributed"))))
+        conn.executemany("INSERT INTO tb_nodes VALUES (" + ",".join("?" * 22) + ")", node_rows)
+        conn.executemany("INSERT INTO tb_stack VALUES (?, ?)", stack_rows)
+        mode = TASKS.get(task, task)
+        conn.execute("INSERT OR IGNORE INTO tb_config VALUES (?,?,?,?,?,?,?,?,?)", (
+            "1", "compare" if compare else "build", mode if compare else "",
+            json.dumps(TOOL_TIPS.get(mode, {})) if compare else None,
+            max((g.micro_steps for g in graphs), default=1), int(overflow_check),
+            json.dumps(NODE_COLORS) if compare else "null",
+            json.dumps(sorted({g.rank for g in graphs}) or [0]),
+            json.dumps(sorted({g.step for g in graphs}) or [0])))
+        for statement in _statements(INDEXES):
+            conn.execute(statement)
+        conn.execute("COMMIT")
+        conn.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(tmp + suffix):
+                os.unlink(tmp + suffix)
+        raise
+    return path
+
+
+def _statements(script: str) -> list[str]:
+    return [s.strip() for s in script.split(";") if s.strip()]

@@ -1,0 +1,105 @@
+"""Build or compare graphs from msprobe path layouts and write one ``.vis.db``.
+
+Layouts (as ``msprobe graph_visualize``): a rank folder (``dump.json``, ``construct.json``, ``stack.json``), a step
+folder with ``rank``/``rank<N>``/``proc<pid>`` folders, or a dump root with ``step<N>`` folders. Every step and rank
+goes into the same file (``step``/``rank`` columns, ``step_list``/``rank_list`` in ``tb_config``); compare pairs the
+target's and the bench's (step, rank) folders and needs at least one in common.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ..compare import compare_dumps
+from ..compare.engine import CompareReport
+from ..dump.reader import Dump, load_dump, rank_folders
+from ..errors import MsprobeError
+from ..overflow import check_overflow
+from .builder import Graph, build_graph
+from .compare import compare_graphs
+from .db import out_path, write_vis_db
+
+_STEP_RE = re.compile(r"^step(\d+)$")
+
+
+def _rank_of(folder: str) -> int:
+    m = re.match(r"^rank(\d+)$", os.path.basename(os.path.normpath(folder)))
+    return int(m.group(1)) if m else 0
+
+
+def layout(path: str) -> dict[tuple[int, int], str]:
+    """``{(step, rank): rank folder}`` for a rank folder, a step folder or a dump root.
+
+    Raises:
+        MsprobeError: the path holds no dump in any of the three layouts.
+    """
+    if not os.path.exists(path):
+        raise MsprobeError(f"{path}: no such dump folder")
+    if os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    if os.path.isfile(os.path.join(path, "dump.json")):
+        m = _STEP_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return {(int(m.group(1)) if m else 0, _rank_of(path)): path}
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(path) if (m := _STEP_RE.match(d))
+                   and os.path.isdir(os.path.join(path, d)))
+    if steps:
+        out = {}
+        for step, d in steps:
+            for folder in rank_folders(os.path.join(path, d)):
+                out[(step, _rank_of(folder))] = folder
+        return out
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    return {(int(m.group(1)) if m else 0, _rank_of(f)): f for f in rank_folders(path)}
+
+
+def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Graph:
+    g = build_graph(dump, data_source=source, step=step, rank=rank)
+    if overflow:
+        for a in check_overflow(dump).anomalies:
+            if a.name in g.nodes:
+                g.nodes[a.name].overflow_level = a.level
+    return g
+
+
+def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
+    """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path."""
+    graphs = [_graph(load_dump(folder), "NPU", step, rank, overflow)
+              for (step, rank), folder in sorted(layout(target).items())]
+    return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
+
+
+def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
+                   thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None) -> str:
+    """``compare_<ts>.vis.db`` of every (step, rank) the two sides share; returns its path.
+
+    Args:
+        target, golden: dump paths (see :func:`layout`).
+        out_dir: output folder (created; must not be a file).
+        overflow: mark overflow levels on nodes (``-oc``).
+        fuzzy: msprobe's ``-fm`` node matching (and fuzzy row matching in the compare).
+        thresholds: :class:`~msprobe_ci.compare.Thresholds` for the node verdicts (default rule).
+        reports: already computed compare reports by (step, rank), to skip recomputing them.
+
+    Raises:
+        MsprobeError: no (step, rank) in common, unreadable dumps, construct.json missing, dangling parents or
+            cycles.
+    """
+    t_layout, g_layout = layout(target), layout(golden)
+    common = sorted(set(t_layout) & set(g_layout))
+    if not common:
+        raise MsprobeError(f"{target} and {golden} share no step/rank folder (target has {sorted(t_layout)}, "
+                           f"golden has {sorted(g_layout)})")
+    graphs, mode = [], "statistics"
+    for key in common:
+        t_dump, g_dump = load_dump(t_layout[key]), load_dump(g_layout[key])
+        report = (reports or {}).get(key)
+        if report is None:
+            kwargs = {"thresholds": thresholds} if thresholds is not None else {}
+            report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, **kwargs)
+        mode = report.mode
+        t_graph = _graph(t_dump, "NPU", *key, overflow)
+        g_graph = _graph(g_dump, "Bench", *key, overflow)
+        compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
+        graphs += [t_graph, g_graph]
+    return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)

@@ -1,0 +1,166 @@
+"""Graphs: parity with msprobe's own .vis.db files, our verdict colours, schema, steps/ranks, bad inputs, CLI."""
+
+import json
+import os
+import shutil
+import sqlite3
+from contextlib import closing
+
+import pytest
+from _files import read_json
+
+from msprobe_ci import MsprobeError
+from msprobe_ci.cli import main as cli_main
+from msprobe_ci.dump import load_dump
+from msprobe_ci.graph import build_graph, build_vis_db, compare_vis_db, write_vis_db
+from msprobe_ci.graph.db import INDEXES, SCHEMA
+
+CORE = ("type", "dtype", "shape", "Max", "Min", "Mean", "Norm", "requires_grad", "data_name", "value")
+
+
+def _rows(db, source):
+    with closing(sqlite3.connect(db)) as conn:
+        conn.row_factory = sqlite3.Row
+        return {r["node_name"]: dict(r) for r in conn.execute("select * from tb_nodes where data_source=?", (source,))}
+
+
+def _core(data):
+    return {k: {f: v for f, v in row.items() if f in CORE} for k, row in json.loads(data).items()}
+
+
+@pytest.mark.parametrize("db, target, bench", [
+    ("build_fp32_statistics", "fp32_statistics", None),
+    ("build_fp16_overflow", "fp16_overflow_statistics", None),
+    ("compare_bf16_vs_fp32_statistics", "bf16_statistics", "fp32_statistics"),
+    ("compare_bf16_vs_fp32_tensor", "bf16_tensor", "fp32_tensor"),
+    ("compare_bf16_vs_fp32_md5", "bf16_md5", "fp32_md5"),
+])
+def test_same_graph_as_msprobe(fixtures_dir, tmp_path, db, target, bench):
+    tp = os.path.join(fixtures_dir, target, "step0", "proc0")
+    if bench is None:
+        ours = build_vis_db(tp, str(tmp_path), overflow=db.endswith("overflow"))
+    else:
+        ours = compare_vis_db(tp, os.path.join(fixtures_dir, bench, "step0", "proc0"), str(tmp_path))
+    theirs = os.path.join(fixtures_dir, "msprobe-outputs", f"{db}.vis.db")
+    for source in (["NPU"] if bench is None else ["NPU", "Bench"]):
+        o, t = _rows(ours, source), _rows(theirs, source)
+        assert set(o) == set(t) and len(o) == 47
+        for name in t:
+            for col in ("up_node", "sub_nodes", "node_type", "node_order", "micro_step_id", "overflow_level",
+                        "matched_node_link"):
+                if col == "overflow_level" and ".parameters_grad" in name:
+                    continue  # msprobe leaves gradient nodes unchecked; ours mark their NaN/Inf (critical)
+                assert (name, col, o[name][col]) == (name, col, t[name][col])
+            assert _core(o[name]["input_data"]) == _core(t[name]["input_data"]), name
+            assert _core(o[name]["output_data"]) == _core(t[name]["output_data"]), name
+    with closing(sqlite3.connect(ours)) as a, closing(sqlite3.connect(theirs)) as b:
+        q = "select graph_type, task, micro_steps, overflow_check, rank_list, step_list from tb_config"
+        assert a.execute(q).fetchall() == b.execute(q).fetchall()
+
+
+def test_colours_come_from_our_verdicts(fixtures_dir, tmp_path):
+    db = compare_vis_db(os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0"),
+                        os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0"), str(tmp_path))
+    npu = _rows(db, "NPU")
+    theirs = _rows(os.path.join(fixtures_dir, "msprobe-outputs", "compare_bf16_vs_fp32_statistics.vis.db"), "NPU")
+    assert sum(r["precision_index"] == 1 for r in theirs.values()) > 20  # msprobe: the dtype alone is an error
+    assert {r["precision_index"] for r in npu.values()} <= {0, None}    # ours: bf16 rounding passes
+    assert npu["DefaultModel"]["precision_index"] is None
+    assert all(r["precision_index"] is None for r in _rows(db, "Bench").values())
+    out = json.loads(npu["Functional.linear.0.forward"]["output_data"])["Functional.linear.0.forward.output.0"]
+    assert out["Result"] == "pass" and out["MaxRelativeErr"].endswith("%") and "Max diff" in out
+
+
+def test_injected_fault_is_red_on_the_api_and_its_module(tmp_path, tinynet):
+    import torch
+
+    from msprobe_ci import PrecisionDebugger
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "bench"), level="mix")
+    dbg.start(tinynet)
+    tinynet(x).pow(2).mean().backward()
+    dbg.stop()
+    tinynet.zero_grad()
+    cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / "target"), level="mix"),
+                         faults=[Fault("Functional.layer_norm", 0, "forward", "scale", 1.05)])
+    cap.start(tinynet)
+    tinynet(x).pow(2).mean().backward()
+    cap.stop()
+    cap.close()
+    db = compare_vis_db(str(tmp_path / "target"), str(tmp_path / "bench"), str(tmp_path / "out"))
+    npu = _rows(db, "NPU")
+    red = {n for n, r in npu.items() if r["precision_index"] == 1}
+    assert red == {"Functional.layer_norm.0.forward", "Module.norm.LayerNorm.forward.0"}
+    assert npu["Functional.linear.1.forward"]["precision_index"] == 0
+
+
+def test_schema_config_and_stacks(fixtures_dir, tmp_path):
+    db = compare_vis_db(os.path.join(fixtures_dir, "bf16_statistics_2steps"),
+                        os.path.join(fixtures_dir, "fp32_statistics_2steps"), str(tmp_path))
+    with closing(sqlite3.connect(db)) as conn:
+        sql = {r[0]: " ".join(r[1].split()) for r in conn.execute("select name, sql from sqlite_master where sql is not null")}
+        expected = [" ".join(s.split()) for s in (SCHEMA + INDEXES).split(";") if s.strip()]
+        assert sorted(sql.values()) == sorted(expected)
+        assert conn.execute("select rank_list, step_list, graph_type from tb_config").fetchone() == ("[0]", "[0, 1]", "compare")
+        graphs = [r[0] for r in conn.execute("select distinct graph_id from tb_nodes order by 1")]
+        assert graphs == ["Bench_0_0", "Bench_1_0", "NPU_0_0", "NPU_1_0"]
+        assert conn.execute("select count(*) from tb_nodes n left join tb_stack s on n.stack_id = s.id "
+                            "where s.id is null").fetchone() == (0,)
+        assert conn.execute("select count(*) from tb_nodes where up_node = ''").fetchone() == (4,)
+        assert conn.execute("pragma journal_mode").fetchone() == ("wal",)
+    assert not [f for f in os.listdir(tmp_path) if not f.endswith(".vis.db")]  # no -wal/-shm/tmp left
+    assert oct(os.stat(db).st_mode & 0o022) == "0o0"  # the viewer refuses group/other-writable files
+
+
+def _copy_rank(fixtures_dir, tmp_path):
+    src = os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0")
+    dst = tmp_path / "rank"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_inputs(fixtures_dir, tmp_path):
+    rank = _copy_rank(fixtures_dir, tmp_path)
+    construct = read_json(rank / "construct.json")
+    (rank / "construct.json").write_text("{}")
+    with pytest.raises(MsprobeError, match=r"construct.json: missing or empty; a graph needs the module structure, "
+                                           r"dump with level L0 or mix"):
+        build_graph(load_dump(str(rank)))
+    bad = dict(construct, **{"Functional.linear.0.forward": "Module.nowhere.forward.0"})
+    (rank / "construct.json").write_text(json.dumps(bad))
+    with pytest.raises(MsprobeError, match=r"'Functional.linear.0.forward' has parent 'Module.nowhere.forward.0', "
+                                           r"which is not in construct.json"):
+        build_graph(load_dump(str(rank)))
+    loop = dict(construct, **{"Module.fc1.Linear.forward.0": "Functional.linear.0.forward"})
+    (rank / "construct.json").write_text(json.dumps(loop))
+    with pytest.raises(MsprobeError, match=r"cycle in construct.json: Functional.linear.0.forward -> "
+                                           r"Module.fc1.Linear.forward.0 -> Functional.linear.0.forward"):
+        build_graph(load_dump(str(rank)))
+    (rank / "construct.json").write_text(json.dumps(construct))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MsprobeError, match=r"afile: output path exists and is not a folder"):
+        build_vis_db(str(rank), str(tmp_path / "afile"))
+
+
+def test_failed_write_leaves_no_file(fixtures_dir, tmp_path):
+    graph = build_graph(load_dump(os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0")))
+    graph.nodes["DefaultModel"].input_data = {"x": {"bad": object()}}  # not JSON: fails mid-write
+    out = tmp_path / "g"
+    out.mkdir()
+    with pytest.raises(TypeError):
+        write_vis_db(str(out / "build.vis.db"), [graph], compare=False)
+    assert list(out.iterdir()) == []
+
+
+def test_cli_graph(fixtures_dir, tmp_path, capsys):
+    tp = os.path.join(fixtures_dir, "bf16_statistics", "step0")
+    gp = os.path.join(fixtures_dir, "fp32_statistics", "step0")
+    assert cli_main(["graph", "-tp", tp, "-gp", gp, "-o", str(tmp_path / "o"), "-oc"]) == 0
+    path = capsys.readouterr().out.splitlines()[0]
+    assert os.path.basename(path).startswith("compare_") and path.endswith(".vis.db") and os.path.isfile(path)
+    assert cli_main(["graph", "-tp", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 2
+    assert "missing: no such dump folder" in capsys.readouterr().err
