@@ -170,11 +170,20 @@ class MsprobeFixture:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
         csv_path = report.write_csv(check_dir)
+        graph_path = None
+        if not session.no_graph:
+            from ..graph.service import write_compare_graph
+
+            try:
+                graph_path = write_compare_graph(target_dump, bench_dump, report,
+                                                 session.graph_dir(nodeid, index), fuzzy=bool(st["fuzzy"]))
+            except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
+                notes.append(f"no graph: {exc}")
         overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
         overflow_failed = overflow_t.has_overflow
         first = report.first_divergence
         row.update({
-            "csv": csv_path, "mode": report.mode,
+            "csv": csv_path, "graph": graph_path, "mode": report.mode,
             "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
             "first_divergence": first.name if first is not None else None,
             "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
@@ -192,6 +201,8 @@ class MsprobeFixture:
                   ("msprobe.unmatched", c["unmatched"]),
                   ("msprobe.first_divergence", row["first_divergence"] or ""),
                   ("msprobe.csv", csv_path), ("msprobe.level", level)]
+        if graph_path:
+            props.append(("msprobe.graph", graph_path))
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if first is not None:

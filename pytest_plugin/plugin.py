@@ -19,6 +19,7 @@ BENCH_DTYPE, TARGET_DTYPE = "--msprobe-bench-dtype", "--msprobe-target-dtype"
 LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
+NO_GRAPH = "--msprobe-no-graph"
 
 _DTYPES = ("fp64", "fp32", "fp16", "bf16")
 
@@ -58,6 +59,7 @@ OPTIONS = [
 FLAGS = [
     # (flag, ini key, help): booleans
     (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),
+    (NO_GRAPH, "msprobe_no_graph", "do not write the compare_<ts>.vis.db graph of each check (written by default under <msprobe-out>/graphs/, one TensorBoard run per check)."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
 ]
 

@@ -56,6 +56,7 @@ class ProbeSession:
         self.baseline = os.path.abspath(self.baseline) if self.baseline else None
         self.record = bool(_opt(config, "msprobe_record"))
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
+        self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         args = [str(a) for a in config.invocation_params.args]
         if "--msprobe-baseline" in args[:-1] and os.path.exists(args[args.index("--msprobe-baseline") + 1]):
             # pytest takes an existing path after a space for a test path when it picks the rootdir, which
@@ -109,6 +110,19 @@ class ProbeSession:
             fh.write(nodeid + "\n")
         return path
 
+    def graph_dir(self, nodeid: str, index: int) -> str:
+        """``{out}/graphs/{test}.check{index}``: one TensorBoard run per check (tb-graph-ascend names a run by its
+        folder and reads one ``.vis.db`` per folder, two levels below the logdir). Emptied first."""
+        import shutil
+
+        from ..baseline import test_folder_name
+
+        path = os.path.join(self.out, "graphs", f"{test_folder_name(nodeid)}.check{index}")
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path)
+        return path
+
     # ------------------------------------------------------------------ collection of results (xdist-safe)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -139,7 +153,12 @@ class ProbeSession:
                 tr.write_line(f"    bench from baseline {r['baseline']} ({_size(r['baseline_bytes'])})")
             for note in r.get("notes", ()):
                 tr.write_line(f"    note: {note}")
+            if r.get("graph"):
+                tr.write_line(f"    graph: {r['graph']}")
             tr.write_line(f"    artifacts: {r['dir']}")
+        if any(r.get("graph") for r in self.results):
+            tr.write_line(f"msprobe graphs: tensorboard --logdir {os.path.join(self.out, 'graphs')} "
+                          "(with tb-graph-ascend installed)")
         if self.junitxml:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
 

@@ -1,5 +1,7 @@
 """The plugin end to end through pytester: pass, injected fault fails naming the API, JUnit content, bad options."""
 
+import os
+
 import pytest
 from _suites import FAULT, MODEL_TEST
 
@@ -138,3 +140,18 @@ def test_fault_that_matches_no_call_is_reported(suite):
     result = suite.runpytest_subprocess("--msprobe-inject", "typo.yaml", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*fault Functional.layer_norm call 7 (forward) was never applied: no such call ran*"])
+
+
+def test_graph_per_check_and_opt_out(suite):
+    import xml.etree.ElementTree as ET
+
+    result = suite.runpytest_subprocess("--junitxml=j.xml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    props = {p.get("name"): p.get("value") for p in ET.parse(str(suite.path / "j.xml")).iter("property")}
+    graph = props["msprobe.graph"]
+    assert graph.endswith(".vis.db") and os.path.isfile(graph)
+    assert os.path.basename(os.path.dirname(graph)) == "test_model.py_test_net.check0"
+    result.stdout.fnmatch_lines(["*msprobe graphs: tensorboard --logdir */msprobe-out/graphs*"])
+    result = suite.runpytest_subprocess("--msprobe-no-graph", "--msprobe-out=plain", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert not (suite.path / "plain" / "graphs").exists()

@@ -106,5 +106,15 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
     return pairs
 
 
+_DECIMAL = re.compile(r"^(\d+\.\d+)(%?)$")
+
+
 def _text(v) -> str:
-    return "null" if v is None else str(v)
+    """msprobe's node-data formatting: decimal strings with more than 6 decimals are rounded to 6."""
+    if v is None:
+        return "null"
+    s = str(v)
+    m = _DECIMAL.match(s) if isinstance(v, str) else None
+    if m and len(m.group(1).split(".")[1]) > 6:
+        s = f"{float(m.group(1)):.6f}{m.group(2)}"
+    return s

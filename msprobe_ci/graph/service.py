@@ -103,3 +103,14 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
         graphs += [t_graph, g_graph]
     return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
+
+
+def write_compare_graph(target: Dump, bench: Dump, report: CompareReport, out_dir: str, *, overflow: bool = True,
+                        fuzzy: bool = False, step: int = 0, rank: int = 0) -> str:
+    """``compare_<ts>.vis.db`` of two loaded dumps whose compare ``report`` is already computed (the plugin's
+    path); returns its path. Raises :class:`MsprobeError` as :func:`compare_vis_db`."""
+    t_graph = _graph(target, "NPU", step, rank, overflow)
+    g_graph = _graph(bench, "Bench", step, rank, overflow)
+    compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
+    return write_vis_db(out_path(out_dir, "compare"), [t_graph, g_graph], compare=True, task=report.mode,
+                        overflow_check=overflow)

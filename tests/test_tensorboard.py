@@ -1,0 +1,112 @@
+"""A real TensorBoard with tb-graph-ascend serves a .vis.db the plugin wrote for an example model with an injected
+fault: the config loads, the root expands, node info carries our metrics, the precision-error screen lists the API.
+
+TensorBoard runs as a subprocess on 127.0.0.1 and a free port, with tb-graph-ascend's plugin only (mindstudio-probe
+registers a plugin under the same name, so the default plugin loader would refuse to start), and is stopped by PID.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("server.plugin", reason="tb-graph-ascend (test extra) not installed")
+pytest.importorskip("transformers")
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+LAUNCH = """
+import sys
+from tensorboard import default, program
+from server.plugin import GraphsPlugin
+tb = program.TensorBoard(plugins=default.get_static_plugins() + [GraphsPlugin])
+tb.configure(argv=[None, "--logdir", sys.argv[1], "--port", sys.argv[2], "--host", "127.0.0.1"])
+sys.exit(tb.main())
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fault_graphs(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "examples/test_gpt2.py::test_gpt2_forward", "--msprobe-target-dtype=bf16",
+         "--msprobe-inject", "examples/faults/layer_norm.yaml", f"--msprobe-out={out}", "-p", "no:cacheprovider",
+         "-q"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "first divergence at Functional.layer_norm.3.forward" in proc.stdout, proc.stdout
+    return out / "graphs"
+
+
+@pytest.fixture
+def tensorboard(fault_graphs, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "tensorboard.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(fault_graphs), str(port)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}/data/plugin/graph_ascend/"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(base + "load_meta_dir", timeout=5).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((tmp_path / "tensorboard.log").read_text()[-2000:]) from None
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _post(url, payload):
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_tb_graph_ascend_serves_our_graph(tensorboard):
+    meta = _get(tensorboard + "load_meta_dir")
+    assert meta["error"] == []
+    run = "test_gpt2.py_test_gpt2_forward.check0"
+    (tag,) = meta["data"][run]["tags"]
+    assert meta["data"][run]["type"] == "db" and tag.startswith("compare_")
+    md = {"run": run, "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
+
+    config = _post(tensorboard + "loadGraphConfigInfo", {"metaData": md})
+    assert config["success"] and config["data"]["isSingleGraph"] is False and config["data"]["overflowCheck"]
+
+    root = _post(tensorboard + "changeNodeExpandState", {"nodeInfo": {"nodeName": "root", "nodeType": "NPU"},
+                                                          "metaData": md})
+    assert root["success"] and root["data"]["DefaultModel"]["isRoot"]
+    assert "Module.transformer.GPT2Model.forward.0" in root["data"]
+
+    info = _post(tensorboard + "getNodeInfo", {"nodeInfo": {"nodeName": "Functional.layer_norm.3.forward",
+                                                            "nodeType": "NPU"}, "metaData": md})
+    row = info["data"]["npu"]["output_data"]["Functional.layer_norm.3.forward.output.0"]
+    assert row["Result"] == "error" and row["NormRelativeErr"].endswith("%") and "Max diff" in row
+    assert "Functional.layer_norm.3.forward" in row["Err_message"]
+
+    screen = _post(tensorboard + "screen", {"type": "precision", "values": [[0.6, 1]], "metaData": md})
+    assert screen == {"success": True, "data": ["Functional.layer_norm.3.forward"]}
