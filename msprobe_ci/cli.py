@@ -3,6 +3,7 @@
     msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
     msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
     msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
+    msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
 
 Paths are dump.json files, rank folders or step folders (ranks are paired in order). Exit status: 0 when no node
 is an error (compare) / no NaN-Inf (overflow), 1 otherwise, 2 for bad input (one line on stderr).
@@ -36,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output_path", required=True, help="output folder for build_/compare_<ts>.vis.db")
     g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
+    v = sub.add_parser("view", help="start TensorBoard with tb-graph-ascend's plugin only, on a folder of .vis.db")
+    v.add_argument("logdir", help="folder whose sub-folders hold .vis.db files (e.g. msprobe-out/graphs)")
+    v.add_argument("--port", type=int, default=6006)
+    v.add_argument("--host", default="127.0.0.1")
     return p
 
 
@@ -59,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "graph":
             return _graph(args)
+        if args.command == "view":
+            return _view(args)
         return _overflow(args)
     except MsprobeError as exc:
         print(f"msprobe-ci: {exc}", file=sys.stderr)
@@ -112,6 +119,22 @@ def _graph(args) -> int:
     print(path)
     print(f"open it with: tensorboard --logdir {os.path.dirname(os.path.abspath(path))} (tb-graph-ascend installed)")
     return 0
+
+
+def _view(args) -> int:
+    """TensorBoard with only tb-graph-ascend's ``graph_ascend`` plugin: mindstudio-probe registers a plugin of the
+    same name, and plain ``tensorboard`` refuses to start when both are installed."""
+    try:
+        from server.plugin import GraphsPlugin
+        from tensorboard import default, program
+    except ImportError:
+        raise MsprobeError("msprobe-ci view needs tensorboard and tb-graph-ascend (pip install tb-graph-ascend)") \
+            from None
+    if not os.path.isdir(args.logdir):
+        raise MsprobeError(f"{args.logdir}: no such folder")
+    tb = program.TensorBoard(plugins=default.get_static_plugins() + [GraphsPlugin])
+    tb.configure(argv=[None, "--logdir", args.logdir, "--port", str(args.port), "--host", args.host])
+    return tb.main()
 
 
 if __name__ == "__main__":  # pragma: no cover

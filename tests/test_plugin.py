@@ -117,8 +117,10 @@ def test_mlp(msprobe):
     suites = {s.name: s for s in JUnitXml.fromfile(str(suite.path / "out.xml"))}
     assert set(suites) == {"test_mlp.py::test_mlp[check 0]", "test_model.py::test_net[check 0]"}
     assert suites["test_model.py::test_net[check 0]"].failures >= 1 and suites["test_mlp.py::test_mlp[check 0]"].failures == 0
-    folders = sorted(p.name for p in (suite.path / "art").iterdir())
+    folders = sorted(p.name for p in (suite.path / "art").iterdir() if p.name != "graphs")
     assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
+    assert sorted(p.name for p in (suite.path / "art" / "graphs").iterdir()) == [
+        "test_mlp.py_test_mlp.check0", "test_model.py_test_net.check0"]
     assert all((suite.path / "art" / f / ".msprobe-ci").is_file() for f in folders)
 
 

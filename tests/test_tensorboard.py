@@ -1,8 +1,9 @@
 """A real TensorBoard with tb-graph-ascend serves a .vis.db the plugin wrote for an example model with an injected
 fault: the config loads, the root expands, node info carries our metrics, the precision-error screen lists the API.
 
-TensorBoard runs as a subprocess on 127.0.0.1 and a free port, with tb-graph-ascend's plugin only (mindstudio-probe
-registers a plugin under the same name, so the default plugin loader would refuse to start), and is stopped by PID.
+TensorBoard runs as ``msprobe-ci view`` (a subprocess) on 127.0.0.1 and a free port, with tb-graph-ascend's plugin
+only (mindstudio-probe registers a plugin under the same name, so plain ``tensorboard`` would refuse to start), and
+is stopped by PID.
 """
 
 import json
@@ -20,14 +21,6 @@ pytest.importorskip("server.plugin", reason="tb-graph-ascend (test extra) not in
 pytest.importorskip("transformers")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-LAUNCH = """
-import sys
-from tensorboard import default, program
-from server.plugin import GraphsPlugin
-tb = program.TensorBoard(plugins=default.get_static_plugins() + [GraphsPlugin])
-tb.configure(argv=[None, "--logdir", sys.argv[1], "--port", sys.argv[2], "--host", "127.0.0.1"])
-sys.exit(tb.main())
-"""
 
 
 def _free_port():
@@ -51,8 +44,8 @@ def fault_graphs(tmp_path):
 def tensorboard(fault_graphs, tmp_path):
     port = _free_port()
     log = open(tmp_path / "tensorboard.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(fault_graphs), str(port)], stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "msprobe_ci.cli", "view", str(fault_graphs), "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/data/plugin/graph_ascend/"
     try:
         deadline = time.monotonic() + 120
