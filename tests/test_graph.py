@@ -164,3 +164,29 @@ def test_cli_graph(fixtures_dir, tmp_path, capsys):
     assert os.path.basename(path).startswith("compare_") and path.endswith(".vis.db") and os.path.isfile(path)
     assert cli_main(["graph", "-tp", str(tmp_path / "missing"), "-o", str(tmp_path / "o")]) == 2
     assert "missing: no such dump folder" in capsys.readouterr().err
+
+
+def test_fuzzy_matching_pairs_renumbered_apis(fixtures_dir, tmp_path):
+    from msprobe_ci.compare import compare_dumps
+    from msprobe_ci.graph import compare_graphs
+
+    target = load_dump(os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0"))
+    bench = load_dump(os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0"))
+    t, b = build_graph(target), build_graph(bench, data_source="Bench")
+    # renumber one bench API as another framework version might: fuzzy still pairs it, exact does not
+    node = b.nodes.pop("Functional.linear.0.forward")
+    node.name = "Functional.linear.7.forward"
+    b.nodes[node.name] = node
+    parent = b.nodes[node.parent]
+    parent.children = [node.name if c == "Functional.linear.0.forward" else c for c in parent.children]
+    report = compare_dumps(target, bench, fuzzy=True)
+    pairs = compare_graphs(t, b, report, fuzzy=True)
+    assert pairs["Functional.linear.0.forward"] == "Functional.linear.7.forward"
+    assert t.nodes["Functional.linear.0.forward"].matched_link[-1] == "Functional.linear.7.forward"
+    assert b.nodes["Functional.linear.7.forward"].matched_link[-1] == "Functional.linear.0.forward"
+    t2 = build_graph(target)
+    for n in b.nodes.values():
+        n.matched_link = []
+    exact = compare_graphs(t2, b, compare_dumps(target, bench))  # exact matching needs the same name
+    assert "Functional.linear.0.forward" not in exact and t2.nodes["Functional.linear.0.forward"].matched_link == []
+    assert exact["Functional.relu.0.forward"] == "Functional.relu.0.forward"
