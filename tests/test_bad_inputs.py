@@ -1,6 +1,5 @@
 """Bad inputs give one clear line naming the file, never a deep traceback; nothing is executed or lost."""
 
-import json
 import os
 import shutil
 

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from _files import read_json as _read_json, read_lines as _lines
+from _files import read_json as _read_json
 import torch
 import torch.nn.functional as F
 from torch import relu

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from _files import read_json as _read_json, read_lines as _lines
+from _files import read_lines as _lines
 
 from msprobe_ci.compare import compare_dumps
 from msprobe_ci.dump import load_dump

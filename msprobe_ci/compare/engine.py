@@ -7,11 +7,11 @@ import json
 import math
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump.reader import Dump
+from ..dump.writer import timestamped_path
 from ..errors import MsprobeError
 from . import metrics as M
 from .rows import Row, match_rows
@@ -91,13 +91,7 @@ class CompareReport:
         ``Result``/``Err_message`` carry our node verdict (on the node's output rows) instead of msprobe's
         dtype-blind one. Never overwrites: a clash in the same second gets a ``_N`` suffix.
         """
-        os.makedirs(out_dir, exist_ok=True)
-        stamp = time.strftime("%Y%m%d%H%M%S")
-        path = os.path.join(out_dir, f"{prefix}_{stamp}.csv")
-        i = 1
-        while os.path.exists(path):
-            path = os.path.join(out_dir, f"{prefix}_{stamp}_{i}.csv")
-            i += 1
+        path = timestamped_path(out_dir, prefix, ".csv")
         verdicts = {n.name: n for n in self.nodes}
         stack_done: set[str] = set()
         tmp = path + ".tmp"

@@ -29,6 +29,27 @@ def atomic_write_text(path: str, text: str) -> None:
         raise
 
 
+def timestamped_path(out_dir: str, prefix: str, suffix: str) -> str:
+    """``<out_dir>/<prefix>_<YYYYmmddHHMMSS><suffix>`` that does not exist yet (``_N`` added on a clash in the same
+    second), as msprobe names its outputs; creates ``out_dir``.
+
+    Raises:
+        MsprobeError: ``out_dir`` exists as a file.
+    """
+    import time
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise MsprobeError(f"{out_dir}: output path exists and is not a folder")
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    path = os.path.join(out_dir, f"{prefix}_{stamp}{suffix}")
+    i = 1
+    while os.path.exists(path):
+        path = os.path.join(out_dir, f"{prefix}_{stamp}_{i}{suffix}")
+        i += 1
+    return path
+
+
 def atomic_write_json(path: str, obj: Any) -> None:
     """JSON with ``indent=1`` as msprobe; NaN/Inf are written as the bare literals msprobe uses."""
     atomic_write_text(path, json.dumps(obj, indent=1, ensure_ascii=False))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import time
 from typing import Iterable
 
+from ..dump.writer import timestamped_path
 from ..errors import MsprobeError
 from .builder import Graph
 
@@ -58,21 +58,9 @@ TASKS = {"statistics": "summary", "tensor": "all", "md5": "md5"}
 
 
 def out_path(out_dir: str, kind: str) -> str:
-    """``<out_dir>/<kind>_<YYYYmmddHHMMSS>.vis.db`` that does not exist yet (``_N`` suffix on a clash).
-
-    Raises:
-        MsprobeError: ``out_dir`` exists as a file.
-    """
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise MsprobeError(f"{out_dir}: output path exists and is not a folder")
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d%H%M%S")
-    path = os.path.join(out_dir, f"{kind}_{stamp}.vis.db")
-    i = 1
-    while os.path.exists(path):
-        path = os.path.join(out_dir, f"{kind}_{stamp}_{i}.vis.db")
-        i += 1
-    return path
+    """``<out_dir>/<kind>_<YYYYmmddHHMMSS>.vis.db`` that does not exist yet (see
+    :func:`~msprobe_ci.dump.writer.timestamped_path`)."""
+    return timestamped_path(out_dir, kind, ".vis.db")
 
 
 def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str = "statistics",
