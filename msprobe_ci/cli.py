@@ -4,6 +4,7 @@
     msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
     msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
     msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
+    msprobe-ci api-check -api_info DUMP.json [-o OUT] [--junitxml PATH] [-n WORKERS] [--live]
 
 Paths are dump.json files, rank folders or step folders (ranks are paired in order). Exit status: 0 when no node
 is an error (compare) / no NaN-Inf (overflow), 1 otherwise, 2 for bad input (one line on stderr).
@@ -37,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output_path", required=True, help="output folder for build_/compare_<ts>.vis.db")
     g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
+    a = sub.add_parser("api-check", help="replay every API of a dump alone on CPU and judge it by its own standard")
+    a.add_argument("-api_info", "--api_info_file", required=True, help="dump.json (or its rank folder)")
+    a.add_argument("-o", "--out_path", default="./output", help="output folder for the two CSVs")
+    a.add_argument("--junitxml", default=None, help="also write a JUnit XML file (one testcase per API call)")
+    a.add_argument("-n", "--num_workers", type=int, default=1, help="worker processes (default 1)")
+    a.add_argument("--live", action="store_true", help="re-run the target side on CPU (statistics dumps)")
     v = sub.add_parser("view", help="start TensorBoard with tb-graph-ascend's plugin only, on a folder of .vis.db")
     v.add_argument("logdir", help="folder whose sub-folders hold .vis.db files (e.g. msprobe-out/graphs)")
     v.add_argument("--port", type=int, default=6006)
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return _graph(args)
         if args.command == "view":
             return _view(args)
+        if args.command == "api-check":
+            return _api_check(args)
         return _overflow(args)
     except MsprobeError as exc:
         print(f"msprobe-ci: {exc}", file=sys.stderr)
@@ -119,6 +128,56 @@ def _graph(args) -> int:
     print(path)
     print(f"open it with: tensorboard --logdir {os.path.dirname(os.path.abspath(path))} (tb-graph-ascend installed)")
     return 0
+
+
+def _check_chunk(job: tuple[str, list[str], bool]) -> list:
+    from .dump.reader import load_dump
+    from .replay.runner import ApiReplayer
+
+    path, names, live = job
+    replayer = ApiReplayer(load_dump(path), live=live)
+    return [replayer.check(n) for n in names]
+
+
+def _api_check(args) -> int:
+    from .dump.reader import load_dump
+    from .replay.report import write_reports
+    from .replay.runner import ApiReplayer
+
+    dump = load_dump(args.api_info_file)
+    names = ApiReplayer(dump, live=args.live).api_names()
+    workers = max(1, args.num_workers)
+    if workers == 1:
+        results = _check_chunk((args.api_info_file, names, args.live))
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        chunks = [names[i::workers] for i in range(workers)]
+        with ProcessPoolExecutor(workers) as pool:
+            parts = list(pool.map(_check_chunk, [(args.api_info_file, c, args.live) for c in chunks]))
+        by_name = {r.name: r for part in parts for r in part}
+        results = [by_name[n] for n in names]
+    result_csv, details_csv = write_reports(results, args.out_path)
+    if args.junitxml:
+        from junit_xml import TestCase, TestSuite, to_xml_report_string
+
+        cases = []
+        for r in results:
+            case = TestCase(r.name, classname="msprobe.api_check")
+            if r.status == "error":
+                case.add_failure_info(message=r.message, failure_type="accuracy")
+            elif r.status == "skip":
+                case.add_skipped_info(message=r.reason)
+            cases.append(case)
+        os.makedirs(os.path.dirname(os.path.abspath(args.junitxml)), exist_ok=True)
+        with open(args.junitxml, "w", encoding="utf-8") as fh:
+            fh.write(to_xml_report_string([TestSuite("msprobe api-check", cases)]))
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "error", "skip")}
+    print(f"{len(results)} API calls: pass {counts['pass']}, warning {counts['warning']}, error {counts['error']}, "
+          f"skip {counts['skip']}")
+    print(result_csv)
+    print(details_csv)
+    return 1 if counts["error"] else 0
 
 
 def _view(args) -> int:

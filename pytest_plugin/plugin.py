@@ -8,6 +8,7 @@ Thin by design: every option is read and validated once by :class:`~msprobe_ci.p
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -20,6 +21,7 @@ LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 NO_GRAPH = "--msprobe-no-graph"
+API_CHECK, API_LIVE = "--msprobe-api-check", "--msprobe-api-live"
 
 _DTYPES = ("fp64", "fp32", "fp16", "bf16")
 
@@ -54,11 +56,13 @@ OPTIONS = [
     (OUT, "msprobe_out", str, "msprobe-out", "DIR", "folder for all artifacts, one sub-folder per test."),
     (JUNIT, "msprobe_junitxml", str, None, "PATH", "write a JUnit XML file: one testsuite per test, one testcase per compared node."),
     (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
+    (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
 FLAGS = [
     # (flag, ini key, help): booleans
     (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),
+    (API_LIVE, "msprobe_api_live", "with --msprobe-api-check: re-run the target side on CPU in the dumped dtypes instead of reading recorded outputs (statistics dumps)."),
     (NO_GRAPH, "msprobe_no_graph", "do not write the compare_<ts>.vis.db graph of each check (written by default under <msprobe-out>/graphs/, one TensorBoard run per check)."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
 ]
@@ -87,6 +91,17 @@ def pytest_configure(config: pytest.Config) -> None:
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")
+
+
+def pytest_collect_file(file_path, parent):
+    session = parent.config.stash.get(session_key, None)
+    if session is not None and session.api_files and str(file_path) in session.api_files:
+        from .apicheck import ApiDumpFile
+
+        # node ids relative to the --msprobe-api-check folder: stable for --lf, distinct per rank
+        return ApiDumpFile.from_parent(parent, path=file_path,
+                                       nodeid=os.path.relpath(str(file_path), session.api_root).replace(os.sep, "/"))
+    return None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -57,6 +57,18 @@ class ProbeSession:
         self.record = bool(_opt(config, "msprobe_record"))
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
+        self.api_live = bool(_opt(config, "msprobe_api_live"))
+        self.api_files: list[str] = []
+        self.api_warnings: list[tuple[str, str]] = []
+        api_check = _opt(config, "msprobe_api_check")
+        if api_check:
+            from .apicheck import dump_files
+
+            self.api_files = dump_files(api_check)
+            self.api_root = os.path.dirname(os.path.commonpath([os.path.dirname(f) for f in self.api_files]))
+            explicit = config.args_source == pytest.Config.ArgsSource.ARGS
+            # the dump files are the test files: collected even from an empty directory
+            config.args[:] = (list(config.args) if explicit else []) + self.api_files
         args = [str(a) for a in config.invocation_params.args]
         if "--msprobe-baseline" in args[:-1] and os.path.exists(args[args.index("--msprobe-baseline") + 1]):
             # pytest takes an existing path after a space for a test path when it picks the rootdir, which
@@ -127,11 +139,20 @@ class ProbeSession:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return
+        props = dict(report.user_properties)
+        if props.get("msprobe.status") == "warning":
+            detail = next((v for k, v in report.user_properties if k.startswith("msprobe.") and "warning" in str(v)),
+                          "")
+            self.api_warnings.append((report.nodeid, str(detail)))
         for name, value in report.user_properties:
             if name == RESULT_PROPERTY:
                 self.results.append(json.loads(value))
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
+        if self.api_warnings:
+            terminalreporter.section("msprobe api-check warnings")
+            for nodeid, detail in self.api_warnings:
+                terminalreporter.write_line(f"{nodeid}: {detail}")
         if not self.results:
             return
         tr = terminalreporter

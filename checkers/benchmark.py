@@ -1,0 +1,77 @@
+"""Benchmark ratio (msprobe 2.4): the target's error and the bench's own error, both against the fp64 oracle, as
+ratios ``target / max(bench, min_err)``; error when a ratio exceeds its level's threshold (L0: max relative error
+10, mean relative error 2, RMSE 2, small-value error ratio 2; L1 and L2 APIs are stricter). A target as accurate as
+the reference implementation of the same dtype passes, whatever the dtype."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+
+from .common import dtype_thresholds, finite_masks, load_yaml, to_f64
+from .result import CheckResult
+
+METRICS = ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")
+
+
+def _metrics(x: np.ndarray, ref: np.ndarray, small_value: float, atol: float) -> dict[str, float]:
+    finite, bad, small, normal = finite_masks(x, ref, small_value)
+    ae = np.abs(x - ref)
+    re = np.where(normal, ae / (np.abs(ref) + np.finfo(np.float64).eps), -1.0)
+    n = x.size
+    ae_ok = np.where(bad | small, 0.0, ae)
+    cnt = int((bad | small).sum())
+    mse = float(np.mean(ae_ok ** 2)) * (n / (n - cnt + 1e-4) + 1e-4) if n else 0.0
+    pos = re[re >= 0]
+    return {"max_rel_err": float(pos.max()) if pos.size else 0.0,
+            "mean_rel_err": float(pos.mean()) if pos.size else 0.0, "rmse": float(np.sqrt(mse)),
+            "small_value_err": float(((ae > atol) & small).sum() / small.sum()) if small.any() else 0.0,
+            "inf_nan": float(bad.sum())}
+
+
+class BenchmarkStandard:
+    """Args:
+        dtype: target output dtype key (``small_value``, ``small_value_atol``, ``min_err``).
+        api: the API name, for its level (``data/thresholds.yaml`` ``benchmark.apis``; default L0).
+        **overrides: dtype thresholds, or ratio thresholds ``max_rel_err``, ``mean_rel_err``, ``rmse``,
+            ``small_value_err``.
+    """
+
+    name = "benchmark"
+
+    def __init__(self, dtype: str = "fp32", api: str = "", **overrides: float):
+        ratio_over = {k: float(overrides.pop(k)) for k in list(overrides) if k in METRICS}
+        th = dtype_thresholds(dtype, overrides)
+        self.small, self.atol, self.min_err = th["small_value"], th["small_value_atol"], th["min_err"]
+        table = load_yaml("thresholds.yaml")["benchmark"]
+        level = "L0"
+        for lv, names in table["apis"].items():
+            if any(fnmatch.fnmatchcase(api, n) for n in names):
+                level = lv
+        self.level = level
+        self.ratios = dict(table["levels"][level], **ratio_over)
+
+    def __call__(self, target, bench, oracle=None) -> CheckResult:
+        t, b = to_f64(target), to_f64(bench)
+        ref = to_f64(oracle) if oracle is not None else b
+        mt = _metrics(t, ref, self.small, self.atol)
+        mb = _metrics(b, ref, self.small, self.atol) if oracle is not None else {k: 0.0 for k in mt}
+        ratios, failed = {}, []
+        for k in METRICS:
+            r = mt[k] / max(abs(mb[k]), self.min_err)
+            ratios[k] = r
+            if not r <= self.ratios[k]:  # NaN fails
+                failed.append(k)
+        # inf/nan: the target must have them exactly where the same-dtype bench has them
+        if (np.isfinite(t) != np.isfinite(b)).any() or (np.isnan(t) != np.isnan(b)).any() or \
+                (np.isinf(t) & (t != b)).any():
+            failed.append("inf_nan")
+        metrics = {f"target_{k}": mt[k] for k in METRICS} | {f"bench_{k}": mb[k] for k in METRICS} | \
+                  {f"{k}_ratio": ratios[k] for k in METRICS}
+        status = "error" if failed else "pass"
+        msg = ", ".join(f"{k} ratio {ratios.get(k, float('nan')):.3g} > {self.ratios.get(k, 0):g}" for k in failed
+                        if k != "inf_nan") or f"max ratio {max(ratios.values()):.3g} (level {self.level})"
+        if "inf_nan" in failed:
+            msg = "inf/nan positions differ from the bench" + (f"; {msg}" if len(failed) > 1 else "")
+        return CheckResult(self.name, status, metrics, dict(self.ratios), ratios, msg)

@@ -1,0 +1,49 @@
+"""ULP error (msprobe 2.7) for matmul-like ops: the error in units in the last place of the target dtype at the
+reference's magnitude. fp32 passes when mean ULP < 64 or the share of errors above 32 ULP is < 5%; fp16/bf16/fp8
+when the share above 1 ULP is < 0.1%... against the fp64 oracle, where a correctly rounded result is 0.5 ULP."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import dtype_thresholds, to_f64
+from .result import CheckResult
+
+
+class UlpStandard:
+    """Args:
+        dtype: target output dtype key: ``ulp_min_exp``, ``ulp_mantissa_bits``, ``ulp_large``,
+            ``ulp_max_large_ratio`` (and ``ulp_max_mean`` for fp32/fp64).
+        **overrides: any of those.
+    """
+
+    name = "ulp"
+
+    def __init__(self, dtype: str = "fp32", **overrides: float):
+        th = dtype_thresholds(dtype, overrides)
+        self.min_exp, self.bits = th["ulp_min_exp"], th["ulp_mantissa_bits"]
+        self.large, self.max_ratio = th["ulp_large"], th["ulp_max_large_ratio"]
+        self.max_mean = th.get("ulp_max_mean")
+
+    def __call__(self, target, bench, oracle=None) -> CheckResult:
+        ref = to_f64(oracle if oracle is not None else bench)
+        t = to_f64(target)
+        finite = np.isfinite(t) & np.isfinite(ref)
+        with np.errstate(divide="ignore"):
+            e = np.where(ref != 0, np.floor(np.log2(np.abs(np.where(ref != 0, ref, 1.0)))), 0.0)
+        e = np.maximum(e, self.min_exp)
+        ulp = np.abs((t - ref) * np.exp2(self.bits - e))[finite]
+        inconsistent = int((~finite & ~((np.isnan(t) & np.isnan(ref)) | (t == ref))).sum())
+        mean = float(ulp.mean()) if ulp.size else 0.0
+        share = float((ulp > self.large).sum() / ulp.size) if ulp.size else 0.0
+        metrics = {"max_ulp": float(ulp.max()) if ulp.size else 0.0, "mean_ulp": mean, "large_ulp_ratio": share,
+                   "inf_nan_mismatches": float(inconsistent)}
+        thresholds = {"large_ulp_ratio": self.max_ratio, "ulp_large": self.large}
+        ok = share < self.max_ratio
+        if self.max_mean is not None:
+            thresholds["mean_ulp"] = self.max_mean
+            ok = ok or mean < self.max_mean
+        status = "pass" if ok and not inconsistent else "error"
+        msg = (f"{inconsistent} inf/nan positions differ" if inconsistent else
+               f"mean ULP {mean:.3g}, {share:.3%} above {self.large:g} ULP")
+        return CheckResult(self.name, status, metrics, thresholds, {"large_ulp_ratio": share, "mean_ulp": mean}, msg)

@@ -1,0 +1,6 @@
+"""Per-API replay: rebuild each dumped API call's arguments, run it alone on CPU (fp64 oracle and same-dtype
+bench), and judge the target's outputs by the API's own standard (:mod:`msprobe_ci.checkers`)."""
+
+from .runner import ApiReplayer, ApiResult, parse_name, resolve
+
+__all__ = ["ApiReplayer", "ApiResult", "parse_name", "resolve"]

@@ -1,0 +1,122 @@
+"""Rebuilding an API's arguments from its dump entry.
+
+Tensor dumps give the real tensors (``.pt`` loaded with ``weights_only=True``). Statistics dumps give random values
+drawn uniformly in ``[Min, Max]`` with both extremes planted (first and last element), so the rebuilt tensor has
+the dumped extrema; NaN/Inf statistics are reproduced. Each API draws from its own generator seeded by a CRC of its
+name, so an API's inputs do not depend on which other APIs ran before it (unlike msprobe's one global stream).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+
+from ..dump.reader import Dump
+from ..errors import MsprobeError
+
+_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                               torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+                               torch.complex128)}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[f"torch.{_name}"] = getattr(torch, _name)
+
+
+def api_generator(name: str) -> torch.Generator:
+    """The per-API random generator: seeded by CRC-32 of the API's call name (order-independent)."""
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+class Rebuilder:
+    """Rebuilds argument values of one dump.
+
+    Args:
+        dump: the loaded dump (tensor files come from its ``dump_tensor_data/``).
+        real: use the saved tensors when records name one (tensor task); random values otherwise.
+    """
+
+    def __init__(self, dump: Dump, real: bool = True):
+        self.dump = dump
+        self.real = real and dump.task == "tensor"
+
+    def value(self, rec: Any, gen: torch.Generator, where: str) -> Any:
+        """One argument: tensor records become tensors, others their Python value; lists and dicts recurse."""
+        if rec is None:
+            return None
+        if isinstance(rec, list):
+            return [self.value(r, gen, f"{where}.{i}") for i, r in enumerate(rec)]
+        if not isinstance(rec, dict):
+            return rec
+        typ = rec.get("type")
+        if typ in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+            return self.tensor(rec, gen, where)
+        if typ in ("int", "float", "bool", "str"):
+            return rec.get("value")
+        if typ == "torch.Size":
+            return torch.Size(rec.get("value") or [])
+        if typ == "slice":
+            return slice(*rec.get("value", [None, None, None]))
+        if typ == "ellipsis":
+            return Ellipsis
+        if typ == "torch.dtype":
+            dt = _DTYPES.get(str(rec.get("value")))
+            if dt is None:
+                raise MsprobeError(f"{where}: unknown torch.dtype {rec.get('value')!r}")
+            return dt
+        if typ == "torch.device":
+            return "cpu"
+        if typ is None and rec:
+            return {k: self.value(v, gen, f"{where}.{k}") for k, v in rec.items()}
+        if typ is not None and "value" in rec:  # numpy scalars and other plain values
+            return rec["value"]
+        return None
+
+    def tensor(self, rec: dict, gen: torch.Generator, where: str) -> torch.Tensor:
+        dtype = _DTYPES.get(str(rec.get("dtype")))
+        if dtype is None:
+            raise MsprobeError(f"{where}: unsupported tensor dtype {rec.get('dtype')!r}")
+        shape = rec.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise MsprobeError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+        if self.real and rec.get("data_name"):
+            t = self.dump.load_tensor(str(rec["data_name"]))
+            if list(t.shape) != shape:
+                raise MsprobeError(f"{where}: {rec['data_name']} holds shape {list(t.shape)}, the dump says {shape}")
+            return t.to(dtype)
+        return random_tensor(rec, dtype, shape, gen)
+
+
+def _num(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def random_tensor(rec: dict, dtype: torch.dtype, shape: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Uniform values in ``[Min, Max]`` of ``rec``, extremes planted at the first and last element."""
+    numel = math.prod(shape)
+    lo, hi = _num(rec.get("Min")), _num(rec.get("Max"))
+    if lo is None or hi is None or numel == 0:
+        lo = hi = 0.0 if lo is None or hi is None else lo
+    if dtype == torch.bool:
+        t = torch.randint(0, 2, (numel,), generator=gen).bool() if lo != hi else torch.full((numel,), bool(hi))
+        if numel:
+            t[0], t[-1] = bool(lo), bool(hi)
+        return t.reshape(shape)
+    if not dtype.is_floating_point and not dtype.is_complex:
+        t = torch.randint(int(lo), int(hi) + 1, (numel,), generator=gen, dtype=torch.int64)
+        if numel:
+            t[0], t[-1] = int(lo), int(hi)
+        return t.to(dtype).reshape(shape)
+    flo = lo if math.isfinite(lo) else (torch.finfo(torch.float32).min if lo < 0 else 0.0)
+    fhi = hi if math.isfinite(hi) else (torch.finfo(torch.float32).max if hi > 0 else flo)
+    if math.isnan(lo) or math.isnan(hi):
+        flo = fhi = 0.0
+    t = torch.rand((numel,), generator=gen, dtype=torch.float64) * (fhi - flo) + flo
+    if numel:
+        t[0], t[-1] = lo, hi
+    return t.to(dtype if not dtype.is_complex else torch.float32).to(dtype).reshape(shape)

@@ -1,0 +1,324 @@
+"""Replaying one dumped API call alone and judging each output with its own standard.
+
+For a forward entry ``<Prefix>.<api>.<n>.forward``:
+
+1. the arguments are rebuilt (:mod:`.args`);
+2. the **oracle** runs on CPU with every floating tensor upcast to fp64 (fp32 where the API has no fp64 kernel);
+3. the **bench** runs on CPU in the dumped dtypes (the reference implementation of the same precision, for the
+   benchmark standard's "error of the bench itself");
+4. the **target** is the output recorded in the dump (tensor task; offline, so a CPU runner judges an NPU dump),
+   or, with ``live=True``, the API re-run in the dumped dtypes;
+5. each output pair is judged by :func:`msprobe_ci.checkers.standard_for` (integer/bool outputs: binary).
+
+Backward entries replay the forward on the oracle and bench sides with gradients enabled and feed the dumped
+upstream gradient (``input[0]``); the gradients of the positional tensor arguments are compared with the dumped
+target gradients (``output``).
+
+What cannot be judged is skipped with the reason: communication and fused device ops (no CPU kernel), random ops
+other than dropout, statistics dumps offline (their target outputs belong to other inputs), a missing forward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..checkers import CheckResult, dtype_key, make_standard, standard_for, worst
+from ..dump.reader import Dump
+from ..errors import MsprobeError
+from .args import Rebuilder, api_generator
+
+_NAME = re.compile(r"^(?P<prefix>[A-Za-z]+)\.(?P<api>.+)\.(?P<n>\d+)\.(?P<dir>forward|backward)$")
+_UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
+                       "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op (not replayable here)",
+                       "VF": "torch._VF op"}
+_RANDOM = {"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+           "bernoulli_", "normal", "normal_", "multinomial", "uniform_", "exponential_", "random_", "poisson"}
+_ALPHA_OPS = {"add", "add_", "sub", "sub_", "rsub"}
+_NOT_COMPARABLE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+@dataclass
+class ApiResult:
+    """Verdict of one API call in one direction.
+
+    Attributes:
+        name: dump name, e.g. ``Functional.linear.0.forward``.
+        status: ``pass`` / ``warning`` / ``error`` / ``skip``.
+        outputs: ``[(row name, CheckResult)]`` per compared output.
+        reason: why it was skipped (empty otherwise).
+        info: ``{row: (oracle dtype, target dtype, shape)}`` for the details CSV.
+    """
+
+    name: str
+    status: str
+    outputs: list[tuple[str, CheckResult]] = field(default_factory=list)
+    reason: str = ""
+    info: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        if self.status == "skip":
+            return self.reason
+        bad = [(n, r) for n, r in self.outputs if r.status in ("error", "warning")]
+        if not bad:
+            return f"{len(self.outputs)} output(s) pass"
+        n, r = bad[0]
+        return f"{n}: {r.standard} {r.status}: {r.message}"
+
+
+def parse_name(name: str) -> tuple[str, str, int, str]:
+    """``(prefix, api, call, direction)`` of a dump name; raises MsprobeError for anything else."""
+    m = _NAME.match(name)
+    if not m:
+        raise MsprobeError(f"{name}: not an API call name (<Prefix>.<api>.<n>.forward|backward)")
+    return m.group("prefix"), m.group("api"), int(m.group("n")), m.group("dir")
+
+
+def resolve(prefix: str, api: str):
+    """The torch callable of an API, or raise MsprobeError saying why it is not replayable."""
+    if prefix in _UNSUPPORTED_PREFIX:
+        raise MsprobeError(f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}; not replayable on CPU")
+    owner = {"Functional": torch.nn.functional, "Torch": torch, "Tensor": torch.Tensor}.get(prefix)
+    obj = owner
+    for part in api.split(".") if owner is not None else ():
+        obj = getattr(obj, part, None)
+    if owner is None or obj is None or not callable(obj):
+        raise MsprobeError(f"{prefix}.{api}: unknown API (no such torch callable)")
+    return obj
+
+
+def _cast(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_cast(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cast(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast(v, fn) for k, v in value.items()}
+    return value
+
+
+def _upcast(dtype: torch.dtype):
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        return t.to(dtype) if t.is_floating_point() else t
+    return fn
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _outputs(value: Any, stem: str) -> list[tuple[str, Any]]:
+    """Flatten an API output into ``(row name, tensor or scalar)`` pairs, msprobe's row naming."""
+    if isinstance(value, (list, tuple)):
+        out = []
+        for i, v in enumerate(value):
+            out += _outputs(v, f"{stem}.{i}") if isinstance(v, (list, tuple)) else [(f"{stem}.{i}", v)]
+        return out
+    return [(f"{stem}.0", value)]
+
+
+def _records(recs: Any, stem: str) -> list[tuple[str, Any]]:
+    if isinstance(recs, dict) and "type" not in recs:
+        recs = list(recs.values())
+    if not isinstance(recs, list):
+        recs = [recs]
+    out = []
+    for i, r in enumerate(recs):
+        out += _records(r, f"{stem}.{i}") if isinstance(r, list) else [(f"{stem}.{i}", r)]
+    return out
+
+
+class ApiReplayer:
+    """Replays and judges the API calls of one dump.
+
+    Args:
+        dump: a loaded dump (L1 or mix; module entries are ignored).
+        live: re-run the target side on CPU in the dumped dtypes instead of reading recorded outputs (what a
+            runner with the target device does; here it exercises statistics dumps).
+        standards: user overrides ``{API fnmatch pattern: standard name}``.
+        thresholds: user overrides ``{standard name: {threshold: value}}``.
+    """
+
+    def __init__(self, dump: Dump, *, live: bool = False, standards: dict[str, str] | None = None,
+                 thresholds: dict[str, dict[str, float]] | None = None):
+        self.dump, self.live = dump, live
+        self.standards = standards or {}
+        self.thresholds = thresholds or {}
+        self.rebuild = Rebuilder(dump)
+
+    def api_names(self) -> list[str]:
+        """Every API forward and backward entry, in dump order (modules and parameter gradients left out)."""
+        return [n for n in self.dump.data if _NAME.match(n) and not n.startswith("Module.")]
+
+    # ---------------------------------------------------------------------------------------------------------
+    def check(self, name: str) -> ApiResult:
+        """Judge one entry; never raises for a bad entry: it becomes a skip (unjudgeable) with the reason."""
+        try:
+            prefix, api, n, direction = parse_name(name)
+            if api.rsplit(".", 1)[-1] in _NOT_COMPARABLE:
+                return ApiResult(name, "skip", reason=f"{api}: uninitialised memory, not comparable")
+            if api.rsplit(".", 1)[-1] in _RANDOM:
+                return ApiResult(name, "skip", reason=f"{api}: random output, not comparable element-wise")
+            func = resolve(prefix, api)
+            if direction == "forward":
+                return self._forward(name, prefix, api, n, func)
+            return self._backward(name, prefix, api, n, func)
+        except MsprobeError as exc:
+            return ApiResult(name, "skip", reason=str(exc))
+
+    def _args(self, fwd_name: str) -> tuple[list, dict]:
+        entry = self.dump.data.get(fwd_name)
+        if not isinstance(entry, dict):
+            raise MsprobeError(f"{fwd_name}: no forward entry in the dump")
+        gen = api_generator(fwd_name)
+        args = [self.rebuild.value(v, gen, f"{fwd_name}.input.{i}") for i, v in enumerate(entry.get("input_args") or [])]
+        kwargs = {k: self.rebuild.value(v, gen, f"{fwd_name}.input.{k}")
+                  for k, v in (entry.get("input_kwargs") or {}).items()}
+        kwargs.pop("out", None)
+        return args, kwargs
+
+    def _run(self, func, args, kwargs, cast):
+        a, k = _cast(args, cast), _cast(kwargs, cast)
+        return func(*a, **k)
+
+    def _oracle(self, func, args, kwargs):
+        try:
+            return self._run(func, args, kwargs, _upcast(torch.float64)), "fp64"
+        except (RuntimeError, TypeError, NotImplementedError):
+            return self._run(func, args, kwargs, _upcast(torch.float32)), "fp32"
+
+    def _forward(self, name, prefix, api, n, func) -> ApiResult:
+        entry = self.dump.data[name]
+        args, kwargs = self._args(name)
+        short = api.rsplit(".", 1)[-1]
+        records = _records(entry.get("output") or [], f"{name}.output")
+        if "dropout" in short:
+            return self._dropout(name, args, kwargs, records, func)
+        try:
+            bench = self._run(func, args, kwargs, _fresh)
+            oracle, _ = self._oracle(func, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - an API that fails on CPU is unjudgeable, not a crash
+            raise MsprobeError(f"{name}: replay failed on CPU: {type(exc).__name__}: {exc}") from None
+        if self.live:
+            target = self._run(func, args, kwargs, _fresh)
+            targets = _outputs(target, f"{name}.output")
+        else:
+            targets = self._recorded(name, records)
+        alpha = kwargs.get("alpha", 1)
+        if alpha != 1 and short in _ALPHA_OPS:
+            short = "fused multiply-add"  # a + alpha*b rounds twice: judged against the bench (default standard)
+        return self._judge(name, short, targets, _outputs(bench, f"{name}.output"),
+                           _outputs(oracle, f"{name}.output"))
+
+    def _recorded(self, name: str, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        if self.dump.task != "tensor":
+            raise MsprobeError(f"{name}: statistics dump: its target outputs belong to other inputs than the "
+                               "regenerated ones; dump with task 'tensor' (or check live on the target device)")
+        gen = api_generator(name)
+        return [(row, self.rebuild.value(rec, gen, row)) for row, rec in records]
+
+    def _judge(self, name, short, targets, benches, oracles) -> ApiResult:
+        if len(targets) != len(benches):
+            return ApiResult(name, "error", [(name, CheckResult("structure", "error", message=(
+                f"{len(targets)} target outputs vs {len(benches)} bench outputs")))])
+        results, info = [], {}
+        for (row, t), (_, b), (_, o) in zip(targets, benches, oracles):
+            results.append((row, self._pair(short, t, b, o)))
+            if isinstance(t, torch.Tensor):
+                info[row] = (str(getattr(o, "dtype", " ")), str(t.dtype), str(tuple(t.shape)))
+        return ApiResult(name, worst([r for _, r in results]), results, info=info)
+
+    def _pair(self, short: str, t: Any, b: Any, o: Any) -> CheckResult:
+        if t is None and b is None:
+            return CheckResult("none", "skip", message="no output")
+        if not isinstance(t, torch.Tensor) or not isinstance(b, torch.Tensor):
+            same = (t == b) if not (isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)) else True
+            return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
+        if list(t.shape) != list(b.shape):
+            return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
+        if t.numel() == 0:
+            return CheckResult("empty", "pass", message="empty tensor: shapes agree, nothing to compare")
+        std_name = standard_for(short, t.dtype, self.standards)
+        std = make_standard(std_name, t.dtype, short, **self.thresholds.get(std_name, {}))
+        oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+        if std_name == "binary":
+            return std(t, b)
+        return std(t, b, oracle)
+
+    def _dropout(self, name, args, kwargs, records, func) -> ApiResult:
+        p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], float) else 0.5)
+        training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
+        targets = (_outputs(self._run(func, args, kwargs, _fresh), f"{name}.output") if self.live
+                   else self._recorded(name, records))
+        if not training or p == 0:
+            bench = self._run(func, args, kwargs, _fresh)
+            return self._judge(name, "identity", targets, _outputs(bench, f"{name}.output"),
+                               _outputs(bench, f"{name}.output"))
+        results = [(row, make_standard("dropout", getattr(t, "dtype", "fp32"), p=float(p))(t)) for row, t in targets]
+        return ApiResult(name, worst([r for _, r in results]), results)
+
+    def _backward(self, name, prefix, api, n, func) -> ApiResult:
+        entry = self.dump.data[name]
+        fwd = f"{prefix}.{api}.{n}.forward"
+        args, kwargs = self._args(fwd)
+        grads_in = entry.get("input") or []
+        if not grads_in:
+            raise MsprobeError(f"{name}: no upstream gradient in the dump")
+        gen = api_generator(name)
+        upstream = self.rebuild.value(grads_in[0], gen, f"{name}.input.0")
+        records = _records(entry.get("output") or [], f"{name}.output")
+
+        fwd_entry = self.dump.data[fwd]
+        wants = [isinstance(r, dict) and bool(r.get("requires_grad")) for r in fwd_entry.get("input_args") or []]
+
+        def grads(cast):
+            """The gradients the API's autograd node hands to its inputs (``grad_inputs``, the order the dump
+            records them in), for the dumped upstream gradient."""
+            a = _cast(args, cast)
+            k = _cast(kwargs, cast)
+            for x, want in zip(a, wants):
+                if want and isinstance(x, torch.Tensor) and x.is_floating_point():
+                    x.requires_grad_(True)
+            with torch.enable_grad():
+                out = func(*a, **k)
+                out0 = out[0] if isinstance(out, (tuple, list)) else out
+                if not isinstance(out0, torch.Tensor) or out0.grad_fn is None:
+                    raise MsprobeError(f"{name}: the forward output does not depend on an input that needs grad")
+                captured: list = []
+                handle = out0.grad_fn.register_hook(lambda grad_inputs, grad_outputs: captured.append(grad_inputs))
+                g = cast(upstream) if isinstance(upstream, torch.Tensor) else upstream
+                out0.backward(g.to(out0.dtype))
+                handle.remove()
+            return list(captured[0]) if captured else []
+
+        try:
+            bench = grads(_fresh)
+            try:
+                oracle = grads(_upcast(torch.float64))
+            except (RuntimeError, TypeError, NotImplementedError):
+                oracle = grads(_upcast(torch.float32))
+        except MsprobeError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise MsprobeError(f"{name}: backward replay failed on CPU: {type(exc).__name__}: {exc}") from None
+        if self.live:
+            targets = [(f"{name}.output.{i}", g) for i, g in enumerate(grads(_fresh))]
+        else:
+            if self.dump.task != "tensor":
+                raise MsprobeError(f"{name}: statistics dump: target gradients belong to other inputs; dump with "
+                                   "task 'tensor'")
+            targets = [(row, self.rebuild.value(rec, gen, row)) for row, rec in records]
+        if len(targets) != len(bench):
+            return ApiResult(name, "error", [(name, CheckResult("structure", "error", message=(
+                f"{len(targets)} target gradients vs {len(bench)} bench gradients")))])
+        keep = [i for i, (_, t) in enumerate(targets) if t is not None]  # inputs that needed no grad
+        return self._judge(name, api.rsplit(".", 1)[-1], [targets[i] for i in keep],
+                           [(targets[i][0], bench[i]) for i in keep], [(targets[i][0], oracle[i]) for i in keep])

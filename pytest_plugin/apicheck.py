@@ -1,0 +1,89 @@
+"""``--msprobe-api-check PATH``: every API call of a dump as a pytest item, judged by its own standard.
+
+PATH is a dump.json, a rank folder or a step folder (every rank). Items are named by the dump name
+(``Functional.linear.0.forward``), one per forward and one per backward, so ``-k``, ``--lf``, ``-n N`` and
+``--junitxml`` work as for any test. error → failed; warning → passed with a ``msprobe.status=warning`` property
+and a summary line; unjudgeable → skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+STATUS_PROPERTY = "msprobe.status"
+
+
+def dump_files(path: str) -> list[str]:
+    """The dump.json files named by ``--msprobe-api-check`` (a file, a rank folder or a step folder).
+
+    Raises:
+        pytest.UsageError: nothing readable there.
+    """
+    from ..dump.reader import rank_folders
+    from ..errors import MsprobeError
+
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        return [path]
+    try:
+        return [os.path.join(f, "dump.json") for f in rank_folders(path)]
+    except MsprobeError as exc:
+        raise pytest.UsageError(f"msprobe: --msprobe-api-check: {exc}") from None
+
+
+class ApiCheckFailure(Exception):
+    """An API whose verdict is error."""
+
+
+class ApiDumpFile(pytest.File):
+    """A dump.json as a collector of API items."""
+
+    replayer: Any = None
+
+    def collect(self):
+        from ..dump.reader import load_dump
+        from ..errors import MsprobeError
+        from ..replay.runner import ApiReplayer
+
+        session = self.config.stash[_session_key()]
+        try:
+            dump = load_dump(str(self.path))
+        except MsprobeError as exc:
+            raise self.CollectError(f"msprobe: {exc}") from None
+        self.replayer = ApiReplayer(dump, live=session.api_live)
+        for name in self.replayer.api_names():
+            yield ApiItem.from_parent(self, name=name)
+
+
+class ApiItem(pytest.Item):
+    """One API call in one direction."""
+
+    def runtest(self) -> None:
+        result = self.parent.replayer.check(self.name)
+        self.user_properties.append((STATUS_PROPERTY, result.status))
+        for row, r in result.outputs:
+            self.user_properties.append((f"msprobe.{row}", f"{r.standard} {r.status}: {r.message}"))
+        if result.status == "skip":
+            try:  # report the skip at the item, not at this file
+                raise pytest.skip.Exception(result.reason, _use_item_location=True)
+            except TypeError:  # pragma: no cover - older pytest
+                pytest.skip(result.reason)
+        if result.status == "error":
+            raise ApiCheckFailure(result.message)
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, ApiCheckFailure):
+            return f"msprobe: {self.name}: {excinfo.value}"
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        return self.path, 0, f"api-check: {self.name}"
+
+
+def _session_key():
+    from .session import session_key
+
+    return session_key
