@@ -61,4 +61,8 @@ class LegacyStandard:
             thou, tenk = _share_within(re, 0.001), _share_within(re, 0.0001)
             metrics.update(dual_thousandth=thou, dual_ten_thousandth=tenk)
             status = "error" if thou <= 0.999 else ("pass" if tenk > 0.9999 else "warning")
-        return CheckResult(self.name, status, metrics, th, {}, f"{status} by msprobe's ratio chain")
+        shares = {k: v for k, v in metrics.items() if k.startswith("dual_")}
+        th.update({k: (0.99 if k == "dual_hundredth" else 0.999 if k == "dual_thousandth" else 0.9999)
+                   for k in shares})
+        return CheckResult(self.name, status, metrics, th, shares,
+                           f"{status} by msprobe's ratio chain: " + ", ".join(f"{k} {v:.4f}" for k, v in shares.items()))

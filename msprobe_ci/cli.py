@@ -150,10 +150,12 @@ def _api_check(args) -> int:
     if workers == 1:
         results = _check_chunk((args.api_info_file, names, args.live))
     else:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         chunks = [names[i::workers] for i in range(workers)]
-        with ProcessPoolExecutor(workers) as pool:
+        # spawn, not fork: a forked copy of a process whose torch thread pools are running can deadlock
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             parts = list(pool.map(_check_chunk, [(args.api_info_file, c, args.live) for c in chunks]))
         by_name = {r.name: r for part in parts for r in part}
         results = [by_name[n] for n in names]

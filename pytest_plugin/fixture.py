@@ -193,6 +193,14 @@ class MsprobeFixture:
                        "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
                        "message": n.message} for n in report.nodes],
         })
+        api_errors = []
+        if report.mode == "tensor" and level in ("L1", "mix"):
+            from ..replay import ApiReplayer
+
+            replayer = ApiReplayer(target_dump)
+            checks = [replayer.check(n) for n in replayer.api_names()]
+            row["api_checks"] = [{"name": r.name, "status": r.status, "message": r.message} for r in checks]
+            api_errors = [r for r in checks if r.status == "error"]
         props = self.request.node.user_properties
         props.append((RESULT_PROPERTY, json.dumps(row)))
         c = report.counts()
@@ -211,6 +219,9 @@ class MsprobeFixture:
             pytest.fail(f"msprobe: overflow on the target at {overflow_t.first.name} "
                         f"({overflow_t.first.level}: NaN/Inf in {', '.join(overflow_t.first.rows[:4])}); "
                         f"the bench has none there. Artifacts: {check_dir}", pytrace=False)
+        if api_errors:
+            pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
+                        f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
         return report
 
     def _capture_config(self, task: str, level: str, dump_path: str):

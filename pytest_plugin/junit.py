@@ -38,6 +38,17 @@ def write_junit(path: str, results: list[dict]) -> None:
             ov.add_failure_info(message=r["overflow_message"], failure_type="overflow")
         cases.append(ov)
         props[(suite_name, "overflow")] = {"msprobe.first_overflow": r.get("overflow_first") or ""}
+        if r.get("api_checks"):
+            api_cases = []
+            for a in r["api_checks"]:
+                case = TestCase(a["name"], classname=f"{suite_name}[api-check]")
+                if a["status"] == "error":
+                    case.add_failure_info(message=a["message"], failure_type="api-accuracy")
+                elif a["status"] == "skip":
+                    case.add_skipped_info(message=a["message"])
+                api_cases.append(case)
+                props[(f"{suite_name}[api-check]", a["name"])] = {"msprobe.status": a["status"]}
+            suites.append(TestSuite(f"{suite_name}[api-check]", api_cases))
         suites.append(TestSuite(suite_name, cases, properties={
             "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
             "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"]}))

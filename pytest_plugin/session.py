@@ -170,6 +170,11 @@ class ProbeSession:
                           f"({r['bench']} vs {r['target']}, {r['mode']}, {r.get('level', '')}): pass {c['pass']}, "
                           f"warning {c['warning']}, error {c['error']}, unmatched {c['unmatched']}; "
                           f"first divergence: {first}; first overflow: {overflow}")
+            if r.get("api_checks"):
+                ac = r["api_checks"]
+                counts = {s: sum(a["status"] == s for a in ac) for s in ("pass", "warning", "error", "skip")}
+                tr.write_line(f"    per-API pre-check: {len(ac)} API calls: pass {counts['pass']}, warning "
+                              f"{counts['warning']}, error {counts['error']}, skip {counts['skip']}")
             if r.get("baseline"):
                 tr.write_line(f"    bench from baseline {r['baseline']} ({_size(r['baseline_bytes'])})")
             for note in r.get("notes", ()):

@@ -1,0 +1,180 @@
+"""Per-API pre-check: the standards, replay from msprobe's and our dumps, pytest items, CLI CSVs, bad inputs."""
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from _files import read_json, read_lines
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from msprobe_ci.checkers import STANDARDS, make_standard, standard_for
+from msprobe_ci.cli import main as cli_main
+from msprobe_ci.dump import load_dump
+from msprobe_ci.replay import ApiReplayer
+from msprobe_ci.replay.args import Rebuilder, api_generator
+
+
+def _oracle(n=4096, seed=0):
+    return torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["absolute_threshold", "ulp", "benchmark", "accumulative", "legacy"])
+def test_standard_passes_rounding_and_fails_a_one_percent_error(name):
+    oracle = _oracle()
+    right = oracle.bfloat16()          # correctly rounded target
+    bench = oracle.bfloat16()          # the same-dtype reference
+    std = make_standard(name, torch.bfloat16, "x")
+    assert std(right, bench, oracle).status == "pass"
+    wrong = (oracle * 1.01).bfloat16()
+    res = std(wrong, bench, oracle)
+    assert res.status == "error", res
+    assert res.passing and set(res.thresholds)  # the result knows what it measured and what would have passed
+
+
+def test_result_reports_the_loosest_passing_threshold():
+    oracle = _oracle()
+    res = make_standard("absolute_threshold", torch.bfloat16)((oracle * 1.01).bfloat16(), None, oracle)
+    assert res.thresholds["rtol"] == 2 ** -8
+    assert 0.005 < res.passing["rtol"] < 0.02  # about the 1% that was injected
+    relaxed = make_standard("absolute_threshold", torch.bfloat16, rtol=res.passing["rtol"],
+                            small_value_atol_absolute=1.0)
+    assert relaxed((oracle * 1.01).bfloat16(), None, oracle).status == "pass"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=64), min_size=1, max_size=64))
+def test_correct_rounding_always_passes_absolute_threshold(values):
+    oracle = torch.tensor(values, dtype=torch.float64)
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        if dt == torch.float16 and oracle.abs().max() > 6e4:
+            continue
+        assert make_standard("absolute_threshold", dt)(oracle.to(dt), None, oracle).status == "pass"
+
+
+def test_binary_dropout_and_registry():
+    idx = torch.tensor([3, 1, 2])
+    assert make_standard("binary", idx.dtype)(idx, idx).status == "pass"
+    assert make_standard("binary", idx.dtype)(idx, torch.tensor([3, 2, 1])).metrics["mismatch_rate"] == 2 / 3
+    x = torch.ones(10000)
+    drop = torch.nn.functional.dropout(x, p=0.3, generator=None) if False else \
+        torch.nn.functional.dropout(x, p=0.3)
+    assert make_standard("dropout", x.dtype, p=0.3)(drop).status == "pass"
+    assert make_standard("dropout", x.dtype, p=0.3)(x).status == "error"  # nothing dropped
+    assert standard_for("linear", torch.bfloat16) == "ulp"
+    assert standard_for("argmax", torch.int64) == "binary"
+    assert standard_for("conv2d", torch.float32) == "thousandth" and standard_for("conv2d", torch.bfloat16) == "benchmark"
+    assert standard_for("some_new_api", torch.float32) == "benchmark"  # documented default
+    assert standard_for("linear", torch.float32, {"lin*": "legacy"}) == "legacy"
+    assert set(STANDARDS) == {"absolute_threshold", "accumulative", "benchmark", "binary", "dropout", "legacy",
+                              "thousandth", "ulp"}
+
+
+def test_statistics_inputs_plant_the_extremes_and_do_not_depend_on_order(fixtures_dir):
+    dump = load_dump(os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0"))
+    rec = dump.data["Functional.linear.0.forward"]["input_args"][0]
+    a = Rebuilder(dump).value(rec, api_generator("Functional.linear.0.forward"), "x")
+    Rebuilder(dump).value(rec, api_generator("Functional.relu.0.forward"), "y")  # another API in between
+    b = Rebuilder(dump).value(rec, api_generator("Functional.linear.0.forward"), "x")
+    assert torch.equal(a, b) and list(a.shape) == rec["shape"] and a.dtype == torch.bfloat16
+    assert a.max().item() == rec["Max"] and a.min().item() == rec["Min"]
+
+
+def _pytest_api(pytester, path, *args):
+    return pytester.runpytest_subprocess(f"--msprobe-api-check={path}", "-p", "no:cacheprovider", "-rfs", *args)
+
+
+def test_fixture_tensor_dump_has_no_error_and_one_wrong_output_fails_alone(pytester, fixtures_dir, tmp_path):
+    src = os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0")
+    result = _pytest_api(pytester, src)
+    result.assert_outcomes(passed=25)
+    bad = tmp_path / "proc0"
+    shutil.copytree(src, bad)
+    name = read_json(bad / "dump.json")["data"]["Functional.layer_norm.0.forward"]["output"][0]["data_name"]
+    t = torch.load(bad / "dump_tensor_data" / name, weights_only=True)
+    torch.save(t * 1.02, bad / "dump_tensor_data" / name)
+    result = _pytest_api(pytester, str(bad), "--junitxml=j.xml")
+    result.assert_outcomes(passed=24, failed=1)
+    result.stdout.fnmatch_lines(["*FAILED proc0/dump.json::Functional.layer_norm.0.forward*"])
+    result.stdout.fnmatch_lines(["*msprobe: Functional.layer_norm.0.forward: *.output.0: benchmark error*"])
+    result = _pytest_api(pytester, str(bad), "-k", "linear")
+    result.assert_outcomes(passed=4)
+
+
+def test_statistics_dump_skips_offline_and_runs_live(pytester, fixtures_dir):
+    path = os.path.join(fixtures_dir, "bf16_statistics", "step0")
+    result = _pytest_api(pytester, path, "-k", "linear")
+    result.assert_outcomes(skipped=4)
+    result.stdout.fnmatch_lines(["*statistics dump: its target outputs belong to other inputs*"])
+    result = _pytest_api(pytester, path, "--msprobe-api-live", "-k", "linear", "-n", "2")
+    result.assert_outcomes(passed=4)
+
+
+def test_our_capture_of_an_example_model(tmp_path):
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from test_gpt2 import build_gpt2
+
+    from msprobe_ci import PrecisionDebugger
+
+    model = build_gpt2().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100))
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="L1", task="tensor")
+    dbg.start()
+    model(input_ids=ids, labels=ids).loss.backward()
+    dbg.stop()
+    replayer = ApiReplayer(load_dump(str(tmp_path / "d" / "step0" / "rank")))
+    results = [replayer.check(n) for n in replayer.api_names()]
+    judged = [r for r in results if r.status != "skip"]
+    assert len(judged) > 0.8 * len(results) and len(results) > 100
+    assert [r.name for r in results if r.status == "error"] == []
+
+
+def test_bad_inputs_are_named_skips(fixtures_dir, tmp_path):
+    bad = tmp_path / "proc0"
+    shutil.copytree(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"), bad)
+    dump = read_json(bad / "dump.json")
+    data = dump["data"]
+    os.remove(bad / "dump_tensor_data" / data["Functional.relu.0.forward"]["input_args"][0]["data_name"])
+    torch.save({"not": "a tensor"}, bad / "dump_tensor_data" / data["Functional.linear.1.forward"]["input_args"][0]["data_name"])
+    data["Functional.layer_norm.0.forward"]["input_args"][0]["shape"] = [7, 7]
+    data["Torch.no_such_api.0.forward"] = {"input_args": [], "input_kwargs": {}, "output": []}
+    data["Distributed.all_reduce.0.forward"] = {"input_args": [], "input_kwargs": {}, "output": []}
+    (bad / "dump.json").write_text(json.dumps(dump))
+    replayer = ApiReplayer(load_dump(str(bad)))
+    got = {n: replayer.check(n) for n in ("Functional.relu.0.forward", "Functional.linear.1.forward",
+                                          "Functional.layer_norm.0.forward", "Torch.no_such_api.0.forward",
+                                          "Distributed.all_reduce.0.forward")}
+    assert all(r.status == "skip" for r in got.values())
+    assert "Functional.relu.0.forward.input.0.pt" in got["Functional.relu.0.forward"].reason
+    assert "not a tensor" in got["Functional.linear.1.forward"].reason.lower() or \
+        "tensor" in got["Functional.linear.1.forward"].reason
+    assert "holds shape [4, 32], the dump says [7, 7]" in got["Functional.layer_norm.0.forward"].reason
+    assert "unknown API" in got["Torch.no_such_api.0.forward"].reason
+    assert "communication op" in got["Distributed.all_reduce.0.forward"].reason
+    assert replayer.check("Functional.linear.0.forward").status == "pass"  # the rest still runs
+
+
+def test_cli_writes_msprobe_csvs_and_workers_agree(fixtures_dir, tmp_path, capsys):
+    path = os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0", "dump.json")
+    assert cli_main(["api-check", "-api_info", path, "-o", str(tmp_path / "one")]) == 0
+    assert cli_main(["api-check", "-api_info", path, "-o", str(tmp_path / "two"), "-n", "2",
+                     "--junitxml", str(tmp_path / "j.xml")]) == 0
+    out = {}
+    for d in ("one", "two"):
+        (res,) = [f for f in os.listdir(tmp_path / d) if f.startswith("accuracy_checking_result_")]
+        (det,) = [f for f in os.listdir(tmp_path / d) if f.startswith("accuracy_checking_details_")]
+        rows = list(csv.reader(read_lines(tmp_path / d / res)))
+        assert rows[0][0].lstrip("\ufeff") == "API name" and rows[0][1:] == ["Forward Test Success",
+                                                                          "Backward Test Success", "Message"]
+        details = list(csv.reader(read_lines(tmp_path / d / det)))
+        assert len(details[0]) == 23 and details[0][-2:] == ["Status", "Message"]
+        out[d] = (rows, [r[:-1] for r in details])
+    assert out["one"] == out["two"]
+    assert ["Functional.linear.0", "pass", "pass", " "] in out["one"][0]
+    assert (tmp_path / "j.xml").read_text().count("<testcase") == 25
