@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from .common import load_yaml, to_f64
 from .result import CheckResult

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..checkers import CheckResult, dtype_key, make_standard, standard_for, worst
+from ..checkers import CheckResult, make_standard, standard_for, worst
 from ..dump.reader import Dump
 from ..errors import MsprobeError
 from .args import Rebuilder, api_generator
