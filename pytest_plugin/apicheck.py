@@ -53,7 +53,8 @@ class ApiDumpFile(pytest.File):
             dump = load_dump(str(self.path))
         except MsprobeError as exc:
             raise self.CollectError(f"msprobe: {exc}") from None
-        self.replayer = ApiReplayer(dump, live=session.api_live)
+        self.replayer = ApiReplayer(dump, live=session.api_live, standards=session.api_standards,
+                                    thresholds=session.api_thresholds)
         for name in self.replayer.api_names():
             yield ApiItem.from_parent(self, name=name)
 

@@ -13,7 +13,7 @@ import pytest
 from .session import RESULT_PROPERTY, ProbeSession
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "round_factor", "propagation", "error_factor", "atol")
+                 "compile", "round_factor", "propagation", "error_factor", "atol", "api_standards", "api_thresholds")
 
 
 class MsprobeFixture:
@@ -41,7 +41,8 @@ class MsprobeFixture:
         s = self.session
         merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
-                  "compile": s.target_compile}
+                  "compile": s.target_compile, "api_standards": s.api_standards,
+                  "api_thresholds": s.api_thresholds}
         merged.update(s.thresholds_raw)
         merged.update(self.marker_options)
         merged.update(options)
@@ -61,7 +62,9 @@ class MsprobeFixture:
             loss_fn: maps the model output to a scalar loss; enables backward capture.
             **options: ``bench``, ``target``, ``bench_dtype``, ``target_dtype``, ``level``, ``task``, ``inject``
                 (a fault file), ``seed`` (default 1234), ``fuzzy``, ``compile`` (target through
-                ``torch.compile``, capture at L0), and the rule factors ``round_factor``,
+                ``torch.compile``, capture at L0), ``api_standards`` (``{API pattern: standard}``) and
+                ``api_thresholds`` (``{standard: {threshold: value}}``) for the per-API pre-check, and the
+                rule factors ``round_factor``,
                 ``propagation``, ``error_factor``, ``atol`` (see :mod:`msprobe_ci.compare.verdict`).
 
         Baselines: with ``--msprobe-record`` only the bench runs and its dump is stored under
@@ -197,7 +200,8 @@ class MsprobeFixture:
         if report.mode == "tensor" and level in ("L1", "mix"):
             from ..replay import ApiReplayer
 
-            replayer = ApiReplayer(target_dump)
+            replayer = ApiReplayer(target_dump, standards=dict(st["api_standards"] or {}),
+                                   thresholds=dict(st["api_thresholds"] or {}))
             checks = [replayer.check(n) for n in replayer.api_names()]
             row["api_checks"] = [{"name": r.name, "status": r.status, "message": r.message} for r in checks]
             api_errors = [r for r in checks if r.status == "error"]

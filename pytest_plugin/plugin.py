@@ -82,12 +82,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                                ("msprobe_error_factor", "1.5", "verdict rule: error threshold as a multiple of the pass budget"),
                                ("msprobe_atol", "1e-6", "verdict rule: absolute floor of the relative-error budget")):
         parser.addini(key, help=text, default=default)
+    parser.addini("msprobe_api_standards", type="linelist", default=[],
+                  help="per-API pre-check: 'PATTERN = STANDARD' lines (fnmatch on the API name, e.g. 'lin* = legacy')")
+    parser.addini("msprobe_api_thresholds", type="linelist", default=[],
+                  help="per-API pre-check: 'STANDARD.THRESHOLD = VALUE' lines (e.g. 'absolute_threshold.rtol = 0.01')")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
                             "target_dtype, level, task, inject, seed, fuzzy, compile, round_factor, propagation, "
-                            "error_factor, atol)")
+                            "error_factor, atol, api_standards, api_thresholds)")
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")

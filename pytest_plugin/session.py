@@ -58,6 +58,7 @@ class ProbeSession:
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.api_live = bool(_opt(config, "msprobe_api_live"))
+        self.api_standards, self.api_thresholds = _api_overrides(config)
         self.api_files: list[str] = []
         self.api_warnings: list[tuple[str, str]] = []
         api_check = _opt(config, "msprobe_api_check")
@@ -198,3 +199,33 @@ class ProbeSession:
 
 def _size(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:.2f} MiB"
+
+
+def _api_overrides(config: pytest.Config) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """ini ``msprobe_api_standards`` / ``msprobe_api_thresholds`` lines, validated.
+
+    Raises:
+        pytest.UsageError: a line that is not ``KEY = VALUE``, an unknown standard, a non-number threshold.
+    """
+    from ..checkers import STANDARDS
+
+    standards: dict[str, str] = {}
+    for line in config.getini("msprobe_api_standards"):
+        pattern, sep, name = (x.strip() for x in line.partition("="))
+        if not sep or name not in STANDARDS:
+            raise pytest.UsageError(f"msprobe: ini msprobe_api_standards: {line!r}: expected 'PATTERN = STANDARD' "
+                                    f"with STANDARD one of {sorted(STANDARDS)}")
+        standards[pattern] = name
+    thresholds: dict[str, dict[str, float]] = {}
+    for line in config.getini("msprobe_api_thresholds"):
+        key, sep, value = (x.strip() for x in line.partition("="))
+        std, dot, name = key.partition(".")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not dot or std not in STANDARDS or number is None:
+            raise pytest.UsageError(f"msprobe: ini msprobe_api_thresholds: {line!r}: expected "
+                                    f"'STANDARD.THRESHOLD = NUMBER' with STANDARD one of {sorted(STANDARDS)}")
+        thresholds.setdefault(std, {})[name] = number
+    return standards, thresholds

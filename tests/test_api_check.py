@@ -102,6 +102,14 @@ def test_fixture_tensor_dump_has_no_error_and_one_wrong_output_fails_alone(pytes
     result.stdout.fnmatch_lines(["*msprobe: Functional.layer_norm.0.forward: *.output.0: benchmark error*"])
     result = _pytest_api(pytester, str(bad), "-k", "linear")
     result.assert_outcomes(passed=4)
+    # per-project overrides in the ini: a looser benchmark for this API family passes it; a bad line is refused
+    pytester.makeini("[pytest]\nmsprobe_api_thresholds =\n    benchmark.max_rel_err = 100\n"
+                     "    benchmark.mean_rel_err = 100\n    benchmark.rmse = 100\n")
+    _pytest_api(pytester, str(bad)).assert_outcomes(passed=25)
+    pytester.makeini("[pytest]\nmsprobe_api_standards =\n    layer_norm = nonsense\n")
+    result = _pytest_api(pytester, str(bad))
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*msprobe_api_standards: 'layer_norm = nonsense': expected 'PATTERN = STANDARD'*"])
 
 
 def test_statistics_dump_skips_offline_and_runs_live(pytester, fixtures_dir):
