@@ -53,8 +53,9 @@ class ApiDumpFile(pytest.File):
             dump = load_dump(str(self.path))
         except MsprobeError as exc:
             raise self.CollectError(f"msprobe: {exc}") from None
+        session.validate_files()
         self.replayer = ApiReplayer(dump, live=session.api_live, standards=session.api_standards,
-                                    thresholds=session.api_thresholds)
+                                    thresholds=session.api_thresholds, faults=session.faults)
         for name in self.replayer.api_names():
             yield ApiItem.from_parent(self, name=name)
 
@@ -74,6 +75,17 @@ class ApiItem(pytest.Item):
                 pytest.skip(result.reason)
         if result.status == "error":
             raise ApiCheckFailure(result.message)
+        session = self.config.stash[_session_key()]
+        if session.fuzz > 0 and self.name.endswith(".forward"):
+            from ..replay.fuzz import fuzz_api
+
+            failed, repro = fuzz_api(self.parent.replayer, self.name, session.fuzz,
+                                     os.path.join(session.out, "repro"))
+            self.user_properties.append(("msprobe.fuzz_examples", session.fuzz))
+            if failed is not None:
+                self.user_properties.append(("msprobe.repro", repro))
+                raise ApiCheckFailure(f"fuzzing ({session.fuzz} examples) found a failing input: {failed.message}; "
+                                      f"minimal reproducer: {repro}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ApiCheckFailure):

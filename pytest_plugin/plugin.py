@@ -21,7 +21,7 @@ LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 NO_GRAPH = "--msprobe-no-graph"
-API_CHECK, API_LIVE = "--msprobe-api-check", "--msprobe-api-live"
+API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 
 _DTYPES = ("fp64", "fp32", "fp16", "bf16")
 
@@ -57,6 +57,7 @@ OPTIONS = [
     (JUNIT, "msprobe_junitxml", str, None, "PATH", "write a JUnit XML file: one testsuite per test, one testcase per compared node."),
     (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
     (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
+    (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
 FLAGS = [

@@ -59,6 +59,10 @@ class ProbeSession:
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.api_live = bool(_opt(config, "msprobe_api_live"))
         self.api_standards, self.api_thresholds = _api_overrides(config)
+        try:
+            self.fuzz = int(_opt(config, "msprobe_fuzz") or 0)
+        except ValueError:
+            raise pytest.UsageError("msprobe: ini msprobe_fuzz: expected an integer") from None
         self.api_files: list[str] = []
         self.api_warnings: list[tuple[str, str]] = []
         api_check = _opt(config, "msprobe_api_check")

@@ -186,3 +186,23 @@ def test_cli_writes_msprobe_csvs_and_workers_agree(fixtures_dir, tmp_path, capsy
     assert out["one"] == out["two"]
     assert ["Functional.linear.0", "pass", "pass", " "] in out["one"][0]
     assert (tmp_path / "j.xml").read_text().count("<testcase") == 25
+
+
+def test_fuzzing_finds_a_faulty_kernel_and_writes_a_reproducer(fixtures_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.replay.fuzz import fuzz_api
+
+    dump = load_dump(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"))
+    clean = ApiReplayer(dump)
+    assert fuzz_api(clean, "Functional.layer_norm.0.forward", 15, str(tmp_path / "clean")) == (None, None)
+    faulty = ApiReplayer(dump, faults=(Fault("Functional.layer_norm", 0, "forward", "scale", 1.02),))
+    failed, repro = fuzz_api(faulty, "Functional.layer_norm.0.forward", 15, str(tmp_path / "r"))
+    assert failed.status == "error" and os.path.basename(repro) == "repro_Functional.layer_norm.0.forward.py"
+    inputs = torch.load(repro[:-3] + ".pt", weights_only=True)
+    assert inputs["args"][0].dtype == torch.bfloat16 and list(inputs["args"][0].shape) == [4, 32]
+    run = subprocess.run([sys.executable, repro], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "output 0: benchmark error" in run.stdout and "would pass at" in run.stdout

@@ -146,11 +146,13 @@ class ApiReplayer:
             runner with the target device does; here it exercises statistics dumps).
         standards: user overrides ``{API fnmatch pattern: standard name}``.
         thresholds: user overrides ``{standard name: {threshold: value}}``.
+        faults: :class:`~msprobe_ci.capture.inject.Fault` list applied to live target outputs (fuzzing, tests).
     """
 
     def __init__(self, dump: Dump, *, live: bool = False, standards: dict[str, str] | None = None,
-                 thresholds: dict[str, dict[str, float]] | None = None):
+                 thresholds: dict[str, dict[str, float]] | None = None, faults: tuple = ()):
         self.dump, self.live = dump, live
+        self.faults = tuple(faults)
         self.standards = standards or {}
         self.thresholds = thresholds or {}
         self.rebuild = Rebuilder(dump)
@@ -203,16 +205,25 @@ class ApiReplayer:
         records = _records(entry.get("output") or [], f"{name}.output")
         if "dropout" in short:
             return self._dropout(name, args, kwargs, records, func)
+        return self.check_inputs(name, args, kwargs, None if self.live else self._recorded(name, records))
+
+    def check_inputs(self, name: str, args: list, kwargs: dict, targets: list | None = None) -> ApiResult:
+        """Judge forward entry ``name`` on the given inputs; ``targets`` ``None`` runs the target live (CPU, in the
+        inputs' dtypes, with this replayer's ``faults`` applied to its output), as fuzzing does."""
+        prefix, api, n, _ = parse_name(name)
+        func = resolve(prefix, api)
+        short = api.rsplit(".", 1)[-1]
         try:
             bench = self._run(func, args, kwargs, _fresh)
             oracle, _ = self._oracle(func, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - an API that fails on CPU is unjudgeable, not a crash
             raise MsprobeError(f"{name}: replay failed on CPU: {type(exc).__name__}: {exc}") from None
-        if self.live:
+        if targets is None:
             target = self._run(func, args, kwargs, _fresh)
+            for f in self.faults:
+                if f.matches(f"{prefix}.{api}", n, "forward"):
+                    target = f.apply(target, n)
             targets = _outputs(target, f"{name}.output")
-        else:
-            targets = self._recorded(name, records)
         alpha = kwargs.get("alpha", 1)
         if alpha != 1 and short in _ALPHA_OPS:
             short = "fused multiply-add"  # a + alpha*b rounds twice: judged against the bench (default standard)
