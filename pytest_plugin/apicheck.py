@@ -54,8 +54,18 @@ class ApiDumpFile(pytest.File):
         except MsprobeError as exc:
             raise self.CollectError(f"msprobe: {exc}") from None
         session.validate_files()
+        device = "cpu"
+        if session.api_live:
+            from ..backends import Backend
+
+            backend = Backend.from_options(session.target, session.target_dtype)
+            try:
+                backend.check_available()
+                device = backend.torch_device
+            except MsprobeError as exc:
+                raise self.CollectError(f"msprobe: --msprobe-api-live on --msprobe-target: {exc}") from None
         self.replayer = ApiReplayer(dump, live=session.api_live, standards=session.api_standards,
-                                    thresholds=session.api_thresholds, faults=session.faults)
+                                    thresholds=session.api_thresholds, faults=session.faults, target_device=device)
         for name in self.replayer.api_names():
             yield ApiItem.from_parent(self, name=name)
 

@@ -63,7 +63,7 @@ OPTIONS = [
 FLAGS = [
     # (flag, ini key, help): booleans
     (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),
-    (API_LIVE, "msprobe_api_live", "with --msprobe-api-check: re-run the target side on CPU in the dumped dtypes instead of reading recorded outputs (statistics dumps)."),
+    (API_LIVE, "msprobe_api_live", "with --msprobe-api-check: re-run the target side on --msprobe-target (default cpu) in the dumped dtypes instead of reading recorded outputs (statistics dumps, fuzzing)."),
     (NO_GRAPH, "msprobe_no_graph", "do not write the compare_<ts>.vis.db graph of each check (written by default under <msprobe-out>/graphs/, one TensorBoard run per check)."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
 ]

@@ -147,12 +147,16 @@ class ApiReplayer:
         standards: user overrides ``{API fnmatch pattern: standard name}``.
         thresholds: user overrides ``{standard name: {threshold: value}}``.
         faults: :class:`~msprobe_ci.capture.inject.Fault` list applied to live target outputs (fuzzing, tests).
+        target_device: where the live target runs (a torch device string, e.g. ``npu:0``); outputs come back to
+            CPU for judging.
     """
 
     def __init__(self, dump: Dump, *, live: bool = False, standards: dict[str, str] | None = None,
-                 thresholds: dict[str, dict[str, float]] | None = None, faults: tuple = ()):
+                 thresholds: dict[str, dict[str, float]] | None = None, faults: tuple = (),
+                 target_device: str = "cpu"):
         self.dump, self.live = dump, live
         self.faults = tuple(faults)
+        self.target_device = target_device
         self.standards = standards or {}
         self.thresholds = thresholds or {}
         self.rebuild = Rebuilder(dump)
@@ -219,7 +223,9 @@ class ApiReplayer:
         except Exception as exc:  # noqa: BLE001 - an API that fails on CPU is unjudgeable, not a crash
             raise MsprobeError(f"{name}: replay failed on CPU: {type(exc).__name__}: {exc}") from None
         if targets is None:
-            target = self._run(func, args, kwargs, _fresh)
+            dev = self.target_device
+            target = _cast(self._run(func, args, kwargs, lambda t: t.detach().clone().to(dev)),
+                           lambda t: t.detach().cpu())
             for f in self.faults:
                 if f.matches(f"{prefix}.{api}", n, "forward"):
                     target = f.apply(target, n)
