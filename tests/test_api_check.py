@@ -206,3 +206,30 @@ def test_fuzzing_finds_a_faulty_kernel_and_writes_a_reproducer(fixtures_dir, tmp
     run = subprocess.run([sys.executable, repro], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "output 0: benchmark error" in run.stdout and "would pass at" in run.stdout
+
+
+def test_special_cases_multi_output_inplace_empty_scalar_nan(tmp_path):
+    from msprobe_ci import PrecisionDebugger
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 16, generator=g, dtype=torch.bfloat16)
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="L1", task="tensor")
+    dbg.start()
+    torch.topk(x, 3, dim=1)                       # values (float) + indices (int64): two standards
+    torch.max(x, dim=0)                           # named tuple output
+    y = x.clone()
+    y.add_(torch.ones_like(y))                    # in place
+    torch.sum(x)                                  # 0-d output
+    torch.relu(x[:0])                             # empty
+    torch.log(x)                                  # NaN where x < 0: positions must agree
+    torch.nn.functional.dropout(torch.ones(64, 64, dtype=torch.bfloat16), p=0.25)
+    dbg.stop()
+    replayer = ApiReplayer(load_dump(str(tmp_path / "d" / "step0" / "rank")))
+    got = {n: replayer.check(n) for n in replayer.api_names()}
+    assert {n: r.status for n, r in got.items() if r.status != "pass"} == {}
+    topk = got["Torch.topk.0.forward"].outputs
+    assert [(row.rsplit(".", 2)[-1], r.standard) for row, r in topk] == [("0", "binary"), ("1", "binary")]
+    assert got["Torch.sum.0.forward"].outputs[0][1].standard == "accumulative"
+    assert got["Torch.relu.0.forward"].outputs[0][1].standard == "empty"
+    assert got["Functional.dropout.0.forward"].outputs[0][1].standard == "dropout"
+    assert got["Torch.log.0.forward"].outputs[0][1].standard == "benchmark"
