@@ -43,12 +43,10 @@ class BaselineWarning(UserWarning):
     """The baseline was recorded with another bench (device, dtype, task or level) than the one requested."""
 
 
-def test_folder_name(nodeid: str) -> str:
+def folder_for_test(nodeid: str) -> str:
     """File-system-safe folder name for a pytest node id (also used for ``--msprobe-out``)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid).strip("_")[:150]
 
-
-test_folder_name.__test__ = False  # not a pytest test
 
 
 def folder_bytes(path: str) -> int:
@@ -103,7 +101,7 @@ class Recording:
 
     def __post_init__(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        self.staging = os.path.join(self.root, f".staging-{test_folder_name(self.nodeid)}-{uuid.uuid4().hex[:8]}")
+        self.staging = os.path.join(self.root, f".staging-{folder_for_test(self.nodeid)}-{uuid.uuid4().hex[:8]}")
         os.makedirs(self.staging)
 
     def check_dir(self, index: int) -> str:
@@ -119,7 +117,7 @@ class Recording:
 
     def commit(self) -> str:
         """Write the manifest and move the folder into place (replacing an older baseline); returns the path."""
-        final = os.path.join(self.root, test_folder_name(self.nodeid))
+        final = os.path.join(self.root, folder_for_test(self.nodeid))
         manifest = dict(self.manifest, checks=sorted(self.checks, key=lambda c: c["index"]))
         with open(os.path.join(self.staging, MANIFEST), "w", encoding="utf-8") as fh:
             json.dump(manifest, fh, indent=1)
@@ -174,7 +172,7 @@ def load_check(root: str, nodeid: str, index: int, *, bench_device: str, bench_d
         MsprobeError: the baseline is missing (the message gives the command that records it), or its manifest is
             unreadable, of another format version, for another test, or names a dump folder that is not there.
     """
-    folder = os.path.join(root, test_folder_name(nodeid))
+    folder = os.path.join(root, folder_for_test(nodeid))
     how = f"record it with: {record_command(nodeid, root, bench_device, bench_dtype)}"
     path = os.path.join(folder, MANIFEST)
     if not os.path.isdir(folder):

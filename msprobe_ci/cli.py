@@ -1,4 +1,4 @@
-"""``msprobe-ci`` command line: ``compare`` and ``overflow`` with msprobe's flag spellings.
+"""``msprobe-ci`` command line with msprobe's flag spellings.
 
     msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
     msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
@@ -6,8 +6,9 @@
     msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
     msprobe-ci api-check -api_info DUMP.json [-o OUT] [--junitxml PATH] [-n WORKERS] [--live]
 
-Paths are dump.json files, rank folders or step folders (ranks are paired in order). Exit status: 0 when no node
-is an error (compare) / no NaN-Inf (overflow), 1 otherwise, 2 for bad input (one line on stderr).
+Paths are dump.json files, rank folders, step folders or dump roots (``step<N>`` folders); compare pairs folders
+by (step, rank). Exit status: 0 when no node is an error (compare, api-check) / no NaN-Inf (overflow), 1
+otherwise, 2 for bad input (one line on stderr).
 """
 
 from __future__ import annotations
@@ -52,16 +53,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _pairs(target: str, golden: str) -> list[tuple[str, str, str]]:
-    from .dump.reader import rank_folders
+    """(target, golden, output suffix) per shared (step, rank); dump.json files are taken as they are."""
+    from .dump.reader import layout
 
+    for path in (target, golden):
+        if not os.path.exists(path):
+            raise MsprobeError(f"{path}: no such dump file or folder")
     if os.path.isfile(target) or os.path.isfile(golden):
         return [(target, golden, "")]
-    t, g = rank_folders(target), rank_folders(golden)
-    if len(t) != len(g):
-        raise MsprobeError(f"{target} has {len(t)} rank folders but {golden} has {len(g)}")
-    if len(t) == 1:
-        return [(t[0], g[0], "")]
-    return [(a, b, os.path.basename(a)) for a, b in zip(t, g)]
+    t, g = layout(target), layout(golden)
+    common = sorted(set(t) & set(g))
+    if not common or set(t) != set(g):
+        raise MsprobeError(f"{target} has step/rank folders {sorted(t)} but {golden} has {sorted(g)}")
+    if len(common) == 1:
+        return [(t[common[0]], g[common[0]], "")]
+    return [(t[k], g[k], f"step{k[0]}_rank{k[1]}") for k in common]
 
 
 def main(argv: list[str] | None = None) -> int:

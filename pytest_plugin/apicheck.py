@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from .session import session_key
+
 STATUS_PROPERTY = "msprobe.status"
 
 
@@ -48,7 +50,7 @@ class ApiDumpFile(pytest.File):
         from ..errors import MsprobeError
         from ..replay.runner import ApiReplayer
 
-        session = self.config.stash[_session_key()]
+        session = self.config.stash[session_key]
         try:
             dump = load_dump(str(self.path))
         except MsprobeError as exc:
@@ -85,7 +87,7 @@ class ApiItem(pytest.Item):
                 pytest.skip(result.reason)
         if result.status == "error":
             raise ApiCheckFailure(result.message)
-        session = self.config.stash[_session_key()]
+        session = self.config.stash[session_key]
         if session.fuzz > 0 and self.name.endswith(".forward"):
             from ..replay.fuzz import fuzz_api
 
@@ -105,8 +107,3 @@ class ApiItem(pytest.Item):
     def reportinfo(self):
         return self.path, 0, f"api-check: {self.name}"
 
-
-def _session_key():
-    from .session import session_key
-
-    return session_key

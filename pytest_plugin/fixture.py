@@ -293,9 +293,9 @@ class MsprobeFixture:
 
 
 def _folder(nodeid: str) -> str:
-    from ..baseline import test_folder_name
+    from ..baseline import folder_for_test
 
-    return test_folder_name(nodeid)
+    return folder_for_test(nodeid)
 
 
 def _num(x: float) -> float | str:

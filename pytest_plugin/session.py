@@ -114,9 +114,9 @@ class ProbeSession:
 
         from ..errors import MsprobeError
 
-        from ..baseline import test_folder_name
+        from ..baseline import folder_for_test
 
-        name = test_folder_name(nodeid)
+        name = folder_for_test(nodeid)
         path = os.path.join(self.out, name)
         if os.path.isdir(path) and os.listdir(path):
             if not os.path.isfile(os.path.join(path, ".msprobe-ci")):
@@ -132,9 +132,9 @@ class ProbeSession:
         folder and reads one ``.vis.db`` per folder, two levels below the logdir). Emptied first."""
         import shutil
 
-        from ..baseline import test_folder_name
+        from ..baseline import folder_for_test
 
-        path = os.path.join(self.out, "graphs", f"{test_folder_name(nodeid)}.check{index}")
+        path = os.path.join(self.out, "graphs", f"{folder_for_test(nodeid)}.check{index}")
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)

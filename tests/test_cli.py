@@ -16,6 +16,14 @@ def test_compare_cli_writes_csv(fixtures_dir, tmp_path):
     assert "first divergence: none" in r.stdout
 
 
+def test_compare_cli_pairs_steps_of_dump_roots(fixtures_dir, tmp_path):
+    r = _run("compare", "-tp", os.path.join(fixtures_dir, "bf16_statistics_2steps"),
+             "-gp", os.path.join(fixtures_dir, "fp32_statistics_2steps"), "-o", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert sorted(f.rsplit("_", 1)[0] for f in os.listdir(tmp_path)) == [
+        "compare_result_step0_rank0", "compare_result_step1_rank0"]
+
+
 def test_overflow_cli(fixtures_dir, tmp_path):
     r = _run("overflow", "-i", os.path.join(fixtures_dir, "fp16_overflow_statistics", "step0"), "-o", str(tmp_path))
     assert r.returncode == 1

@@ -1,5 +1,5 @@
 """Reader and writer of the on-disk dump (msprobe layout)."""
 
-from .reader import Dump, load_dump, rank_folders
+from .reader import Dump, layout, load_dump, rank_folders
 
-__all__ = ["Dump", "load_dump", "rank_folders"]
+__all__ = ["Dump", "layout", "load_dump", "rank_folders"]

@@ -141,3 +141,36 @@ def load_dump(path: str | os.PathLike) -> Dump:
             raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
     return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
                 data=raw["data"], stack=stack, construct=construct)
+
+
+_STEP_RE = re.compile(r"^step(\d+)$")
+
+
+def _rank_of(folder: str) -> int:
+    m = re.match(r"^rank(\d+)$", os.path.basename(os.path.normpath(folder)))
+    return int(m.group(1)) if m else 0
+
+
+def layout(path: str) -> dict[tuple[int, int], str]:
+    """``{(step, rank): rank folder}`` for a rank folder, a step folder or a dump root.
+
+    Raises:
+        MsprobeError: the path holds no dump in any of the three layouts.
+    """
+    if not os.path.exists(path):
+        raise MsprobeError(f"{path}: no such dump folder")
+    if os.path.isfile(path):
+        path = os.path.dirname(path) or "."
+    if os.path.isfile(os.path.join(path, "dump.json")):
+        m = _STEP_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))
+        return {(int(m.group(1)) if m else 0, _rank_of(path)): path}
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(path) if (m := _STEP_RE.match(d))
+                   and os.path.isdir(os.path.join(path, d)))
+    if steps:
+        out = {}
+        for step, d in steps:
+            for folder in rank_folders(os.path.join(path, d)):
+                out[(step, _rank_of(folder))] = folder
+        return out
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    return {(int(m.group(1)) if m else 0, _rank_of(f)): f for f in rank_folders(path)}

@@ -8,7 +8,8 @@ layouts (rank folder, step folder, dump root).
 from .builder import Graph, Node, build_graph
 from .compare import compare_graphs
 from .db import write_vis_db
-from .service import build_vis_db, compare_vis_db, layout
+from ..dump.reader import layout
+from .service import build_vis_db, compare_vis_db
 
 __all__ = ["Graph", "Node", "build_graph", "compare_graphs", "write_vis_db", "build_vis_db", "compare_vis_db",
            "layout"]

@@ -8,49 +8,14 @@ target's and the bench's (step, rank) folders and needs at least one in common.
 
 from __future__ import annotations
 
-import os
-import re
-
 from ..compare import compare_dumps
 from ..compare.engine import CompareReport
-from ..dump.reader import Dump, load_dump, rank_folders
+from ..dump.reader import Dump, layout, load_dump
 from ..errors import MsprobeError
 from ..overflow import check_overflow
 from .builder import Graph, build_graph
 from .compare import compare_graphs
 from .db import out_path, write_vis_db
-
-_STEP_RE = re.compile(r"^step(\d+)$")
-
-
-def _rank_of(folder: str) -> int:
-    m = re.match(r"^rank(\d+)$", os.path.basename(os.path.normpath(folder)))
-    return int(m.group(1)) if m else 0
-
-
-def layout(path: str) -> dict[tuple[int, int], str]:
-    """``{(step, rank): rank folder}`` for a rank folder, a step folder or a dump root.
-
-    Raises:
-        MsprobeError: the path holds no dump in any of the three layouts.
-    """
-    if not os.path.exists(path):
-        raise MsprobeError(f"{path}: no such dump folder")
-    if os.path.isfile(path):
-        path = os.path.dirname(path) or "."
-    if os.path.isfile(os.path.join(path, "dump.json")):
-        m = _STEP_RE.match(os.path.basename(os.path.dirname(os.path.abspath(path))))
-        return {(int(m.group(1)) if m else 0, _rank_of(path)): path}
-    steps = sorted((int(m.group(1)), d) for d in os.listdir(path) if (m := _STEP_RE.match(d))
-                   and os.path.isdir(os.path.join(path, d)))
-    if steps:
-        out = {}
-        for step, d in steps:
-            for folder in rank_folders(os.path.join(path, d)):
-                out[(step, _rank_of(folder))] = folder
-        return out
-    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
-    return {(int(m.group(1)) if m else 0, _rank_of(f)): f for f in rank_folders(path)}
 
 
 def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Graph:
@@ -60,6 +25,15 @@ def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Gra
             if a.name in g.nodes:
                 g.nodes[a.name].overflow_level = a.level
     return g
+
+
+def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, int], overflow: bool,
+              fuzzy: bool) -> list[Graph]:
+    """The target (NPU) and bench graphs of one (step, rank), matched and annotated."""
+    t_graph = _graph(target, "NPU", *key, overflow)
+    g_graph = _graph(bench, "Bench", *key, overflow)
+    compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
+    return [t_graph, g_graph]
 
 
 def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
@@ -98,10 +72,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             kwargs = {"thresholds": thresholds} if thresholds is not None else {}
             report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, **kwargs)
         mode = report.mode
-        t_graph = _graph(t_dump, "NPU", *key, overflow)
-        g_graph = _graph(g_dump, "Bench", *key, overflow)
-        compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
-        graphs += [t_graph, g_graph]
+        graphs += _compared(t_dump, g_dump, report, key, overflow, fuzzy)
     return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
 
 
@@ -109,8 +80,5 @@ def write_compare_graph(target: Dump, bench: Dump, report: CompareReport, out_di
                         fuzzy: bool = False, step: int = 0, rank: int = 0) -> str:
     """``compare_<ts>.vis.db`` of two loaded dumps whose compare ``report`` is already computed (the plugin's
     path); returns its path. Raises :class:`MsprobeError` as :func:`compare_vis_db`."""
-    t_graph = _graph(target, "NPU", step, rank, overflow)
-    g_graph = _graph(bench, "Bench", step, rank, overflow)
-    compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
-    return write_vis_db(out_path(out_dir, "compare"), [t_graph, g_graph], compare=True, task=report.mode,
-                        overflow_check=overflow)
+    return write_vis_db(out_path(out_dir, "compare"), _compared(target, bench, report, (step, rank), overflow, fuzzy),
+                        compare=True, task=report.mode, overflow_check=overflow)

@@ -17,12 +17,12 @@ import torch
 from ..dump.reader import Dump
 from ..errors import MsprobeError
 
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                                torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
                                torch.complex128)}
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
-        _DTYPES[f"torch.{_name}"] = getattr(torch, _name)
+        DTYPES[f"torch.{_name}"] = getattr(torch, _name)
 
 
 def api_generator(name: str) -> torch.Generator:
@@ -62,7 +62,7 @@ class Rebuilder:
         if typ == "ellipsis":
             return Ellipsis
         if typ == "torch.dtype":
-            dt = _DTYPES.get(str(rec.get("value")))
+            dt = DTYPES.get(str(rec.get("value")))
             if dt is None:
                 raise MsprobeError(f"{where}: unknown torch.dtype {rec.get('value')!r}")
             return dt
@@ -75,7 +75,7 @@ class Rebuilder:
         return None
 
     def tensor(self, rec: dict, gen: torch.Generator, where: str) -> torch.Tensor:
-        dtype = _DTYPES.get(str(rec.get("dtype")))
+        dtype = DTYPES.get(str(rec.get("dtype")))
         if dtype is None:
             raise MsprobeError(f"{where}: unsupported tensor dtype {rec.get('dtype')!r}")
         shape = rec.get("shape")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .args import _DTYPES
+from .args import DTYPES
 from .runner import ApiReplayer, ApiResult, parse_name
 
 
@@ -34,7 +34,7 @@ def _edges(rec: dict, dtype: torch.dtype) -> list[float]:
 def _draw_tensor(data, rec: dict, where: str) -> torch.Tensor:
     from hypothesis import strategies as st
 
-    dtype = _DTYPES[str(rec["dtype"])]
+    dtype = DTYPES[str(rec["dtype"])]
     shape = list(rec["shape"])
     numel = math.prod(shape)
     lo, hi = float(rec.get("Min") or 0), float(rec.get("Max") or 0)
@@ -56,7 +56,7 @@ def _draw_tensor(data, rec: dict, where: str) -> torch.Tensor:
 
 def _draw(data, value: Any, rebuilt: Any, where: str) -> Any:
     if isinstance(value, dict) and value.get("type") in ("torch.Tensor", "torch.nn.parameter.Parameter") \
-            and str(value.get("dtype")) in _DTYPES and isinstance(value.get("shape"), list):
+            and str(value.get("dtype")) in DTYPES and isinstance(value.get("shape"), list):
         return _draw_tensor(data, value, where)
     if isinstance(value, list) and isinstance(rebuilt, list):
         return [_draw(data, v, r, f"{where}.{i}") for i, (v, r) in enumerate(zip(value, rebuilt))]
@@ -76,7 +76,7 @@ def fuzz_api(replayer: ApiReplayer, name: str, examples: int, out_dir: str) -> t
     entry = replayer.dump.data.get(name)
     if not name.endswith(".forward") or not isinstance(entry, dict):
         return None, None
-    args0, kwargs0 = replayer._args(name)
+    args0, kwargs0 = replayer.arguments(name)
     failures: list[tuple[list, dict, ApiResult]] = []
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,

@@ -21,6 +21,7 @@ other than dropout, statistics dumps offline (their target outputs belong to oth
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -80,8 +81,10 @@ def parse_name(name: str) -> tuple[str, str, int, str]:
     return m.group("prefix"), m.group("api"), int(m.group("n")), m.group("dir")
 
 
+@functools.lru_cache(maxsize=None)
 def resolve(prefix: str, api: str):
-    """The torch callable of an API, or raise MsprobeError saying why it is not replayable."""
+    """The torch callable of an API (looked up once per name), or raise MsprobeError saying why it is not
+    replayable."""
     if prefix in _UNSUPPORTED_PREFIX:
         raise MsprobeError(f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}; not replayable on CPU")
     owner = {"Functional": torch.nn.functional, "Torch": torch, "Tensor": torch.Tensor}.get(prefix)
@@ -181,12 +184,18 @@ class ApiReplayer:
         except MsprobeError as exc:
             return ApiResult(name, "skip", reason=str(exc))
 
-    def _args(self, fwd_name: str) -> tuple[list, dict]:
+    def arguments(self, fwd_name: str) -> tuple[list, dict]:
+        """The rebuilt ``(args, kwargs)`` of a forward entry (an ``out=`` tensor is dropped).
+
+        Raises:
+            MsprobeError: no such forward entry, or a record that cannot be rebuilt.
+        """
         entry = self.dump.data.get(fwd_name)
         if not isinstance(entry, dict):
             raise MsprobeError(f"{fwd_name}: no forward entry in the dump")
         gen = api_generator(fwd_name)
-        args = [self.rebuild.value(v, gen, f"{fwd_name}.input.{i}") for i, v in enumerate(entry.get("input_args") or [])]
+        args = [self.rebuild.value(v, gen, f"{fwd_name}.input.{i}")
+                for i, v in enumerate(entry.get("input_args") or [])]
         kwargs = {k: self.rebuild.value(v, gen, f"{fwd_name}.input.{k}")
                   for k, v in (entry.get("input_kwargs") or {}).items()}
         kwargs.pop("out", None)
@@ -204,7 +213,7 @@ class ApiReplayer:
 
     def _forward(self, name, prefix, api, n, func) -> ApiResult:
         entry = self.dump.data[name]
-        args, kwargs = self._args(name)
+        args, kwargs = self.arguments(name)
         short = api.rsplit(".", 1)[-1]
         records = _records(entry.get("output") or [], f"{name}.output")
         if "dropout" in short:
@@ -259,7 +268,8 @@ class ApiReplayer:
         if t is None and b is None:
             return CheckResult("none", "skip", message="no output")
         if not isinstance(t, torch.Tensor) or not isinstance(b, torch.Tensor):
-            same = (t == b) if not (isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)) else True
+            both_nan = isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)
+            same = both_nan or t == b
             return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
         if list(t.shape) != list(b.shape):
             return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
@@ -292,7 +302,7 @@ class ApiReplayer:
     def _backward(self, name, prefix, api, n, func) -> ApiResult:
         entry = self.dump.data[name]
         fwd = f"{prefix}.{api}.{n}.forward"
-        args, kwargs = self._args(fwd)
+        args, kwargs = self.arguments(fwd)
         grads_in = entry.get("input") or []
         if not grads_in:
             raise MsprobeError(f"{name}: no upstream gradient in the dump")
