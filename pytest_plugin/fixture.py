@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from typing import Any, Callable
 
@@ -13,7 +14,8 @@ import pytest
 from .session import RESULT_PROPERTY, ProbeSession
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "round_factor", "propagation", "error_factor", "atol", "api_standards", "api_thresholds")
+                 "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "atol", "api_standards",
+                 "api_thresholds")
 
 
 class MsprobeFixture:
@@ -41,7 +43,8 @@ class MsprobeFixture:
         s = self.session
         merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
-                  "compile": s.target_compile, "api_standards": s.api_standards,
+                  "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
+                  "output_rtol": s.output_rtol,
                   "api_thresholds": s.api_thresholds}
         merged.update(s.thresholds_raw)
         merged.update(self.marker_options)
@@ -99,6 +102,8 @@ class MsprobeFixture:
             thresholds = Thresholds.from_mapping({k: st[k] for k in ("round_factor", "propagation", "error_factor",
                                                                        "atol")})
             faults = load_faults(st["inject"]) if st["inject"] else session.faults
+            isolate = _isolate_flag(st["isolate"])
+            output_rtol = None if st["output_rtol"] is None else _positive(st["output_rtol"], "output_rtol")
             base_dir = session.test_dir(self.request.node.nodeid) if self.checks == 0 else self._base_dir
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
@@ -128,7 +133,7 @@ class MsprobeFixture:
             except MsprobeError as exc:
                 raise pytest.skip.Exception(f"msprobe: {exc}") from None
             recording = self._recording(bench, st, task, level)
-            folder = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
+            folder, _ = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
                                     recording.check_dir(index)), (), int(st["seed"]), regions, eval_mode)
             size = recording.add_check(index, folder)
             row.update(recorded=True, mode=task, baseline_bytes=size,
@@ -161,14 +166,32 @@ class MsprobeFixture:
             except MsprobeError as exc:
                 raise pytest.skip.Exception(f"msprobe: {exc}") from None
         dumps = {"bench": stored.rank_folder} if stored is not None else {}
+        outputs: dict[str, Any] = {}
         for side, backend, side_faults in sides:
-            dumps[side] = self._run_side(model, inputs, loss_fn, backend,
-                                         self._capture_config(task, level, os.path.join(check_dir, side)),
-                                         side_faults, int(st["seed"]), regions, eval_mode)
+            isolator = None
+            if side == "target" and isolate:
+                from ..isolate import Isolator
+
+                isolator = Isolator(standards=dict(st["api_standards"] or {}),
+                                    thresholds=dict(st["api_thresholds"] or {}),
+                                    target_device=backend.torch_device,
+                                    bench_device=bench.torch_device if _available(bench) else "cpu",
+                                    backward=loss_fn is not None)
+            dumps[side], outputs[side] = self._run_side(
+                model, inputs, loss_fn, backend, self._capture_config(task, level, os.path.join(check_dir, side)),
+                side_faults, int(st["seed"]), regions, eval_mode, isolator)
         try:
+            from ..compare.isolated import apply_isolation, load_isolation
+
             bench_dump = load_dump(dumps["bench"])
             target_dump = load_dump(dumps["target"])
             report = compare_dumps(target_dump, bench_dump, fuzzy=bool(st["fuzzy"]), thresholds=thresholds)
+            records = load_isolation(dumps["target"]) if isolate else None
+            if records is not None:
+                from ..compare.verdict import unit_roundoff
+
+                apply_isolation(report, records, target_dump.construct,
+                                cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
         except MsprobeError as exc:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
@@ -182,6 +205,10 @@ class MsprobeFixture:
                                                  session.graph_dir(nodeid, index), fuzzy=bool(st["fuzzy"]))
             except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
                 notes.append(f"no graph: {exc}")
+        from ..compare.verdict import unit_roundoff
+
+        model_cases = _model_cases(outputs.get("bench"), outputs.get("target"), output_rtol,
+                                   unit_roundoff(str(target.dtype), str(bench.dtype)))
         overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
         overflow_failed = overflow_t.has_overflow
         first = report.first_divergence
@@ -190,7 +217,7 @@ class MsprobeFixture:
             "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
             "first_divergence": first.name if first is not None else None,
             "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
-            "overflow_failed": overflow_failed,
+            "overflow_failed": overflow_failed, "isolated": report.isolated, "model": model_cases,
             "overflow_message": overflow_t.first.message if overflow_t.first else "",
             "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
                        "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
@@ -218,11 +245,17 @@ class MsprobeFixture:
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if first is not None:
-            pytest.fail(_failure_message(report, check_dir), pytrace=False)
+            pytest.fail(_failure_message(report, check_dir, target_dump, graph_path), pytrace=False)
         if overflow_failed:
             pytest.fail(f"msprobe: overflow on the target at {overflow_t.first.name} "
                         f"({overflow_t.first.level}: NaN/Inf in {', '.join(overflow_t.first.rows[:4])}); "
                         f"the bench has none there. Artifacts: {check_dir}", pytrace=False)
+        bad_model = [c for c in model_cases if c["status"] == "error"]
+        if bad_model:
+            c = bad_model[0]
+            pytest.fail(f"msprobe: model output {c['name']} drifts beyond the end-to-end tolerance: relative L2 error "
+                        f"{c['value']:.4g} > {c['threshold']:.4g} (every isolated API passes its own standard; "
+                        f"set output_rtol to accept this drift). Artifacts: {check_dir}", pytrace=False)
         if api_errors:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
@@ -257,7 +290,7 @@ class MsprobeFixture:
             self._record = None
 
     @staticmethod
-    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode) -> str:
+    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode, isolator=None):
         import torch
 
         from ..backends import deterministic
@@ -265,7 +298,7 @@ class MsprobeFixture:
 
         side_model = backend.prepare_model(model, eval_mode=eval_mode)
         side_inputs = backend.prepare_inputs(inputs)
-        capture = CaptureSession(cfg, faults=faults, opaque_modules=regions)
+        capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator)
         torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
         try:
             with deterministic():
@@ -278,6 +311,9 @@ class MsprobeFixture:
                     loss = loss_fn(out)
                     loss.backward()
                 capture.stop()
+            flat = _flatten_outputs(out)
+            if loss_fn is not None:
+                flat.append(("loss", loss.detach().cpu()))
         finally:
             capture.close()
         if not capture.folders:
@@ -289,7 +325,91 @@ class MsprobeFixture:
                        else "no such call ran on the target")
                 warnings.warn(f"msprobe: fault {f.api}{where} ({f.direction}) was never applied: {why}",
                               UserWarning, stacklevel=3)
-        return capture.folders[0]
+        return capture.folders[0], flat
+
+
+def _available(backend) -> bool:
+    from ..errors import MsprobeError
+
+    try:
+        backend.check_available()
+    except MsprobeError:
+        return False
+    return True
+
+
+def _isolate_flag(value: Any) -> bool:
+    from ..errors import MsprobeError
+
+    if value in (True, "on", "true", "1"):
+        return True
+    if value in (False, "off", "false", "0", None):
+        return False
+    raise MsprobeError(f"option 'isolate': expected 'on' or 'off' (or a bool), got {value!r}")
+
+
+def _positive(value: Any, name: str) -> float:
+    from ..errors import MsprobeError
+
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise MsprobeError(f"option '{name}': expected a positive number, got {value!r}") from None
+    if not v > 0:
+        raise MsprobeError(f"option '{name}': expected a positive number, got {value!r}")
+    return v
+
+
+def _flatten_outputs(out: Any, name: str = "output") -> list[tuple[str, Any]]:
+    """Floating tensors of a model output, on CPU, named by their path (``output.logits``, ``output.0``)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [(name, out.detach().cpu())] if out.is_floating_point() else []
+    items = None
+    if isinstance(out, dict) or (hasattr(out, "keys") and hasattr(out, "to_tuple")):
+        items = [(str(k), out[k]) for k in out.keys()]
+    elif isinstance(out, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(out)]
+    result = []
+    for k, v in items or ():
+        if k in ("loss",):
+            continue  # judged from the loss of loss_fn
+        result += _flatten_outputs(v, f"{name}.{k}")
+    return result
+
+
+def _model_cases(bench: list | None, target: list | None, rtol: float | None, cast_u: float = 0.0) -> list[dict]:
+    """The model-level testcases: relative L2 error of each final output (and the loss) against the bench.
+
+    Default tolerance: 16 x the unit roundoff of the coarsest dtype involved (the outputs' and ``cast_u``, the
+    dtype the models were cast to), at least 1e-5 (an end-to-end
+    budget: each layer adds about one rounding of the target dtype; isolation judges the layers themselves).
+    """
+    import torch
+
+    from ..compare.verdict import unit_roundoff
+
+    if not bench or not target:
+        return []
+    bench_map = dict(bench)
+    cases = []
+    for name, t in target:
+        b = bench_map.get(name)
+        if b is None or tuple(b.shape) != tuple(t.shape):
+            continue
+        tol = rtol if rtol is not None else max(16 * max(unit_roundoff(str(t.dtype), str(b.dtype)), cast_u), 1e-5)
+        t64, b64 = t.to(torch.float64), b.to(torch.float64)
+        finite = torch.isfinite(t64) & torch.isfinite(b64)
+        denom = float(torch.linalg.vector_norm(b64[finite])) if bool(finite.any()) else 0.0
+        diff = float(torch.linalg.vector_norm((t64 - b64)[finite])) if bool(finite.any()) else 0.0
+        err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
+        if not torch.equal(torch.isfinite(t64), torch.isfinite(b64)):
+            err = math.inf
+        cases.append({"name": f"model.{name}", "status": "error" if not err <= tol else "pass",
+                      "metric": "RelativeErr", "value": _num(err), "threshold": tol,
+                      "message": f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"})
+    return cases
 
 
 def _folder(nodeid: str) -> str:
@@ -302,14 +422,39 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _failure_message(report, check_dir: str) -> str:
+def _failure_message(report, check_dir: str, target_dump=None, graph_path: str | None = None) -> str:
+    """First line: the API, its module, the source line, the standard, metric, value and threshold; then where to
+    look (graph, replay command) and the other failing nodes."""
     first = report.first_divergence
-    lines = [f"msprobe: first divergence at {first.name}: {first.metric} {first.value:.4g} > threshold "
-             f"{first.threshold:.4g} (row {first.worst_row}; input error {first.input_error:.3g})",
-             f"{'node':<48} {'status':<8} {'RelativeErr':>12} {'threshold':>10} {'input err':>10}"]
-    for n in report.worst(8):
-        lines.append(f"{n.name:<48} {n.status:<8} {n.value:>12.4g} {n.threshold:>10.4g} {n.input_error:>10.3g}")
+    construct = getattr(target_dump, "construct", {}) or {}
+    stack = getattr(target_dump, "stack", {}) or {}
+    where = []
+    module = construct.get(first.name)
+    if module:
+        where.append(f"in {module}")
+    frames = [str(f).split(", \n")[0].replace("File ", "") for f in stack.get(first.name) or []]
+    user = [f for f in frames if f"{os.sep}torch{os.sep}" not in f]  # the line that called the API
+    if user or frames:
+        where.append(f"at {(user or frames)[0]}")
+    loc = f" ({'; '.join(where)})" if where else ""
+    if report.isolated and first.metrics.get("isolated"):
+        detail = first.message.split(": ", 1)[-1]
+    else:
+        detail = (f"{first.metric} {first.value:.4g} > threshold {first.threshold:.4g} (row {first.worst_row}; "
+                  f"input error {first.input_error:.3g})") if first.metric != "source" else \
+            first.message.split(": ", 1)[-1]
+    lines = [f"msprobe: first divergence at {first.name}{loc}: {detail}"]
+    own = [n for n in report.nodes if n.status == "error" and "rollup" not in n.metrics]
+    if graph_path:
+        lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))})")
+    if re.match(r"^(Tensor|Torch|Functional)\.", first.name):
+        lines.append(f"replay this API alone: pytest --msprobe-api-check={os.path.join(check_dir, 'target')} "
+                     f"--msprobe-api-live -k '{first.name}'")
+    if len(own) > 1:
+        lines.append(f"{len(own) - 1} more node(s) fail on their own: " +
+                     ", ".join(n.name for n in own[1:6]) + (" ..." if len(own) > 6 else ""))
     c = report.counts()
-    lines.append(f"{len(report.nodes)} nodes: pass {c['pass']}, warning {c['warning']}, error {c['error']}, "
-                 f"unmatched {c['unmatched']}. Compare CSV and dumps: {check_dir}")
+    lines.append(f"{len(report.nodes)} nodes: pass {c['pass']}, warning {c['warning']}, error {c['error']} "
+                 f"(incl. modules containing a failing API), unmatched {c['unmatched']}. "
+                 f"Compare CSV and dumps: {check_dir}")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ BENCH_DTYPE, TARGET_DTYPE = "--msprobe-bench-dtype", "--msprobe-target-dtype"
 LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
-NO_GRAPH = "--msprobe-no-graph"
+NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 
 _DTYPES = ("fp64", "fp32", "fp16", "bf16")
@@ -34,6 +34,16 @@ def _device(value: str) -> str:
         return parse_device(value)
     except MsprobeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return v
 
 
 def _choice(allowed):
@@ -58,6 +68,8 @@ OPTIONS = [
     (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
     (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
     (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
+    (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
+    (OUTPUT_RTOL, "msprobe_output_rtol", _float, None, "RTOL", "model-level testcase: the relative L2 error of the final outputs (and loss) that fails a check (default: 16 x the coarser dtype's unit roundoff, at least 1e-5)."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
 FLAGS = [
@@ -91,7 +103,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
-                            "target_dtype, level, task, inject, seed, fuzzy, compile, round_factor, propagation, "
+                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, output_rtol, round_factor, propagation, "
                             "error_factor, atol, api_standards, api_thresholds)")
     session = ProbeSession(config)
     config.stash[session_key] = session

@@ -57,6 +57,14 @@ class ProbeSession:
         self.record = bool(_opt(config, "msprobe_record"))
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
+        self.isolate = _opt(config, "msprobe_isolate") or "on"
+        if self.isolate not in ("on", "off"):
+            raise pytest.UsageError(f"msprobe: ini msprobe_isolate: expected on or off, got {self.isolate!r}")
+        rtol = _opt(config, "msprobe_output_rtol")
+        try:
+            self.output_rtol = float(rtol) if rtol is not None else None
+        except ValueError:
+            raise pytest.UsageError(f"msprobe: ini msprobe_output_rtol: expected a number, got {rtol!r}") from None
         self.api_live = bool(_opt(config, "msprobe_api_live"))
         self.api_standards, self.api_thresholds = _api_overrides(config)
         try:

@@ -66,14 +66,19 @@ class CaptureSession:
         opaque_modules: module paths (as in ``named_modules()``) whose submodules get no hooks: regions run
             through ``torch.compile``, where a hook inside would be traced or break the graph. The module itself
             is still captured.
+        isolator: an :class:`~msprobe_ci.isolate.Isolator`: every recorded API call is also judged on its own
+            inputs (``isolation.json`` beside dump.json); ``None`` (default) captures only.
 
     Raises:
         MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
     """
 
     def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None,
-                 opaque_modules: Iterable[str] = ()):
+                 opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None):
         config.validate()
+        self.isolator = isolator
+        if isolator is not None:
+            isolator.on_fault_applied = self._faults_applied
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
         self.config = config
         self.faults = tuple(faults)
@@ -115,6 +120,12 @@ class CaptureSession:
         self._scope_done = False
         self._folder_checked = False
         self._dirty = False  # something was recorded since the last flush
+        if getattr(self, "isolator", None) is not None:
+            self.isolator.reset()
+
+    def _faults_applied(self, faults) -> None:
+        for f in faults:
+            self.faults_applied.add(self.faults.index(f))
 
     @property
     def step_enabled(self) -> bool:
@@ -197,6 +208,10 @@ class CaptureSession:
         write_dump_folder(folder, task=self.config.task, level=self.config.level, data=self.data, stack=stack,
                           construct=self.construct if self.with_construct else {},
                           tensors=self.builder.tensors if save_tensors else None)
+        if self.isolator is not None:
+            from ..dump.writer import atomic_write_json
+
+            atomic_write_json(os.path.join(folder, "isolation.json"), self.isolator.as_json())
         if folder not in self._folders_written:
             self._folders_written.append(folder)
 
@@ -237,6 +252,12 @@ class CaptureSession:
         self.stacks.setdefault(tuple(frames), []).append(name)
 
     # ------------------------------------------------------------------ L1: APIs
+    def _passthrough(self, func, args, kwargs):
+        out = func(*args, **kwargs)
+        if self.isolator is not None and self.running and not self._busy:
+            self.isolator.propagate(args, kwargs, out)
+        return out
+
     def _on_api(self, func, args, kwargs):
         if self._busy or not self.running:
             return func(*args, **kwargs)
@@ -245,10 +266,10 @@ class CaptureSession:
         except TypeError:  # unhashable callable
             info = None
         if info is None or info[2] == naming.SKIP:
-            return func(*args, **kwargs)
+            return self._passthrough(func, args, kwargs)
         prefix, api, kind = info
         if api == "view_as" and naming.called_from_hook_plumbing():
-            return func(*args, **kwargs)
+            return self._passthrough(func, args, kwargs)  # a hook's alias of a tensor keeps its provenance
         if prefix != "Functional":
             op = naming.operator_name(api, args)
             if op is not None:
@@ -275,12 +296,28 @@ class CaptureSession:
                 self._stack(fwd_name)
             finally:
                 self._busy = False
+        iso = self.isolator if record else None
+        call = None
+        if iso is not None:
+            self._busy = True
+            try:
+                call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
+            finally:
+                self._busy = False
         out = orig = func(*args, **kwargs)
         for f in faults:
             if f.direction == "forward" and f.matches(api_id, n, "forward"):
                 out = f.apply(out, n)
                 self.faults_applied.add(self.faults.index(f))
         self.api_counts[key] = n + 1
+        if iso is not None:
+            self._busy = True
+            try:
+                iso.after(call, out, orig)
+            finally:
+                self._busy = False
+        elif self.isolator is not None:
+            self.isolator.propagate(args, kwargs, out)
         if record:
             self._busy = True
             try:
@@ -294,6 +331,11 @@ class CaptureSession:
             finally:
                 self._busy = False
         bwd_faults = [f for f in faults if f.matches(api_id, n, "backward")]
+        if bwd_faults and call is not None and call.taps:
+            # isolated: the fault goes onto the gradients w.r.t. the API's inputs, at its tap, where the
+            # isolation sees the value before and after it
+            iso.faults_at_tap[f"{key}{n}.backward"] = [(f, n) for f in bwd_faults]
+            bwd_faults = []
         if (record and self._bwd) or bwd_faults:
             node = _first_grad_fn(orig)
             if node is not None and _is_input_node(node, args, kwargs):
@@ -406,6 +448,8 @@ class CaptureSession:
             name, entry = pending.pop()
             if self._fwd_stack and self._fwd_stack[-1] == name:
                 self._fwd_stack.pop()
+            if self.isolator is not None:
+                self.isolator.mark_produced(output)
             if entry is None or not self.running:
                 return None
             self._busy = True

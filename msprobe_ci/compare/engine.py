@@ -49,10 +49,15 @@ class CompareReport:
     nodes: list[CompareResult]
     target_stack: dict[str, list[str]] = field(default_factory=dict)
     thresholds: Thresholds = field(default_factory=Thresholds)
+    isolated: bool = False
 
     @property
     def first_divergence(self) -> CompareResult | None:
-        return next((n for n in self.nodes if n.status == "error"), None)
+        """The earliest node whose own verdict is ``error``; a module that only contains a failing API (roll-up)
+        is never the first divergence when that API is in the report."""
+        errors = [n for n in self.nodes if n.status == "error"]
+        own = [n for n in errors if "rollup" not in n.metrics]
+        return (own or errors or [None])[0]
 
     @property
     def unmatched(self) -> list[str]:

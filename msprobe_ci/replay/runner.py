@@ -140,6 +140,43 @@ def _records(recs: Any, stem: str) -> list[tuple[str, Any]]:
     return out
 
 
+def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, standards: dict | None = None,
+               thresholds: dict | None = None) -> CheckResult:
+    """Judge one output (or gradient) of API ``short`` by its per-API standard.
+
+    Args:
+        short: the API name without prefix and call number (``linear``, ``__add__``).
+        t: the target value (tensor or scalar). b: the same-dtype bench value. o: the fp64 (or fp32) oracle.
+        backward: ``t`` is a gradient: elementwise APIs are judged by the benchmark standard (their gradients are
+            not one rounding: ``div``'s is ``-g*a/b^2``, broadcasting sums).
+        standards: ``{API fnmatch pattern: standard}`` overrides. thresholds: ``{standard: {name: value}}``.
+
+    Returns:
+        The standard's :class:`~msprobe_ci.checkers.CheckResult` (``structure``/``scalar``/``empty``/``none``
+        results for shape mismatches, non-tensors, empty tensors, missing values).
+    """
+    standards = standards or {}
+    if t is None and b is None:
+        return CheckResult("none", "skip", message="no output")
+    if not isinstance(t, torch.Tensor) or not isinstance(b, torch.Tensor):
+        both_nan = isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)
+        same = both_nan or t == b
+        return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
+    if list(t.shape) != list(b.shape):
+        return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
+    if t.numel() == 0:
+        return CheckResult("empty", "pass", message="empty tensor: shapes agree, nothing to compare")
+    std_name = standard_for(short, t.dtype, standards)
+    if backward and std_name == "absolute_threshold" and not any(
+            fnmatch.fnmatchcase(short, p) for p in standards):
+        std_name = "benchmark"
+    std = make_standard(std_name, t.dtype, short, **(thresholds or {}).get(std_name, {}))
+    oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+    if std_name == "binary":
+        return std(t, b)
+    return std(t, b, oracle)
+
+
 class ApiReplayer:
     """Replays and judges the API calls of one dump.
 
@@ -265,27 +302,7 @@ class ApiReplayer:
         return ApiResult(name, worst([r for _, r in results]), results, info=info)
 
     def _pair(self, short: str, t: Any, b: Any, o: Any, backward: bool = False) -> CheckResult:
-        if t is None and b is None:
-            return CheckResult("none", "skip", message="no output")
-        if not isinstance(t, torch.Tensor) or not isinstance(b, torch.Tensor):
-            both_nan = isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)
-            same = both_nan or t == b
-            return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
-        if list(t.shape) != list(b.shape):
-            return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
-        if t.numel() == 0:
-            return CheckResult("empty", "pass", message="empty tensor: shapes agree, nothing to compare")
-        std_name = standard_for(short, t.dtype, self.standards)
-        if backward and std_name == "absolute_threshold" and not any(
-                fnmatch.fnmatchcase(short, p) for p in self.standards):
-            # a gradient of an elementwise op is not one rounding (div: -g*a/b^2; broadcasting sums): judged
-            # against the bench instead
-            std_name = "benchmark"
-        std = make_standard(std_name, t.dtype, short, **self.thresholds.get(std_name, {}))
-        oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
-        if std_name == "binary":
-            return std(t, b)
-        return std(t, b, oracle)
+        return judge_pair(short, t, b, o, backward, self.standards, self.thresholds)
 
     def _dropout(self, name, args, kwargs, records, func) -> ApiResult:
         p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], float) else 0.5)

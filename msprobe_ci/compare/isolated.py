@@ -1,0 +1,220 @@
+"""Node verdicts from isolation; whole-network drift kept as context.
+
+Inputs: a :class:`~msprobe_ci.compare.CompareReport` (target vs bench, every row matched by name, drift verdicts
+from :mod:`.verdict`) and the target's ``isolation.json`` (written by capture with an
+:class:`~msprobe_ci.isolate.Isolator`). Rules:
+
+* **API node** (forward or backward) with an isolation record: its status is the isolated status (the API's own
+  standard on its own inputs). A skipped isolation passes, with the reason in the message.
+* **Sources**: an API forward node whose input is a source (a parameter, buffer, model input or constant tensor
+  no captured API produced, or a non-tensor argument) fails when that input differs from the bench's beyond what
+  the dtype conversion explains: relative error (tensor, or the statistics stand-in) above
+  ``source_factor × u`` (u: unit roundoff of the coarser of the two dtypes; default factor 4 = conversion rounding
+  plus the statistics' own accumulation), a non-tensor argument that differs (floats beyond the same bound; an
+  ``finfo`` constant of either dtype equals its counterpart). A source is judged once, at the first node that
+  consumes it.
+* **Module node**: fails when an API inside it (construct.json ancestry) fails, naming that API; without any
+  isolated API inside (L0 capture, compiled regions) it keeps its drift verdict.
+* Everything else (parameters_grad, nodes without isolation) passes; its drift stays in ``drift``/``metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import replace
+from typing import Any
+
+from ..errors import MsprobeError
+from .verdict import UNIT_ROUNDOFF, CompareResult
+
+ISOLATION_FILE = "isolation.json"
+_API = re.compile(r"^(Tensor|Torch|Functional|NPU|Aten|VF|Distributed|MindSpeed)\..+\.\d+\.(forward|backward)$")
+_FINFO_CONSTANTS: set[float] = set()
+
+
+def load_isolation(folder: str) -> dict | None:
+    """``{node: record}`` from ``folder/isolation.json``, or ``None`` when the dump has none.
+
+    Raises:
+        MsprobeError: the file exists but is not an isolation record.
+    """
+    path = os.path.join(folder, ISOLATION_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise MsprobeError(f"{path}: not readable JSON ({exc})") from None
+    nodes = raw.get("nodes") if isinstance(raw, dict) else None
+    if not isinstance(nodes, dict) or not all(isinstance(v, dict) for v in nodes.values()):
+        raise MsprobeError(f"{path}: expected {{'nodes': {{name: record}}}}")
+    return nodes
+
+
+def _finfo_constants() -> set[float]:
+    if not _FINFO_CONSTANTS:
+        import torch
+
+        for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            fi = torch.finfo(dt)
+            _FINFO_CONSTANTS.update({fi.min, fi.max, -fi.max, fi.eps, fi.tiny, -fi.tiny})
+    return _FINFO_CONSTANTS
+
+
+def _scalar_differs(t: Any, b: Any, tol: float) -> bool:
+    if t == b:
+        return False
+    if isinstance(t, bool) or isinstance(b, bool) or not isinstance(t, (int, float)) or \
+            not isinstance(b, (int, float)):
+        return str(t) != str(b)
+    t, b = float(t), float(b)
+    if math.isnan(t) and math.isnan(b):
+        return False
+    consts = _finfo_constants()
+    if t in consts and b in consts and math.copysign(1, t) == math.copysign(1, b):
+        return False  # a dtype's own constant (finfo(dtype).min as a mask value) on each side
+    return abs(t - b) > tol * max(abs(b), 1e-30)
+
+
+def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any] | None = None,
+                    source_factor: float = 4.0, cast_roundoff: float = 0.0):
+    """Replace the report's node verdicts by the isolated ones (see the module docstring); in place.
+
+    Args:
+        report: the :class:`~msprobe_ci.compare.CompareReport` of the target against the bench.
+        isolation: the target's isolation records (:func:`load_isolation`).
+        construct: the target's construct.json (``{node: parent}``) for the module roll-up.
+        source_factor: sources may differ by ``source_factor × u`` (default 4).
+        cast_roundoff: unit roundoff of the dtypes the sides' models and inputs were cast to (a bf16 target's
+            buffers are bf16 even where the model later upcasts them): ``u`` is at least this.
+
+    Returns:
+        The same report, ``report.isolated`` set to ``True``.
+    """
+    construct = construct or {}
+    rows_by_name = {rr.target.name: rr for rr in report.rows}
+    seen_sources: set[str] = set()
+    new_nodes: list[CompareResult] = []
+    failing_api: dict[str, str] = {}
+    for node in report.nodes:
+        rec = isolation.get(node.name)
+        drift = {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
+        if rec is None or not _API.match(node.name):
+            new_nodes.append(node)
+            continue
+        src = _judge_sources(node.name, rec.get("sources") or {}, rows_by_name, seen_sources, source_factor,
+                             cast_roundoff)
+        if src is not None:
+            new_nodes.append(replace(src, metrics=dict(node.metrics, **drift)))
+            failing_api[node.name] = node.name
+            continue
+        status = rec.get("status", "skip")
+        value, threshold = _float(rec.get("value")), _float(rec.get("threshold"))
+        if status == "skip":
+            msg = f"{node.name}: not isolated ({rec.get('message', '')}); drift {node.status}"
+            new_nodes.append(CompareResult(name=node.name, status="pass", metric="isolation", value=0.0,
+                                           threshold=math.inf, budget=math.inf, input_error=node.input_error,
+                                           worst_row=node.worst_row, passing_threshold=0.0,
+                                           metrics=dict(node.metrics, **drift), message=msg))
+            continue
+        msg = (f"{node.name}: {rec.get('standard')} standard on its own inputs: {rec.get('metric')} "
+               f"{_fmt(value)} {'>' if status == 'error' else '<='} {_fmt(threshold)} at {rec.get('row')} "
+               f"({rec.get('message', '')})")
+        new_nodes.append(CompareResult(
+            name=node.name, status=status, metric=str(rec.get("metric") or rec.get("standard")),
+            value=value, threshold=threshold, budget=threshold, input_error=node.input_error,
+            worst_row=str(rec.get("row") or node.worst_row),
+            passing_threshold=value,
+            metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True), message=msg))
+        if status == "error":
+            failing_api[node.name] = node.name
+    # module roll-up
+    module_fail: dict[str, str] = {}
+    for api in failing_api:
+        parent = construct.get(api)
+        hops = 0
+        while parent and hops < 1000:
+            module_fail.setdefault(parent, api)
+            parent = construct.get(parent)
+            hops += 1
+    has_isolated_child: set[str] = set()
+    for name in isolation:
+        parent = construct.get(name)
+        hops = 0
+        while parent and hops < 1000:
+            has_isolated_child.add(parent)
+            parent = construct.get(parent)
+            hops += 1
+    final = []
+    for node in new_nodes:
+        if node.name.startswith("Module.") and node.status != "unmatched":
+            drift = {"drift_status": node.status, "drift_RelativeErr": node.value,
+                     "drift_threshold": node.threshold}
+            if node.name in module_fail:
+                api = module_fail[node.name]
+                node = CompareResult(name=node.name, status="error", metric="contains", value=node.value,
+                                     threshold=node.threshold, budget=node.budget, input_error=node.input_error,
+                                     worst_row=node.worst_row, passing_threshold=node.value,
+                                     metrics=dict(node.metrics, **drift, rollup=api),
+                                     message=f"{node.name}: contains failing API {api}")
+            elif node.name in has_isolated_child:
+                node = replace(node, status="pass", metrics=dict(node.metrics, **drift),
+                               message=f"{node.name}: every isolated API inside passes; drift {drift['drift_status']}")
+        elif node.name not in isolation and node.status in ("warning", "error") and \
+                ".parameters_grad" in node.name:
+            node = replace(node, status="pass", metrics=dict(node.metrics, drift_status=node.status),
+                           message=f"{node.name}: accumulated from isolated backward calls; drift {node.status}")
+        final.append(node)
+    report.nodes = final
+    report.isolated = True
+    return report
+
+
+def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor: float,
+                   cast_u: float = 0.0) -> CompareResult | None:
+    for row_name, info in sources.items():
+        sid = str(info.get("id"))
+        if sid in seen:
+            continue
+        seen.add(sid)
+        rr = rows.get(row_name)
+        if rr is None or rr.bench is None:
+            continue
+        t, b = rr.target, rr.bench
+        u = max(UNIT_ROUNDOFF.get(t.dtype, 0.0), UNIT_ROUNDOFF.get(b.dtype, 0.0), cast_u)
+        tol = factor * u + 1e-7
+        kind = info.get("kind", "tensor")
+        if t.is_tensor and b.is_tensor:
+            if t.shape != b.shape:
+                bad, detail = True, f"shape {t.shape} vs bench {b.shape}"
+            else:
+                err = rr.error
+                bad = not (err <= tol)
+                detail = f"RelativeErr {_fmt(err)} > {_fmt(tol)} (= {factor:g} x u {u:.3g}, dtype conversion)"
+        elif not t.is_tensor and not b.is_tensor and t.record is not None and b.record is not None:
+            tv, bv = t.record.get("value"), b.record.get("value")
+            bad = _scalar_differs(tv, bv, tol)
+            detail = f"value {tv!r} vs bench {bv!r}"
+        else:
+            continue
+        if bad:
+            return CompareResult(name=name, status="error", metric="source", value=_float(rr.error),
+                                 threshold=tol, budget=tol, worst_row=row_name, passing_threshold=_float(rr.error),
+                                 message=f"{name}: its input {row_name} ({kind}, not computed by any captured API) "
+                                         f"differs from the bench: {detail}")
+    return None
+
+
+def _float(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt(x: float) -> str:
+    return "inf" if isinstance(x, float) and math.isinf(x) else f"{x:.4g}"

@@ -1,0 +1,477 @@
+"""Isolation: judge every captured API call on the target's *own* inputs, while the target runs.
+
+msprobe's online_dispatch idea at API level, with the per-API standards of :mod:`msprobe_ci.checkers`: for each
+recorded API call on the target side,
+
+1. the **oracle** is the same function on CPU with every floating input upcast to fp64 (fp32 where no fp64 kernel
+   exists), computed *before* the target call on copies (so in-place APIs and BatchNorm running statistics are
+   never touched twice);
+2. the **same-dtype bench** is the function in the target's dtypes on the bench device. When the target runs on
+   the bench device itself (a CPU target), that reference implementation *is* the call the target just made, so
+   its result (before any injected fault) is reused instead of being recomputed;
+3. every output is judged by :func:`msprobe_ci.replay.runner.judge_pair` (the pre-check's registry, thresholds and
+   user overrides: one rule for pre-check and isolation);
+4. **backward**: the API's tensor inputs that require grad pass through an identity autograd node (a *tap*, torch's
+   own ``BackwardHookFunction``, as module full-backward hooks use), so the gradients the API produces w.r.t. its
+   inputs are seen exactly; the gradients arriving at its outputs are taken by tensor hooks; the oracle's saved
+   fp64 graph gives the reference vector-Jacobian product for those same upstream gradients.
+
+Only metrics are kept (no tensors), so isolation works with the statistics task, against a recorded baseline and
+on a runner whose only other device is a CPU. What cannot be judged gets a named skip: random ops (dropout is
+judged by its zero share), uninitialised memory, communication and device-only ops, in-place ops in backward,
+calls whose oracle fails on CPU.
+
+**Sources.** A tensor input that no captured API produced (a parameter, a buffer, a model input, a constant) is a
+*source*: it is judged against the bench dump at compare time, at the first node that consumes it, together with
+non-tensor arguments (scalars, shapes). Isolation alone cannot see a wrong weight, because the API is right for
+the inputs it was given.
+
+Cost: one fp64 forward per API on CPU (kept as a graph until backward when gradients are captured), the
+checkers' NumPy passes, and nothing for APIs judged bit-exact on a same-device target (their bench is the call
+itself). Memory: the fp64 oracle graphs live until the backward pass consumes them.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
+                       "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op", "VF": "torch._VF op"}
+_RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+                     "bernoulli_", "normal", "normal_", "multinomial", "uniform_", "exponential_", "random_",
+                     "poisson", "rrelu", "rrelu_", "gumbel_softmax", "alpha_dropout", "feature_alpha_dropout"})
+_NOT_COMPARABLE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+_DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+_SCHEMA_VERSION = 1
+
+
+def is_inplace(short: str) -> bool:
+    """``add_``, ``__iadd__``: the API writes into its first argument."""
+    if short.startswith("__") and short.endswith("__"):
+        return short.startswith("__i") and short not in ("__index__", "__int__", "__invert__")
+    return short.endswith("_")
+
+
+def _cast(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_cast(v, fn) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_cast(v, fn) for v in value)
+    return value
+
+
+def _flat_outputs(value: Any, stem: str) -> list[tuple[str, Any]]:
+    """``(row, value)`` pairs in msprobe's output row naming (``{name}.output.{i}[.{j}]``)."""
+    if isinstance(value, torch.Tensor):
+        return [(f"{stem}.0", value)]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for i, v in enumerate(value):
+            out += _flat_outputs(v, f"{stem}.{i}") if isinstance(v, (list, tuple)) else [(f"{stem}.{i}", v)]
+        return out
+    return [(f"{stem}.0", value)]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def headline(result) -> tuple[str, float, float]:
+    """``(metric, value, threshold)`` of a :class:`~msprobe_ci.checkers.CheckResult`: the thresholded metric
+    closest to (or furthest past) its threshold; ``(standard, 0, 0)`` when nothing is thresholded."""
+    best = (result.standard, 0.0, 0.0, -math.inf)
+    for k, v in (result.passing or {}).items():
+        th = (result.thresholds or {}).get(k)
+        if th is None or not isinstance(v, (int, float)):
+            continue
+        r = v / th if th > 0 else (math.inf if v > 0 else 0.0)
+        if r > best[3]:
+            best = (k, float(v), float(th), r)
+    return best[0], best[1], best[2]
+
+
+@dataclass
+class _Call:
+    name: str
+    short: str
+    direction_ok: bool = True
+    oracle_in: list = field(default_factory=list)   # fp64 leaves that need grad, by tap position
+    oracle_out: Any = None
+    bench_in: list = field(default_factory=list)
+    bench_out: Any = None
+    taps: int = 0
+    grad_out: dict = field(default_factory=dict)
+    out_tensors: list = field(default_factory=list)
+    dropout: tuple | None = None
+
+
+class Isolator:
+    """Per-step isolation state of one target capture.
+
+    Args:
+        standards: ``{API fnmatch pattern: standard}`` overrides (as the pre-check's).
+        thresholds: ``{standard: {threshold: value}}`` overrides.
+        target_device: torch device string of the target (``cpu``, ``npu:0``).
+        bench_device: where the same-dtype bench runs (default ``cpu``); equal device types reuse the target's
+            own pre-fault result.
+        backward: also isolate the backward pass (keeps the fp64 oracle graphs until backward).
+
+    Attributes:
+        results: ``{node name: record}``; a record holds ``status`` (pass/warning/error/skip), ``standard``,
+            ``metric``, ``value``, ``threshold``, ``row``, ``message``, ``metrics`` and, for forward calls,
+            ``sources`` (``{row: {"id", "kind"}}``).
+    """
+
+    def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
+                 bench_device: str = "cpu", backward: bool = True):
+        self.standards = dict(standards or {})
+        self.thresholds = {k: dict(v) for k, v in (thresholds or {}).items()}
+        self.target_device = str(target_device)
+        self.bench_device = str(bench_device)
+        self.same_device = self.target_device.split(":")[0] == self.bench_device.split(":")[0]
+        self.backward = backward
+        self.faults_at_tap: dict[str, list] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.results: dict[str, dict] = {}
+        self._produced: dict[int, weakref.ref] = {}
+        self._sources: dict[int, tuple[weakref.ref, str]] = {}
+
+    # ------------------------------------------------------------------ provenance
+    def _seen(self, table: dict, t: torch.Tensor):
+        hit = table.get(id(t))
+        if hit is None:
+            return None
+        ref = hit[0] if isinstance(hit, tuple) else hit
+        return hit if ref() is t else None
+
+    def is_produced(self, t: torch.Tensor) -> bool:
+        return self._seen(self._produced, t) is not None
+
+    def mark_produced(self, value: Any) -> None:
+        """Tensors in ``value`` were computed by captured code (an API or a module): not sources."""
+        for t in _tensors(value):
+            try:
+                self._produced[id(t)] = weakref.ref(t)
+            except TypeError:
+                pass
+
+    def propagate(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """For calls that are not judged (views, indexing, dtype casts): outputs derived from a produced tensor
+        are produced."""
+        if not isinstance(out, (torch.Tensor, list, tuple)):
+            return
+        if any(self.is_produced(t) for t in _tensors(args) + _tensors(kwargs)):
+            self.mark_produced(out)
+
+    def _source_id(self, t: torch.Tensor) -> str:
+        hit = self._seen(self._sources, t)
+        if hit is not None:
+            return hit[1]
+        sid = f"S{len(self._sources)}"
+        self._sources[id(t)] = (weakref.ref(t), sid)
+        return sid
+
+    def _source_rows(self, name: str, short: str, args: tuple, kwargs: dict) -> dict[str, dict]:
+        rows: dict[str, dict] = {}
+
+        def visit(v: Any, row: str, key: str) -> None:
+            if isinstance(v, torch.Tensor):
+                if not self.is_produced(v):
+                    kind = "parameter" if isinstance(v, torch.nn.Parameter) else "tensor"
+                    rows[row] = {"id": self._source_id(v), "kind": kind}
+            elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+                for j, x in enumerate(v):
+                    visit(x, f"{row}.{j}", f"{key}.{j}")
+            elif isinstance(v, (bool, int, float)) or v is None:
+                rows[row] = {"id": f"scalar:{short}:{key}:{v!r}", "kind": "scalar"}
+        for i, a in enumerate(args):
+            visit(a, f"{name}.input.{i}", str(i))
+        for k, v in kwargs.items():
+            if k not in ("out", "dtype", "device", "layout", "memory_format"):
+                visit(v, f"{name}.input.{k}", k)
+        return rows
+
+    # ------------------------------------------------------------------ forward
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = {"status": "skip", "message": reason}
+
+    def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
+        """Prepare the isolation of one call: sources, the oracle (and bench) on copies of the inputs, taps.
+
+        Returns:
+            ``(call or None, args, kwargs)``: the arguments to call the target with (tapped where gradients are
+            isolated).
+        """
+        short = api.rsplit(".", 1)[-1]
+        fwd_sources = self._source_rows(name, short, args, kwargs)
+        bwd_name = name[: -len("forward")] + "backward"
+        reason = None
+        if prefix in _UNSUPPORTED_PREFIX:
+            reason = f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}, no CPU reference"
+        elif short in _NOT_COMPARABLE:
+            reason = f"{api}: uninitialised memory, not comparable"
+        elif short in _RANDOM or (kwargs.get("dropout_p") or 0) > 0:
+            reason = f"{api}: random output, not comparable element-wise"
+        if reason:
+            self.skip(name, reason)
+            self.results[name]["sources"] = fwd_sources
+            return None, args, kwargs
+        call = _Call(name, short)
+        self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
+        if short in _DROPOUT:
+            p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
+            call.dropout = (float(p), bool(training))
+            return call, args, kwargs
+        kw = {k: v for k, v in kwargs.items() if k != "out"}
+        want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
+                     any(t.requires_grad and (t.is_floating_point() or t.is_complex())
+                         for t in _tensors(args) + _tensors(kw)))
+        from .checkers import standard_for
+
+        exact_only = self.same_device and standard_for(short, "torch.float32", self.standards) == "binary"
+        if not exact_only:
+            try:
+                call.oracle_in, call.oracle_out = self._reference(func, args, kw, torch.float64, "cpu", want_grad)
+            except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
+                try:
+                    call.oracle_in, call.oracle_out = self._reference(func, args, kw, torch.float32, "cpu",
+                                                                      want_grad)
+                except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
+                    self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
+                                                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                    return None, args, kwargs
+            if not self.same_device:
+                try:
+                    call.bench_in, call.bench_out = self._reference(func, args, kw, None, self.bench_device,
+                                                                    want_grad)
+                except Exception as exc:  # noqa: BLE001
+                    self.results[name].update(message=f"same-dtype bench failed on {self.bench_device}: "
+                                                      f"{type(exc).__name__}")
+                    return None, args, kwargs
+        elif want_grad and self.backward:
+            want_grad = True  # bit-exact APIs: the backward bench is the target's own pre-fault gradient
+        if want_grad:
+            args, kwargs = self._tap(call, bwd_name, args, kwargs)
+        return call, args, kwargs
+
+    def _reference(self, func, args, kwargs, dtype, device, grad: bool):
+        leaves: list = []
+
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            x = t.detach()
+            if dtype is not None and t.is_floating_point():
+                x = x.to(device=device, dtype=dtype, copy=True)
+            elif dtype is not None and t.is_complex():
+                x = x.to(device=device, dtype=torch.complex128, copy=True)
+            else:
+                x = x.to(device=device, copy=True)
+            if grad and t.requires_grad and (x.is_floating_point() or x.is_complex()):
+                x.requires_grad_(True)
+                leaves.append(x)
+            return x
+        a = _cast(tuple(args), conv)
+        k = {key: _cast(v, conv) for key, v in kwargs.items()}
+        if dtype is not None and isinstance(k.get("dtype"), torch.dtype) and k["dtype"].is_floating_point:
+            k["dtype"] = dtype
+        with torch.set_grad_enabled(grad):
+            out = func(*a, **k)
+        return leaves, out
+
+    def _tap(self, call: _Call, bwd_name: str, args: tuple, kwargs: dict):
+        from torch.nn.modules._functions import BackwardHookFunction
+
+        slots: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                slots.append(t)
+            return t
+        _cast(tuple(args), collect)
+        for v in kwargs.values():
+            _cast(v, collect)
+        slots = [t for t in slots if t.is_floating_point() or t.is_complex()]
+        if not slots:
+            return args, kwargs
+        tapped = list(BackwardHookFunction.apply(*slots))
+        it = iter(tapped)
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                return next(it)
+            return t
+        args = _cast(tuple(args), swap)
+        kwargs = {k: _cast(v, swap) for k, v in kwargs.items()}
+        call.taps = len(tapped)
+        node = tapped[0].grad_fn
+        if node is not None:
+            node.register_prehook(self._tap_hook(call, bwd_name))
+        return args, kwargs
+
+    def after(self, call: _Call | None, out: Any, orig: Any) -> None:
+        """Judge the target's output ``out`` (``orig``: before any injected fault) and arm the backward hooks."""
+        self.mark_produced(out)
+        if call is None:
+            return
+        from .checkers import make_standard
+        from .replay.runner import judge_pair
+
+        stem = f"{call.name}.output"
+        targets = _flat_outputs(out, stem)
+        if call.dropout is not None:
+            p, training = call.dropout
+            results = []
+            for row, t in targets:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
+                    results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
+                elif isinstance(t, torch.Tensor):
+                    b = dict(_flat_outputs(orig, stem)).get(row)
+                    results.append((row, judge_pair("identity", t, b, None, False, self.standards,
+                                                    self.thresholds)))
+            self._store(call.name, results)
+            return
+        benches = _flat_outputs(orig if self.same_device else call.bench_out, stem)
+        oracles = dict(_flat_outputs(call.oracle_out, stem)) if call.oracle_out is not None else {}
+        bench = dict(benches)
+        results = []
+        for row, t in targets:
+            b = bench.get(row)
+            if isinstance(b, torch.Tensor) and isinstance(t, torch.Tensor) and b.device != t.device:
+                b = b.to(t.device)
+            o = oracles.get(row)
+            results.append((row, judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards,
+                                            self.thresholds)))
+        self._store(call.name, results)
+        if call.taps:
+            call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
+            for i, t in enumerate(call.out_tensors):
+                t.register_hook(self._grad_out_hook(call, i))
+        if call.oracle_out is not None and not call.taps:
+            call.oracle_out = None  # nothing will read the graph
+
+    def _store(self, name: str, results: list) -> None:
+        from .checkers import worst
+
+        keep = self.results.get(name, {})
+        status = worst([r for _, r in results]) if results else "skip"
+        bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
+        rec = {"status": status, "sources": keep.get("sources", {})}
+        if bad is None:
+            rec["message"] = "no output judged"
+        else:
+            row, r = bad
+            metric, value, threshold = headline(r)
+            rec.update(standard=r.standard, metric=metric, value=_num(value), threshold=_num(threshold), row=row,
+                       message=f"{r.standard} {r.status}: {r.message}",
+                       metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
+        self.results[name] = rec
+
+    # ------------------------------------------------------------------ backward
+    def _grad_out_hook(self, call: _Call, i: int):
+        def hook(grad: torch.Tensor) -> None:
+            call.grad_out[i] = grad.detach()
+        return hook
+
+    def _tap_hook(self, call: _Call, name: str):
+        def prehook(grad_outputs):
+            faults = self.faults_at_tap.get(name, [])
+            grads = list(grad_outputs)
+            new = None
+            if faults:
+                new = tuple(grads)
+                for f, n in faults:
+                    new = f.apply(new, n)
+                self.on_fault_applied([f for f, _ in faults])
+            try:
+                self._judge_backward(call, name, list(new) if new is not None else grads, grads)
+            except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
+                self.results[name] = {"status": "skip", "message": f"backward isolation failed: "
+                                                                   f"{type(exc).__name__}: {exc}"[:200]}
+            finally:
+                call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
+                call.out_tensors = []
+            return new
+        return prehook
+
+    def on_fault_applied(self, faults) -> None:  # replaced by the capture session
+        pass
+
+    def _judge_backward(self, call: _Call, name: str, targets: list, pre_fault: list) -> None:
+        from .replay.runner import judge_pair
+
+        stem = f"{name}.output"
+        if call.oracle_out is None:  # bit-exact APIs on a same-device target: the bench is the pre-fault gradient
+            results = [(f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), None, True, self.standards,
+                                                  self.thresholds))
+                       for i, (t, b) in enumerate(zip(targets, pre_fault)) if t is not None]
+            self._store(name, results)
+            return
+        oracle = self._vjp(call.oracle_out, call.oracle_in, call, torch.float64)
+        bench = pre_fault if self.same_device else self._vjp(call.bench_out, call.bench_in, call, None)
+        results = []
+        for i, t in enumerate(targets):
+            if t is None:
+                continue
+            b = bench[i] if i < len(bench) else None
+            o = oracle[i] if i < len(oracle) else None
+            if o is None and b is None:
+                continue
+            if o is None:
+                o = torch.zeros(t.shape, dtype=torch.float64)
+            results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
+                                                      self.thresholds)))
+        if results:
+            self._store(name, results)
+
+    def _vjp(self, outs: Any, leaves: list, call: _Call, dtype) -> list:
+        ref_outs = [t for t in _tensors(outs) if t.requires_grad]
+        grads = []
+        keep = []
+        for i, t in enumerate(ref_outs):
+            g = call.grad_out.get(i)
+            if g is None:
+                continue
+            keep.append(t)
+            grads.append(g.detach().to(device=t.device, dtype=t.dtype))
+        leaf_pos = [j for j, x in enumerate(leaves) if x is not None]
+        if not keep or not leaf_pos:
+            return [None] * len(leaves)
+        got = torch.autograd.grad(keep, [leaves[j] for j in leaf_pos], grads, allow_unused=True)
+        out: list = [None] * len(leaves)
+        for j, g in zip(leaf_pos, got):
+            out[j] = g
+        return out
+
+    # ------------------------------------------------------------------ output
+    def as_json(self) -> dict:
+        return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
+                "nodes": self.results}
+
+
+def _cpu(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu() if v.device.type != "cpu" else v.detach()
+    return v
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
