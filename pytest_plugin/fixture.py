@@ -254,8 +254,9 @@ class MsprobeFixture:
         if bad_model:
             c = bad_model[0]
             pytest.fail(f"msprobe: model output {c['name']} drifts beyond the end-to-end tolerance: relative L2 error "
-                        f"{c['value']:.4g} > {c['threshold']:.4g} (every isolated API passes its own standard; "
-                        f"set output_rtol to accept this drift). Artifacts: {check_dir}", pytrace=False)
+                        f"{c['value']:.4g} > {c['threshold']:.4g} ("
+                        + ("every isolated API passes its own standard; " if report.isolated else "")
+                        + f"set output_rtol to accept this drift). Artifacts: {check_dir}", pytrace=False)
         if api_errors:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
