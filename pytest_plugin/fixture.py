@@ -86,8 +86,7 @@ class MsprobeFixture:
         from ..backends import Backend, compile_backend, compile_regions
         from ..baseline import load_check
         from ..capture.inject import load_faults
-        from ..compare import Thresholds, compare_dumps
-        from ..dump.reader import load_dump
+        from ..compare import Thresholds
         from ..errors import MsprobeError
         from ..overflow import check_overflow, new_overflows
 
@@ -181,17 +180,12 @@ class MsprobeFixture:
                 model, inputs, loss_fn, backend, self._capture_config(task, level, os.path.join(check_dir, side)),
                 side_faults, int(st["seed"]), regions, eval_mode, isolator)
         try:
-            from ..compare.isolated import apply_isolation, load_isolation
+            from ..check import judge
+            from ..compare.verdict import unit_roundoff
 
-            bench_dump = load_dump(dumps["bench"])
-            target_dump = load_dump(dumps["target"])
-            report = compare_dumps(target_dump, bench_dump, fuzzy=bool(st["fuzzy"]), thresholds=thresholds)
-            records = load_isolation(dumps["target"]) if isolate else None
-            if records is not None:
-                from ..compare.verdict import unit_roundoff
-
-                apply_isolation(report, records, target_dump.construct,
-                                cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+            report, target_dump, bench_dump = judge(
+                dumps["bench"], dumps["target"], fuzzy=bool(st["fuzzy"]), thresholds=thresholds, isolate=isolate,
+                cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
         except MsprobeError as exc:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
@@ -205,9 +199,10 @@ class MsprobeFixture:
                                                  session.graph_dir(nodeid, index), fuzzy=bool(st["fuzzy"]))
             except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
                 notes.append(f"no graph: {exc}")
+        from ..check import model_cases as _cases
         from ..compare.verdict import unit_roundoff
 
-        model_cases = _model_cases(outputs.get("bench"), outputs.get("target"), output_rtol,
+        model_cases = _cases(outputs.get("bench"), outputs.get("target"), output_rtol,
                                    unit_roundoff(str(target.dtype), str(bench.dtype)))
         overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
         overflow_failed = overflow_t.has_overflow
@@ -292,41 +287,17 @@ class MsprobeFixture:
 
     @staticmethod
     def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode, isolator=None):
-        import torch
+        from ..check import run_side
+        from ..errors import MsprobeError
 
-        from ..backends import deterministic
-        from ..capture import CaptureSession
-
-        side_model = backend.prepare_model(model, eval_mode=eval_mode)
-        side_inputs = backend.prepare_inputs(inputs)
-        capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator)
-        torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
         try:
-            with deterministic():
-                capture.start(side_model)
-                if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
-                    out = side_model(**side_inputs[0])
-                else:
-                    out = side_model(*side_inputs)
-                if loss_fn is not None:
-                    loss = loss_fn(out)
-                    loss.backward()
-                capture.stop()
-            flat = _flatten_outputs(out)
-            if loss_fn is not None:
-                flat.append(("loss", loss.detach().cpu()))
-        finally:
-            capture.close()
-        if not capture.folders:
-            raise pytest.fail.Exception("msprobe: nothing was captured (no torch API or submodule ran)")
-        for i, f in enumerate(faults):
-            if i not in capture.faults_applied:
-                where = "" if f.call is None else f" call {f.call}"
-                why = ("it ran inside a torch.compile region, where APIs cannot be reached" if backend.compile
-                       else "no such call ran on the target")
-                warnings.warn(f"msprobe: fault {f.api}{where} ({f.direction}) was never applied: {why}",
-                              UserWarning, stacklevel=3)
-        return capture.folders[0], flat
+            run = run_side(model, inputs, loss_fn, backend, cfg, faults=faults, seed=seed, regions=regions,
+                           eval_mode=eval_mode, isolator=isolator)
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        for message in run.unapplied:
+            warnings.warn(f"msprobe: {message}", UserWarning, stacklevel=3)
+        return run.folder, run.outputs
 
 
 def _available(backend) -> bool:
@@ -359,58 +330,6 @@ def _positive(value: Any, name: str) -> float:
     if not v > 0:
         raise MsprobeError(f"option '{name}': expected a positive number, got {value!r}")
     return v
-
-
-def _flatten_outputs(out: Any, name: str = "output") -> list[tuple[str, Any]]:
-    """Floating tensors of a model output, on CPU, named by their path (``output.logits``, ``output.0``)."""
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [(name, out.detach().cpu())] if out.is_floating_point() else []
-    items = None
-    if isinstance(out, dict) or (hasattr(out, "keys") and hasattr(out, "to_tuple")):
-        items = [(str(k), out[k]) for k in out.keys()]
-    elif isinstance(out, (list, tuple)):
-        items = [(str(i), v) for i, v in enumerate(out)]
-    result = []
-    for k, v in items or ():
-        if k in ("loss",):
-            continue  # judged from the loss of loss_fn
-        result += _flatten_outputs(v, f"{name}.{k}")
-    return result
-
-
-def _model_cases(bench: list | None, target: list | None, rtol: float | None, cast_u: float = 0.0) -> list[dict]:
-    """The model-level testcases: relative L2 error of each final output (and the loss) against the bench.
-
-    Default tolerance: 16 x the unit roundoff of the coarsest dtype involved (the outputs' and ``cast_u``, the
-    dtype the models were cast to), at least 1e-5 (an end-to-end
-    budget: each layer adds about one rounding of the target dtype; isolation judges the layers themselves).
-    """
-    import torch
-
-    from ..compare.verdict import unit_roundoff
-
-    if not bench or not target:
-        return []
-    bench_map = dict(bench)
-    cases = []
-    for name, t in target:
-        b = bench_map.get(name)
-        if b is None or tuple(b.shape) != tuple(t.shape):
-            continue
-        tol = rtol if rtol is not None else max(16 * max(unit_roundoff(str(t.dtype), str(b.dtype)), cast_u), 1e-5)
-        t64, b64 = t.to(torch.float64), b.to(torch.float64)
-        finite = torch.isfinite(t64) & torch.isfinite(b64)
-        denom = float(torch.linalg.vector_norm(b64[finite])) if bool(finite.any()) else 0.0
-        diff = float(torch.linalg.vector_norm((t64 - b64)[finite])) if bool(finite.any()) else 0.0
-        err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
-        if not torch.equal(torch.isfinite(t64), torch.isfinite(b64)):
-            err = math.inf
-        cases.append({"name": f"model.{name}", "status": "error" if not err <= tol else "pass",
-                      "metric": "RelativeErr", "value": _num(err), "threshold": tol,
-                      "message": f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"})
-    return cases
 
 
 def _folder(nodeid: str) -> str:

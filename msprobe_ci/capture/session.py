@@ -22,7 +22,7 @@ import linecache
 import os
 import sys
 import warnings
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +33,9 @@ from ..errors import MsprobeError
 from . import naming
 from .inject import Fault
 from .records import RecordBuilder
+
+if TYPE_CHECKING:
+    from ..isolate import Isolator
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")

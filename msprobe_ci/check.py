@@ -1,0 +1,172 @@
+"""One check, end to end, without pytest: run a side under capture (and isolation), then judge.
+
+The fixture (``pytest_plugin/fixture.py``) merges options and maps outcomes to pass/skip/fail; this module does the
+work, so benchmarks and other front ends run the very same pipeline:
+
+* :func:`run_side`: deep-copy the model onto a backend, run forward (and backward) under
+  :class:`~msprobe_ci.capture.CaptureSession`, return the dump folder, the final outputs and the faults that never
+  fired;
+* :func:`judge`: compare the two dumps (msprobe's rows and metrics, drift as context) and apply the isolated
+  verdicts of the target's ``isolation.json``;
+* :func:`model_cases`: the model-level testcases (final outputs and loss against an end-to-end tolerance).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import MsprobeError
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """What one side produced.
+
+    Attributes:
+        folder: the rank folder of the dump (``.../step0/rank``).
+        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
+        unapplied: one line per injected fault that never fired (the gate proved nothing with it).
+    """
+
+    folder: str
+    outputs: list = field(default_factory=list)
+    unapplied: tuple = ()
+
+
+def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
+             seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None) -> SideRun:
+    """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
+
+    Args:
+        model: the user's ``nn.Module`` (deep-copied by the backend, left untouched).
+        inputs: positional inputs, or one dict of keyword inputs.
+        loss_fn: maps the output to a scalar loss; its ``backward()`` is captured too.
+        backend: a :class:`~msprobe_ci.backends.Backend`.
+        cfg: the side's :class:`~msprobe_ci.config.DumpConfig` (dump_path = the side's folder).
+        faults: :class:`~msprobe_ci.capture.inject.Fault` list (target side).
+        seed: ``torch.manual_seed`` before the run (default 1234).
+        regions: module paths compiled by the backend (no hooks inside).
+        eval_mode: put the copy in eval mode.
+        isolator: an :class:`~msprobe_ci.isolate.Isolator` (target side), or ``None``.
+
+    Raises:
+        MsprobeError: nothing was captured.
+    """
+    import torch
+
+    from .backends import deterministic
+    from .capture import CaptureSession
+
+    side_model = backend.prepare_model(model, eval_mode=eval_mode)
+    side_inputs = backend.prepare_inputs(inputs)
+    capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator)
+    torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
+    try:
+        with deterministic():
+            capture.start(side_model)
+            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
+                out = side_model(**side_inputs[0])
+            else:
+                out = side_model(*side_inputs)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+                loss.backward()
+            capture.stop()
+        flat = flatten_outputs(out)
+        if loss_fn is not None:
+            flat.append(("loss", loss.detach().float().cpu()))
+    finally:
+        capture.close()
+    if not capture.folders:
+        raise MsprobeError("nothing was captured (no torch API or submodule ran)")
+    unapplied = []
+    for i, f in enumerate(faults):
+        if i not in capture.faults_applied:
+            where = "" if f.call is None else f" call {f.call}"
+            why = ("it ran inside a torch.compile region, where APIs cannot be reached" if backend.compile
+                   else "no such call ran on the target")
+            unapplied.append(f"fault {f.api}{where} ({f.direction}) was never applied: {why}")
+    return SideRun(capture.folders[0], flat, tuple(unapplied))
+
+
+def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
+          cast_roundoff: float = 0.0):
+    """Compare the target dump with the bench dump and apply the isolated verdicts.
+
+    Returns:
+        ``(report, target_dump, bench_dump)``; ``report.isolated`` tells whether isolation records were found.
+
+    Raises:
+        MsprobeError: unreadable or incompatible dumps.
+    """
+    from .compare import compare_dumps
+    from .compare.isolated import apply_isolation, load_isolation
+    from .dump.reader import load_dump
+
+    bench_dump = load_dump(bench_folder)
+    target_dump = load_dump(target_folder)
+    report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds)
+    records = load_isolation(target_folder) if isolate else None
+    if records is not None:
+        apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff)
+    return report, target_dump, bench_dump
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def flatten_outputs(out: Any, name: str = "output") -> list[tuple[str, Any]]:
+    """Floating tensors of a model output, on CPU, named by their path (``output.logits``, ``output.0``)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [(name, out.detach().cpu())] if out.is_floating_point() else []
+    items = None
+    if isinstance(out, dict) or (hasattr(out, "keys") and hasattr(out, "to_tuple")):
+        items = [(str(k), out[k]) for k in out.keys()]
+    elif isinstance(out, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(out)]
+    result = []
+    for k, v in items or ():
+        if k in ("loss",):
+            continue  # judged from the loss of loss_fn
+        result += flatten_outputs(v, f"{name}.{k}")
+    return result
+
+
+def model_cases(bench: list | None, target: list | None, rtol: float | None, cast_u: float = 0.0) -> list[dict]:
+    """The model-level testcases: relative L2 error of each final output (and the loss) against the bench.
+
+    Default tolerance: 16 x the unit roundoff of the coarsest dtype involved (the outputs' and ``cast_u``, the
+    dtype the models were cast to), at least 1e-5 (an end-to-end
+    budget: each layer adds about one rounding of the target dtype; isolation judges the layers themselves).
+    """
+    import torch
+
+    from ..compare.verdict import unit_roundoff
+
+    if not bench or not target:
+        return []
+    bench_map = dict(bench)
+    cases = []
+    for name, t in target:
+        b = bench_map.get(name)
+        if b is None or tuple(b.shape) != tuple(t.shape):
+            continue
+        tol = rtol if rtol is not None else max(16 * max(unit_roundoff(str(t.dtype), str(b.dtype)), cast_u), 1e-5)
+        t64, b64 = t.to(torch.float64), b.to(torch.float64)
+        finite = torch.isfinite(t64) & torch.isfinite(b64)
+        denom = float(torch.linalg.vector_norm(b64[finite])) if bool(finite.any()) else 0.0
+        diff = float(torch.linalg.vector_norm((t64 - b64)[finite])) if bool(finite.any()) else 0.0
+        err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
+        if not torch.equal(torch.isfinite(t64), torch.isfinite(b64)):
+            err = math.inf
+        cases.append({"name": f"model.{name}", "status": "error" if not err <= tol else "pass",
+                      "metric": "RelativeErr", "value": _num(err), "threshold": tol,
+                      "message": f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"})
+    return cases
+
+
