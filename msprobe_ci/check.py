@@ -146,7 +146,7 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     """
     import torch
 
-    from ..compare.verdict import unit_roundoff
+    from .compare.verdict import unit_roundoff
 
     if not bench or not target:
         return []
