@@ -151,7 +151,10 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             hops += 1
     final = []
     for node in new_nodes:
-        if node.name.startswith("Module.") and node.status != "unmatched":
+        if ".parameters_grad" in node.name and node.status in ("warning", "error"):
+            node = replace(node, status="pass", metrics=dict(node.metrics, drift_status=node.status),
+                           message=f"{node.name}: accumulated from isolated backward calls; drift {node.status}")
+        elif node.name.startswith("Module.") and node.status != "unmatched":
             drift = {"drift_status": node.status, "drift_RelativeErr": node.value,
                      "drift_threshold": node.threshold}
             if node.name in module_fail:
@@ -164,10 +167,6 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             elif node.name in has_isolated_child:
                 node = replace(node, status="pass", metrics=dict(node.metrics, **drift),
                                message=f"{node.name}: every isolated API inside passes; drift {drift['drift_status']}")
-        elif node.name not in isolation and node.status in ("warning", "error") and \
-                ".parameters_grad" in node.name:
-            node = replace(node, status="pass", metrics=dict(node.metrics, drift_status=node.status),
-                           message=f"{node.name}: accumulated from isolated backward calls; drift {node.status}")
         final.append(node)
     report.nodes = final
     report.isolated = True

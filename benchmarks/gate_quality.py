@@ -1,0 +1,231 @@
+"""Gate quality: false fails, detection and exact localization of injected faults, on stock model configs.
+
+Runs the same pipeline as ``msprobe.check`` (:mod:`msprobe_ci.check`: bench and target under capture, target
+isolated, compare, isolated verdicts, model-level outputs) on models built from stock ``transformers`` configs
+(random weights, no downloads) and a small CNN with BatchNorm (training mode) and max-pool, forward+backward,
+several seeds, targets bf16 / fp16 against an fp32 bench and fp32 against an fp64 bench.
+
+Faults: for each run, forward and backward APIs picked early, mid and late in the target's own dump, scaled by
+1.01/1.02/1.05 (bf16, fp16) or 1.005/1.01 (fp32), plus a noise fault. Printed per target dtype:
+
+* benign runs that fail (goal 0);
+* faults detected (any error) and localized exactly (the first divergence is the injected node);
+* API testcases failing besides the injected one (goal 0; enclosing modules roll up and are not counted);
+* isolation overhead (target side with vs without isolation, same run).
+
+    python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+
+from msprobe_ci.backends import Backend
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.check import judge, model_cases, run_side
+from msprobe_ci.compare.verdict import unit_roundoff
+from msprobe_ci.config import DumpConfig
+from msprobe_ci.isolate import Isolator
+
+warnings.filterwarnings("ignore")
+
+
+def _llama(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _gpt2(seed):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _bert(seed):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return BertForMaskedLM(cfg).eval()
+
+
+def _t5(seed):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                   decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg).eval()
+
+
+class CNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32)
+        self.fc = torch.nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = torch.nn.functional.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
+def _cnn(seed):
+    torch.manual_seed(seed)
+    return CNN().train()
+
+
+def _tokens(seed, n=16):
+    return torch.randint(3, 256, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def case(name, seed):
+    """(model, inputs, loss_fn) for a model name and seed."""
+    ids = _tokens(seed)
+    if name == "llama":
+        return _llama(seed), ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+    if name == "gpt2":
+        return _gpt2(seed), ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+    if name == "bert":
+        mask = torch.ones_like(ids)
+        mask[1, 11:] = 0
+        return _bert(seed), ({"input_ids": ids, "attention_mask": mask, "labels": ids},), lambda o: o.loss
+    if name == "t5":
+        return _t5(seed), ({"input_ids": ids, "labels": _tokens(seed + 1, 8)},), lambda o: o.loss
+    if name == "cnn":
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
+        return _cnn(seed), (x,), lambda o: o.float().pow(2).mean()
+    raise ValueError(name)
+
+
+DTYPES = {"bf16": ("fp32", "bf16", (1.01, 1.02, 1.05)), "fp16": ("fp32", "fp16", (1.01, 1.02, 1.05)),
+          "fp32": ("fp64", "fp32", (1.005, 1.01))}
+_JUDGED = ("linear", "layer_norm", "softmax", "gelu", "silu", "matmul", "__mul__", "__add__", "conv2d",
+           "batch_norm", "scaled_dot_product_attention", "embedding", "mean", "rsqrt", "tanh", "relu", "__matmul__",
+           "cross_entropy", "pow", "sum", "bmm", "max_pool2d", "dropout")
+
+
+def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=True, bench_folder=None):
+    tmp = tempfile.mkdtemp(prefix="gateq-")
+    try:
+        bench = Backend.from_options("cpu", bench_dtype)
+        target = Backend.from_options("cpu", target_dtype)
+        cfg = DumpConfig(task="statistics", level="mix")
+        if bench_folder is None:
+            b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp, "bench")))
+        else:
+            b = bench_folder
+        iso = Isolator(backward=True) if isolate else None
+        t0 = time.perf_counter()
+        t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp, "target")),
+                     faults=faults, isolator=iso)
+        elapsed = time.perf_counter() - t0
+        cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+        report, tdump, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
+        cases = model_cases(b.outputs, t.outputs, None, cast_u)
+        return report, cases, tdump, elapsed, t.unapplied
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pick_faults(names, scales, seed):
+    fwd = [n for n in names if n.endswith(".forward") and n.split(".")[1] in _JUDGED and "dropout" not in n]
+    bwd = [n for n in names if n.endswith(".backward") and n.split(".")[1] in _JUDGED]
+    picks = []
+    for lst, d in ((fwd, "forward"), (bwd, "backward")):
+        if not lst:
+            continue
+        for pos in (0.15, 0.5, 0.85):
+            picks.append((lst[min(int(pos * len(lst)), len(lst) - 1)], d))
+    out = []
+    for i, (node, d) in enumerate(picks):
+        prefix, api, call = node.split(".")[:3]
+        scale = scales[(i + seed) % len(scales)]
+        out.append((node, Fault(f"{prefix}.{api}", int(call), d, "scale", scale)))
+    node, d = picks[len(picks) // 3]
+    prefix, api, call = node.split(".")[:3]
+    out.append((node, Fault(f"{prefix}.{api}", int(call), d, "noise", 0.02)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--models", default="llama,bert,gpt2,t5,cnn")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    stats = defaultdict(lambda: defaultdict(float))
+    failures = []
+    for dname in args.dtypes.split(","):
+        bench_dtype, target_dtype, scales = DTYPES[dname]
+        for mname in args.models.split(","):
+            for seed in range(args.seeds):
+                model, inputs, loss_fn = case(mname, 100 + seed)
+                s = stats[dname]
+                report, cases, tdump, t_iso, _ = _one(model, inputs, loss_fn, bench_dtype, target_dtype, ())
+                _, _, _, t_plain, _ = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (), isolate=False)
+                s["overhead_sum"] += t_iso / t_plain
+                s["benign"] += 1
+                errors = [n.name for n in report.nodes if n.status == "error"]
+                bad_model = [c["name"] for c in cases if c["status"] == "error"]
+                if errors or bad_model:
+                    s["false_fail"] += 1
+                    failures.append(f"benign {dname} {mname} seed {seed}: {errors[:3]} {bad_model}")
+                names = [n for n in tdump.data if not n.startswith("Module.")]
+                for node, fault in _pick_faults(names, scales, seed):
+                    rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,))
+                    if unapplied:
+                        continue
+                    s["faults"] += 1
+                    first = rep.first_divergence
+                    own = [n.name for n in rep.nodes if n.status == "error" and "rollup" not in n.metrics]
+                    if own:
+                        s["detected"] += 1
+                    if first is not None and first.name == node:
+                        s["exact"] += 1
+                    else:
+                        failures.append(f"fault {dname} {mname} seed {seed} {fault.api}.{fault.call} "
+                                        f"{fault.direction} {fault.perturb} {fault.value}: first "
+                                        f"{first.name if first else None}")
+                    others = [n for n in own if n != node]
+                    s["other_api_fails"] += len(others)
+                    if others and args.verbose:
+                        failures.append(f"  others for {node}: {others[:4]}")
+    print(f"{'target':<22} {'benign':>6} {'false fails':>11} {'faults':>6} {'detected':>9} {'exact':>9} "
+          f"{'other API fails':>15} {'isolation overhead':>18}")
+    for dname, s in stats.items():
+        bench_dtype, target_dtype, _ = DTYPES[dname]
+        f = max(s["faults"], 1)
+        print(f"{target_dtype + ' vs ' + bench_dtype + ' bench':<22} {int(s['benign']):>6} {int(s['false_fail']):>11} "
+              f"{int(s['faults']):>6} {s['detected'] / f:>8.1%} {s['exact'] / f:>8.1%} "
+              f"{int(s['other_api_fails']):>15} {s['overhead_sum'] / max(s['benign'], 1):>17.2f}x")
+    for line in failures:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
