@@ -150,7 +150,14 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=True
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pick_faults(names, scales, seed):
+def _floating(entry):
+    recs = [r for r in (entry or {}).get("output") or [] if isinstance(r, dict) and "dtype" in r]
+    return bool(recs) and any(t in str(recs[0]["dtype"]) for t in ("float", "bfloat"))
+
+
+def _pick_faults(data, scales, seed):
+    """Faults on APIs whose first output is floating (a scale fault cannot change an integer output)."""
+    names = [n for n in data if not n.startswith("Module.") and _floating(data[n])]
     fwd = [n for n in names if n.endswith(".forward") and n.split(".")[1] in _JUDGED and "dropout" not in n]
     bwd = [n for n in names if n.endswith(".backward") and n.split(".")[1] in _JUDGED]
     picks = []
@@ -195,8 +202,7 @@ def main():
                 if errors or bad_model:
                     s["false_fail"] += 1
                     failures.append(f"benign {dname} {mname} seed {seed}: {errors[:3]} {bad_model}")
-                names = [n for n in tdump.data if not n.startswith("Module.")]
-                for node, fault in _pick_faults(names, scales, seed):
+                for node, fault in _pick_faults(tdump.data, scales, seed):
                     rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,))
                     if unapplied:
                         continue
