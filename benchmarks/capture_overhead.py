@@ -1,4 +1,5 @@
-"""Capture overhead: no capture vs msprobe-ci (mix, statistics) vs msprobe's PrecisionDebugger, interleaved.
+"""Capture overhead: no capture vs msprobe-ci (mix, statistics), with isolation (every API also judged on its
+own inputs against an fp64 oracle, forward and backward) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
@@ -68,6 +69,11 @@ def _time_mode(mode, size, iters, warmup=3):
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
         dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
+    elif mode == "isolated":
+        from msprobe_ci.capture import CaptureSession
+        from msprobe_ci.config import DumpConfig
+        from msprobe_ci.isolate import Isolator
+        dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=Isolator())
     elif mode == "msprobe":
         from msprobe.pytorch import PrecisionDebugger
         cfg = os.path.join(tmp, "config.json")
@@ -112,9 +118,9 @@ def main():
         return
     try:
         import msprobe  # noqa: F401
-        modes = ["none", "msprobe-ci", "msprobe"]
+        modes = ["none", "msprobe-ci", "isolated", "msprobe"]
     except ImportError:
-        modes = ["none", "msprobe-ci"]
+        modes = ["none", "msprobe-ci", "isolated"]
     results = {m: [] for m in modes}
     recs = {}
     for _ in range(args.rounds):
@@ -125,12 +131,14 @@ def main():
             results[m].append(ms)
             recs[m] = n
     base = statistics.median(results["none"])
+    plain = statistics.median(results["msprobe-ci"])
     print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), 1 thread, {args.rounds} interleaved rounds x {iters} iters")
     for m in modes:
         med = statistics.median(results[m])
         per = (med - base) / recs[m] if recs.get(m) else float("nan")
         print(f"{m:>11}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
-              f"{per:6.3f} ms/record")
+              f"{per:6.3f} ms/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
+                                         if m == "isolated" else ""))
 
 
 if __name__ == "__main__":

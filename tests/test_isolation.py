@@ -1,0 +1,136 @@
+"""Isolated verdicts on a real model (a stock Llama config, random weights): the fast subset of
+benchmarks/gate_quality.py. Bench and target run through msprobe_ci.check, exactly as msprobe.check does."""
+
+import os
+
+import pytest
+import torch
+
+from msprobe_ci.backends import Backend
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.check import judge, run_side
+from msprobe_ci.compare.verdict import unit_roundoff
+from msprobe_ci.config import DumpConfig
+from msprobe_ci.isolate import Isolator
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+    return _llama(), ({"input_ids": ids, "labels": ids},), lambda out: out.loss
+
+
+def _check(tmp_path, case, target_dtype="bf16", faults=(), isolate=True, mutate=None):
+    model, inputs, loss_fn = case
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", target_dtype)
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "bench")))
+    tmodel = model
+    if mutate is not None:
+        import copy
+
+        tmodel = copy.deepcopy(model)
+        mutate(tmodel)
+    t = run_side(tmodel, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / "target")),
+                 faults=faults, isolator=Isolator() if isolate else None)
+    assert not t.unapplied
+    report, tdump, _ = judge(b.folder, t.folder, isolate=isolate,
+                             cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+    return report, tdump
+
+
+def _api_errors(report):
+    return [n.name for n in report.nodes if n.status == "error" and not n.name.startswith("Module.")]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_benign_half_precision_target_passes(tmp_path, llama, dtype):
+    report, tdump = _check(tmp_path, llama, dtype)
+    assert report.isolated
+    assert _api_errors(report) == []
+    assert report.first_divergence is None
+    iso = [n for n in report.nodes if n.metrics.get("isolated")]
+    assert len(iso) > 50  # forward and backward API calls were judged, not skipped
+    assert any(n.name.endswith(".backward") for n in iso)
+    assert os.path.isfile(os.path.join(tdump.folder, "isolation.json"))
+
+
+@pytest.mark.parametrize("fault, node", [
+    (Fault("Functional.silu", 1, "forward", "scale", 1.01), "Functional.silu.1.forward"),
+    (Fault("Functional.linear", 5, "forward", "scale", 1.02), "Functional.linear.5.forward"),
+    (Fault("Functional.linear", 2, "backward", "scale", 1.02), "Functional.linear.2.backward"),
+    (Fault("Tensor.__mul__", 4, "forward", "noise", 0.02), "Tensor.__mul__.4.forward"),
+])
+def test_fault_is_named_exactly_and_nothing_else_fails(tmp_path, llama, fault, node):
+    report, tdump = _check(tmp_path, llama, "bf16", faults=(fault,))
+    assert report.first_divergence.name == node
+    assert _api_errors(report) == [node]
+    # the modules around it roll up and name it
+    parent = tdump.construct.get(node)
+    rolled = {n.name: n for n in report.nodes}[parent]
+    assert rolled.status == "error" and node in rolled.message
+
+
+def test_half_percent_fault_at_fp32_against_fp64(tmp_path, llama):
+    model, inputs, loss_fn = llama
+    fault = Fault("Functional.linear", 3, "forward", "scale", 1.005)
+    bench, target = Backend.from_options("cpu", "fp64"), Backend.from_options("cpu", "fp32")
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
+    t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / "t")), faults=(fault,),
+                 isolator=Isolator())
+    report, _, _ = judge(b.folder, t.folder, cast_roundoff=unit_roundoff("torch.float32", "torch.float64"))
+    assert _api_errors(report) == ["Functional.linear.3.forward"]
+
+
+def test_diverging_parameter_is_named_at_its_first_consumer(tmp_path, llama):
+    def mutate(m):
+        with torch.no_grad():
+            m.model.layers[1].mlp.up_proj.weight.mul_(1.05)
+
+    report, tdump = _check(tmp_path, llama, "bf16", mutate=mutate)
+    first = report.first_divergence
+    assert first.metric == "source"
+    assert tdump.construct[first.name].startswith("Module.model.layers.1.mlp.up_proj.")
+    assert "parameter" in first.message and ".input.1" in first.message
+    assert _api_errors(report) == [first.name]  # every later consumer of the same weight is not blamed again
+
+
+def test_isolation_off_keeps_the_drift_rule(tmp_path, llama):
+    report, tdump = _check(tmp_path, llama, "bf16", faults=(Fault("Functional.linear", 5, "forward", "scale", 1.1),),
+                           isolate=False)
+    assert not report.isolated
+    assert not os.path.exists(os.path.join(tdump.folder, "isolation.json"))
+    assert report.first_divergence is not None
+
+
+def test_untouched_model_state(tmp_path):
+    """The oracle runs on copies: BatchNorm running statistics move exactly once per forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).train()
+    x = torch.randn(2, 3, 8, 8)
+    plain = Backend.from_options("cpu")
+    cfg = DumpConfig(task="statistics", level="mix")
+    side = plain.prepare_model(model)
+    from msprobe_ci.capture import CaptureSession
+
+    cap = CaptureSession(cfg.with_overrides(dump_path=str(tmp_path / "d")), isolator=Isolator())
+    cap.start(side)
+    side(x)
+    cap.stop()
+    cap.close()
+    expected = plain.prepare_model(model)
+    expected(x)
+    assert torch.equal(side[1].running_mean, expected[1].running_mean)
+    assert torch.equal(side[1].running_var, expected[1].running_var)
+    assert int(side[1].num_batches_tracked) == 1
