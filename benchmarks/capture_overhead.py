@@ -54,15 +54,18 @@ class Net(torch.nn.Module):
         return self.head(x).mean()
 
 
-def _setup(size):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _setup(size, dtype="fp32"):
     b, t, d, ff = SIZES[size]
     torch.manual_seed(0)
-    return Net(d, ff), torch.randn(b, t, d)
+    return Net(d, ff).to(DTYPES[dtype]), torch.randn(b, t, d).to(DTYPES[dtype])
 
 
-def _time_mode(mode, size, iters, warmup=3):
+def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     """Median ms per fwd+bwd iteration for one mode, and records per step."""
-    model, x = _setup(size)
+    model, x = _setup(size, dtype)
     records = 0
     tmp = tempfile.mkdtemp()
     dbg = None
@@ -109,12 +112,14 @@ def main():
     ap.add_argument("--size", default="medium", choices=sorted(SIZES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="model dtype (isolation's oracle is fp64 for fp32, fp32 for bf16/fp16)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     iters = args.iters or (20 if args.size == "small" else 8)
     if args.worker:
-        print(json.dumps(_time_mode(args.worker, args.size, iters)))
+        print(json.dumps(_time_mode(args.worker, args.size, iters, dtype=args.dtype)))
         return
     try:
         import msprobe  # noqa: F401
@@ -126,13 +131,13 @@ def main():
     for _ in range(args.rounds):
         for m in modes:  # interleaved; each mode in a fresh process so msprobe's global wrapping stays contained
             out = subprocess.run([sys.executable, __file__, "--size", args.size, "--iters", str(iters),
-                                  "--worker", m], capture_output=True, text=True, check=True)
+                                  "--dtype", args.dtype, "--worker", m], capture_output=True, text=True, check=True)
             ms, n = json.loads(out.stdout.strip().splitlines()[-1])
             results[m].append(ms)
             recs[m] = n
     base = statistics.median(results["none"])
     plain = statistics.median(results["msprobe-ci"])
-    print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), 1 thread, {args.rounds} interleaved rounds x {iters} iters")
+    print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), {args.dtype}, 1 thread, {args.rounds} interleaved rounds x {iters} iters")
     for m in modes:
         med = statistics.median(results[m])
         per = (med - base) / recs[m] if recs.get(m) else float("nan")

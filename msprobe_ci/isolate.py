@@ -3,8 +3,8 @@
 msprobe's online_dispatch idea at API level, with the per-API standards of :mod:`msprobe_ci.checkers`: for each
 recorded API call on the target side,
 
-1. the **oracle** is the same function on CPU with every floating input upcast to fp64 (fp32 where no fp64 kernel
-   exists), computed *before* the target call on copies (so in-place APIs and BatchNorm running statistics are
+1. the **oracle** is the same function on CPU with every floating input upcast: fp16/bf16-only calls to fp32,
+   anything else to fp64 (msprobe's ``PRECISION_MAPPING``; fp32 where no fp64 kernel exists), computed *before* the target call on copies (so in-place APIs and BatchNorm running statistics are
    never touched twice);
 2. the **same-dtype bench** is the function in the target's dtypes on the bench device. When the target runs on
    the bench device itself (a CPU target), that reference implementation *is* the call the target just made, so
@@ -248,7 +248,8 @@ class Isolator:
         exact_only = self.same_device and standard_for(short, "torch.float32", self.standards) == "binary"
         if not exact_only:
             try:
-                call.oracle_in, call.oracle_out = self._reference(func, args, kw, torch.float64, "cpu", want_grad)
+                call.oracle_in, call.oracle_out = self._reference(func, args, kw, _oracle_dtype(args, kw), "cpu",
+                                                                  want_grad)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     call.oracle_in, call.oracle_out = self._reference(func, args, kw, torch.float32, "cpu",
@@ -462,6 +463,18 @@ class Isolator:
     def as_json(self) -> dict:
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
                 "nodes": self.results}
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _oracle_dtype(args: Any, kwargs: dict) -> torch.dtype:
+    """msprobe's PRECISION_MAPPING: fp16/bf16-only inputs → fp32 (2^16 times finer than bf16, 2^13 than fp16),
+    anything with fp32/fp64 → fp64."""
+    floats = [t.dtype for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
+    if floats and all(d in _HALF for d in floats):
+        return torch.float32
+    return torch.float64
 
 
 def _cpu(v: Any) -> Any:

@@ -176,11 +176,16 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         std_name = "benchmark"
     std = make_standard(std_name, t.dtype, short, **(thresholds or {}).get(std_name, {}))
     oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+    if std_name == "benchmark" and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b):
+        # the target is bit-identical to the same-dtype bench: its error against the oracle *is* the bench's
+        # error, so every ratio of the standard is exactly 1 (<= every level's threshold)
+        ratios = {k: 1.0 for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")}
+        return CheckResult("benchmark", "pass", {f"{k}_ratio": 1.0 for k in ratios}, dict(std.ratios), ratios,
+                           "bit-identical to the same-dtype bench: every ratio 1")
     if backward and oracle is not None and t.is_floating_point() and b.is_floating_point():
         # gradients have no natural scale (they scale with the loss): judge them relative to their own largest
         # magnitude, so the standards' small-value band is a fraction of the tensor's scale, not an absolute value
-        finite = oracle[torch.isfinite(oracle)]
-        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        scale = float(torch.nan_to_num(oracle.detach().abs(), nan=0.0, posinf=0.0).amax())
         if scale > 0:
             t, b, oracle = (x.detach().to(torch.float64) / scale for x in (t, b, oracle))
     if std_name == "binary":
