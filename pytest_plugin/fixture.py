@@ -216,7 +216,9 @@ class MsprobeFixture:
             "overflow_message": overflow_t.first.message if overflow_t.first else "",
             "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
                        "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
-                       "message": n.message} for n in report.nodes],
+                       "message": n.message, "standard": n.metrics.get("standard") or "",
+                       "drift": _num(float(n.metrics.get("drift_RelativeErr", n.value))),
+                       "drift_status": n.metrics.get("drift_status", n.status)} for n in report.nodes],
         })
         api_errors = []
         if report.mode == "tensor" and level in ("L1", "mix"):

@@ -1,7 +1,9 @@
 """JUnit XML for the plugin, written with the ``junit-xml`` package.
 
 One ``<testsuite>`` per checked test (per ``msprobe.check`` call), one ``<testcase>`` per compared node (named by
-the node, e.g. ``Functional.linear.0.forward``) plus one ``overflow`` testcase. ``junit-xml`` has no per-testcase
+the node, e.g. ``Functional.linear.0.forward``; its verdict is the isolated one, its whole-network drift a
+property), one ``model.<output>`` testcase per final output and the loss (end-to-end tolerance) plus one
+``overflow`` testcase. ``junit-xml`` has no per-testcase
 properties, so the metrics are added to each ``<testcase>`` as ``<properties>`` after rendering.
 """
 
@@ -32,7 +34,16 @@ def write_junit(path: str, results: list[dict]) -> None:
             props[(suite_name, n["name"])] = {
                 "msprobe.status": n["status"], "msprobe.metric": n["metric"], "msprobe.value": str(n["value"]),
                 "msprobe.threshold": str(n["threshold"]), "msprobe.input_error": str(n["input_error"]),
-                "msprobe.worst_row": n["worst_row"]}
+                "msprobe.worst_row": n["worst_row"], "msprobe.standard": n.get("standard", ""),
+                "msprobe.drift_RelativeErr": str(n.get("drift", "")),
+                "msprobe.drift_status": n.get("drift_status", "")}
+        for m in r.get("model") or ():
+            case = TestCase(m["name"], classname=suite_name)
+            if m["status"] == "error":
+                case.add_failure_info(message=m["message"], failure_type="end-to-end drift")
+            cases.append(case)
+            props[(suite_name, m["name"])] = {"msprobe.metric": m["metric"], "msprobe.value": str(m["value"]),
+                                              "msprobe.threshold": str(m["threshold"])}
         ov = TestCase("overflow", classname=suite_name)
         if r.get("overflow_failed"):
             ov.add_failure_info(message=r["overflow_message"], failure_type="overflow")

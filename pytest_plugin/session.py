@@ -183,6 +183,14 @@ class ProbeSession:
                           f"({r['bench']} vs {r['target']}, {r['mode']}, {r.get('level', '')}): pass {c['pass']}, "
                           f"warning {c['warning']}, error {c['error']}, unmatched {c['unmatched']}; "
                           f"first divergence: {first}; first overflow: {overflow}")
+            if r.get("isolated"):
+                n_iso = sum(1 for n in r["nodes"] if n.get("standard"))
+                n_skip = sum(1 for n in r["nodes"] if n.get("metric") == "isolation")
+                tr.write_line(f"    isolation: {n_iso} API calls judged on their own inputs, {n_skip} not "
+                              "judgeable (named in the CSV/JUnit); verdicts above are isolated, drift is context")
+            for m in r.get("model") or ():
+                tr.write_line(f"    {m['name']}: {m['status']} (relative L2 error {float(m['value']):.3g}, "
+                              f"tolerance {m['threshold']:.3g})")
             if r.get("api_checks"):
                 ac = r["api_checks"]
                 counts = {s: sum(a["status"] == s for a in ac) for s in ("pass", "warning", "error", "skip")}
