@@ -47,14 +47,19 @@ class Fault:
         if isinstance(value, torch.Tensor):
             if not value.is_floating_point():
                 return value
+            base = value.detach()
             if self.perturb == "scale":
-                return value * self.value
-            if self.perturb == "offset":
-                return value + self.value
-            gen = torch.Generator(device=value.device)
-            gen.manual_seed((hash(self.api) & 0xFFFF) * 1000 + call)
-            noise = torch.randn(value.shape, generator=gen, device=value.device, dtype=torch.float32)
-            return value + (self.value * value.detach().abs().float() * noise).to(value.dtype)
+                delta = base * self.value - base
+            elif self.perturb == "offset":
+                delta = (base + self.value) - base
+            else:
+                gen = torch.Generator(device=value.device)
+                gen.manual_seed((hash(self.api) & 0xFFFF) * 1000 + call)
+                noise = torch.randn(value.shape, generator=gen, device=value.device, dtype=torch.float32)
+                delta = (self.value * base.abs().float() * noise).to(value.dtype)
+            # the values change, the op's own gradient does not: a forward-kernel bug, not a backward one (a
+            # backward fault perturbs the gradients themselves)
+            return value + delta if not value.requires_grad else value + delta.detach()
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self.apply(v, call) for v in value)
         if isinstance(value, list):

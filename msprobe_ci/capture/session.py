@@ -118,6 +118,7 @@ class CaptureSession:
         self._fwd_calls: dict[int, list[int]] = {}
         self._pending_fwd: dict[int, list[tuple[str, dict | None]]] = {}
         self._pending_bwd: dict[int, list[tuple[str, list | None]]] = {}
+        self._iso_calls: dict[int, list] = {}  # module isolation calls awaiting their backward (LIFO)
         self._pgrad: dict[str, list] = {}
         self._in_scope = not self.config.scope
         self._scope_done = False
@@ -402,7 +403,9 @@ class CaptureSession:
             if mod is model or path.startswith(self.opaque_prefixes):
                 continue
             base = f"Module.{root_prefix}{path}.{type(mod).__name__}"
-            handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base), with_kwargs=True))
+            # modules whose APIs are not seen (L0 capture, a torch.compile region) are isolated whole
+            whole = self.isolator is not None and (not self.api_level or f"{path}." in self.opaque_prefixes)
+            handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
             handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True, always_call=True))
             if self._bwd:
                 handles.append(mod.register_full_backward_pre_hook(self._bwd_pre_hook(base)))
@@ -412,7 +415,7 @@ class CaptureSession:
                         handles.append(p.register_post_accumulate_grad_hook(self._pgrad_hook(base, pname)))
         self._hooked[id(model)] = handles
 
-    def _fwd_pre_hook(self, base: str):
+    def _fwd_pre_hook(self, base: str, whole: bool = False):
         key = f"{base}.forward."
 
         def hook(module, args, kwargs):
@@ -439,20 +442,38 @@ class CaptureSession:
                         self._stack(name)
                     finally:
                         self._busy = False
-            self._pending_fwd.setdefault(id(module), []).append((name, entry))
+            mcall = None
+            if whole and entry is not None:
+                self._busy = True
+                try:
+                    # without API capture (L0) nothing follows views and casts between modules, so only a
+                    # module's own parameters count as sources there
+                    mcall = self.isolator.module_before(name, module, args, kwargs, input_sources=self.api_level)
+                finally:
+                    self._busy = False
+            self._pending_fwd.setdefault(id(module), []).append((name, entry, mcall))
             return None
         return hook
 
     def _fwd_hook(self, base: str):
         def hook(module, args, kwargs, output):
+            if self._busy:
+                return None
             pending = self._pending_fwd.get(id(module))
             if not pending:
                 return None
-            name, entry = pending.pop()
+            name, entry, mcall = pending.pop()
             if self._fwd_stack and self._fwd_stack[-1] == name:
                 self._fwd_stack.pop()
             if self.isolator is not None:
+                self._busy = True
+                try:
+                    self.isolator.module_after(mcall, output)
+                finally:
+                    self._busy = False
                 self.isolator.mark_produced(output)
+                if mcall is not None and self._bwd:
+                    self._iso_calls.setdefault(id(module), []).append(mcall)
             if entry is None or not self.running:
                 return None
             self._busy = True
@@ -501,6 +522,14 @@ class CaptureSession:
             name, recs = pending.pop()
             if name in self._bwd_stack:
                 self._bwd_stack.remove(name)
+            calls = self._iso_calls.get(id(module))
+            if self.isolator is not None and calls:
+                mcall = calls.pop()
+                self._busy = True
+                try:
+                    self.isolator.module_backward(mcall, name, grad_input, grad_output)
+                finally:
+                    self._busy = False
             if recs is None or not self.running:
                 return None
             self._busy = True

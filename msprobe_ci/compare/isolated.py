@@ -103,13 +103,13 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
     for node in report.nodes:
         rec = isolation.get(node.name)
         drift = {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
-        if rec is None or not _API.match(node.name):
+        if rec is None or not (_API.match(node.name) or node.name.startswith("Module.")):
             new_nodes.append(node)
             continue
         src = _judge_sources(node.name, rec.get("sources") or {}, rows_by_name, seen_sources, source_factor,
                              cast_roundoff)
         if src is not None:
-            new_nodes.append(replace(src, metrics=dict(node.metrics, **drift)))
+            new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source")))
             failing_api[node.name] = node.name
             continue
         status = rec.get("status", "skip")
@@ -151,7 +151,12 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             hops += 1
     final = []
     for node in new_nodes:
-        if ".parameters_grad" in node.name and node.status in ("warning", "error"):
+        if node.name in isolation and node.metrics.get("isolated") and node.name.startswith("Module."):
+            if node.status != "error" and node.name in module_fail:
+                api = module_fail[node.name]
+                node = replace(node, status="error", metrics=dict(node.metrics, rollup=api),
+                               message=f"{node.name}: contains failing node {api}")
+        elif ".parameters_grad" in node.name and node.status in ("warning", "error"):
             node = replace(node, status="pass", metrics=dict(node.metrics, drift_status=node.status),
                            message=f"{node.name}: accumulated from isolated backward calls; drift {node.status}")
         elif node.name.startswith("Module.") and node.status != "unmatched":
