@@ -127,12 +127,15 @@ _JUDGED = ("linear", "layer_norm", "softmax", "gelu", "silu", "matmul", "__mul__
            "cross_entropy", "pow", "sum", "bmm", "max_pool2d", "dropout")
 
 
+LEVEL = "mix"
+
+
 def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=True, bench_folder=None):
     tmp = tempfile.mkdtemp(prefix="gateq-")
     try:
         bench = Backend.from_options("cpu", bench_dtype)
         target = Backend.from_options("cpu", target_dtype)
-        cfg = DumpConfig(task="statistics", level="mix")
+        cfg = DumpConfig(task="statistics", level=LEVEL)
         if bench_folder is None:
             b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp, "bench")))
         else:
@@ -182,8 +185,12 @@ def main():
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--models", default="llama,bert,gpt2,t5,cnn")
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--level", default="mix", choices=("mix", "L1", "L0"),
+                    help="capture level (L0: modules isolated whole; faults still perturb APIs)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    global LEVEL
+    LEVEL = args.level
     torch.set_num_threads(1)
     stats = defaultdict(lambda: defaultdict(float))
     failures = []
