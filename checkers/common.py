@@ -12,24 +12,14 @@ from ..errors import MsprobeError  # type: ignore[misc]
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FLOAT_KEYS = ("fp16", "bf16", "fp32", "fp64", "fp8_e4m3", "fp8_e5m2")
-_NAMES = {"torch.float16": "fp16", "torch.half": "fp16", "float16": "fp16", "fp16": "fp16",
-          "torch.bfloat16": "bf16", "bfloat16": "bf16", "bf16": "bf16",
-          "torch.float32": "fp32", "torch.float": "fp32", "float32": "fp32", "fp32": "fp32",
-          "torch.float64": "fp64", "torch.double": "fp64", "float64": "fp64", "fp64": "fp64",
-          "torch.float8_e4m3fn": "fp8_e4m3", "torch.float8_e5m2": "fp8_e5m2"}
 
 
 def dtype_key(dtype: Any) -> str:
     """``fp16``/``bf16``/``fp32``/``fp64``/``fp8_e4m3``/``fp8_e5m2`` for floating dtypes (torch dtype or its
-    string), ``bool``, ``complex`` or ``int`` otherwise."""
-    s = str(dtype)
-    if s in _NAMES:
-        return _NAMES[s]
-    if "bool" in s:
-        return "bool"
-    if "complex" in s:
-        return "complex"
-    return "int"
+    string, MindSpore's too: :mod:`msprobe_ci.dtypes`), ``bool``, ``complex`` or ``int`` otherwise."""
+    from ..dtypes import checker_key
+
+    return checker_key(dtype)
 
 
 @functools.lru_cache(maxsize=None)

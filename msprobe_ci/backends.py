@@ -25,7 +25,7 @@ from .errors import MsprobeError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-DTYPE_NAMES = ("fp64", "fp32", "fp16", "bf16")
+from .dtypes import OPTION_NAMES as DTYPE_NAMES  # noqa: E402,F401 - re-exported
 _DEVICE_RE = re.compile(r"^(cpu|gpu|cuda|npu)(?::(\d+))?$")
 
 
@@ -47,17 +47,11 @@ def parse_device(spec: str) -> str:
 
 
 def parse_dtype(name: str | None) -> "torch.dtype | None":
-    """Map ``fp64``/``fp32``/``fp16``/``bf16`` (or ``None`` = keep the model's own) to a torch dtype."""
-    if name is None or name == "":
-        return None
-    import torch
+    """Map ``fp64``/``fp32``/``fp16``/``bf16`` (or ``None`` = keep the model's own) to a torch dtype
+    (:mod:`msprobe_ci.dtypes`)."""
+    from .dtypes import parse_option
 
-    table = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-             "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    try:
-        return table[str(name).lower()]
-    except KeyError:
-        raise MsprobeError(f"dtype {name!r}: expected one of {', '.join(DTYPE_NAMES)}") from None
+    return parse_option(name)
 
 
 @dataclass(frozen=True)
@@ -172,10 +166,9 @@ class Backend:
 
     @property
     def label(self) -> str:
-        import torch
+        from .dtypes import short_name
 
-        names = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-        return f"{self.device}/{names.get(self.dtype, 'model-dtype')}" + ("+compile" if self.compile else "")
+        return f"{self.device}/{short_name(self.dtype)}" + ("+compile" if self.compile else "")
 
     @property
     def kind(self) -> str:

@@ -393,7 +393,7 @@ class Isolator:
                 res = self._with_floor(call, res, t, b, o)
             results.append((row, res))
         call.inputs = None
-        self._store(call.name, results)
+        self._store(call.name, results, oracles)
         if call.taps:
             call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
             for i, t in enumerate(call.out_tensors):
@@ -413,7 +413,9 @@ class Isolator:
             return res
         return judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, floor=floor)
 
-    def _store(self, name: str, results: list) -> None:
+    def _store(self, name: str, results: list, refs: dict | None = None) -> None:
+        """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
+        magnitude of a failing row, said in the message when values are near zero."""
         from .checkers import worst
 
         keep = self.results.get(name, {})
@@ -428,6 +430,12 @@ class Isolator:
             rec.update(standard=r.standard, metric=metric, value=_num(value), threshold=_num(threshold), row=row,
                        message=f"{r.standard} {r.status}: {r.message}",
                        metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
+            ref = (refs or {}).get(row)
+            if status == "error" and isinstance(ref, torch.Tensor) and ref.numel() and ref.is_floating_point():
+                mag = float(torch.nan_to_num(ref.detach().abs(), nan=0.0, posinf=0.0).amax())
+                rec["magnitude"] = mag
+                if mag < 1e-3:
+                    rec["message"] += f"; values near zero: max |reference| {mag:.3g}"
         self.results[name] = rec
 
     # ------------------------------------------------------------------ whole modules
@@ -510,7 +518,7 @@ class Isolator:
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
             results.append((f"{stem}.{i}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), False, self.standards,
                                                       self.thresholds)))
-        self._store(name, results)
+        self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
         """Judge the gradients a whole-isolated module hands to its inputs (``grad_input``) against the
@@ -602,7 +610,7 @@ class Isolator:
             return
         oracle = self._vjp(call.oracle_out, call.oracle_in, call, torch.float64)
         bench = pre_fault if self.same_device else self._vjp(call.bench_out, call.bench_in, call, None)
-        results = []
+        results, refs = [], {}
         for i, t in enumerate(targets):
             if t is None:
                 continue
@@ -614,8 +622,9 @@ class Isolator:
                 o = torch.zeros(t.shape, dtype=torch.float64)
             results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
                                                       self.thresholds)))
+            refs[f"{stem}.{i}"] = o
         if results:
-            self._store(name, results)
+            self._store(name, results, refs)
 
     def _vjp(self, outs: Any, leaves: list, call: _Call, dtype) -> list:
         ref_outs = [t for t in _tensors(outs) if t.requires_grad]

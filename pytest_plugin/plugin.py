@@ -23,7 +23,7 @@ BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 
-_DTYPES = ("fp64", "fp32", "fp16", "bf16")
+from ..dtypes import OPTION_NAMES as _DTYPES  # noqa: E402 - torch-free
 
 
 def _device(value: str) -> str:

@@ -28,6 +28,7 @@ class ProbeSession:
 
     def __init__(self, config: pytest.Config):
         from ..backends import parse_device
+        from ..dtypes import OPTION_NAMES
         from ..errors import MsprobeError
 
         self.config = config
@@ -40,7 +41,7 @@ class ProbeSession:
         self.bench_dtype = _opt(config, "msprobe_bench_dtype")
         self.target_dtype = _opt(config, "msprobe_target_dtype")
         for name, value in (("msprobe_bench_dtype", self.bench_dtype), ("msprobe_target_dtype", self.target_dtype)):
-            if value is not None and value not in ("fp64", "fp32", "fp16", "bf16"):
+            if value is not None and value not in OPTION_NAMES:
                 raise pytest.UsageError(f"msprobe: ini {name}: expected fp64, fp32, fp16 or bf16, got {value!r}")
         self.level = _opt(config, "msprobe_level") or "mix"
         if self.level not in ("L0", "L1", "mix"):

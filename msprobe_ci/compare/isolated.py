@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import MsprobeError
-from .verdict import UNIT_ROUNDOFF, CompareResult
+from .verdict import CompareResult, unit_roundoff
 
 ISOLATION_FILE = "isolation.json"
 _API = re.compile(r"^(Tensor|Torch|Functional|NPU|Aten|VF|Distributed|MindSpeed)\..+\.\d+\.(forward|backward)$")
@@ -189,7 +189,7 @@ def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor:
         if rr is None or rr.bench is None:
             continue
         t, b = rr.target, rr.bench
-        u = max(UNIT_ROUNDOFF.get(t.dtype, 0.0), UNIT_ROUNDOFF.get(b.dtype, 0.0), cast_u)
+        u = max(unit_roundoff(t.dtype, b.dtype), cast_u)
         tol = factor * u + 1e-7
         kind = info.get("kind", "tensor")
         if t.is_tensor and b.is_tensor:

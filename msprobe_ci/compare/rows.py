@@ -167,11 +167,10 @@ def fuzzy_name(name: str) -> str:
     return _INDEX.sub(lambda m: "." + m.group(1), name, count=1)
 
 
-_FLOATS = {"torch.float16", "torch.float32", "torch.float64", "torch.bfloat16"}
-
-
 def _dtype_compatible(a: Row, b: Row) -> bool:
-    return a.dtype == b.dtype or (a.dtype in _FLOATS and b.dtype in _FLOATS)
+    from ..dtypes import is_floating
+
+    return a.dtype == b.dtype or (is_floating(a.dtype) and is_floating(b.dtype))
 
 
 def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = False) -> list[tuple[Row, Row | None]]:

@@ -39,8 +39,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-UNIT_ROUNDOFF = {"torch.float64": 2.0 ** -53, "torch.float32": 2.0 ** -24, "torch.float16": 2.0 ** -11,
-                 "torch.bfloat16": 2.0 ** -8, "torch.float8_e4m3fn": 2.0 ** -4, "torch.float8_e5m2": 2.0 ** -3}
+from ..dtypes import TABLE as _DTYPES
+from ..dtypes import roundoff as _roundoff
+
+UNIT_ROUNDOFF = {d.dump: d.roundoff for d in _DTYPES}  # kept for readers of this module; see msprobe_ci.dtypes
 STATUSES = ("pass", "warning", "error", "unmatched")
 
 
@@ -123,8 +125,9 @@ class CompareResult:
 
 
 def unit_roundoff(*dtypes: str) -> float:
-    """The largest unit roundoff among ``dtypes`` (unknown and integer dtypes count 0)."""
-    return max((UNIT_ROUNDOFF.get(d, 0.0) for d in dtypes), default=0.0)
+    """The largest unit roundoff among ``dtypes`` (any spelling of :mod:`msprobe_ci.dtypes`, MindSpore's too;
+    unknown and integer dtypes count 0)."""
+    return _roundoff(*dtypes)
 
 
 def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_row: str = "",
