@@ -91,14 +91,23 @@ def _compare(args) -> int:
     from .compare import compare_dumps
     from .dump.reader import load_dump
 
+    from .compare.isolated import apply_isolation, load_isolation
+
     worst = 0
     for t, g, rank in _pairs(args.target_path, args.golden_path):
-        report = compare_dumps(load_dump(t), load_dump(g), fuzzy=args.fuzzy_match)
+        target = load_dump(t)
+        report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match)
+        records = load_isolation(target.folder)
+        if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
+            apply_isolation(report, records, target.construct)
         path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
         c = report.counts()
         first = report.first_divergence
+        how = "isolated verdicts" if report.isolated else "drift rule; later errors on diverged inputs are " \
+            "reported as propagated"
         print(f"{path}: {len(report.nodes)} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, "
-              f"unmatched {c['unmatched']}; first divergence: {first.message if first is not None else 'none'}")
+              f"unmatched {c['unmatched']} ({how}); first divergence: "
+              f"{first.message if first is not None else 'none'}")
         worst = max(worst, 0 if first is None else 1)
     return worst
 

@@ -34,3 +34,50 @@ def test_cli_bad_path_is_one_line(tmp_path):
     r = _run("compare", "-tp", str(tmp_path / "nope"), "-gp", str(tmp_path), "-o", str(tmp_path))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "no such dump file or folder" in r.stderr
+
+
+def _dumps(tmp_path, isolate):
+    import torch
+
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 32)
+    folders = {}
+    for side, faults in (("bench", ()), ("target", (Fault("Functional.linear", 1, "forward", "scale", 1.1),))):
+        cap = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=str(tmp_path / side)),
+                             faults=faults, isolator=Isolator() if isolate and side == "target" else None)
+        cap.start(model)
+        model(x).sum().backward()
+        cap.stop()
+        cap.close()
+        folders[side] = cap.folders[0]
+    return folders
+
+
+def test_compare_cli_blames_the_first_cause_only(tmp_path):
+    d = _dumps(tmp_path, isolate=False)
+    r = _run("compare", "-tp", d["target"], "-gp", d["bench"], "-o", str(tmp_path / "out"))
+    assert r.returncode == 1
+    assert "first divergence: Functional.linear.1.forward" in r.stdout and "drift rule" in r.stdout
+    import csv
+
+    with open(os.path.join(tmp_path / "out", os.listdir(tmp_path / "out")[0]), encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    errors = {row["NPU Name"].split(".output")[0] for row in rows if row["Result"] == "error"}
+    # only the faulty API and the modules enclosing it (same output); everything downstream is "propagated"
+    assert {e for e in errors if not e.startswith("Module.")} == {"Functional.linear.1.forward"}
+    assert errors <= {"Functional.linear.1.forward", "Module.1.0.Linear.forward.0", "Module.1.Sequential.forward.0"}
+    assert any("propagated from Functional.linear.1.forward" in row["Err_message"] for row in rows)
+
+
+def test_compare_cli_uses_isolation_records(tmp_path):
+    d = _dumps(tmp_path, isolate=True)
+    r = _run("compare", "-tp", d["target"], "-gp", d["bench"], "-o", str(tmp_path / "out"))
+    assert r.returncode == 1
+    assert "isolated verdicts" in r.stdout
+    assert "first divergence: Functional.linear.1.forward: " in r.stdout

@@ -198,7 +198,30 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
     for rr in rows:
         by_entry.setdefault(rr.target.entry, []).append(rr)
     nodes = [_judge_node(name, by_entry.get(name, []), by_entry, mode, th) for name in target.data]
-    return CompareReport(mode=mode, rows=rows, nodes=nodes, target_stack=target.stack, thresholds=th)
+    return CompareReport(mode=mode, rows=rows, nodes=_blame_first(nodes, th), target_stack=target.stack,
+                         thresholds=th)
+
+
+def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResult]:
+    """After the first error, an error node whose inputs already carried more than rounding error (input error
+    above ``round_factor · u``) is explained by what came before: it becomes a warning "propagated from X"
+    (X: the first divergence). An error on clean inputs stays an error (a second, independent divergence).
+
+    Without isolation (two dumps on disk) this is the best attribution available: whole-network differences
+    cannot tell a node's own error from an amplified one, so later blame goes to the first cause."""
+    from dataclasses import replace
+
+    first = None
+    out = []
+    for n in nodes:
+        if n.status == "error" and n.metric == "RelativeErr":
+            if first is None:
+                first = n.name
+            elif n.input_error > th.round_factor * n.roundoff + th.atol:
+                n = replace(n, status="warning", message=f"{n.name}: propagated from {first} ({n.message})",
+                            metrics=dict(n.metrics, propagated_from=first))
+        out.append(n)
+    return out
 
 
 def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) -> RowResult:

@@ -102,6 +102,7 @@ class CompareResult:
         passing_threshold: the loosest error threshold that would have passed this node (= value).
         metrics: msprobe columns of the worst row (Cosine, MaxAbsErr ... or the statistics diffs).
         message: one line explaining the verdict.
+        roundoff: u, the unit roundoff the rule used (0 where it does not apply).
     """
 
     name: str
@@ -115,6 +116,7 @@ class CompareResult:
     passing_threshold: float = 0.0
     metrics: Mapping[str, Any] = field(default_factory=dict)
     message: str = ""
+    roundoff: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -148,7 +150,8 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
            f"(= {th.error_factor:g} x ({th.round_factor:g}*u {u:.3g} + {prop:g}*input error "
            f"{_fmt(r_in)} + atol {th.atol:g}))")
     return CompareResult(name=name, status=status, value=r_out, threshold=limit, budget=budget, input_error=r_in,
-                         worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg)
+                         worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg,
+                         roundoff=u)
 
 
 def _fmt(x: float) -> str:
