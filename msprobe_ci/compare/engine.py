@@ -6,10 +6,10 @@ import csv
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dump import names
 from ..dump.reader import Dump
 from ..dump.writer import timestamped_path
 from ..errors import MsprobeError
@@ -17,9 +17,6 @@ from . import metrics as M
 from .rows import Row, match_rows
 from .verdict import CompareResult, Thresholds, judge, unit_roundoff
 
-_FWD_API = re.compile(r"^(.*)\.(\d+)\.backward$")
-_MOD_BWD = re.compile(r"^(Module\..*)\.backward\.(\d+)$")
-_PGRAD = re.compile(r"^(Module\..*)\.parameters_grad\.(\d+)$")
 
 
 @dataclass
@@ -159,16 +156,15 @@ def _mode(target: Dump, bench: Dump) -> str:
 
 
 def _twin_entries(name: str) -> list[str]:
-    """Entries whose rows a node computes from, besides its own inputs."""
-    m = _FWD_API.match(name)
-    if m:
-        return [f"{m.group(1)}.{m.group(2)}.forward"]
-    m = _MOD_BWD.match(name)
-    if m:
-        return [f"{m.group(1)}.forward.{m.group(2)}"]
-    m = _PGRAD.match(name)
-    if m:
-        return [f"{m.group(1)}.forward.{m.group(2)}", f"{m.group(1)}.backward.{m.group(2)}"]
+    """Entries whose rows a node computes from, besides its own inputs (:mod:`msprobe_ci.dump.names`): a
+    backward call's forward twin; a parameters_grad entry's module forward and backward calls."""
+    node = names.parse(name, any_prefix=True)
+    if node is None:
+        return []
+    if node.kind in ("api", "module") and node.direction == "backward":
+        return [node.twin("forward")]
+    if node.kind == "parameters_grad" and node.call is not None:
+        return [node.twin("forward"), node.twin("backward")]
     return []
 
 

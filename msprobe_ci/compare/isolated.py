@@ -23,15 +23,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import replace
 from typing import Any
 
+from ..dump import names
 from ..errors import MsprobeError
 from .verdict import CompareResult, unit_roundoff
 
 ISOLATION_FILE = "isolation.json"
-_API = re.compile(r"^(Tensor|Torch|Functional|NPU|Aten|VF|Distributed|MindSpeed)\..+\.\d+\.(forward|backward)$")
 _FINFO_CONSTANTS: set[float] = set()
 
 
@@ -103,7 +102,7 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
     for node in report.nodes:
         rec = isolation.get(node.name)
         drift = {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
-        if rec is None or not (_API.match(node.name) or node.name.startswith("Module.")):
+        if rec is None or not (names.is_api(node.name) or names.is_module(node.name)):
             new_nodes.append(node)
             continue
         src = _judge_sources(node.name, rec.get("sources") or {}, rows_by_name, seen_sources, source_factor,

@@ -9,13 +9,9 @@ Within an entry the order is inputs and kwargs, parameters, outputs.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-_BWD_API = re.compile(r"^(.*\.)(\d+)(\.backward)$")
-_BWD_MOD = re.compile(r"^(Module\..*\.backward\.)(\d+)$")
-_INDEX = re.compile(r"\.\d+\.(forward|backward)")
 
 
 @dataclass
@@ -149,22 +145,25 @@ def entry_rows(key: str, entry: Any) -> list[Row]:
 def backward_renumbering(keys: list[str]) -> dict[str, str]:
     """Map each backward entry name to the name with its call index replaced by the ordinal of that backward
     call of the same API/module in dump order (msprobe's rule, so recomputation does not break matching)."""
+    from ..dump.names import parse
+
     seen: dict[str, int] = {}
     out: dict[str, str] = {}
     for key in keys:
-        m = _BWD_API.match(key) or _BWD_MOD.match(key)
-        if not m:
+        p = parse(key, any_prefix=True)
+        if p is None or p.direction != "backward" or p.kind not in ("api", "module"):
             continue
-        base = m.group(1) + (m.group(3) if m.re is _BWD_API else "")
-        k = seen.get(base, 0)
-        seen[base] = k + 1
-        out[key] = f"{m.group(1)}{k}{m.group(3)}" if m.re is _BWD_API else f"{m.group(1)}{k}"
+        k = seen.get(p.base, 0)
+        seen[p.base] = k + 1
+        out[key] = f"{p.base}.{k}.backward" if p.kind == "api" else f"{p.base}.backward.{k}"
     return out
 
 
 def fuzzy_name(name: str) -> str:
     """Drop the call index: ``Functional.linear.3.forward.input.0`` → ``Functional.linear.forward.input.0``."""
-    return _INDEX.sub(lambda m: "." + m.group(1), name, count=1)
+    from ..dump.names import without_call_index
+
+    return without_call_index(name)
 
 
 def _dtype_compatible(a: Row, b: Row) -> bool:

@@ -23,18 +23,17 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..checkers import CheckResult, make_standard, standard_for, worst
+from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
 from .args import Rebuilder, api_generator
 
-_NAME = re.compile(r"^(?P<prefix>[A-Za-z]+)\.(?P<api>.+)\.(?P<n>\d+)\.(?P<dir>forward|backward)$")
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
                        "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op (not replayable here)",
                        "VF": "torch._VF op"}
@@ -75,10 +74,10 @@ class ApiResult:
 
 def parse_name(name: str) -> tuple[str, str, int, str]:
     """``(prefix, api, call, direction)`` of a dump name; raises MsprobeError for anything else."""
-    m = _NAME.match(name)
-    if not m:
+    p = names.parse(name, any_prefix=True)
+    if p is None or p.kind != "api":
         raise MsprobeError(f"{name}: not an API call name (<Prefix>.<api>.<n>.forward|backward)")
-    return m.group("prefix"), m.group("api"), int(m.group("n")), m.group("dir")
+    return p.prefix, p.api, int(p.call), p.direction
 
 
 @functools.lru_cache(maxsize=None)
@@ -260,7 +259,7 @@ class ApiReplayer:
 
     def api_names(self) -> list[str]:
         """Every API forward and backward entry, in dump order (modules and parameter gradients left out)."""
-        return [n for n in self.dump.data if _NAME.match(n) and not n.startswith("Module.")]
+        return [n for n in self.dump.data if (p := names.parse(n, any_prefix=True)) is not None and p.kind == "api"]
 
     # ---------------------------------------------------------------------------------------------------------
     def check(self, name: str) -> ApiResult:
