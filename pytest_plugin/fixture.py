@@ -14,7 +14,7 @@ import pytest
 from .session import RESULT_PROPERTY, ProbeSession
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "atol", "api_standards",
+                 "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
                  "api_thresholds")
 
 
@@ -47,8 +47,10 @@ class MsprobeFixture:
                   "output_rtol": s.output_rtol,
                   "api_thresholds": s.api_thresholds}
         merged.update(s.thresholds_raw)
-        merged.update(self.marker_options)
-        merged.update(options)
+        for layer in (self.marker_options, options):
+            merged.update(layer)
+            if "atol" in layer and "rel_floor" not in layer:  # the old name, set at this level, wins below it
+                merged["rel_floor"] = layer["atol"]
         return merged
 
     def check(self, model: Any, *inputs: Any, loss_fn: Callable[[Any], Any] | None = None, **options: Any):
@@ -68,7 +70,8 @@ class MsprobeFixture:
                 ``torch.compile``, capture at L0), ``api_standards`` (``{API pattern: standard}``) and
                 ``api_thresholds`` (``{standard: {threshold: value}}``) for the per-API pre-check, and the
                 rule factors ``round_factor``,
-                ``propagation``, ``error_factor``, ``atol`` (see :mod:`msprobe_ci.compare.verdict`).
+                ``propagation``, ``error_factor``, ``rel_floor`` (old name ``atol``) of the drift rule (see
+                :mod:`msprobe_ci.compare.verdict`).
 
         Baselines: with ``--msprobe-record`` only the bench runs and its dump is stored under
         ``--msprobe-baseline DIR`` (returns ``None``); with ``--msprobe-baseline DIR`` alone the bench dump is read
@@ -98,8 +101,8 @@ class MsprobeFixture:
         try:
             bench = Backend.from_options(st["bench"], st["bench_dtype"])
             target = Backend.from_options(st["target"], st["target_dtype"], bool(st["compile"]))
-            thresholds = Thresholds.from_mapping({k: st[k] for k in ("round_factor", "propagation", "error_factor",
-                                                                       "atol")})
+            thresholds = Thresholds.from_mapping({k: st.get(k) for k in ("round_factor", "propagation",
+                                                                           "error_factor", "rel_floor", "atol")})
             faults = load_faults(st["inject"]) if st["inject"] else session.faults
             isolate = _isolate_flag(st["isolate"])
             output_rtol = None if st["output_rtol"] is None else _positive(st["output_rtol"], "output_rtol")

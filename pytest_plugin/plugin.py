@@ -93,7 +93,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for key, default, text in (("msprobe_round_factor", "2", "verdict rule: multiples of the dtype's unit roundoff"),
                                ("msprobe_propagation", "1", "verdict rule: allowed amplification of input error"),
                                ("msprobe_error_factor", "1.5", "verdict rule: error threshold as a multiple of the pass budget"),
-                               ("msprobe_atol", "1e-6", "verdict rule: absolute floor of the relative-error budget")):
+                               ("msprobe_rel_floor", "1e-6", "drift rule: floor of the relative-error budget"),
+                               ("msprobe_atol", "", "old name of msprobe_rel_floor")):
         parser.addini(key, help=text, default=default)
     parser.addini("msprobe_api_standards", type="linelist", default=[],
                   help="per-API pre-check: 'PATTERN = STANDARD' lines (fnmatch on the API name, e.g. 'lin* = legacy')")
@@ -104,7 +105,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
                             "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, output_rtol, round_factor, propagation, "
-                            "error_factor, atol, api_standards, api_thresholds)")
+                            "error_factor, rel_floor, api_standards, api_thresholds)")
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")

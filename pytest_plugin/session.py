@@ -92,7 +92,9 @@ class ProbeSession:
         if self.record and not self.baseline:
             raise pytest.UsageError("msprobe: --msprobe-record needs --msprobe-baseline DIR (where to store the bench)")
         self.thresholds_raw = {k: config.getini(f"msprobe_{k}")
-                               for k in ("round_factor", "propagation", "error_factor", "atol")}
+                               for k in ("round_factor", "propagation", "error_factor", "rel_floor", "atol")}
+        if self.thresholds_raw.get("atol") not in ("", None) and self.thresholds_raw.get("rel_floor") == "1e-6":
+            self.thresholds_raw["rel_floor"] = self.thresholds_raw["atol"]  # ini's old name, when the new is unset
         self._validated = False
 
     def validate_files(self) -> None:

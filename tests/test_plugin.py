@@ -67,7 +67,7 @@ def test_junit_content(suite):
 
 def test_marker_and_per_call_options_win(suite):
     suite.makepyfile(test_marker=MODEL_TEST.replace("def test_net(msprobe):",
-                                                    "import pytest\n@pytest.mark.msprobe(atol=1.0, isolate='off', output_rtol=0.1)\ndef test_net(msprobe):"))
+                                                    "import pytest\n@pytest.mark.msprobe(rel_floor=1.0, isolate='off', output_rtol=0.1)\ndef test_net(msprobe):"))
     result = suite.runpytest_subprocess("test_marker.py", "--msprobe-inject", "faults.yaml", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     # the per-API standard's thresholds, loosened by the marker, decide the isolated verdict

@@ -213,7 +213,7 @@ def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResu
         if n.status == "error" and n.metric == "RelativeErr":
             if first is None:
                 first = n.name
-            elif n.input_error > th.round_factor * n.roundoff + th.atol:
+            elif n.input_error > th.round_factor * n.roundoff + th.rel_floor:
                 n = replace(n, status="warning", message=f"{n.name}: propagated from {first} ({n.message})",
                             metrics=dict(n.metrics, propagated_from=first))
         out.append(n)

@@ -11,7 +11,7 @@ The rule (per node = one dump entry: an API or module call, forward or backward,
              at least ``r_in · ‖in‖/‖out‖`` (their absolute error cannot grow).
     u      = unit roundoff of the coarser of the two output dtypes (bf16 2^-8, fp16 2^-11, fp32 2^-24,
              fp64 2^-53; integers and bool 0)
-    budget = round_factor · u + propagation · r_in (· statistics_slack without tensors) + atol
+    budget = round_factor · u + propagation · r_in (· statistics_slack without tensors) + rel_floor
     pass     if r_out <= budget
     warning  if budget < r_out <= error_factor · budget
     error    if r_out >  error_factor · budget
@@ -49,19 +49,20 @@ STATUSES = ("pass", "warning", "error", "unmatched")
 @dataclass(frozen=True)
 class Thresholds:
     """Factors of the node rule (see module docstring). Defaults: round_factor 2, propagation 1, error_factor
-    1.5, atol 1e-6, statistics_slack 1.25 (the propagation term is widened by this factor when only statistics
+    1.5, rel_floor 1e-6 (a floor of the *relative* error budget; the ini/marker key ``atol`` is accepted
+    as its old name), statistics_slack 1.25 (the propagation term is widened by this factor when only statistics
     are available, because a statistic is a coarser estimate of the error than the tensor itself)."""
 
     round_factor: float = 2.0
     propagation: float = 1.0
     error_factor: float = 1.5
-    atol: float = 1e-6
+    rel_floor: float = 1e-6
     statistics_slack: float = 1.25
 
     def __post_init__(self) -> None:
         from ..errors import MsprobeError
 
-        for name in ("round_factor", "propagation", "error_factor", "atol", "statistics_slack"):
+        for name in ("round_factor", "propagation", "error_factor", "rel_floor", "statistics_slack"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or math.isnan(v):
                 raise MsprobeError(f"threshold '{name}': expected a non-negative number, got {v!r}")
@@ -73,10 +74,15 @@ class Thresholds:
         from ..errors import MsprobeError
 
         raw = dict(raw or {})
-        unknown = sorted(set(raw) - {"round_factor", "propagation", "error_factor", "atol", "statistics_slack"})
+        if "atol" in raw:  # its old name: it was never absolute, it floors a relative error budget
+            old = raw.pop("atol")
+            if raw.get("rel_floor") in (None, ""):
+                raw["rel_floor"] = old
+        raw = {k: v for k, v in raw.items() if v not in (None, "")}
+        unknown = sorted(set(raw) - {"round_factor", "propagation", "error_factor", "rel_floor", "statistics_slack"})
         if unknown:
             raise MsprobeError(f"thresholds: unknown key(s) {unknown}; allowed: round_factor, propagation, "
-                               "error_factor, atol")
+                               "error_factor, rel_floor (old name: atol)")
         out = {}
         for k, v in raw.items():
             try:
@@ -96,7 +102,7 @@ class CompareResult:
         metric: the metric judged (``RelativeErr`` or ``MD5``).
         value: r_out, the node's worst output relative error (0/1 in md5 mode).
         threshold: the error threshold applied (``error_factor × budget``).
-        budget: the pass threshold (``round_factor·u + propagation·r_in + atol``).
+        budget: the pass threshold (``round_factor·u + propagation·r_in + rel_floor``).
         input_error: r_in.
         worst_row: the output row that produced ``value``.
         passing_threshold: the loosest error threshold that would have passed this node (= value).
@@ -136,7 +142,7 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
           metrics: Mapping[str, Any] | None = None, statistics: bool = False) -> CompareResult:
     """Apply the node rule to measured errors (``statistics``: the errors come from statistics only)."""
     prop = th.propagation * (th.statistics_slack if statistics else 1.0)
-    budget = th.round_factor * u + prop * r_in + th.atol
+    budget = th.round_factor * u + prop * r_in + th.rel_floor
     limit = th.error_factor * budget
     if math.isnan(r_out):
         r_out = math.inf
@@ -148,7 +154,7 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
         status = "error"
     msg = (f"{name}: RelativeErr {_fmt(r_out)} at {worst_row or 'output'} vs threshold {_fmt(limit)} "
            f"(= {th.error_factor:g} x ({th.round_factor:g}*u {u:.3g} + {prop:g}*input error "
-           f"{_fmt(r_in)} + atol {th.atol:g}))")
+           f"{_fmt(r_in)} + rel_floor {th.rel_floor:g}))")
     return CompareResult(name=name, status=status, value=r_out, threshold=limit, budget=budget, input_error=r_in,
                          worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg,
                          roundoff=u)
