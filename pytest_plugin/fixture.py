@@ -245,7 +245,11 @@ class MsprobeFixture:
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if first is not None:
-            pytest.fail(_failure_message(report, check_dir, target_dump, graph_path), pytrace=False)
+            inject = st["inject"] or session.inject_path
+            replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live "
+                          f"--msprobe-target={target.device}"
+                          + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
+            pytest.fail(_failure_message(report, check_dir, target_dump, graph_path, replay_cmd), pytrace=False)
         if overflow_failed:
             pytest.fail(f"msprobe: overflow on the target at {overflow_t.first.name} "
                         f"({overflow_t.first.level}: NaN/Inf in {', '.join(overflow_t.first.rows[:4])}); "
@@ -347,7 +351,8 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _failure_message(report, check_dir: str, target_dump=None, graph_path: str | None = None) -> str:
+def _failure_message(report, check_dir: str, target_dump=None, graph_path: str | None = None,
+                     replay: str = "") -> str:
     """First line: the API, its module, the source line, the standard, metric, value and threshold; then where to
     look (graph, replay command) and the other failing nodes."""
     first = report.first_divergence
@@ -372,9 +377,8 @@ def _failure_message(report, check_dir: str, target_dump=None, graph_path: str |
     own = [n for n in report.nodes if n.status == "error" and "rollup" not in n.metrics]
     if graph_path:
         lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))})")
-    if re.match(r"^(Tensor|Torch|Functional)\.", first.name):
-        lines.append(f"replay this API alone: pytest --msprobe-api-check={os.path.join(check_dir, 'target')} "
-                     f"--msprobe-api-live -k '{first.name}'")
+    if replay and re.match(r"^(Tensor|Torch|Functional)\.", first.name):
+        lines.append(f"replay this API alone: {replay} -k '{first.name}'")
     if len(own) > 1:
         lines.append(f"{len(own) - 1} more node(s) fail on their own: " +
                      ", ".join(n.name for n in own[1:6]) + (" ..." if len(own) > 6 else ""))

@@ -28,7 +28,8 @@ def test_injected_fault_fails_naming_the_api(suite):
     result.stdout.fnmatch_lines(["*msprobe: first divergence at Functional.layer_norm.0.forward (in Module.norm.LayerNorm"
                                  ".forward.0; at *test_model.py, line *): benchmark standard on its own inputs: * > *",
                                  "graph: *(open: msprobe-ci view *)",
-                                 "replay this API alone: pytest --msprobe-api-check=* --msprobe-api-live -k "
+                                 "replay this API alone: pytest --msprobe-api-check=*/step0/rank --msprobe-api-live "
+                                 "--msprobe-target=cpu --msprobe-inject=*faults.yaml -k "
                                  "'Functional.layer_norm.0.forward'"])
 
 
