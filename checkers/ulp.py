@@ -34,15 +34,17 @@ class UlpStandard:
         ref = to_f64(oracle if oracle is not None else bench)
         t = to_f64(target)
         finite = np.isfinite(t) & np.isfinite(ref)
-        with np.errstate(divide="ignore"):
-            e = np.where(ref != 0, np.floor(np.log2(np.abs(np.where(ref != 0, ref, 1.0)))), 0.0)
-        e = np.maximum(e, self.min_exp)
+        _, ex = np.frexp(np.where(finite, ref, 0.0))  # |ref| = m * 2^ex with 0.5 <= m < 1: floor(log2|ref|) = ex - 1
+        e = np.where(ref != 0, ex - 1, 0)
+        np.maximum(e, int(self.min_exp), out=e)
         err = np.abs(t - ref)
         if floor is not None:
             f = to_f64(floor)
             if f.shape == err.shape:
                 err = np.maximum(err - np.abs(f), 0.0)
-        ulp = (err * np.exp2(self.bits - e))[finite]
+        with np.errstate(invalid="ignore"):
+            ulp = np.ldexp(err, (int(self.bits) - e).astype(np.int32))
+        ulp = ulp if finite.all() else ulp[finite]
         inconsistent = int((~finite & ~((np.isnan(t) & np.isnan(ref)) | (t == ref))).sum())
         mean = float(ulp.mean()) if ulp.size else 0.0
         share = float((ulp > self.large).sum() / ulp.size) if ulp.size else 0.0
