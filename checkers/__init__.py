@@ -22,6 +22,7 @@ standard                      rule (source)
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any
 
 from .absolute import AbsoluteThresholdStandard
@@ -52,14 +53,19 @@ def standard_for(api: str, out_dtype: Any, overrides: dict[str, str] | None = No
     Raises:
         MsprobeError: an override names an unknown standard.
     """
+    return _standard_for(api, dtype_key(out_dtype), tuple((overrides or {}).items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _standard_for(api: str, key: str, overrides: tuple) -> str:
+    """:func:`standard_for`, memoised: it runs for every captured call under isolation."""
     from ..errors import MsprobeError
 
-    for pattern, name in (overrides or {}).items():
+    for pattern, name in overrides:
         if name not in STANDARDS:
             raise MsprobeError(f"standard override {pattern!r}: {name!r} unknown; known: {sorted(STANDARDS)}")
         if fnmatch.fnmatchcase(api, pattern):
             return name
-    key = dtype_key(out_dtype)
     if key in ("int", "bool"):
         return "binary"
     reg = load_yaml("registry.yaml")

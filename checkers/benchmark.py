@@ -6,6 +6,7 @@ the reference implementation of the same dtype passes, whatever the dtype."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 
 import numpy as np
 
@@ -30,6 +31,16 @@ def _metrics(x: np.ndarray, ref: np.ndarray, small_value: float, atol: float) ->
             "inf_nan": float(bad.sum())}
 
 
+@functools.lru_cache(maxsize=4096)
+def _level(api: str) -> str:
+    """msprobe's benchmark level of an API (``data/thresholds.yaml`` ``benchmark.apis``; default L0)."""
+    level = "L0"
+    for lv, names in load_yaml("thresholds.yaml")["benchmark"]["apis"].items():
+        if any(fnmatch.fnmatchcase(api, n) for n in names):
+            level = lv
+    return level
+
+
 class BenchmarkStandard:
     """Args:
         dtype: target output dtype key (``small_value``, ``small_value_atol``, ``min_err``).
@@ -45,11 +56,7 @@ class BenchmarkStandard:
         th = dtype_thresholds(dtype, overrides)
         self.small, self.atol, self.min_err = th["small_value"], th["small_value_atol"], th["min_err"]
         table = load_yaml("thresholds.yaml")["benchmark"]
-        level = "L0"
-        for lv, names in table["apis"].items():
-            if any(fnmatch.fnmatchcase(api, n) for n in names):
-                level = lv
-        self.level = level
+        self.level = level = _level(api)
         self.ratios = dict(table["levels"][level], **ratio_over)
 
     def __call__(self, target, bench, oracle=None) -> CheckResult:
