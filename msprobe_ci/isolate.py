@@ -261,6 +261,7 @@ class Isolator:
             reason = f"{api}: random output, not comparable element-wise"
         if reason:
             self.skip(name, reason)
+            self.skip(bwd_name, reason)
             self.results[name]["sources"] = fwd_sources
             return None, args, kwargs
         call = _Call(name, short, func=func, inputs=(tuple(args), dict(kwargs)))
@@ -462,6 +463,11 @@ class Isolator:
             if not self.is_produced(p):
                 sources[f"{name}.parameters.{pname}"] = {"id": self._source_id(p), "kind": "parameter"}
         self.results[name] = {"status": "skip", "message": "no output judged", "sources": sources}
+        random = [m for m in module.modules() if m.training and isinstance(m, _DROPOUT_MODULES) and m.p > 0]
+        if random:
+            self.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
+                                              "mode inside)")
+            return None
         wrapper = _EagerForward(module)
         dtype = _oracle_dtype(tuple(args) + tuple(state.values()), kwargs)
         grad = self.backward and torch.is_grad_enabled() and any(
@@ -497,7 +503,7 @@ class Isolator:
                     leaves.append(None)
             a.append(c)
         k = {key: _copy_obj(v, conv) for key, v in kwargs.items()}
-        with torch.set_grad_enabled(grad):
+        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad):  # the user's random stream stays
             out = torch.func.functional_call(wrapper, st, tuple(a), k, strict=False)
         return leaves, out
 
@@ -652,6 +658,8 @@ class Isolator:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
 class _EagerForward(torch.nn.Module):

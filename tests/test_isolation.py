@@ -181,3 +181,23 @@ def test_compiled_regions_are_isolated_against_eager(tmp_path, llama):
     assert len(regions) == 4, "each compiled decoder layer is judged whole, forward and backward"
     assert inside == []  # nothing inside a compiled region is hooked
     assert [n.name for n in report.nodes if n.status == "error"] == []
+
+
+@pytest.mark.parametrize("level", ["mix", "L0"])
+def test_training_mode_with_dropout_passes(tmp_path, level):
+    """Random calls are not judged element-wise (dropout: share of zeros; modules with active dropout: named skip)
+    and never fail on drift; isolation consumes none of the user's random numbers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4)).train()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    report, tdump = _run(tmp_path, (model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss), level)
+    assert [n.name for n in report.nodes if n.status == "error"] == []
+    import json
+
+    records = json.load(open(os.path.join(tdump.folder, "isolation.json"), encoding="utf-8"))["nodes"]
+    if level == "mix":
+        assert records["Functional.dropout.0.forward"]["standard"] == "dropout"
+    else:
+        assert "random" in records["Module.transformer.drop.Dropout.forward.0"]["message"]

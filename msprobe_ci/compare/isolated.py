@@ -13,9 +13,10 @@ from :mod:`.verdict`) and the target's ``isolation.json`` (written by capture wi
   plus the statistics' own accumulation), a non-tensor argument that differs (floats beyond the same bound; an
   ``finfo`` constant of either dtype equals its counterpart). A source is judged once, at the first node that
   consumes it.
-* **Module node**: fails when an API inside it (construct.json ancestry) fails, naming that API; without any
-  isolated API inside (L0 capture, compiled regions) it keeps its drift verdict.
-* Everything else (parameters_grad, nodes without isolation) passes; its drift stays in ``drift``/``metrics``.
+* **Module node**: judged whole where it was isolated whole (L0 capture, compiled regions); fails when a node
+  inside it (construct.json ancestry) fails, naming it; otherwise passes.
+* Everything else (parameters_grad, API calls isolation skipped or never saw) passes: drift alone never fails a
+  node; it stays in ``metrics`` (``drift_status``, ``drift_RelativeErr``) as context.
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
     for node in report.nodes:
         rec = isolation.get(node.name)
         drift = {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
+        if rec is None and names.is_api(node.name) and node.status in ("warning", "error"):
+            # no isolation record (a call isolation did not see or skipped): drift alone never fails a node
+            new_nodes.append(replace(node, status="pass", metrics=dict(node.metrics, **drift),
+                                     message=f"{node.name}: not isolated; drift {node.status} ({node.message})"))
+            continue
         if rec is None or not (names.is_api(node.name) or names.is_module(node.name)):
             new_nodes.append(node)
             continue
@@ -168,9 +174,11 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
                                      worst_row=node.worst_row, passing_threshold=node.value,
                                      metrics=dict(node.metrics, **drift, rollup=api),
                                      message=f"{node.name}: contains failing API {api}")
-            elif node.name in has_isolated_child:
+            else:  # nothing inside fails on its own inputs: drift is context
+                inside = "every isolated API inside passes" if node.name in has_isolated_child else \
+                    "no isolated call inside"
                 node = replace(node, status="pass", metrics=dict(node.metrics, **drift),
-                               message=f"{node.name}: every isolated API inside passes; drift {drift['drift_status']}")
+                               message=f"{node.name}: {inside}; drift {drift['drift_status']}")
         final.append(node)
     report.nodes = final
     report.isolated = True
