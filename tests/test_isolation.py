@@ -194,9 +194,9 @@ def test_training_mode_with_dropout_passes(tmp_path, level):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     report, tdump = _run(tmp_path, (model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss), level)
     assert [n.name for n in report.nodes if n.status == "error"] == []
-    import json
+    from msprobe_ci.compare.isolated import load_isolation
 
-    records = json.load(open(os.path.join(tdump.folder, "isolation.json"), encoding="utf-8"))["nodes"]
+    records = load_isolation(tdump.folder)
     if level == "mix":
         assert records["Functional.dropout.0.forward"]["standard"] == "dropout"
     else:
