@@ -1,5 +1,7 @@
 """Capture overhead: no capture vs msprobe-ci (mix, statistics), with isolation (every API also judged on its
-own inputs against an fp64 oracle, forward and backward) and msprobe's PrecisionDebugger, interleaved.
+own inputs against an fp64 oracle, forward and backward; "isolated" skips the oracle where the CPU target's own
+kernel is the same-dtype bench, "isolated-full" pays what a device target pays) and msprobe's PrecisionDebugger,
+interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
@@ -72,11 +74,12 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
         dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
-    elif mode == "isolated":
+    elif mode in ("isolated", "isolated-full"):
         from msprobe_ci.capture import CaptureSession
         from msprobe_ci.config import DumpConfig
         from msprobe_ci.isolate import Isolator
-        dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=Isolator())
+        iso = Isolator(reuse_identical=mode == "isolated")
+        dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=iso)
     elif mode == "msprobe":
         from msprobe.pytorch import PrecisionDebugger
         cfg = os.path.join(tmp, "config.json")
@@ -123,9 +126,9 @@ def main():
         return
     try:
         import msprobe  # noqa: F401
-        modes = ["none", "msprobe-ci", "isolated", "msprobe"]
+        modes = ["none", "msprobe-ci", "isolated", "isolated-full", "msprobe"]
     except ImportError:
-        modes = ["none", "msprobe-ci", "isolated"]
+        modes = ["none", "msprobe-ci", "isolated", "isolated-full"]
     results = {m: [] for m in modes}
     recs = {}
     for _ in range(args.rounds):
@@ -143,7 +146,7 @@ def main():
         per = (med - base) / recs[m] if recs.get(m) else float("nan")
         print(f"{m:>11}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
               f"{per:6.3f} ms/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
-                                         if m == "isolated" else ""))
+                                         if m.startswith("isolated") else ""))
 
 
 if __name__ == "__main__":

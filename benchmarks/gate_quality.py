@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from msprobe_ci.backends import Backend
+from msprobe_ci.backends import Backend, compile_regions
 from msprobe_ci.capture.inject import Fault
 from msprobe_ci.check import judge, model_cases, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
@@ -128,22 +128,31 @@ _JUDGED = ("linear", "layer_norm", "softmax", "gelu", "silu", "matmul", "__mul__
 
 
 LEVEL = "mix"
+TASK = "statistics"
+COMPILE = False
+FORWARD_ONLY = False
+ISOLATOR: dict = {}
 
 
 def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=True, bench_folder=None, level=None):
     tmp = tempfile.mkdtemp(prefix="gateq-")
+    if FORWARD_ONLY:
+        loss_fn = None
+    compiled = COMPILE and level is None
     try:
         bench = Backend.from_options("cpu", bench_dtype)
-        target = Backend.from_options("cpu", target_dtype)
-        cfg = DumpConfig(task="statistics", level=level or LEVEL)
+        target = Backend.from_options("cpu", target_dtype, compiled)
+        regions = compile_regions(model) if compiled else []
+        cfg = DumpConfig(task=TASK, level=level or LEVEL)
         if bench_folder is None:
-            b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp, "bench")))
+            b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp, "bench")),
+                         regions=regions)
         else:
             b = bench_folder
-        iso = Isolator(backward=True) if isolate else None
+        iso = Isolator(backward=loss_fn is not None, **ISOLATOR) if isolate else None
         t0 = time.perf_counter()
         t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp, "target")),
-                     faults=faults, isolator=iso)
+                     faults=faults, isolator=iso, regions=regions)
         elapsed = time.perf_counter() - t0
         cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
         report, tdump, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
@@ -192,10 +201,20 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--level", default="mix", choices=("mix", "L1", "L0"),
                     help="capture level (L0: modules isolated whole; faults still perturb APIs)")
+    ap.add_argument("--task", default="statistics", choices=("statistics", "tensor"))
+    ap.add_argument("--forward-only", action="store_true", help="no loss, no backward")
+    ap.add_argument("--compile", action="store_true",
+                    help="target through torch.compile per block (captured at L0 on both sides, as msprobe.check)")
+    ap.add_argument("--bench-kernel", default="device", choices=("device", "rounded"),
+                    help="same-dtype bench of the standards: the bench device's kernel (here: the target's own, "
+                         "so benchmark ratios are 1 unless perturbed) or the fp64 oracle correctly rounded to the "
+                         "target dtype, the most accurate kernel the dtype allows (stress test, full oracle cost)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    global LEVEL
-    LEVEL = args.level
+    global LEVEL, TASK, COMPILE, FORWARD_ONLY
+    ISOLATOR.update(bench_kernel=args.bench_kernel)
+    LEVEL = "L0" if args.compile else args.level
+    TASK, COMPILE, FORWARD_ONLY = args.task, args.compile, args.forward_only
     torch.set_num_threads(1)
     stats = defaultdict(lambda: defaultdict(float))
     failures = []
@@ -218,8 +237,12 @@ def main():
                 # around the faulty call (forward or backward), its enclosing modules may fail too
                 ref = tdump if LEVEL != "L0" else _one(model, inputs, loss_fn, bench_dtype, target_dtype, (),
                                                        level="mix")[2]
+                if COMPILE:  # modules inside compiled regions are not hooked: the fault's region root is expected
+                    hooked = set(tdump.data)
                 for node, fault in _pick_faults(ref.data, scales, seed):
                     expected = node if LEVEL != "L0" else ref.construct.get(node)
+                    while COMPILE and expected is not None and expected not in hooked:
+                        expected = ref.construct.get(expected)
                     if expected is None:
                         continue
                     rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,))
@@ -248,7 +271,8 @@ def main():
                     s["other_api_fails"] += len(others)
                     if others and args.verbose:
                         failures.append(f"  others for {node}: {others[:4]}")
-    print(f"level {LEVEL}")
+    print(f"level {LEVEL}, task {TASK}, bench kernel {args.bench_kernel}" + (", compiled target" if COMPILE else "")
+          + (", forward only" if FORWARD_ONLY else ", forward+backward"))
     print(f"{'target':<22} {'benign':>6} {'false fails':>11} {'faults':>6} {'detected':>9} {'exact':>9} "
           f"{'other API fails':>15} {'isolation overhead':>18}")
     for dname, s in stats.items():

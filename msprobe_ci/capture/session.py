@@ -305,7 +305,10 @@ class CaptureSession:
         if iso is not None:
             self._busy = True
             try:
-                call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
+                call, args, kwargs = iso.before(
+                    fwd_name, prefix, api, func, args, kwargs,
+                    fwd_fault=any(f.matches(api_id, n, "forward") for f in faults),
+                    bwd_fault=any(f.matches(api_id, n, "backward") for f in faults))
             finally:
                 self._busy = False
         out = orig = func(*args, **kwargs)
