@@ -8,7 +8,9 @@ work, so benchmarks and other front ends run the very same pipeline:
   fired;
 * :func:`judge`: compare the two dumps (msprobe's rows and metrics, drift as context) and apply the isolated
   verdicts of the target's ``isolation.json``;
-* :func:`model_cases`: the model-level testcases (final outputs and loss against an end-to-end tolerance).
+* :func:`model_cases`: the model-level testcases (final outputs and loss against an end-to-end tolerance);
+* :func:`evaluate`: all of it for one check (CSV, graph, model testcases, overflow, pre-check of a tensor dump),
+  returned as a frozen :class:`CheckOutcome`.
 """
 
 from __future__ import annotations
@@ -170,3 +172,113 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     return cases
 
 
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """Everything one check found, frozen: what the JUnit writer, the terminal summary and the fixture read.
+
+    Attributes:
+        report: the :class:`~msprobe_ci.compare.CompareReport` (isolated verdicts when ``report.isolated``).
+        target_dump, bench_dump: the two loaded dumps.
+        csv: the compare CSV (msprobe's columns). graph: the ``.vis.db`` or ``None``.
+        model: the model-level testcases (:func:`model_cases`).
+        overflow: the target's new overflows (:func:`msprobe_ci.overflow.new_overflows`).
+        api_checks: per-API pre-check results (tensor task at L1/mix), else empty.
+        notes: lines for the report (e.g. why no graph was written).
+    """
+
+    report: Any
+    target_dump: Any
+    bench_dump: Any
+    csv: str
+    graph: str | None
+    model: tuple = ()
+    overflow: Any = None
+    api_checks: tuple = ()
+    notes: tuple = ()
+
+    @property
+    def first_divergence(self):
+        return self.report.first_divergence
+
+    @property
+    def overflow_failed(self) -> bool:
+        return bool(self.overflow is not None and self.overflow.has_overflow)
+
+    @property
+    def model_errors(self) -> list[dict]:
+        return [c for c in self.model if c["status"] == "error"]
+
+    @property
+    def api_errors(self) -> list:
+        return [r for r in self.api_checks if r.status == "error"]
+
+    @property
+    def passed(self) -> bool:
+        return self.first_divergence is None and not self.overflow_failed and not self.model_errors and \
+            not self.api_errors
+
+    def summary(self) -> dict:
+        """The serialisable part (plain types) the plugin stores per check."""
+        report, first, ov = self.report, self.first_divergence, self.overflow
+        return {
+            "csv": self.csv, "graph": self.graph, "mode": report.mode,
+            "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
+            "first_divergence": first.name if first is not None else None,
+            "overflow_first": ov.first.name if ov is not None and ov.first and ov.has_overflow else None,
+            "overflow_failed": self.overflow_failed, "isolated": report.isolated, "model": list(self.model),
+            "overflow_message": ov.first.message if ov is not None and ov.first else "",
+            "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
+                       "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
+                       "message": n.message, "standard": n.metrics.get("standard") or "",
+                       "drift": _num(float(n.metrics.get("drift_RelativeErr", n.value))),
+                       "drift_status": n.metrics.get("drift_status", n.status)} for n in report.nodes],
+            **({"api_checks": [{"name": r.name, "status": r.status, "message": r.message} for r in self.api_checks]}
+               if self.api_checks else {}),
+        }
+
+
+def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
+             thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
+             graph_dir: str | None = None, api_standards: dict | None = None,
+             api_thresholds: dict | None = None) -> CheckOutcome:
+    """Judge one check from its two sides: compare (isolated verdicts), CSV, graph, model-level testcases,
+    overflow, and the per-API pre-check of a tensor dump.
+
+    Args:
+        bench: the bench :class:`SideRun`, or the rank folder of a recorded baseline (no final outputs then).
+        target: the target :class:`SideRun`.
+        out_dir: where the compare CSV goes. graph_dir: where the ``.vis.db`` goes (``None``: no graph).
+        level: the capture level (the pre-check needs API entries: L1 or mix).
+
+    Raises:
+        MsprobeError: unreadable or incompatible dumps.
+    """
+    from .errors import MsprobeError
+    from .overflow import check_overflow, new_overflows
+
+    bench_folder = bench if isinstance(bench, str) else bench.folder
+    report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
+                                            isolate=isolate, cast_roundoff=cast_roundoff)
+    csv_path = report.write_csv(out_dir)
+    graph_path, notes = None, []
+    if graph_dir is not None:
+        from .graph.service import write_compare_graph
+
+        try:
+            graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=fuzzy)
+        except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
+            notes.append(f"no graph: {exc}")
+    cases = model_cases(None if isinstance(bench, str) else bench.outputs, target.outputs, output_rtol,
+                        cast_roundoff)
+    overflow = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
+    api_checks: list = []
+    if report.mode == "tensor" and level in ("L1", "mix"):
+        from .replay import ApiReplayer
+
+        replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
+                               thresholds=dict(api_thresholds or {}))
+        api_checks = [replayer.check(n) for n in replayer.api_names()]
+    return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
+                        tuple(api_checks), tuple(notes))

@@ -91,7 +91,6 @@ class MsprobeFixture:
         from ..capture.inject import load_faults
         from ..compare import Thresholds
         from ..errors import MsprobeError
-        from ..overflow import check_overflow, new_overflows
 
         self._check_keys(options, "msprobe.check()")
         st = self._settings(options)
@@ -135,8 +134,8 @@ class MsprobeFixture:
             except MsprobeError as exc:
                 raise pytest.skip.Exception(f"msprobe: {exc}") from None
             recording = self._recording(bench, st, task, level)
-            folder, _ = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
-                                    recording.check_dir(index)), (), int(st["seed"]), regions, eval_mode)
+            folder = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
+                                    recording.check_dir(index)), (), int(st["seed"]), regions, eval_mode).folder
             size = recording.add_check(index, folder)
             row.update(recorded=True, mode=task, baseline_bytes=size,
                        baseline=os.path.join(session.baseline, _folder(nodeid)))
@@ -167,8 +166,7 @@ class MsprobeFixture:
                 backend.check_available()
             except MsprobeError as exc:
                 raise pytest.skip.Exception(f"msprobe: {exc}") from None
-        dumps = {"bench": stored.rank_folder} if stored is not None else {}
-        outputs: dict[str, Any] = {}
+        runs: dict[str, Any] = {}
         for side, backend, side_faults in sides:
             isolator = None
             if side == "target" and isolate:
@@ -179,59 +177,27 @@ class MsprobeFixture:
                                     target_device=backend.torch_device,
                                     bench_device=bench.torch_device if _available(bench) else "cpu",
                                     backward=loss_fn is not None)
-            dumps[side], outputs[side] = self._run_side(
+            runs[side] = self._run_side(
                 model, inputs, loss_fn, backend, self._capture_config(task, level, os.path.join(check_dir, side)),
                 side_faults, int(st["seed"]), regions, eval_mode, isolator)
         try:
-            from ..check import judge
+            from ..check import evaluate
             from ..compare.verdict import unit_roundoff
 
-            report, target_dump, bench_dump = judge(
-                dumps["bench"], dumps["target"], fuzzy=bool(st["fuzzy"]), thresholds=thresholds, isolate=isolate,
-                cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+            outcome = evaluate(
+                stored.rank_folder if stored is not None else runs["bench"], runs["target"], check_dir, level=level,
+                fuzzy=bool(st["fuzzy"]), thresholds=thresholds, isolate=isolate,
+                cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)), output_rtol=output_rtol,
+                graph_dir=None if session.no_graph else session.graph_dir(nodeid, index),
+                api_standards=st["api_standards"], api_thresholds=st["api_thresholds"])
         except MsprobeError as exc:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
-        csv_path = report.write_csv(check_dir)
-        graph_path = None
-        if not session.no_graph:
-            from ..graph.service import write_compare_graph
-
-            try:
-                graph_path = write_compare_graph(target_dump, bench_dump, report,
-                                                 session.graph_dir(nodeid, index), fuzzy=bool(st["fuzzy"]))
-            except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
-                notes.append(f"no graph: {exc}")
-        from ..check import model_cases as _cases
-        from ..compare.verdict import unit_roundoff
-
-        model_cases = _cases(outputs.get("bench"), outputs.get("target"), output_rtol,
-                                   unit_roundoff(str(target.dtype), str(bench.dtype)))
-        overflow_t = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
-        overflow_failed = overflow_t.has_overflow
-        first = report.first_divergence
-        row.update({
-            "csv": csv_path, "graph": graph_path, "mode": report.mode,
-            "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
-            "first_divergence": first.name if first is not None else None,
-            "overflow_first": overflow_t.first.name if overflow_t.first and overflow_t.has_overflow else None,
-            "overflow_failed": overflow_failed, "isolated": report.isolated, "model": model_cases,
-            "overflow_message": overflow_t.first.message if overflow_t.first else "",
-            "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
-                       "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
-                       "message": n.message, "standard": n.metrics.get("standard") or "",
-                       "drift": _num(float(n.metrics.get("drift_RelativeErr", n.value))),
-                       "drift_status": n.metrics.get("drift_status", n.status)} for n in report.nodes],
-        })
-        api_errors = []
-        if report.mode == "tensor" and level in ("L1", "mix"):
-            from ..replay import ApiReplayer
-
-            replayer = ApiReplayer(target_dump, standards=dict(st["api_standards"] or {}),
-                                   thresholds=dict(st["api_thresholds"] or {}))
-            checks = [replayer.check(n) for n in replayer.api_names()]
-            row["api_checks"] = [{"name": r.name, "status": r.status, "message": r.message} for r in checks]
-            api_errors = [r for r in checks if r.status == "error"]
+        report, target_dump = outcome.report, outcome.target_dump
+        csv_path, graph_path = outcome.csv, outcome.graph
+        notes.extend(outcome.notes)
+        first = outcome.first_divergence
+        row.update(outcome.summary())
         props = self.request.node.user_properties
         props.append((RESULT_PROPERTY, json.dumps(row)))
         c = report.counts()
@@ -250,17 +216,17 @@ class MsprobeFixture:
                           f"--msprobe-target={target.device}"
                           + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
             pytest.fail(_failure_message(report, check_dir, target_dump, graph_path, replay_cmd), pytrace=False)
-        if overflow_failed:
-            pytest.fail(f"msprobe: overflow on the target at {overflow_t.first.name} "
-                        f"({overflow_t.first.level}: NaN/Inf in {', '.join(overflow_t.first.rows[:4])}); "
-                        f"the bench has none there. Artifacts: {check_dir}", pytrace=False)
-        bad_model = [c for c in model_cases if c["status"] == "error"]
-        if bad_model:
-            c = bad_model[0]
+        if outcome.overflow_failed:
+            ov = outcome.overflow.first
+            pytest.fail(f"msprobe: overflow on the target at {ov.name} ({ov.level}: NaN/Inf in "
+                        f"{', '.join(ov.rows[:4])}); the bench has none there. Artifacts: {check_dir}", pytrace=False)
+        if outcome.model_errors:
+            c = outcome.model_errors[0]
             pytest.fail(f"msprobe: model output {c['name']} drifts beyond the end-to-end tolerance: relative L2 error "
                         f"{c['value']:.4g} > {c['threshold']:.4g} ("
                         + ("every isolated API passes its own standard; " if report.isolated else "")
                         + f"set output_rtol to accept this drift). Artifacts: {check_dir}", pytrace=False)
+        api_errors = outcome.api_errors
         if api_errors:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
@@ -306,7 +272,7 @@ class MsprobeFixture:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
         for message in run.unapplied:
             warnings.warn(f"msprobe: {message}", UserWarning, stacklevel=3)
-        return run.folder, run.outputs
+        return run
 
 
 def _available(backend) -> bool:
