@@ -90,9 +90,9 @@ class DeviceKind:
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "cuda": DeviceKind("cuda", None, "cuda", "install a CUDA build of torch on a GPU runner, or use a recorded "
-                       "baseline: --msprobe-baseline DIR"),
+                       "baseline: --msprobe-baseline=DIR"),
     "npu": DeviceKind("npu", "torch_npu", "npu", "pip install torch_npu on an Ascend runner, or use a recorded "
-                      "baseline: --msprobe-baseline DIR"),
+                      "baseline: --msprobe-baseline=DIR"),
 }
 
 

@@ -148,7 +148,7 @@ def new_manifest(nodeid: str, *, bench_device: str, bench_dtype: str | None, tas
 
 def record_command(nodeid: str, root: str, bench_device: str, bench_dtype: str | None) -> str:
     """The command line that (re-)records the baseline of one test."""
-    cmd = f"pytest '{nodeid}' --msprobe-baseline {root} --msprobe-record --msprobe-bench={bench_device}"
+    cmd = f"pytest '{nodeid}' --msprobe-baseline={root} --msprobe-record --msprobe-bench={bench_device}"
     return cmd + (f" --msprobe-bench-dtype={bench_dtype}" if bench_dtype else "")
 
 

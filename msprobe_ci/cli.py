@@ -194,6 +194,11 @@ def _api_check(args) -> int:
           f"skip {counts['skip']}")
     print(result_csv)
     print(details_csv)
+    if results and counts["skip"] == len(results):
+        print(f"msprobe-ci: api-check judged nothing: all {len(results)} API calls were skipped "
+              f"({results[0].reason}); run with --live (re-runs the target on CPU), or dump with task 'tensor'",
+              file=sys.stderr)
+        return 1
     return 1 if counts["error"] else 0
 
 

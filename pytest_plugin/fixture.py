@@ -74,7 +74,7 @@ class MsprobeFixture:
                 :mod:`msprobe_ci.compare.verdict`).
 
         Baselines: with ``--msprobe-record`` only the bench runs and its dump is stored under
-        ``--msprobe-baseline DIR`` (returns ``None``); with ``--msprobe-baseline DIR`` alone the bench dump is read
+        ``--msprobe-baseline=DIR`` (returns ``None``); with ``--msprobe-baseline=DIR`` alone the bench dump is read
         from there (the bench device need not exist) and the target is captured with the baseline's task/level.
 
         Returns:
@@ -132,7 +132,7 @@ class MsprobeFixture:
             try:
                 bench.check_available()
             except MsprobeError as exc:
-                raise pytest.skip.Exception(f"msprobe: {exc}") from None
+                self._absent(row, exc)
             recording = self._recording(bench, st, task, level)
             folder = self._run_side(model, inputs, loss_fn, bench, self._capture_config(task, level,
                                     recording.check_dir(index)), (), int(st["seed"]), regions, eval_mode).folder
@@ -165,7 +165,10 @@ class MsprobeFixture:
             try:
                 backend.check_available()
             except MsprobeError as exc:
-                raise pytest.skip.Exception(f"msprobe: {exc}") from None
+                self._absent(row, exc)
+        if not replay and bench.label == target.label:
+            notes.append(f"warning: bench and target are the same ({bench.label}): only capture is checked; set "
+                         "--msprobe-target/--msprobe-target-dtype (or --msprobe-bench-dtype) to compare two backends")
         runs: dict[str, Any] = {}
         for side, backend, side_faults in sides:
             isolator = None
@@ -194,10 +197,11 @@ class MsprobeFixture:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
         report, target_dump = outcome.report, outcome.target_dump
+        unapplied = list(runs["target"].unapplied)
         csv_path, graph_path = outcome.csv, outcome.graph
         notes.extend(outcome.notes)
         first = outcome.first_divergence
-        row.update(outcome.summary())
+        row.update(outcome.summary(), unapplied=unapplied)
         props = self.request.node.user_properties
         props.append((RESULT_PROPERTY, json.dumps(row)))
         c = report.counts()
@@ -210,6 +214,11 @@ class MsprobeFixture:
             props.append(("msprobe.graph", graph_path))
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
+        if unapplied:
+            source = st["inject"] or session.inject_path
+            pytest.fail(f"msprobe: {source}: {unapplied[0]}; a fault that never fires proves nothing about the "
+                        f"gate (fix its api/call/step)" + (f" (+{len(unapplied) - 1} more)" if len(unapplied) > 1
+                                                           else "") + f". Artifacts: {check_dir}", pytrace=False)
         if first is not None:
             inject = st["inject"] or session.inject_path
             replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live "
@@ -231,6 +240,13 @@ class MsprobeFixture:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
         return report
+
+    def _absent(self, row: dict, exc: Exception) -> None:
+        """An absent device: a failure with --msprobe-require-device, else a skip that the summary lists."""
+        if self.session.require_device:
+            raise pytest.fail.Exception(f"msprobe: {exc} (--msprobe-require-device)", pytrace=False)
+        self.request.node.user_properties.append((RESULT_PROPERTY, json.dumps(dict(row, skipped=str(exc)))))
+        raise pytest.skip.Exception(f"msprobe: {exc}")
 
     def _capture_config(self, task: str, level: str, dump_path: str):
         from ..config import DumpConfig
@@ -270,8 +286,6 @@ class MsprobeFixture:
                            eval_mode=eval_mode, isolator=isolator)
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
-        for message in run.unapplied:
-            warnings.warn(f"msprobe: {message}", UserWarning, stacklevel=3)
         return run
 
 

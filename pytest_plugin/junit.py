@@ -23,6 +23,11 @@ def write_junit(path: str, results: list[dict]) -> None:
         if r.get("recorded"):  # a recording run compares nothing
             continue
         suite_name = f"{r['test']}[check {r['index']}]"
+        if r.get("skipped"):  # an absent device: said, as a skipped case
+            case = TestCase("check", classname=suite_name)
+            case.add_skipped_info(message=r["skipped"])
+            suites.append(TestSuite(suite_name, [case]))
+            continue
         cases = []
         for n in r["nodes"]:
             case = TestCase(n["name"], classname=suite_name)
@@ -44,6 +49,10 @@ def write_junit(path: str, results: list[dict]) -> None:
             cases.append(case)
             props[(suite_name, m["name"])] = {"msprobe.metric": m["metric"], "msprobe.value": str(m["value"]),
                                               "msprobe.threshold": str(m["threshold"])}
+        if r.get("unapplied"):  # an injected fault that never fired: the check proved nothing
+            case = TestCase("injected-faults", classname=suite_name)
+            case.add_failure_info(message="; ".join(r["unapplied"]), failure_type="fault never fired")
+            cases.append(case)
         ov = TestCase("overflow", classname=suite_name)
         if r.get("overflow_failed"):
             ov.add_failure_info(message=r["overflow_message"], failure_type="overflow")

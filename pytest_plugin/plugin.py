@@ -21,6 +21,7 @@ LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
+REQUIRE_DEVICE = "--msprobe-require-device"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 
 from ..dtypes import OPTION_NAMES as _DTYPES  # noqa: E402 - torch-free
@@ -77,6 +78,7 @@ FLAGS = [
     (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),
     (API_LIVE, "msprobe_api_live", "with --msprobe-api-check: re-run the target side on --msprobe-target (default cpu) in the dumped dtypes instead of reading recorded outputs (statistics dumps, fuzzing)."),
     (NO_GRAPH, "msprobe_no_graph", "do not write the compare_<ts>.vis.db graph of each check (written by default under <msprobe-out>/graphs/, one TensorBoard run per check)."),
+    (REQUIRE_DEVICE, "msprobe_require_device", "an absent bench or target device fails the check instead of skipping it (a CI gate must not end green on nothing)."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
 ]
 

@@ -58,6 +58,8 @@ class ProbeSession:
         self.record = bool(_opt(config, "msprobe_record"))
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
+        self.require_device = bool(_opt(config, "msprobe_require_device"))
+        self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
         self.isolate = _opt(config, "msprobe_isolate") or "on"
         if self.isolate not in ("on", "off"):
             raise pytest.UsageError(f"msprobe: ini msprobe_isolate: expected on or off, got {self.isolate!r}")
@@ -90,7 +92,7 @@ class ProbeSession:
             raise pytest.UsageError(f"msprobe: write --msprobe-baseline={self.baseline} (with '='): pytest reads "
                                     "an existing path given after a space as a test path when it picks the rootdir")
         if self.record and not self.baseline:
-            raise pytest.UsageError("msprobe: --msprobe-record needs --msprobe-baseline DIR (where to store the bench)")
+            raise pytest.UsageError("msprobe: --msprobe-record needs --msprobe-baseline=DIR (where to store the bench)")
         self.thresholds_raw = {k: config.getini(f"msprobe_{k}")
                                for k in ("round_factor", "propagation", "error_factor", "rel_floor", "atol")}
         if self.thresholds_raw.get("atol") not in ("", None) and self.thresholds_raw.get("rel_floor") == "1e-6":
@@ -156,6 +158,12 @@ class ProbeSession:
         if report.when != "call":
             return
         props = dict(report.user_properties)
+        if "msprobe.status" in props:  # a per-API pre-check item
+            self.api_counts["items"] += 1
+            if report.skipped:
+                self.api_counts["skipped"] += 1
+                if not self.api_counts["reason"] and isinstance(report.longrepr, tuple):
+                    self.api_counts["reason"] = str(report.longrepr[2]).replace("Skipped: ", "")
         if props.get("msprobe.status") == "warning":
             detail = next((v for k, v in report.user_properties if k.startswith("msprobe.") and "warning" in str(v)),
                           "")
@@ -164,7 +172,11 @@ class ProbeSession:
             if name == RESULT_PROPERTY:
                 self.results.append(json.loads(value))
 
+    api_nothing = ""
+
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
+        if self.api_nothing:
+            terminalreporter.write_line(self.api_nothing, red=True)
         if self.api_warnings:
             terminalreporter.section("msprobe api-check warnings")
             for nodeid, detail in self.api_warnings:
@@ -175,6 +187,10 @@ class ProbeSession:
         tr.section("msprobe")
         for r in self.results:
             head = f"{r['test']} [check {r['index']}]"
+            if r.get("skipped"):
+                tr.write_line(f"{head}: SKIPPED, nothing compared: {r['skipped']} "
+                              "(--msprobe-require-device makes this a failure)")
+                continue
             if r.get("recorded"):
                 tr.write_line(f"{head}: recorded the bench ({r['bench']}, {r['mode']}, {r['level']}): "
                               f"{_size(r['baseline_bytes'])} in {r['baseline']}")
@@ -213,6 +229,14 @@ class ProbeSession:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
+        c = self.api_counts
+        if self.api_files and c["items"] and c["skipped"] == c["items"] and \
+                not hasattr(session.config, "workerinput"):
+            # a gate that judged nothing must not end green
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            self.api_nothing = (f"msprobe: --msprobe-api-check judged nothing: all {c['items']} API calls were "
+                                f"skipped ({c['reason']}); add --msprobe-api-live (re-runs the target on "
+                                "--msprobe-target) or check a dump recorded with --msprobe-task=tensor")
         if not self.junitxml or hasattr(session.config, "workerinput"):
             return
         from .junit import write_junit

@@ -117,6 +117,9 @@ def test_statistics_dump_skips_offline_and_runs_live(pytester, fixtures_dir):
     result = _pytest_api(pytester, path, "-k", "linear")
     result.assert_outcomes(skipped=4)
     result.stdout.fnmatch_lines(["*statistics dump: its target outputs belong to other inputs*"])
+    result.stdout.fnmatch_lines(["msprobe: --msprobe-api-check judged nothing: all 4 API calls were skipped (*); add "
+                                 "--msprobe-api-live*"])
+    assert result.ret == 1  # a gate that judged nothing does not end green
     result = _pytest_api(pytester, path, "--msprobe-api-live", "-k", "linear", "-n", "2")
     result.assert_outcomes(passed=4)
 

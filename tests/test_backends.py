@@ -43,7 +43,7 @@ def test_missing_runtime_and_missing_device_messages(monkeypatch):
     if importlib.util.find_spec("torch_npu") is None:
         with pytest.raises(MsprobeError, match=r"^device 'npu' is not available: torch_npu is not installed "
                                                r"\(pip install torch_npu on an Ascend runner, or use a recorded "
-                                               r"baseline: --msprobe-baseline DIR\)$"):
+                                               r"baseline: --msprobe-baseline=DIR\)$"):
             Backend.from_options("npu").check_available()
     if not torch.cuda.is_available():
         with pytest.raises(MsprobeError, match=r"^device 'cuda' is not available: torch.cuda finds no device"):

@@ -63,7 +63,7 @@ def test_missing_and_corrupt_baselines_are_clear_failures(suite):
     result = _run(suite, "--msprobe-baseline=bl", "-k", "test_net and not twice")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*msprobe: no baseline for test_model.py::test_net in */bl; record it with: "
-                                 "pytest 'test_model.py::test_net' --msprobe-baseline */bl --msprobe-record "
+                                 "pytest 'test_model.py::test_net' --msprobe-baseline=*/bl --msprobe-record "
                                  "--msprobe-bench=cpu"])
     _record(suite)
     folder = suite.path / "bl" / "test_model.py_test_net"

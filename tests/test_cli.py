@@ -81,3 +81,10 @@ def test_compare_cli_uses_isolation_records(tmp_path):
     assert r.returncode == 1
     assert "isolated verdicts" in r.stdout
     assert "first divergence: Functional.linear.1.forward: " in r.stdout
+
+
+def test_api_check_cli_that_judges_nothing_fails(fixtures_dir, tmp_path):
+    r = _run("api-check", "-api_info", os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0", "dump.json"),
+             "-o", str(tmp_path))
+    assert r.returncode == 1
+    assert "api-check judged nothing" in r.stderr and "--live" in r.stderr

@@ -97,9 +97,19 @@ def test_absent_device_is_a_clear_skip(suite):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    result = suite.runpytest_subprocess("--msprobe-target=gpu", "-rs", "-p", "no:cacheprovider")
+    result = suite.runpytest_subprocess("--msprobe-target=gpu", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*device 'cuda' is not available*"])
+    # listed in the msprobe section without -rs
+    result.stdout.fnmatch_lines(["*test_net ?check 0?: SKIPPED, nothing compared: device 'cuda' is not available*"])
+    result = suite.runpytest_subprocess("--msprobe-target=gpu", "--msprobe-require-device", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: device 'cuda' is not available*(--msprobe-require-device)*"])
+
+
+def test_same_bench_and_target_is_said(suite):
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*note: warning: bench and target are the same (cpu/model-dtype)*"])
 
 
 def test_plugin_import_does_not_load_torch(pytester):
@@ -123,12 +133,15 @@ def test_mlp(msprobe):
 """)
     result = suite.runpytest_subprocess("-n", "2", "--msprobe-inject", "faults.yaml", "--msprobe-out", "art",
                                         "--msprobe-junitxml", "out.xml", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=1)
+    # test_mlp has no layer_norm: the session's fault never fires there, which fails it (it proved nothing)
+    result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*test_mlp.py::test_mlp*nodes compared*error 0*"])  # finish order varies
     result.stdout.fnmatch_lines(["*test_model.py::test_net*first divergence: Functional.layer_norm.0.forward*"])
     suites = {s.name: s for s in JUnitXml.fromfile(str(suite.path / "out.xml"))}
     assert set(suites) == {"test_mlp.py::test_mlp[check 0]", "test_model.py::test_net[check 0]"}
-    assert suites["test_model.py::test_net[check 0]"].failures >= 1 and suites["test_mlp.py::test_mlp[check 0]"].failures == 0
+    assert suites["test_model.py::test_net[check 0]"].failures >= 1
+    mlp = {c.name: c for c in suites["test_mlp.py::test_mlp[check 0]"]}
+    assert [n for n, c in mlp.items() if c.result and c.result[0].__class__.__name__ == "Failure"] == ["injected-faults"]
     folders = sorted(p.name for p in (suite.path / "art").iterdir() if p.name != "graphs")
     assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
     assert sorted(p.name for p in (suite.path / "art" / "graphs").iterdir()) == [
@@ -139,21 +152,31 @@ def test_mlp(msprobe):
 def test_compiled_target_is_captured_at_module_level(suite):
     result = suite.runpytest_subprocess("--msprobe-target-compile", "--msprobe-target-dtype=bf16",
                                         "--msprobe-inject", "faults.yaml", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, warnings=1)
+    # the fault's API runs inside a compiled region: it proves nothing, so the test fails and says why
+    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
+        "*msprobe: faults.yaml: fault Functional.layer_norm call 0 (forward) was never applied: it ran inside a "
+        "torch.compile region*a fault that never fires proves nothing*",
         "*test_net*nodes compared (cpu/model-dtype vs cpu/bf16+compile, statistics, L0)*error 0*",
         "*note: target compiled with * (3 region(s)); capture at L0*",
     ])
-    # the fault's API runs inside a compiled region: said, not silently ignored
-    result.stdout.fnmatch_lines(["*fault Functional.layer_norm call 0 (forward) was never applied: it ran inside a "
-                                 "torch.compile region*"])
+    result = suite.runpytest_subprocess("--msprobe-target-compile", "--msprobe-target-dtype=bf16",
+                                        "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
 
 
 def test_fault_that_matches_no_call_is_reported(suite):
     suite.makefile(".yaml", typo="faults:\n  - {api: Functional.layer_norm, call: 7, perturb: scale, value: 1.1}\n")
     result = suite.runpytest_subprocess("--msprobe-inject", "typo.yaml", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, warnings=1)
+    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*fault Functional.layer_norm call 7 (forward) was never applied: no such call ran*"])
+    suite.makefile(".yaml", steps="faults:\n  - {api: Functional.layer_norm, step: 1, value: 1.1}\n",
+                   badstep="faults:\n  - {api: Functional.layer_norm, step: -1, value: 1.1}\n")
+    result = suite.runpytest_subprocess("--msprobe-inject", "steps.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)  # one check is one step (step 0): a step-1 fault never fires
+    result = suite.runpytest_subprocess("--msprobe-inject", "badstep.yaml", "-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*badstep.yaml: faults?0?.step: expected a non-negative int (a capture step)*"])
 
 
 def test_graph_per_check_and_opt_out(suite):

@@ -11,6 +11,7 @@ File format (YAML, loaded with ``yaml.safe_load``)::
 * ``direction``: ``forward`` (the API's outputs) or ``backward`` (the gradients it produces); default forward.
 * ``perturb``: ``scale`` (``x * value``), ``offset`` (``x + value``) or ``noise`` (``x + value * |x| * N(0, 1)``,
   i.e. ``value`` is the relative standard deviation; the generator is seeded per fault and call, so runs repeat).
+* ``step``: apply only at that capture step (``step<N>`` folder; absent or ``null``: every step).
 
 The perturbed value is what the caller receives *and* what capture records, exactly as a buggy kernel would.
 """
@@ -36,9 +37,12 @@ class Fault:
     direction: str = "forward"
     perturb: str = "scale"
     value: float = 1.0
+    step: int | None = None
 
-    def matches(self, api: str, call: int, direction: str) -> bool:
-        return self.api == api and self.direction == direction and (self.call is None or self.call == call)
+    def matches(self, api: str, call: int, direction: str, step: int | None = None) -> bool:
+        """This fault applies to call ``call`` of ``api`` in ``direction`` (at capture step ``step`` when given)."""
+        return self.api == api and self.direction == direction and (self.call is None or self.call == call) and \
+            (self.step is None or step is None or self.step == step)
 
     def apply(self, value: Any, call: int) -> Any:
         """Perturb every floating tensor in ``value`` (nested tuples/lists kept)."""
@@ -80,7 +84,7 @@ def parse_faults(raw: Any, source: str = "faults") -> tuple[Fault, ...]:
         where = f"{source}: faults[{i}]"
         if not isinstance(item, dict):
             raise MsprobeError(f"{where}: expected a mapping, got {item!r}")
-        unknown = sorted(set(item) - {"api", "call", "direction", "perturb", "value"})
+        unknown = sorted(set(item) - {"api", "call", "direction", "perturb", "value", "step"})
         if unknown:
             raise MsprobeError(f"{where}: unknown field(s) {unknown}")
         api = item.get("api")
@@ -98,7 +102,10 @@ def parse_faults(raw: Any, source: str = "faults") -> tuple[Fault, ...]:
         value = item.get("value")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise MsprobeError(f"{where}.value: expected a number, got {value!r}")
-        out.append(Fault(api, call, direction, perturb, float(value)))
+        step = item.get("step")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise MsprobeError(f"{where}.step: expected a non-negative int (a capture step), got {step!r}")
+        out.append(Fault(api, call, direction, perturb, float(value), step))
     return tuple(out)
 
 

@@ -307,13 +307,13 @@ class CaptureSession:
             try:
                 call, args, kwargs = iso.before(
                     fwd_name, prefix, api, func, args, kwargs,
-                    fwd_fault=any(f.matches(api_id, n, "forward") for f in faults),
-                    bwd_fault=any(f.matches(api_id, n, "backward") for f in faults))
+                    fwd_fault=any(f.matches(api_id, n, "forward", self.current_step) for f in faults),
+                    bwd_fault=any(f.matches(api_id, n, "backward", self.current_step) for f in faults))
             finally:
                 self._busy = False
         out = orig = func(*args, **kwargs)
         for f in faults:
-            if f.direction == "forward" and f.matches(api_id, n, "forward"):
+            if f.direction == "forward" and f.matches(api_id, n, "forward", self.current_step):
                 out = f.apply(out, n)
                 self.faults_applied.add(self.faults.index(f))
         self.api_counts[key] = n + 1
@@ -337,7 +337,7 @@ class CaptureSession:
                 self.data[fwd_name] = entry
             finally:
                 self._busy = False
-        bwd_faults = [f for f in faults if f.matches(api_id, n, "backward")]
+        bwd_faults = [f for f in faults if f.matches(api_id, n, "backward", self.current_step)]
         if bwd_faults and call is not None and call.taps:
             # isolated: the fault goes onto the gradients w.r.t. the API's inputs, at its tap, where the
             # isolation sees the value before and after it
