@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -139,7 +138,7 @@ class MsprobeFixture:
             size = recording.add_check(index, folder)
             row.update(recorded=True, mode=task, baseline_bytes=size,
                        baseline=os.path.join(session.baseline, _folder(nodeid)))
-            self.request.node.user_properties += [(RESULT_PROPERTY, json.dumps(row)),
+            self.request.node.user_properties += [(RESULT_PROPERTY, _publish(row)),
                                                   ("msprobe.baseline_bytes", size)]
             return None
 
@@ -203,7 +202,7 @@ class MsprobeFixture:
         first = outcome.first_divergence
         row.update(outcome.summary(), unapplied=unapplied)
         props = self.request.node.user_properties
-        props.append((RESULT_PROPERTY, json.dumps(row)))
+        props.append((RESULT_PROPERTY, _publish(row)))
         c = report.counts()
         props += [("msprobe.nodes_compared", row["nodes_compared"]), ("msprobe.pass", c["pass"]),
                   ("msprobe.warning", c["warning"]), ("msprobe.error", c["error"]),
@@ -245,7 +244,7 @@ class MsprobeFixture:
         """An absent device: a failure with --msprobe-require-device, else a skip that the summary lists."""
         if self.session.require_device:
             raise pytest.fail.Exception(f"msprobe: {exc} (--msprobe-require-device)", pytrace=False)
-        self.request.node.user_properties.append((RESULT_PROPERTY, json.dumps(dict(row, skipped=str(exc)))))
+        self.request.node.user_properties.append((RESULT_PROPERTY, _publish(dict(row, skipped=str(exc)))))
         raise pytest.skip.Exception(f"msprobe: {exc}")
 
     def _capture_config(self, task: str, level: str, dump_path: str):
@@ -287,6 +286,17 @@ class MsprobeFixture:
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
         return run
+
+
+def _publish(row: dict) -> str:
+    """Write one check's summary to ``<check dir>/msprobe-result.json`` and return the path: the test report (and
+    so pytest's own ``--junitxml``) carries the path, not a JSON blob of every node."""
+    from ..dump.writer import atomic_write_json
+
+    os.makedirs(row["dir"], exist_ok=True)
+    path = os.path.join(row["dir"], "msprobe-result.json")
+    atomic_write_json(path, row)
+    return path
 
 
 def _available(backend) -> bool:

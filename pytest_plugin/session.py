@@ -169,8 +169,9 @@ class ProbeSession:
                           "")
             self.api_warnings.append((report.nodeid, str(detail)))
         for name, value in report.user_properties:
-            if name == RESULT_PROPERTY:
-                self.results.append(json.loads(value))
+            if name == RESULT_PROPERTY:  # the path of the check's msprobe-result.json (see fixture._publish)
+                with open(value, encoding="utf-8") as fh:
+                    self.results.append(json.load(fh))
 
     api_nothing = ""
 

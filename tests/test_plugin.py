@@ -192,3 +192,14 @@ def test_graph_per_check_and_opt_out(suite):
     result = suite.runpytest_subprocess("--msprobe-no-graph", "--msprobe-out=plain", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert not (suite.path / "plain" / "graphs").exists()
+
+
+def test_pytest_junitxml_carries_a_path_not_the_check(suite):
+    import xml.etree.ElementTree as ET
+
+    result = suite.runpytest_subprocess("--junitxml=pj.xml", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    props = {p.get("name"): p.get("value") for p in ET.parse(suite.path / "pj.xml").iter("property")}
+    assert props["msprobe.result"].endswith("msprobe-result.json")
+    assert os.path.isfile(props["msprobe.result"])
+    assert (suite.path / "pj.xml").stat().st_size < 20_000
