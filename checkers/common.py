@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import checker_key
 from ..errors import MsprobeError  # type: ignore[misc]
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -17,8 +18,6 @@ FLOAT_KEYS = ("fp16", "bf16", "fp32", "fp64", "fp8_e4m3", "fp8_e5m2")
 def dtype_key(dtype: Any) -> str:
     """``fp16``/``bf16``/``fp32``/``fp64``/``fp8_e4m3``/``fp8_e5m2`` for floating dtypes (torch dtype or its
     string, MindSpore's too: :mod:`msprobe_ci.dtypes`), ``bool``, ``complex`` or ``int`` otherwise."""
-    from ..dtypes import checker_key
-
     return checker_key(dtype)
 
 

@@ -40,6 +40,9 @@ from typing import Any
 
 import torch
 
+from .replay.runner import _cast
+from .replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
+
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
                        "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op", "VF": "torch._VF op"}
 _RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
@@ -55,16 +58,6 @@ def is_inplace(short: str) -> bool:
     if short.startswith("__") and short.endswith("__"):
         return short.startswith("__i") and short not in ("__index__", "__int__", "__invert__")
     return short.endswith("_")
-
-
-def _cast(value: Any, fn) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list):
-        return [_cast(v, fn) for v in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_cast(v, fn) for v in value)
-    return value
 
 
 def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
@@ -96,18 +89,6 @@ def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
         except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
             return value
     return value
-
-
-def _flat_outputs(value: Any, stem: str) -> list[tuple[str, Any]]:
-    """``(row, value)`` pairs in msprobe's output row naming (``{name}.output.{i}[.{j}]``)."""
-    if isinstance(value, torch.Tensor):
-        return [(f"{stem}.0", value)]
-    if isinstance(value, (list, tuple)):
-        out = []
-        for i, v in enumerate(value):
-            out += _flat_outputs(v, f"{stem}.{i}") if isinstance(v, (list, tuple)) else [(f"{stem}.{i}", v)]
-        return out
-    return [(f"{stem}.0", value)]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -337,15 +318,10 @@ class Isolator:
 
     def _reference(self, func, args, kwargs, dtype, device, grad: bool):
         leaves: list = []
+        copy = _copier(dtype, device)
 
         def conv(t: torch.Tensor) -> torch.Tensor:
-            x = t.detach()
-            if dtype is not None and t.is_floating_point():
-                x = x.to(device=device, dtype=dtype, copy=True)
-            elif dtype is not None and t.is_complex():
-                x = x.to(device=device, dtype=torch.complex128, copy=True)
-            else:
-                x = x.to(device=device, copy=True)
+            x = copy(t)
             if grad and t.requires_grad and (x.is_floating_point() or x.is_complex()):
                 x.requires_grad_(True)
                 leaves.append(x)
@@ -401,22 +377,21 @@ class Isolator:
         if call.dropout is not None:
             p, training = call.dropout
             results = []
+            pre_fault = dict(_flat_outputs(orig, stem))
             for row, t in targets:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
                     results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
                 elif isinstance(t, torch.Tensor):
-                    b = dict(_flat_outputs(orig, stem)).get(row)
+                    b = pre_fault.get(row)
                     results.append((row, judge_pair("identity", t, b, None, False, self.standards,
                                                     self.thresholds)))
             self._store(call.name, results)
             return
-        if self.rounded_bench:
-            benches = [(row, _round_like(dict(_flat_outputs(call.oracle_out, stem)).get(row), t))
-                       for row, t in targets]
-        else:
-            benches = _flat_outputs(orig if self.same_device else call.bench_out, stem)
         oracles = dict(_flat_outputs(call.oracle_out, stem)) if call.oracle_out is not None else {}
-        bench = dict(benches)
+        if self.rounded_bench:
+            bench = {row: _round_like(oracles.get(row), t) for row, t in targets}
+        else:
+            bench = dict(_flat_outputs(orig if self.same_device else call.bench_out, stem))
         results = []
         for row, t in targets:
             b = bench.get(row)
@@ -520,11 +495,7 @@ class Isolator:
     def _module_run(wrapper, state: dict, args, kwargs, dtype, device, grad: bool = False):
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
         inputs a full backward hook reports gradients for), in order, ``None`` for the others."""
-        def conv(t: torch.Tensor) -> torch.Tensor:
-            x = t.detach()
-            if dtype is not None and t.is_floating_point():
-                return x.to(device=device, dtype=dtype, copy=True)
-            return x.to(device=device, copy=True)
+        conv = _copier(dtype, device)
         st = {f"module.{k}": conv(v) for k, v in state.items()}
         leaves: list = []
         a = []
@@ -719,6 +690,19 @@ def _oracle_dtype(args: Any, kwargs: dict) -> torch.dtype:
     if floats and all(d in _HALF for d in floats):
         return torch.float32
     return torch.float64
+
+
+def _copier(dtype, device):
+    """A detached copy of a tensor on ``device``: floating ones in ``dtype`` (complex ones in complex128) when it
+    is given, others as they are."""
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        x = t.detach()
+        if dtype is not None and t.is_floating_point():
+            return x.to(device=device, dtype=dtype, copy=True)
+        if dtype is not None and t.is_complex():
+            return x.to(device=device, dtype=torch.complex128, copy=True)
+        return x.to(device=device, copy=True)
+    return conv
 
 
 def _round_like(ref: Any, like: Any) -> Any:

@@ -61,9 +61,9 @@ class Fault:
                 gen.manual_seed((hash(self.api) & 0xFFFF) * 1000 + call)
                 noise = torch.randn(value.shape, generator=gen, device=value.device, dtype=torch.float32)
                 delta = (self.value * base.abs().float() * noise).to(value.dtype)
-            # the values change, the op's own gradient does not: a forward-kernel bug, not a backward one (a
-            # backward fault perturbs the gradients themselves)
-            return value + delta if not value.requires_grad else value + delta.detach()
+            # delta comes from a detached copy: the values change, the op's own gradient does not (a forward-kernel
+            # bug, not a backward one; a backward fault perturbs the gradients themselves)
+            return value + delta
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
             return tuple(self.apply(v, call) for v in value)
         if isinstance(value, list):
