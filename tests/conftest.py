@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "msprobe-26.2.0", "tinynet")
-FIXTURES = os.path.abspath(FIXTURES)
+# msprobe 26.2.0's own TinyNet dumps and outputs, copied from ../shared/fixtures so a plain clone is complete
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "msprobe-26.2.0", "tinynet")
 
 
 class TinyNet(torch.nn.Module):
@@ -31,6 +31,5 @@ def tinynet():
 
 @pytest.fixture
 def fixtures_dir():
-    if not os.path.isdir(FIXTURES):
-        pytest.skip(f"msprobe fixtures not found at {FIXTURES}")
+    assert os.path.isdir(FIXTURES), f"test data missing: {FIXTURES} (part of the repository)"
     return FIXTURES

@@ -25,6 +25,11 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         DTYPES[f"torch.{_name}"] = getattr(torch, _name)
 
 
+#: The most elements one rebuilt tensor may have (2**28: 2 GiB once upcast to float64). A dump's shape is data:
+#: a statistics record claiming 10**12 elements must not make the replay allocate them.
+MAX_ELEMENTS = 2 ** 28
+
+
 def api_generator(name: str) -> torch.Generator:
     """The per-API random generator: seeded by CRC-32 of the API's call name (order-independent)."""
     return torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -81,6 +86,10 @@ class Rebuilder:
         shape = rec.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise MsprobeError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+        numel = math.prod(shape)
+        if numel > MAX_ELEMENTS:
+            raise MsprobeError(f"{where}: shape {shape} has {numel} elements, more than the replay materialises "
+                               f"({MAX_ELEMENTS})")
         if self.real and rec.get("data_name"):
             t = self.dump.load_tensor(str(rec["data_name"]))
             if list(t.shape) != shape:

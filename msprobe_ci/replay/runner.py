@@ -32,6 +32,7 @@ from ..checkers import CheckResult, make_standard, standard_for, worst
 from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
+from . import allowlist
 from .args import Rebuilder, api_generator
 
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
@@ -82,17 +83,20 @@ def parse_name(name: str) -> tuple[str, str, int, str]:
 
 @functools.lru_cache(maxsize=None)
 def resolve(prefix: str, api: str):
-    """The torch callable of an API (looked up once per name), or raise MsprobeError saying why it is not
-    replayable."""
+    """The torch callable of an API, or raise MsprobeError saying why it is not replayable.
+
+    Names resolve only through the replay allowlist (:mod:`msprobe_ci.replay.allowlist`, data): a dump cannot
+    name ``os.system``, ``load``, ``save`` or any other function that is not a listed tensor operation.
+    """
     if prefix in _UNSUPPORTED_PREFIX:
         raise MsprobeError(f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}; not replayable on CPU")
-    owner = {"Functional": torch.nn.functional, "Torch": torch, "Tensor": torch.Tensor}.get(prefix)
-    obj = owner
-    for part in api.split(".") if owner is not None else ():
-        obj = getattr(obj, part, None)
-    if owner is None or obj is None or not callable(obj):
-        raise MsprobeError(f"{prefix}.{api}: unknown API (no such torch callable)")
-    return obj
+    if prefix not in allowlist.PREFIXES:
+        raise MsprobeError(f"{prefix}.{api}: unknown API prefix (replay knows {', '.join(allowlist.PREFIXES)})")
+    func = allowlist.lookup(prefix, api)
+    if func is None:
+        raise MsprobeError(f"{prefix}.{api}: not on the replay allowlist (tensor operations only; "
+                           "I/O, process, file, RNG-state and serialisation functions are never replayed)")
+    return func
 
 
 def _cast(value: Any, fn) -> Any:
