@@ -1,10 +1,10 @@
 """``msprobe-ci`` command line with msprobe's flag spellings.
 
     msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
-    msprobe-ci overflow -i STEP_OR_RANK_DIR [-o OUT]
+    msprobe-ci overflow -i STEP_OR_RANK_DIR_OR_ROOT [-o OUT]
     msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
     msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
-    msprobe-ci api-check -api_info DUMP.json [-o OUT] [--junitxml PATH] [-n WORKERS] [--live]
+    msprobe-ci api-check -api_info DUMP [-o OUT] [--junitxml PATH] [-n WORKERS] [--live]
 
 Paths are dump.json files, rank folders, step folders or dump roots (``step<N>`` folders); compare pairs folders
 by (step, rank). Exit status: 0 when no node is an error (compare, api-check) / no NaN-Inf (overflow), 1
@@ -17,38 +17,91 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from .errors import MsprobeError
 
 
+_EXAMPLES = {
+    "compare": "example: msprobe-ci compare -tp out/target/step0 -gp out/bench/step0 -o out/compare",
+    "overflow": "example: msprobe-ci overflow -i out/target/step0 -o out/overflow",
+    "graph": "examples: msprobe-ci graph -tp out/target -o out/graphs/run1    (build)\n"
+             "          msprobe-ci graph -tp out/target -gp out/bench -o out/graphs/run1    (compare)",
+    "view": "example: msprobe-ci view msprobe-out/graphs    (then open http://127.0.0.1:6006)",
+    "api-check": "examples: msprobe-ci api-check -api_info out/target/step0/rank0/dump.json -o out/api\n"
+                 "          msprobe-ci api-check -api_info out/target --live -n 2    (statistics dump: re-run on CPU)",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("msprobe-ci")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+        return "unknown"
+
+
+def _workers(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of workers, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 worker, got {n}")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="msprobe-ci", description="msprobe-compatible accuracy tools")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="compare a target dump against a golden (bench) dump")
-    c.add_argument("-tp", "--target_path", required=True, help="target dump.json, rank folder or step folder")
-    c.add_argument("-gp", "--golden_path", required=True, help="bench dump.json, rank folder or step folder")
+    p = argparse.ArgumentParser(prog="msprobe-ci", description="msprobe-compatible accuracy tools: compare dumps, "
+                                "find overflow, build graphs for tb-graph-ascend, replay APIs alone.",
+                                epilog="Exit status: 0 clean, 1 accuracy error / overflow / nothing judged, 2 bad "
+                                "input. Run 'msprobe-ci <command> -h' for a command's options and an example.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    c = command("compare", "compare a target dump against a golden (bench) dump",
+                "Match every node of the target dump with the bench's by name and write msprobe's compare CSV "
+                "(compare_result_<ts>.csv). Dumps captured by msprobe-ci with isolation are judged by their "
+                "isolated verdicts; others by the drift rule. Prints the first divergence.")
+    c.add_argument("-tp", "--target_path", required=True, help="target dump.json, rank folder, step folder or root")
+    c.add_argument("-gp", "--golden_path", required=True, help="bench dump.json, rank folder, step folder or root")
     c.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
     c.add_argument("-fm", "--fuzzy_match", action="store_true", help="ignore call indices when matching")
-    o = sub.add_parser("overflow", help="find NaN/Inf and the first anomalous node")
+    o = command("overflow", "find NaN/Inf (overflow) and the first node where it appears",
+                "Scan every tensor record for NaN/Inf (statistics or tensor dumps) and name the first node in "
+                "execution order where it appears: the same rule the pytest plugin reports.")
     o.add_argument("-i", "--input_path", required=True, help="step folder, rank folder or dump.json")
-    o.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
-    g = sub.add_parser("graph", help="build (or with -gp compare) model graphs into a .vis.db for tb-graph-ascend")
+    o.add_argument("-o", "--output_path", default=None,
+                   help="also write anomaly_analyze_<ts>.json into this folder (default: print only)")
+    g = command("graph", "build (or with -gp compare) model graphs into a .vis.db for tb-graph-ascend",
+                "Build the model graph of a dump (construct.json) into build_<ts>.vis.db, or with -gp compare "
+                "target and bench node by node into compare_<ts>.vis.db; open it with 'msprobe-ci view'.")
     g.add_argument("-tp", "--target_path", required=True, help="target rank folder, step folder or dump root")
     g.add_argument("-gp", "--golden_path", default=None, help="bench dump (same layout): compare instead of build")
     g.add_argument("-o", "--output_path", required=True, help="output folder for build_/compare_<ts>.vis.db")
     g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
-    a = sub.add_parser("api-check", help="replay every API of a dump alone on CPU and judge it by its own standard")
-    a.add_argument("-api_info", "--api_info_file", required=True, help="dump.json (or its rank folder)")
-    a.add_argument("-o", "--out_path", default="./output", help="output folder for the two CSVs")
+    a = command("api-check", "replay every API of a dump alone on CPU and judge it by its own standard",
+                "msprobe's api_accuracy_checker: rebuild each API call's inputs from the dump, run it alone in "
+                "higher precision and at the target's dtype, and judge the dumped (or, with --live, re-run) "
+                "output by the API's accuracy standard. Writes accuracy_checking_result/_details CSVs.")
+    a.add_argument("-api_info", "--api_info_file", required=True,
+                   help="dump.json, rank folder, step folder or dump root")
+    a.add_argument("-o", "--out_path", default="./output", help="output folder for the two CSVs (default ./output)")
     a.add_argument("--junitxml", default=None, help="also write a JUnit XML file (one testcase per API call)")
-    a.add_argument("-n", "--num_workers", type=int, default=1, help="worker processes (default 1)")
+    a.add_argument("-n", "--num_workers", type=_workers, default=1, help="worker processes (default 1)")
     a.add_argument("--live", action="store_true", help="re-run the target side on CPU (statistics dumps)")
-    v = sub.add_parser("view", help="start TensorBoard with tb-graph-ascend's plugin only, on a folder of .vis.db")
+    v = command("view", "start TensorBoard with tb-graph-ascend's plugin only, on a folder of .vis.db",
+                "Start TensorBoard with only tb-graph-ascend's graph plugin (plain 'tensorboard' refuses to start "
+                "when mindstudio-probe is also installed: both register 'graph_ascend'). Stop it with Ctrl-C.")
     v.add_argument("logdir", help="folder whose sub-folders hold .vis.db files (e.g. msprobe-out/graphs)")
-    v.add_argument("--port", type=int, default=6006)
-    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=6006, help="TCP port to listen on (default 6006)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 for every interface)")
     return p
 
 
@@ -113,22 +166,28 @@ def _compare(args) -> int:
 
 
 def _overflow(args) -> int:
-    from .dump.reader import load_dump, rank_folders
+    from .dump.reader import layout, load_dump
+    from .outputs import make_output_dir, reserve
     from .overflow import check_overflow
 
+    out_dir = make_output_dir(args.output_path, "-o output folder") if args.output_path else None
     result = {}
     found = False
-    for i, folder in enumerate(rank_folders(args.input_path) if os.path.isdir(args.input_path) else [args.input_path]):
+    for (step, rank), folder in sorted(layout(args.input_path).items()):
         rep = check_overflow(load_dump(folder))
-        result[f"rank_{i}"] = [{"op_name": a.name, "level": a.level, "rows": list(a.rows)} for a in rep.anomalies]
+        result[f"step_{step}_rank_{rank}"] = [{"op_name": a.name, "level": a.level, "rows": list(a.rows),
+                                               "kind": "overflow" if a.is_overflow else "norm_jump"}
+                                              for a in rep.anomalies]
         first = rep.first
         found |= rep.has_overflow
-        print(f"{folder}: {len(rep.anomalies)} anomalous nodes; first: {first.message if first else 'none'}")
-    os.makedirs(args.output_path, exist_ok=True)
-    out = os.path.join(args.output_path, f"anomaly_analyze_{time.time_ns()}.json")
-    with open(out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-    print(out)
+        jumps = f" ({len(rep.jumps)} norm jump(s), finite: not overflow)" if rep.jumps else ""
+        print(f"{folder}: {len(rep.overflows)} overflow nodes; first overflow: "
+              f"{first.message if first else 'none'}{jumps}")
+    if out_dir is not None:
+        out = reserve(out_dir, "anomaly_analyze", ".json")
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        print(out)
     return 1 if found else 0
 
 
@@ -141,7 +200,7 @@ def _graph(args) -> int:
     else:
         path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check)
     print(path)
-    print(f"open it with: tensorboard --logdir {os.path.dirname(os.path.abspath(path))} (tb-graph-ascend installed)")
+    print(f"open it with: msprobe-ci view {os.path.dirname(os.path.dirname(os.path.abspath(path)))}")
     return 0
 
 
@@ -155,15 +214,40 @@ def _check_chunk(job: tuple[str, list[str], bool]) -> list:
 
 
 def _api_check(args) -> int:
+    from .dump.reader import layout
+    from .outputs import check_output_file, is_junit
+
+    folders = [f for _, f in sorted(layout(args.api_info_file).items())] \
+        if os.path.isdir(args.api_info_file) else [args.api_info_file]
+    if args.junitxml:
+        inputs = [os.path.join(d if os.path.isdir(d) else os.path.dirname(d) or ".", f)
+                  for d in folders for f in ("dump.json", "stack.json", "construct.json")]
+        args.junitxml = check_output_file(args.junitxml, "--junitxml", inputs=inputs, replaceable=is_junit)
+    results = []
+    for folder in folders:
+        results += _api_check_one(folder, args)
+    if args.junitxml:
+        _api_junit(results, args.junitxml)
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "error", "skip")}
+    print(f"{len(results)} API calls: pass {counts['pass']}, warning {counts['warning']}, error {counts['error']}, "
+          f"skip {counts['skip']}")
+    if results and counts["skip"] == len(results):
+        print(f"msprobe-ci: api-check judged nothing: all {len(results)} API calls were skipped "
+              f"({results[0].reason}); run with --live (re-runs the target on CPU), or dump with task 'tensor'",
+              file=sys.stderr)
+        return 1
+    return 1 if counts["error"] else 0
+
+
+def _api_check_one(path: str, args) -> list:
     from .dump.reader import load_dump
     from .replay.report import write_reports
     from .replay.runner import ApiReplayer
 
-    dump = load_dump(args.api_info_file)
-    names = ApiReplayer(dump, live=args.live).api_names()
-    workers = max(1, args.num_workers)
+    names = ApiReplayer(load_dump(path), live=args.live).api_names()
+    workers = args.num_workers
     if workers == 1:
-        results = _check_chunk((args.api_info_file, names, args.live))
+        results = _check_chunk((path, names, args.live))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -171,35 +255,30 @@ def _api_check(args) -> int:
         chunks = [names[i::workers] for i in range(workers)]
         # spawn, not fork: a forked copy of a process whose torch thread pools are running can deadlock
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            parts = list(pool.map(_check_chunk, [(args.api_info_file, c, args.live) for c in chunks]))
+            parts = list(pool.map(_check_chunk, [(path, c, args.live) for c in chunks]))
         by_name = {r.name: r for part in parts for r in part}
         results = [by_name[n] for n in names]
-    result_csv, details_csv = write_reports(results, args.out_path)
-    if args.junitxml:
-        from junit_xml import TestCase, TestSuite, to_xml_report_string
+    for csv_path in write_reports(results, args.out_path):
+        print(csv_path)
+    return results
 
-        cases = []
-        for r in results:
-            case = TestCase(r.name, classname="msprobe.api_check")
-            if r.status == "error":
-                case.add_failure_info(message=r.message, failure_type="accuracy")
-            elif r.status == "skip":
-                case.add_skipped_info(message=r.reason)
-            cases.append(case)
-        os.makedirs(os.path.dirname(os.path.abspath(args.junitxml)), exist_ok=True)
-        with open(args.junitxml, "w", encoding="utf-8") as fh:
-            fh.write(to_xml_report_string([TestSuite("msprobe api-check", cases)]))
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "error", "skip")}
-    print(f"{len(results)} API calls: pass {counts['pass']}, warning {counts['warning']}, error {counts['error']}, "
-          f"skip {counts['skip']}")
-    print(result_csv)
-    print(details_csv)
-    if results and counts["skip"] == len(results):
-        print(f"msprobe-ci: api-check judged nothing: all {len(results)} API calls were skipped "
-              f"({results[0].reason}); run with --live (re-runs the target on CPU), or dump with task 'tensor'",
-              file=sys.stderr)
-        return 1
-    return 1 if counts["error"] else 0
+
+def _api_junit(results: list, path: str) -> None:
+    from junit_xml import TestCase, TestSuite, to_xml_report_string
+
+    from .outputs import atomic_write
+
+    cases = []
+    for r in results:
+        case = TestCase(r.name, classname="msprobe.api_check")
+        if r.status == "error":
+            case.add_failure_info(message=r.message, failure_type="accuracy")
+        elif r.status == "skip":
+            case.add_skipped_info(message=r.reason)
+        cases.append(case)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic_write(path, "w", encoding="utf-8") as fh:
+        fh.write(to_xml_report_string([TestSuite("msprobe api-check", cases)]))
 
 
 def _view(args) -> int:

@@ -11,6 +11,11 @@ medium    anomaly in the inputs only
 
 A record is anomalous when its ``Max``, ``Min`` or ``Mean`` is ``inf``, ``-inf`` or ``nan`` (Norm is not read, as
 msprobe). Outputs of ``Torch.empty*`` are ignored (uninitialised memory).
+
+**Overflow** means NaN/Inf, one rule for the CLI, the pytest plugin and the graphs: a numerical mutation (a norm
+jump with every value finite) is reported as a ``norm_jump`` anomaly, which msprobe's graphs colour as ``high``,
+but it is never an overflow: :attr:`OverflowReport.overflows`, :attr:`OverflowReport.first` and
+:attr:`OverflowReport.has_overflow` see NaN/Inf only.
 """
 
 from __future__ import annotations
@@ -27,15 +32,26 @@ _IGNORED_OUTPUT = ("Torch.empty", "Torch.empty_like", "Torch.empty_strided", "Te
 
 @dataclass(frozen=True)
 class Anomaly:
-    """One anomalous node: its name, level, and the rows (``input``/``output`` paths) that are NaN/Inf."""
+    """One anomalous node: its name, level, and the rows (``input``/``output`` paths) that are NaN/Inf.
+
+    ``rows`` is empty for a norm jump (:attr:`is_overflow` False): finite values whose output Norm is over 100x the
+    largest input Norm.
+    """
 
     name: str
     level: str
     rows: tuple[str, ...]
 
     @property
+    def is_overflow(self) -> bool:
+        """True for NaN/Inf; False for a norm jump."""
+        return bool(self.rows)
+
+    @property
     def message(self) -> str:
-        return f"{self.name}: {self.level} overflow (NaN/Inf in {', '.join(self.rows[:4]) or 'norm jump'})"
+        if not self.rows:
+            return f"{self.name}: norm jump (output Norm > 100x the input Norm; all values finite, not an overflow)"
+        return f"{self.name}: {self.level} overflow (NaN/Inf in {', '.join(self.rows[:4])})"
 
 
 def _bad(v: Any) -> bool:
@@ -103,20 +119,32 @@ def _num(v: Any) -> float | None:
 
 @dataclass(frozen=True)
 class OverflowReport:
-    """All anomalies of a dump, in execution order."""
+    """All anomalies of a dump (NaN/Inf and norm jumps), in execution order."""
 
     anomalies: tuple[Anomaly, ...]
 
     @property
+    def overflows(self) -> tuple[Anomaly, ...]:
+        """The NaN/Inf anomalies only."""
+        return tuple(a for a in self.anomalies if a.is_overflow)
+
+    @property
+    def jumps(self) -> tuple[Anomaly, ...]:
+        """Norm jumps (finite values): context for a reader, never an overflow."""
+        return tuple(a for a in self.anomalies if not a.is_overflow)
+
+    @property
     def first(self) -> Anomaly | None:
-        """The first node where NaN/Inf appears (first ``critical``; else the first anomaly of any level)."""
-        crit = [a for a in self.anomalies if a.level == "critical"]
-        return crit[0] if crit else (self.anomalies[0] if self.anomalies else None)
+        """The first node where NaN/Inf appears (the first ``critical``; else the first overflow of any level);
+        None without NaN/Inf."""
+        ovs = self.overflows
+        crit = [a for a in ovs if a.level == "critical"]
+        return crit[0] if crit else (ovs[0] if ovs else None)
 
     @property
     def has_overflow(self) -> bool:
-        """True when any node produced or carried NaN/Inf (numerical mutations alone do not count)."""
-        return any(a.rows for a in self.anomalies)
+        """True when any node produced or carried NaN/Inf (norm jumps do not count)."""
+        return bool(self.overflows)
 
     def __bool__(self) -> bool:
         return not self.has_overflow
@@ -125,8 +153,8 @@ class OverflowReport:
 def new_overflows(target: OverflowReport, bench: OverflowReport) -> OverflowReport:
     """Anomalies of the target that the bench does not have at the same node and level (NaN/Inf that a model
     produces by design, such as ``-inf`` attention masks, appear on both sides and are not blamed)."""
-    seen = {(a.name, a.level, a.rows) for a in bench.anomalies}
-    return OverflowReport(tuple(a for a in target.anomalies if (a.name, a.level, a.rows) not in seen))
+    seen = {(a.name, a.level, a.rows) for a in bench.overflows}
+    return OverflowReport(tuple(a for a in target.overflows if (a.name, a.level, a.rows) not in seen))
 
 
 def check_overflow(dump: Dump) -> OverflowReport:

@@ -267,7 +267,9 @@ class MsprobeFixture:
         return self._record
 
     def finish(self) -> None:
-        """Teardown: move a recorded baseline into place (nothing is stored for a test that recorded no check)."""
+        """Teardown: move a recorded baseline into place (nothing is stored for a test that recorded no check);
+        release the test folder's lock."""
+        self.session.release(self.request.node.nodeid)
         if self._record is not None:
             if self._record.checks:
                 self._record.commit()

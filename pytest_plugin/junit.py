@@ -82,8 +82,9 @@ def write_junit(path: str, results: list[dict]) -> None:
             for k, v in values.items():
                 ET.SubElement(el, "property", name=k, value=v)
             case.insert(0, el)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=True)
-    os.replace(tmp, path)
+    from ..outputs import atomic_write, check_output_file, is_junit, make_output_dir
+
+    path = check_output_file(path, "JUnit XML", replaceable=is_junit)
+    make_output_dir(os.path.dirname(path))
+    with atomic_write(path, "wb") as fh:
+        ET.ElementTree(root).write(fh, encoding="utf-8", xml_declaration=True)

@@ -51,6 +51,7 @@ class ProbeSession:
             raise pytest.UsageError(f"msprobe: ini msprobe_task: expected statistics, tensor or md5, got {self.task!r}")
         self.out = os.path.abspath(_opt(config, "msprobe_out") or "msprobe-out")
         self.junitxml = _opt(config, "msprobe_junitxml")
+        self._check_outputs(config)
         self.config_path = _opt(config, "msprobe_config")
         self.inject_path = _opt(config, "msprobe_inject")
         self.baseline = _opt(config, "msprobe_baseline")
@@ -74,6 +75,8 @@ class ProbeSession:
             self.fuzz = int(_opt(config, "msprobe_fuzz") or 0)
         except ValueError:
             raise pytest.UsageError("msprobe: ini msprobe_fuzz: expected an integer") from None
+        if self.fuzz < 0:
+            raise pytest.UsageError(f"msprobe: --msprobe-fuzz: expected 0 or more examples per API, got {self.fuzz}")
         self.api_files: list[str] = []
         self.api_warnings: list[tuple[str, str]] = []
         api_check = _opt(config, "msprobe_api_check")
@@ -98,6 +101,19 @@ class ProbeSession:
         if self.thresholds_raw.get("atol") not in ("", None) and self.thresholds_raw.get("rel_floor") == "1e-6":
             self.thresholds_raw["rel_floor"] = self.thresholds_raw["atol"]  # ini's old name, when the new is unset
         self._validated = False
+        self._locks: dict = {}
+
+    def _check_outputs(self, config: pytest.Config) -> None:
+        """Output paths fail at start-up with one line, never at the end of a run (see msprobe_ci.outputs)."""
+        from ..errors import MsprobeError
+        from ..outputs import check_output_dir, check_output_file, is_junit
+
+        try:
+            check_output_dir(self.out, "--msprobe-out")
+            if self.junitxml:
+                self.junitxml = check_output_file(self.junitxml, "--msprobe-junitxml", replaceable=is_junit)
+        except MsprobeError as exc:
+            raise pytest.UsageError(f"msprobe: {exc}") from None
 
     def validate_files(self) -> None:
         """Load the fault file and config.json once, lazily (they need yaml/torch-free parsing only)."""
@@ -121,39 +137,51 @@ class ProbeSession:
         self.validate_files()
 
     def test_dir(self, nodeid: str) -> str:
-        """``{out}/{sanitised test id}``; a previous run's folder (marked ``.msprobe-ci``) is replaced, anything
-        else there is refused."""
-        import shutil
+        """``{out}/{sanitised test id}``, owned by msprobe-ci (see :mod:`msprobe_ci.outputs`): a previous run's
+        folder (marked ``.msprobe-ci``) is replaced, anything else there is refused. Another process running the
+        same test into the same ``--msprobe-out`` holds the folder's lock until its test ends; this one waits.
 
-        from ..errors import MsprobeError
-
+        Raises:
+            MsprobeError: the folder exists and is not ours, or cannot be created.
+        """
         from ..baseline import folder_for_test
+        from ..outputs import folder_lock, owned_dir
 
         name = folder_for_test(nodeid)
-        path = os.path.join(self.out, name)
-        if os.path.isdir(path) and os.listdir(path):
-            if not os.path.isfile(os.path.join(path, ".msprobe-ci")):
-                raise MsprobeError(f"{path}: exists and was not written by msprobe-ci; choose another --msprobe-out")
-            shutil.rmtree(path)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, ".msprobe-ci"), "w", encoding="utf-8") as fh:
-            fh.write(nodeid + "\n")
-        return path
+        if nodeid not in self._locks:
+            lock = folder_lock(self.out, name)
+            lock.acquire()
+            self._locks[nodeid] = lock
+        return owned_dir(os.path.join(self.out, name), nodeid)
+
+    def release(self, nodeid: str) -> None:
+        """Release the folder lock :meth:`test_dir` took for ``nodeid`` (fixture teardown)."""
+        lock = self._locks.pop(nodeid, None)
+        if lock is not None:
+            lock.release()
 
     def graph_dir(self, nodeid: str, index: int) -> str:
         """``{out}/graphs/{test}.check{index}``: one TensorBoard run per check (tb-graph-ascend names a run by its
-        folder and reads one ``.vis.db`` per folder, two levels below the logdir). Emptied first."""
-        import shutil
-
+        folder and reads one ``.vis.db`` per folder, two levels below the logdir). Replaced when a previous run
+        of ours made it (marker), refused otherwise (under the test folder's lock)."""
         from ..baseline import folder_for_test
+        from ..outputs import owned_dir
 
-        path = os.path.join(self.out, "graphs", f"{folder_for_test(nodeid)}.check{index}")
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path)
-        return path
+        return owned_dir(os.path.join(self.out, "graphs", f"{folder_for_test(nodeid)}.check{index}"), nodeid)
 
     # ------------------------------------------------------------------ collection of results (xdist-safe)
+    def pytest_collection_modifyitems(self, items: list) -> None:
+        """``@pytest.mark.msprobe(...)`` keys are checked at collection: a typo is a usage error before any test
+        runs, not a setup error inside one."""
+        from .fixture import CHECK_OPTIONS
+
+        for item in items:
+            for mark in item.iter_markers("msprobe"):
+                unknown = sorted(set(mark.kwargs) - set(CHECK_OPTIONS))
+                if unknown:
+                    raise pytest.UsageError(f"msprobe: {item.nodeid}: @pytest.mark.msprobe: unknown option(s) "
+                                            f"{unknown}; allowed: {list(CHECK_OPTIONS)}")
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
             return

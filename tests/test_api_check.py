@@ -165,7 +165,7 @@ def test_bad_inputs_are_named_skips(fixtures_dir, tmp_path):
     assert "Functional.relu.0.forward.input.0.pt" in got["Functional.relu.0.forward"].reason
     assert "not a tensor" in got["Functional.linear.1.forward"].reason.lower() or \
         "tensor" in got["Functional.linear.1.forward"].reason
-    assert "holds shape [4, 32], the dump says [7, 7]" in got["Functional.layer_norm.0.forward"].reason
+    assert "holds shape [4, 32], dump.json says [7, 7]" in got["Functional.layer_norm.0.forward"].reason
     assert "not on the replay allowlist" in got["Torch.no_such_api.0.forward"].reason
     assert "communication op" in got["Distributed.all_reduce.0.forward"].reason
     assert replayer.check("Functional.linear.0.forward").status == "pass"  # the rest still runs

@@ -1,5 +1,6 @@
 """Bad inputs give one clear line naming the file, never a deep traceback; nothing is executed or lost."""
 
+import json
 import os
 import shutil
 
@@ -68,3 +69,159 @@ def test_bad_fault_file(tmp_path):
     f.write_text("faults:\n  - {api: Functional.linear, perturb: squash, value: 2}\n")
     with pytest.raises(MsprobeError, match=r"f.yaml: faults\[0\].perturb: expected one of scale, offset, noise, got 'squash'"):
         load_faults(str(f))
+
+
+# --------------------------------------------------------------------------- dump records that must not pass silently
+def _linear_dump(fixtures_dir, tmp_path, mutate):
+    t = _copy(fixtures_dir, "bf16_statistics", tmp_path)
+    doc = json.loads((t / "dump.json").read_text())
+    mutate(doc["data"])
+    (t / "dump.json").write_text(json.dumps(doc))
+    return t
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["Functional.linear.0.forward"]["input_args"][0].update(Max="big"),
+     r"dump.json: data\['Functional.linear.0.forward'\].input_args\[0\].Max: 'big' must be number or boolean or null"),
+    (lambda d: d["Functional.linear.0.forward"]["input_args"][0].update(dtype="torch.float128"),
+     r"input_args\[0\].dtype: 'torch.float128' is not a known torch or MindSpore dtype"),
+    (lambda d: d.update({"Functional.linear.0.forward": "a string"}),
+     r"data\['Functional.linear.0.forward'\]: 'a string' must be object"),
+    (lambda d: d["Functional.linear.0.forward"].update(input_args={"0": {}}),
+     r"data\['Functional.linear.0.forward'\].input_args: a JSON object must be array"),
+    (lambda d: d["Functional.linear.0.forward"].update(output=d["Functional.linear.0.forward"]["output"][0]),
+     r"data\['Functional.linear.0.forward'\].output: a JSON object must NOT match a disallowed definition"),
+    (lambda d: d["Functional.linear.0.forward"]["input_args"][0].update(shape="4,16"),
+     r"input_args\[0\].shape: '4,16' must be array"),
+    (lambda d: d["Functional.linear.0.forward"]["input_args"][0].update(shape=[4, -16]),
+     r"input_args\[0\].shape\[1\]: -16 must be bigger than or equal to 0"),
+    (lambda d: d["Functional.linear.0.forward"]["output"][0].update(data_name="Functional.relu.0.forward.output.0.pt"),
+     r"data\['Functional.linear.0.forward'\]: data_name 'Functional.relu.0.forward.output.0.pt' belongs to another"),
+])
+def test_schema_violations_are_one_line_naming_entry_and_field(fixtures_dir, tmp_path, mutate, message):
+    with pytest.raises(MsprobeError, match=message):
+        load_dump(str(_linear_dump(fixtures_dir, tmp_path, mutate)))
+
+
+def test_duplicate_key_and_deep_nesting_and_not_a_dump(fixtures_dir, tmp_path):
+    t = _copy(fixtures_dir, "bf16_statistics", tmp_path)
+    text = (t / "dump.json").read_text()
+    first = text.index('"Functional.linear.0.forward"')
+    dup = text[:first] + '"Functional.linear.0.forward": {},\n' + text[first:]
+    (t / "dump.json").write_text(dup)
+    with pytest.raises(MsprobeError, match=r"dump.json: duplicate key 'Functional.linear.0.forward'"):
+        load_dump(str(t))
+    deep = '{"data": {"Torch.add.0.forward": {"input_args": ' + "[" * 100_000 + "]" * 100_000 + "}}}"
+    (t / "dump.json").write_text(deep)
+    with pytest.raises(MsprobeError, match="dump.json: .*nested too deeply"):
+        load_dump(str(t))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(MsprobeError, match=r"x.csv: not a dump; expected a dump.json"):
+        load_dump(str(tmp_path / "x.csv"))
+
+
+def test_grouped_stack_entry_that_is_a_string(fixtures_dir, tmp_path):
+    t = _copy(fixtures_dir, "bf16_statistics", tmp_path)
+    (t / "stack.json").write_text(json.dumps({"0": "not a group"}))
+    with pytest.raises(MsprobeError, match=r"stack.json: entry '0': expected \[\[names\], \[frames\]\]"):
+        load_dump(str(t))
+
+
+def test_pt_whose_shape_disagrees_with_dump_json(fixtures_dir, tmp_path):
+    t = _copy(fixtures_dir, "bf16_tensor", tmp_path)
+    b = _copy(fixtures_dir, "fp32_tensor", tmp_path)
+    name = "Functional.linear.0.forward.output.0.pt"
+    torch.save(torch.zeros(3, 3, dtype=torch.bfloat16), t / "dump_tensor_data" / name)
+    with pytest.raises(MsprobeError, match=rf"{name}: holds shape \[3, 3\], dump.json says \[4, 32\]"):
+        compare_dumps(load_dump(str(t)), load_dump(str(b)))
+
+
+def test_complex_tensors_compare_as_complex():
+    from msprobe_ci.compare import metrics as M
+
+    a = torch.tensor([1 + 1j, 2 + 2j, 3 - 1j], dtype=torch.complex64)
+    b = torch.tensor([1 + 1j, 2 - 2j, 3 - 1j], dtype=torch.complex64)  # differs in the imaginary part only
+    cols = M.tensor_metrics(M.to_array(a), M.to_array(b))
+    assert cols["MaxAbsErr"] == pytest.approx(4.0)
+    assert M.tensor_metrics(M.to_array(a), M.to_array(a.clone()))["MaxAbsErr"] == 0.0
+
+
+# --------------------------------------------------------------------------- outputs: nothing of the user's is lost
+def test_cli_outputs_never_land_on_inputs_or_user_files(fixtures_dir, tmp_path):
+    import subprocess
+    import sys
+
+    t = _copy(fixtures_dir, "bf16_tensor", tmp_path)
+    before = (t / "dump.json").read_bytes()
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "msprobe_ci.cli", *args], capture_output=True, text=True)
+
+    r = run("api-check", "-api_info", str(t / "dump.json"), "-o", str(tmp_path / "o"), "--junitxml", str(t / "dump.json"))
+    assert r.returncode == 2 and "is an input of this run; refusing to write an output onto it" in r.stderr
+    assert (t / "dump.json").read_bytes() == before
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run("api-check", "-api_info", str(t), "-o", str(tmp_path / "o"), "--junitxml", str(tmp_path / "notes.txt"))
+    assert r.returncode == 2 and "exists and was not written by msprobe-ci" in r.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    r = run("overflow", "-i", str(t), "-o", str(tmp_path / "notes.txt"))
+    assert r.returncode == 2 and "exists and is a file, expected a folder" in r.stderr
+    for n in ("0", "-3", "x"):
+        r = run("api-check", "-api_info", str(t), "-n", n)
+        assert r.returncode == 2 and "-n/--num_workers" in r.stderr and "Traceback" not in r.stderr
+    # a dump root (step folders) is accepted, as compare and graph accept it
+    root = tmp_path / "root"
+    shutil.copytree(os.path.join(fixtures_dir, "bf16_tensor"), root)
+    r = run("api-check", "-api_info", str(root), "-o", str(tmp_path / "o3"))
+    assert r.returncode == 0 and "API calls: pass" in r.stdout, r.stderr
+
+
+def test_owned_dir_refuses_unmarked_folders_and_replaces_ours(tmp_path):
+    from msprobe_ci.outputs import MARKER, owned_dir
+
+    user = tmp_path / "graphs" / "test_x.check0"
+    user.mkdir(parents=True)
+    (user / "keep.txt").write_text("mine")
+    with pytest.raises(MsprobeError, match="was not written by msprobe-ci"):
+        owned_dir(str(user))
+    assert (user / "keep.txt").read_text() == "mine"
+    ours = owned_dir(str(tmp_path / "ours"), "t")
+    (tmp_path / "ours" / "old.csv").write_text("x")
+    owned_dir(ours, "t")
+    assert sorted(os.listdir(ours)) == [MARKER]
+
+
+def test_reserved_names_are_unique_across_concurrent_writers(tmp_path):
+    """Two processes naming outputs in the same second never get the same file (O_EXCL reservation)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from msprobe_ci.outputs import reserve
+
+    with ProcessPoolExecutor(2) as pool:
+        paths = list(pool.map(reserve, [str(tmp_path)] * 40, ["compare_result"] * 40, [".csv"] * 40))
+    assert len(set(paths)) == 40
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--msprobe-fuzz=-5"], "*--msprobe-fuzz: expected 0 or more examples per API, got -5*"),
+    (["--msprobe-out=afile"], "*afile: --msprobe-out exists and is a file, expected a folder*"),
+    (["--msprobe-junitxml=dump.json"], "*dump.json: --msprobe-junitxml exists and was not written by msprobe-ci*"),
+    (["--junitxml=adir"], "*--junitxml must be a filename, given: adir*"),  # pytest's own check
+    (["--msprobe-junitxml=adir"], "*adir: --msprobe-junitxml is a folder, expected a file path*"),
+])
+def test_bad_output_options_fail_at_start(pytester, args, message):
+    pytester.makefile(".json", dump='{"data": {}}')
+    pytester.makefile("", afile="x")
+    pytester.mkdir("adir")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider")
+    assert result.ret == 4
+    result.stderr.fnmatch_lines([message])
+    assert (pytester.path / "dump.json").read_text() == '{"data": {}}'
+
+
+def test_unknown_marker_option_is_a_collection_usage_error(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.msprobe(taregt='cpu')\ndef test_x(msprobe):\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == 4
+    result.stderr.fnmatch_lines(["*test_x*@pytest.mark.msprobe: unknown option(s) ?'taregt'?*"])

@@ -27,7 +27,7 @@ def test_compare_cli_pairs_steps_of_dump_roots(fixtures_dir, tmp_path):
 def test_overflow_cli(fixtures_dir, tmp_path):
     r = _run("overflow", "-i", os.path.join(fixtures_dir, "fp16_overflow_statistics", "step0"), "-o", str(tmp_path))
     assert r.returncode == 1
-    assert "first: Tensor.__mul__.1.forward: critical" in r.stdout
+    assert "first overflow: Tensor.__mul__.1.forward: critical" in r.stdout
 
 
 def test_cli_bad_path_is_one_line(tmp_path):

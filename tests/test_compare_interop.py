@@ -64,7 +64,7 @@ def test_overflow_levels_match_msprobe_graph(fixtures_dir):
 
 
 @pytest.mark.parametrize("folder", sorted(glob.glob(os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "fixtures", "msprobe-26.2.0", "tinynet", "*", "step*", "proc0"))))
+    os.path.dirname(__file__), "data", "msprobe-26.2.0", "tinynet", "*", "step*", "proc0"))))
 def test_reader_loads_every_fixture(folder):
     dump = load_dump(folder)
     assert dump.data and dump.construct and dump.stack

@@ -142,7 +142,7 @@ def test_bad_inputs(fixtures_dir, tmp_path):
         build_graph(load_dump(str(rank)))
     (rank / "construct.json").write_text(json.dumps(construct))
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(MsprobeError, match=r"afile: output path exists and is not a folder"):
+    with pytest.raises(MsprobeError, match=r"afile: output folder exists and is a file, expected a folder"):
         build_vis_db(str(rank), str(tmp_path / "afile"))
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump import names
 from ..dump.reader import Dump
 from ..dump.writer import timestamped_path
+from ..outputs import atomic_write
 from ..errors import MsprobeError
 from . import metrics as M
 from .rows import Row, match_rows
@@ -96,13 +96,11 @@ class CompareReport:
         path = timestamped_path(out_dir, prefix, ".csv")
         verdicts = {n.name: n for n in self.nodes}
         stack_done: set[str] = set()
-        tmp = path + ".tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+        with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
             w = csv.writer(fh)
             w.writerow(self.columns())
             for rr in self.rows:
                 w.writerow(self._csv_row(rr, verdicts.get(rr.target.entry), stack_done))
-        os.replace(tmp, path)
         return path
 
     def _csv_row(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
@@ -237,8 +235,8 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) ->
     if mode == "md5":
         return RowResult(t, b, {}, 0.0 if t.md5 == b.md5 else 1.0)
     if mode == "tensor" and t.data_name != "-1" and b.data_name != "-1":
-        tn = M.to_array(target.load_tensor(t.data_name))
-        bn = M.to_array(bench.load_tensor(b.data_name))
+        tn = M.to_array(target.load_tensor(t.data_name, t.record.get("shape")))
+        bn = M.to_array(bench.load_tensor(b.data_name, b.record.get("shape")))
         cols = M.tensor_metrics(tn, bn)
         return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
     cols = M.stats_metrics(t.stats(), b.stats())

@@ -81,10 +81,13 @@ def stats_metrics(t_stats: tuple, b_stats: tuple) -> dict[str, Any]:
 
 
 def to_array(tensor) -> np.ndarray:
-    """msprobe's reader: detach, bf16/fp8 → float32, numpy, squeeze."""
+    """msprobe's reader: detach, bf16/fp8 → float32, numpy, squeeze. Complex tensors are compared as complex:
+    their (real, imaginary) pairs (``torch.view_as_real``, a trailing axis of 2), never cast to real."""
     import torch
 
     t = tensor.detach().cpu()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
     if t.dtype in (torch.bfloat16,) or "float8" in str(t.dtype):
         t = t.float()
     return np.squeeze(t.numpy())

@@ -6,6 +6,7 @@ holding dump.json), or a step folder holding exactly one rank folder (several: s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -57,11 +58,16 @@ class Dump:
             raise MsprobeError(f"{self.folder}/dump.json: data_name {data_name!r} points outside dump_tensor_data/")
         return path
 
-    def load_tensor(self, data_name: str):
+    def load_tensor(self, data_name: str, shape: Any = None):
         """Load one saved tensor with ``torch.load(weights_only=True)``.
 
+        Args:
+            data_name: the record's ``data_name`` (a file under ``dump_tensor_data/``).
+            shape: the record's ``shape``; when given, the file must hold a tensor of exactly that shape.
+
         Raises:
-            MsprobeError: missing file, unreadable file, or a file that holds something other than a tensor.
+            MsprobeError: missing file, unreadable file, a file that holds something other than a tensor, or one
+                whose shape disagrees with dump.json.
         """
         import torch
 
@@ -75,19 +81,106 @@ class Dump:
                                f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         if not isinstance(obj, torch.Tensor):
             raise MsprobeError(f"{path}: expected a torch.Tensor, found {type(obj).__name__}")
+        if shape is not None and list(obj.shape) != list(shape):
+            raise MsprobeError(f"{path}: holds shape {list(obj.shape)}, dump.json says {list(shape)} for "
+                               f"{data_name}")
         return obj
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Duplicate(dup)
+    return obj
+
+
+class _Duplicate(ValueError):
+    pass
 
 
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+            return json.load(fh, object_pairs_hook=_no_duplicates)
     except FileNotFoundError:
         raise MsprobeError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise MsprobeError(f"{path}: is a folder, expected a JSON file") from None
+    except _Duplicate as exc:
+        raise MsprobeError(f"{path}: duplicate key {exc.args[0]!r} in one JSON object (the first value would be "
+                           "silently dropped)") from None
     except json.JSONDecodeError as exc:
         raise MsprobeError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise MsprobeError(f"{path}: JSON nested too deeply to be a dump") from None
     except UnicodeDecodeError:
         raise MsprobeError(f"{path}: not a UTF-8 text file") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _validator():
+    import fastjsonschema
+
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dump.schema.json"),
+              encoding="utf-8") as fh:
+        return fastjsonschema.compile(json.load(fh))
+
+
+def _where(name: str, entries: dict) -> str:
+    """``data['<entry>'].<field path>`` from fastjsonschema's dotted name (entry names hold dots themselves)."""
+    rest = name[len("data."):] if name.startswith("data.") else name
+    if not rest.startswith("data."):
+        return rest or "top level"
+    rest = rest[len("data."):]
+    key = max((k for k in entries if rest == k or rest.startswith(k + ".") or rest.startswith(k + "[")),
+              key=len, default=None)
+    if key is None:
+        return f"data.{rest}"
+    return f"data[{key!r}]{rest[len(key):]}"
+
+
+def validate_dump_json(raw: Any, file: str) -> None:
+    """Check a parsed dump.json against ``data/dump.schema.json`` (JSON Schema draft-07, compiled once with
+    ``fastjsonschema``: about 20 us per entry) and that every ``data_name`` belongs to its own entry.
+
+    Raises:
+        MsprobeError: one line naming the file, the entry and the field, e.g.
+            ``dump.json: data['Functional.linear.0.forward'].input_args[0].Max must be number or boolean or null``.
+    """
+    import fastjsonschema
+
+    try:
+        _validator()(raw)
+    except fastjsonschema.JsonSchemaValueException as exc:
+        where = _where(exc.name, raw.get("data") or {})
+        msg = exc.message[len(exc.name):].strip() if exc.message.startswith(exc.name) else exc.message
+        if msg.startswith("must be one of"):
+            msg = "is not a known torch or MindSpore dtype" if where.endswith("dtype") else "is not an allowed value"
+        value = repr(exc.value) if isinstance(exc.value, (str, int, float, bool, type(None))) else \
+            f"a JSON {type(exc.value).__name__}".replace("dict", "object").replace("list", "array")
+        raise MsprobeError(f"{file}: {where}: {value[:60]} {msg[:120]}") from None
+    except RecursionError:
+        raise MsprobeError(f"{file}: records nested too deeply to be a dump") from None
+    for name, entry in raw["data"].items():
+        for data_name in _data_names(entry):
+            if not (data_name == name or data_name.startswith(name + ".")):
+                raise MsprobeError(f"{file}: data[{name!r}]: data_name {data_name!r} belongs to another entry "
+                                   f"(expected a name starting with {name + '.'!r})")
+
+
+def _data_names(value: Any):
+    if isinstance(value, dict):
+        dn = value.get("data_name")
+        if isinstance(dn, str) and "type" in value:
+            yield dn
+        for v in value.values():
+            if isinstance(v, (dict, list)):
+                yield from _data_names(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _data_names(v)
 
 
 def rank_folders(path: str) -> list[str]:
@@ -112,6 +205,9 @@ def load_dump(path: str | os.PathLike) -> Dump:
     """
     path = os.fspath(path)
     if os.path.isfile(path):
+        if not path.endswith(".json"):
+            raise MsprobeError(f"{path}: not a dump; expected a dump.json, a rank folder, a step folder or a dump "
+                               "root")
         folder, file = os.path.dirname(path) or ".", path
     else:
         folders = rank_folders(path)
@@ -122,15 +218,19 @@ def load_dump(path: str | os.PathLike) -> Dump:
     raw = _read_json(file)
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
         raise MsprobeError(f"{file}: expected a JSON object with a 'data' object (an msprobe dump.json)")
+    validate_dump_json(raw, file)
     stack: dict[str, list[str]] = {}
     stack_file = os.path.join(folder, "stack.json")
     if os.path.isfile(stack_file):
         raw_stack = _read_json(stack_file)
         if isinstance(raw_stack, dict):
-            if "0" in raw_stack:
-                for names, frames in raw_stack.values():
-                    for n in names:
-                        stack[n] = frames
+            if "0" in raw_stack:  # grouped: {"0": [[names...], [frames...]], ...}
+                for key, group in raw_stack.items():
+                    if not (isinstance(group, list) and len(group) == 2 and isinstance(group[0], list)
+                            and isinstance(group[1], list)):
+                        raise MsprobeError(f"{stack_file}: entry {key!r}: expected [[names], [frames]]")
+                    for n in group[0]:
+                        stack[str(n)] = group[1]
             else:
                 stack = raw_stack
     construct: dict[str, Any] = {}

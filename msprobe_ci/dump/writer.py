@@ -9,45 +9,29 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Mapping
 
 from ..errors import MsprobeError
+from ..outputs import atomic_write, temp_path
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``text`` to ``path`` through a temporary file unique to this process and ``os.replace``."""
+    with atomic_write(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def timestamped_path(out_dir: str, prefix: str, suffix: str) -> str:
-    """``<out_dir>/<prefix>_<YYYYmmddHHMMSS><suffix>`` that does not exist yet (``_N`` added on a clash in the same
-    second), as msprobe names its outputs; creates ``out_dir``.
+    """``<out_dir>/<prefix>_<YYYYmmddHHMMSS>[_N]<suffix>``, reserved as an empty file with ``O_EXCL`` so no other
+    run picks it (msprobe's naming; ``_N`` on a clash); creates ``out_dir``
+    (:func:`msprobe_ci.outputs.reserve`).
 
     Raises:
-        MsprobeError: ``out_dir`` exists as a file.
+        MsprobeError: ``out_dir`` exists as a file or cannot be created.
     """
-    import time
+    from ..outputs import reserve
 
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise MsprobeError(f"{out_dir}: output path exists and is not a folder")
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d%H%M%S")
-    path = os.path.join(out_dir, f"{prefix}_{stamp}{suffix}")
-    i = 1
-    while os.path.exists(path):
-        path = os.path.join(out_dir, f"{prefix}_{stamp}_{i}{suffix}")
-        i += 1
-    return path
+    return reserve(out_dir, prefix, suffix)
 
 
 def atomic_write_json(path: str, obj: Any) -> None:
@@ -84,7 +68,7 @@ def write_dump_folder(folder: str, *, task: str, level: str, data: Mapping[str, 
             if os.sep in name or name.startswith("."):
                 raise MsprobeError(f"{name}: tensor file name must stay inside dump_tensor_data/")
             target = os.path.join(data_dir, name)
-            tmp = target + ".tmp"
+            tmp = temp_path(target)
             torch.save(t, tmp)
             os.replace(tmp, target)
     elif task == "tensor":

@@ -14,6 +14,7 @@ import sqlite3
 from typing import Iterable
 
 from ..dump.writer import timestamped_path
+from ..outputs import temp_path
 from ..errors import MsprobeError
 from .builder import Graph
 
@@ -78,9 +79,9 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
         MsprobeError: ``path`` exists, or its folder cannot be written.
     """
     graphs = list(graphs)
-    if os.path.exists(path):
+    if os.path.exists(path) and os.path.getsize(path) > 0:  # an empty file is the name reserve() made ours
         raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_path(path)
     try:
         conn = sqlite3.connect(tmp, isolation_level=None)  # transactions are explicit below
     except sqlite3.Error as exc:

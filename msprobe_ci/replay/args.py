@@ -91,10 +91,7 @@ class Rebuilder:
             raise MsprobeError(f"{where}: shape {shape} has {numel} elements, more than the replay materialises "
                                f"({MAX_ELEMENTS})")
         if self.real and rec.get("data_name"):
-            t = self.dump.load_tensor(str(rec["data_name"]))
-            if list(t.shape) != shape:
-                raise MsprobeError(f"{where}: {rec['data_name']} holds shape {list(t.shape)}, the dump says {shape}")
-            return t.to(dtype)
+            return self.dump.load_tensor(str(rec["data_name"]), shape).to(dtype)
         return random_tensor(rec, dtype, shape, gen)
 
 
