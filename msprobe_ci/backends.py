@@ -42,6 +42,8 @@ def parse_device(spec: str) -> str:
     if kind == "gpu":
         kind = "cuda"
     if kind == "cpu":
+        if index not in (None, "0"):
+            raise MsprobeError(f"device {spec!r}: the CPU has no index {index} (write cpu)")
         return "cpu"
     return f"{kind}:{index}" if index is not None else kind
 

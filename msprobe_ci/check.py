@@ -233,7 +233,8 @@ class CheckOutcome:
                        "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
                        "message": n.message, "standard": n.metrics.get("standard") or "",
                        "drift": _num(float(n.metrics.get("drift_RelativeErr", n.value))),
-                       "drift_status": n.metrics.get("drift_status", n.status)} for n in report.nodes],
+                       "drift_status": n.metrics.get("drift_status", n.status),
+                       "seconds": round(report.seconds.get(n.name, 0.0), 6)} for n in report.nodes],
             **({"api_checks": [{"name": r.name, "status": r.status, "message": r.message} for r in self.api_checks]}
                if self.api_checks else {}),
         }

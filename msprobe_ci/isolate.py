@@ -34,6 +34,7 @@ itself). Memory: the fp64 oracle graphs live until the backward pass consumes th
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,6 +179,7 @@ class Isolator:
     def reset(self) -> None:
         """Start a new step."""
         self.results: dict[str, dict] = {}
+        self._clock: dict[str, float] = {}  # node -> perf_counter() when its isolation began
         self._produced: dict[int, weakref.ref] = {}
         self._sources: dict[int, tuple[weakref.ref, str]] = {}
 
@@ -249,6 +251,7 @@ class Isolator:
             ``(call or None, args, kwargs)``: the arguments to call the target with (tapped where gradients are
             isolated).
         """
+        self._clock[name] = time.perf_counter()
         short = api.rsplit(".", 1)[-1]
         fwd_sources = self._source_rows(name, short, args, kwargs)
         bwd_name = name[: -len("forward")] + "backward"
@@ -430,6 +433,7 @@ class Isolator:
         from .checkers import worst
 
         keep = self.results.get(name, {})
+        start = self._clock.pop(name, None)
         status = worst([r for _, r in results]) if results else "skip"
         bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
         rec = {"status": status, "sources": keep.get("sources", {})}
@@ -447,6 +451,8 @@ class Isolator:
                 rec["magnitude"] = mag
                 if mag < 1e-3:
                     rec["message"] += f"; values near zero: max |reference| {mag:.3g}"
+        if start is not None:
+            rec["seconds"] = round(time.perf_counter() - start, 6)
         self.results[name] = rec
 
     # ------------------------------------------------------------------ whole modules
@@ -466,6 +472,7 @@ class Isolator:
             the pending call for :meth:`module_after`, or ``None`` when the module cannot be isolated (the reason
             is recorded).
         """
+        self._clock[name] = time.perf_counter()
         state = dict(module.named_parameters())
         state.update(dict(module.named_buffers()))
         sources = self._source_rows(name, "module", args, kwargs) if input_sources else {}
@@ -540,6 +547,7 @@ class Isolator:
         from .replay.runner import judge_pair
 
         _, (o_leaves, o_out), (b_leaves, b_out) = call
+        self._clock[name] = time.perf_counter()
         try:
             gout = [g for g in grad_output]
             results = []
@@ -585,6 +593,7 @@ class Isolator:
 
     def _tap_hook(self, call: _Call, name: str):
         def prehook(grad_outputs):
+            self._clock[name] = time.perf_counter()
             faults = self.faults_at_tap.get(name, [])
             grads = list(grad_outputs)
             new = None

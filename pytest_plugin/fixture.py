@@ -92,6 +92,12 @@ class MsprobeFixture:
         from ..errors import MsprobeError
 
         self._check_keys(options, "msprobe.check()")
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            raise pytest.fail.Exception(
+                f"msprobe: msprobe.check(model, ...): expected a torch.nn.Module, got {type(model).__name__} "
+                "(wrap a plain function in an nn.Module whose forward calls it)", pytrace=False)
         st = self._settings(options)
         self.session.validate_files()
         session = self.session
@@ -368,7 +374,8 @@ def _failure_message(report, check_dir: str, target_dump=None, graph_path: str |
     lines = [f"msprobe: first divergence at {first.name}{loc}: {detail}"]
     own = [n for n in report.nodes if n.status == "error" and "rollup" not in n.metrics]
     if graph_path:
-        lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))})")
+        lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))}; "
+                     f"red boxes lead down to {first.name}, or type it in the viewer's search)")
     if replay and re.match(r"^(Tensor|Torch|Functional)\.", first.name):
         lines.append(f"replay this API alone: {replay} -k '{first.name}'")
     if len(own) > 1:

@@ -15,14 +15,38 @@ import xml.etree.ElementTree as ET
 from junit_xml import TestCase, TestSuite, to_xml_report_string
 
 
+def classname(test: str, index: int) -> str:
+    """A JUnit ``classname`` CI viewers split well: Jenkins splits at the last dot into package and class, so
+    ``tests/test_mine.py::test_x[1.5]`` becomes ``tests.test_mine.test_x[1_5] check 0`` (dots only between path
+    parts; dots inside the test name become ``_``)."""
+    path, _, name = test.partition("::")
+    stem = path[:-3] if path.endswith(".py") else path
+    package = ".".join(p.replace(".", "_") for p in stem.replace("\\", "/").split("/") if p)
+    return f"{package}.{name.replace('.', '_').replace('::', '__')} check {index}" if name else \
+        f"{package} check {index}"
+
+
+def _body(n: dict) -> str:
+    """The failure body: the numbers of the verdict, one per line."""
+    keys = (("metric", "metric"), ("value", "value"), ("threshold", "threshold"), ("standard", "standard"),
+            ("worst_row", "worst row"), ("input_error", "input error"), ("drift", "drift RelativeErr"),
+            ("drift_status", "drift status"))
+    return "\n".join(f"{label:<18} {n[k]}" for k, label in keys if n.get(k) not in (None, ""))
+
+
 def write_junit(path: str, results: list[dict]) -> None:
-    """Write ``results`` (the plugin's serialisable check summaries) to ``path`` atomically."""
+    """Write ``results`` (the plugin's serialisable check summaries) to ``path`` atomically.
+
+    Each node testcase carries the seconds its isolated verdict took (an API: running it, its oracle and bench,
+    judging; a module: the calls inside it), a failure body with the verdict's numbers, and warnings in
+    ``system-out`` (shown by Jenkins, GitLab and GitHub test reporters).
+    """
     suites = []
     props: dict[tuple[str, str], dict[str, str]] = {}
     for r in results:
         if r.get("recorded"):  # a recording run compares nothing
             continue
-        suite_name = f"{r['test']}[check {r['index']}]"
+        suite_name = classname(r["test"], r["index"])
         if r.get("skipped"):  # an absent device: said, as a skipped case
             case = TestCase("check", classname=suite_name)
             case.add_skipped_info(message=r["skipped"])
@@ -30,9 +54,11 @@ def write_junit(path: str, results: list[dict]) -> None:
             continue
         cases = []
         for n in r["nodes"]:
-            case = TestCase(n["name"], classname=suite_name)
+            case = TestCase(n["name"], classname=suite_name, elapsed_sec=n.get("seconds") or None)
             if n["status"] == "error":
-                case.add_failure_info(message=n["message"], failure_type="accuracy")
+                case.add_failure_info(message=n["message"], output=_body(n), failure_type="accuracy")
+            elif n["status"] == "warning":
+                case.stdout = f"msprobe warning: {n['message']}\n{_body(n)}"
             elif n["status"] == "unmatched":
                 case.add_skipped_info(message=n["message"] or "no bench data matched")
             cases.append(case)
@@ -45,7 +71,7 @@ def write_junit(path: str, results: list[dict]) -> None:
         for m in r.get("model") or ():
             case = TestCase(m["name"], classname=suite_name)
             if m["status"] == "error":
-                case.add_failure_info(message=m["message"], failure_type="end-to-end drift")
+                case.add_failure_info(message=m["message"], output=_body(m), failure_type="end-to-end drift")
             cases.append(case)
             props[(suite_name, m["name"])] = {"msprobe.metric": m["metric"], "msprobe.value": str(m["value"]),
                                               "msprobe.threshold": str(m["threshold"])}
@@ -64,12 +90,15 @@ def write_junit(path: str, results: list[dict]) -> None:
                 case = TestCase(a["name"], classname=f"{suite_name}[api-check]")
                 if a["status"] == "error":
                     case.add_failure_info(message=a["message"], failure_type="api-accuracy")
+                elif a["status"] == "warning":
+                    case.stdout = f"msprobe warning: {a['message']}"
                 elif a["status"] == "skip":
                     case.add_skipped_info(message=a["message"])
                 api_cases.append(case)
                 props[(f"{suite_name}[api-check]", a["name"])] = {"msprobe.status": a["status"]}
             suites.append(TestSuite(f"{suite_name}[api-check]", api_cases))
-        suites.append(TestSuite(suite_name, cases, properties={
+        suites.append(TestSuite(suite_name, cases, timestamp=r.get("started"), properties={
+            "msprobe.test": r["test"],
             "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
             "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"]}))
     root = ET.fromstring(to_xml_report_string(suites, encoding="utf-8"))

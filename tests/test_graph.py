@@ -190,3 +190,42 @@ def test_fuzzy_matching_pairs_renumbered_apis(fixtures_dir, tmp_path):
     exact = compare_graphs(t2, b, compare_dumps(target, bench))  # exact matching needs the same name
     assert "Functional.linear.0.forward" not in exact and t2.nodes["Functional.linear.0.forward"].matched_link == []
     assert exact["Functional.relu.0.forward"] == "Functional.relu.0.forward"
+
+
+def test_error_four_levels_down_is_red_all_the_way_up(tmp_path):
+    import torch
+
+    from msprobe_ci import PrecisionDebugger
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+
+    class Sign(torch.nn.Module):  # hides the fault from every box above: their outputs match the bench exactly
+        def forward(self, h):
+            return torch.sign(h)
+
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), Sign())
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Sequential(inner)), torch.nn.Linear(8, 4))
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "bench"), level="mix")
+    dbg.start(model)
+    model(x).sum().backward()
+    dbg.stop()
+    model.zero_grad()
+    cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / "target"), level="mix"),
+                         faults=[Fault("Functional.layer_norm", 0, "forward", "scale", 1.05)])
+    cap.start(model)
+    model(x).sum().backward()
+    cap.stop()
+    cap.close()
+    db = compare_vis_db(str(tmp_path / "target"), str(tmp_path / "bench"), str(tmp_path / "out"))
+    with closing(sqlite3.connect(db)) as conn:
+        rows = {n: (p, up) for n, p, up in conn.execute(
+            "select node_name, precision_index, up_node from tb_nodes where data_source = 'NPU'")}
+    node, chain = "Functional.layer_norm.0.forward", []
+    while node in rows and rows[node][1]:
+        chain.append(node)
+        node = rows[node][1]
+    assert len(chain) >= 4, chain  # API, LayerNorm, inner Sequential ... up to the top-level box
+    assert all(rows[n][0] == 1 for n in chain), {n: rows[n][0] for n in chain}

@@ -19,6 +19,9 @@ def test_bf16_target_passes(suite):
     result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*msprobe*", "*test_net*nodes compared*error 0*first divergence: none*"])
+    stack = (suite.path / "msprobe-out" / "test_model.py_test_net" / "check0" / "target" / "step0" / "rank" /
+             "stack.json").read_text()
+    assert "test_model.py" in stack and "_pytest" not in stack and "pluggy" not in stack  # user frames only
 
 
 def test_injected_fault_fails_naming_the_api(suite):
@@ -55,6 +58,11 @@ def test_junit_content(suite):
     assert len(suites) == 1
     cases = {c.name: c for c in suites[0]}
     assert "Functional.linear.0.forward" in cases and "overflow" in cases
+    assert suites[0].name == "test_model.test_net check 0" and cases["overflow"].classname == suites[0].name
+    assert cases["Functional.linear.0.forward"].time > 0  # the seconds its isolated verdict took
+    assert cases["Module.norm.LayerNorm.forward.0"].time >= cases["Functional.layer_norm.0.forward"].time > 0
+    failure = cases["Functional.layer_norm.0.forward"].result[0]
+    assert "threshold" in failure.text and "worst row" in failure.text  # a body with the numbers
     bad = cases["Functional.layer_norm.0.forward"]
     assert any(isinstance(r, Failure) for r in bad.result)
     import xml.etree.ElementTree as ET
@@ -82,6 +90,7 @@ def test_marker_and_per_call_options_win(suite):
 
 @pytest.mark.parametrize("args, message", [
     (["--msprobe-target=tpu"], "*--msprobe-target: device 'tpu': expected cpu, gpu, cuda, cuda:N, npu or npu:N*"),
+    (["--msprobe-target=cpu:1"], "*--msprobe-target: device 'cpu:1': the CPU has no index 1 (write cpu)*"),
     (["--msprobe-target-dtype=fp8"], "*--msprobe-target-dtype: expected one of fp64, fp32, fp16, bf16, got 'fp8'*"),
     (["--msprobe-inject", "missing.yaml"], "*msprobe: missing.yaml: fault file not found*"),
 ])
@@ -138,9 +147,9 @@ def test_mlp(msprobe):
     result.stdout.fnmatch_lines(["*test_mlp.py::test_mlp*nodes compared*error 0*"])  # finish order varies
     result.stdout.fnmatch_lines(["*test_model.py::test_net*first divergence: Functional.layer_norm.0.forward*"])
     suites = {s.name: s for s in JUnitXml.fromfile(str(suite.path / "out.xml"))}
-    assert set(suites) == {"test_mlp.py::test_mlp[check 0]", "test_model.py::test_net[check 0]"}
-    assert suites["test_model.py::test_net[check 0]"].failures >= 1
-    mlp = {c.name: c for c in suites["test_mlp.py::test_mlp[check 0]"]}
+    assert set(suites) == {"test_mlp.test_mlp check 0", "test_model.test_net check 0"}  # Jenkins-safe dots
+    assert suites["test_model.test_net check 0"].failures >= 1
+    mlp = {c.name: c for c in suites["test_mlp.test_mlp check 0"]}
     assert [n for n, c in mlp.items() if c.result and c.result[0].__class__.__name__ == "Failure"] == ["injected-faults"]
     folders = sorted(p.name for p in (suite.path / "art").iterdir() if p.name != "graphs")
     assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
@@ -203,3 +212,41 @@ def test_pytest_junitxml_carries_a_path_not_the_check(suite):
     assert props["msprobe.result"].endswith("msprobe-result.json")
     assert os.path.isfile(props["msprobe.result"])
     assert (suite.path / "pj.xml").stat().st_size < 20_000
+
+
+def test_two_runs_at_once_into_one_out_folder(suite):
+    """Concurrent pytest processes with the same --msprobe-out both finish and both write their results."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--msprobe-out=shared-out",
+           "--msprobe-target-dtype=bf16"]
+    procs = [subprocess.Popen(cmd + [f"--msprobe-junitxml=j{i}.xml"], cwd=suite.path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("Traceback" not in o and "1 passed" in o for o in outs), outs
+    check = suite.path / "shared-out" / "test_model.py_test_net" / "check0"
+    assert len([f for f in os.listdir(check) if f.startswith("compare_result_")]) == 1
+    assert all((suite.path / f"j{i}.xml").stat().st_size > 0 for i in range(2))
+
+
+def test_cli_version_and_help_name_every_command():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("msprobe-ci ")
+    for cmd in ("compare", "overflow", "graph", "view", "api-check"):
+        r = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", cmd, "-h"], capture_output=True, text=True)
+        assert r.returncode == 0 and "example" in r.stdout, cmd
+    r = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "view", "-h"], capture_output=True, text=True)
+    assert "TCP port" in r.stdout and "address to listen on" in r.stdout
+
+
+def test_check_on_a_plain_function_is_one_line(pytester):
+    pytester.makepyfile("import torch\ndef test_fn(msprobe):\n    msprobe.check(torch.relu, torch.ones(2))\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: msprobe.check(model, ...): expected a torch.nn.Module, got *"])
+    assert "AttributeError" not in result.stdout.str()

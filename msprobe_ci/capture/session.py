@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from ..isolate import Isolator
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_HARNESS_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (__import__("_pytest"), __import__("pluggy"), __import__("pytest")))
+_HARNESS_DIRS += (os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "pytest_plugin") + os.sep,)
 _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
 
 
@@ -246,10 +250,15 @@ class CaptureSession:
         return any(s in name for s in self.config.tensor_list)
 
     def _stack(self, name: str) -> None:
+        """Record the call stack of ``name``: the user's frames (and torch's), innermost first; our own frames are
+        left out and the walk stops at the test harness (pytest, pluggy, our plugin), whose frames say nothing
+        about the model and cost megabytes per check."""
         f = sys._getframe(2)
         frames = []
         while f is not None:
             fn = f.f_code.co_filename
+            if fn.startswith(_HARNESS_DIRS):
+                break
             if not fn.startswith(_PKG_DIR):
                 frames.append((fn, f.f_lineno, f.f_code.co_name))
             f = f.f_back

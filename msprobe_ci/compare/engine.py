@@ -47,6 +47,7 @@ class CompareReport:
     target_stack: dict[str, list[str]] = field(default_factory=dict)
     thresholds: Thresholds = field(default_factory=Thresholds)
     isolated: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)  # node -> seconds its isolated verdict took
 
     @property
     def first_divergence(self) -> CompareResult | None:

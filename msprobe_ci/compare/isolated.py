@@ -182,7 +182,25 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         final.append(node)
     report.nodes = final
     report.isolated = True
+    report.seconds = _seconds(isolation, construct)
     return report
+
+
+def _seconds(isolation: dict[str, dict], construct: dict[str, Any]) -> dict[str, float]:
+    """Seconds each node's isolated verdict took: an API's own (running it, its oracle and bench, judging); a
+    module's own when isolated whole, plus those of the calls inside it."""
+    out: dict[str, float] = {}
+    for name, rec in isolation.items():
+        sec = _float(rec.get("seconds")) if isinstance(rec, dict) else 0.0
+        if not sec or not math.isfinite(sec):
+            continue
+        node, hops = name, 0
+        while node is not None and hops < 10_000:
+            out[node] = out.get(node, 0.0) + sec
+            node, hops = construct.get(node), hops + 1
+            if not isinstance(node, str):
+                break
+    return out
 
 
 def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor: float,

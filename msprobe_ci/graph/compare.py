@@ -6,8 +6,10 @@ nodes match by name alone and the API children of a matched pair by their name w
 order of occurrence. Both nodes of a pair get the same ``matched_link`` (ancestors + the partner's name).
 
 Colours come from our node verdicts (:mod:`msprobe_ci.compare.verdict`), not from msprobe's dtype-blind Result:
-``precision_index`` is 0 (pass), 0.5 (warning) or 1 (error) on matched target nodes with data, the maximum of the
-children on API collections, and NULL on the root, bench nodes and unmatched nodes (grey in the viewer).
+``precision_index`` is 0 (pass), 0.5 (warning) or 1 (error) on matched target nodes with data; every container
+(modules, API collections) takes the worst of its own verdict and everything inside it, all the way up, so a
+failing API four levels down makes the top-level boxes red; NULL on the root, bench nodes and unmatched nodes
+(grey in the viewer).
 """
 
 from __future__ import annotations
@@ -98,12 +100,29 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
             api = t_name.split(".")[1] if t_name.count(".") >= 1 else ""
             if api in _EMPTY_APIS:  # uninitialised memory is never comparable
                 node.precision_index = 1 if report.mode == "md5" else 0
-    for node in target.nodes.values():
-        if node.type == COLLECTION:
-            values = [target.nodes[c].precision_index for c in node.children]
-            values = [v for v in values if v is not None]
-            node.precision_index = max(values, default=0) if node.name in pairs else None
+    _roll_up(target, ROOT, pairs)
     return pairs
+
+
+def _roll_up(graph: Graph, name: str, pairs: dict[str, str]) -> None:
+    """Colour every matched module and API collection by the worst of its own verdict and everything inside it,
+    bottom-up, so the path from the top-level boxes down to the first error is red all the way. The root stays
+    NULL (msprobe's graphs leave it so; it is the canvas, not a box)."""
+    stack, order = [name], []
+    while stack:  # iterative post-order: deep module trees do not hit the recursion limit
+        n = stack.pop()
+        order.append(n)
+        stack.extend(c for c in graph.nodes[n].children if c in graph.nodes)
+    for n in reversed(order):
+        node = graph.nodes[n]
+        if n == ROOT or node.type == API or n not in pairs:
+            continue
+        values = [graph.nodes[c].precision_index for c in node.children if c in graph.nodes]
+        values = [v for v in values if v is not None]
+        if node.precision_index is not None:
+            values.append(node.precision_index)
+        if values or node.type == COLLECTION:
+            node.precision_index = max(values, default=0)
 
 
 _DECIMAL = re.compile(r"^(\d+\.\d+)(%?)$")
