@@ -252,8 +252,8 @@ class ProbeSession:
                 tr.write_line(f"    graph: {r['graph']}")
             tr.write_line(f"    artifacts: {r['dir']}")
         if any(r.get("graph") for r in self.results):
-            tr.write_line(f"msprobe graphs: tensorboard --logdir {os.path.join(self.out, 'graphs')} "
-                          "(with tb-graph-ascend installed)")
+            tr.write_line(f"msprobe graphs: msprobe-ci view {os.path.join(self.out, 'graphs')} "
+                          "(TensorBoard with tb-graph-ascend's plugin; red boxes lead to the first divergence)")
         if self.junitxml:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
 
