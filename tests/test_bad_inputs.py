@@ -205,6 +205,7 @@ def test_reserved_names_are_unique_across_concurrent_writers(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--msprobe-fuzz=-5"], "*--msprobe-fuzz: expected 0 or more examples per API, got -5*"),
     (["--msprobe-out=afile"], "*afile: --msprobe-out exists and is a file, expected a folder*"),
+    (["--msprobe-out=afile/sub"], "*afile/sub: --msprobe-out cannot be created (*afile is a file)*"),
     (["--msprobe-junitxml=dump.json"], "*dump.json: --msprobe-junitxml exists and was not written by msprobe-ci*"),
     (["--junitxml=adir"], "*--junitxml must be a filename, given: adir*"),  # pytest's own check
     (["--msprobe-junitxml=adir"], "*adir: --msprobe-junitxml is a folder, expected a file path*"),
