@@ -94,7 +94,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
-          cast_roundoff: float = 0.0):
+          cast_roundoff: float = 0.0, mappings=None):
     """Compare the target dump with the bench dump and apply the isolated verdicts.
 
     Returns:
@@ -109,7 +109,7 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
 
     bench_dump = load_dump(bench_folder)
     target_dump = load_dump(target_folder)
-    report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds)
+    report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds, mappings=mappings)
     records = load_isolation(target_folder) if isolate else None
     if records is not None:
         apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff)
@@ -243,7 +243,7 @@ class CheckOutcome:
 def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
              thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
              graph_dir: str | None = None, api_standards: dict | None = None,
-             api_thresholds: dict | None = None) -> CheckOutcome:
+             api_thresholds: dict | None = None, mappings=None) -> CheckOutcome:
     """Judge one check from its two sides: compare (isolated verdicts), CSV, graph, model-level testcases,
     overflow, and the per-API pre-check of a tensor dump.
 
@@ -252,6 +252,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         target: the target :class:`SideRun`.
         out_dir: where the compare CSV goes. graph_dir: where the ``.vis.db`` goes (``None``: no graph).
         level: the capture level (the pre-check needs API entries: L1 or mix).
+        mappings: msprobe's cross-framework mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`).
 
     Raises:
         MsprobeError: unreadable or incompatible dumps.
@@ -261,7 +262,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
 
     bench_folder = bench if isinstance(bench, str) else bench.folder
     report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
-                                            isolate=isolate, cast_roundoff=cast_roundoff)
+                                            isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings)
     csv_path = report.write_csv(out_dir)
     graph_path, notes = None, []
     if graph_dir is not None:

@@ -22,7 +22,8 @@ from .errors import MsprobeError
 
 
 _EXAMPLES = {
-    "compare": "example: msprobe-ci compare -tp out/target/step0 -gp out/bench/step0 -o out/compare",
+    "compare": "examples: msprobe-ci compare -tp out/target/step0 -gp out/bench/step0 -o out/compare\n"
+               "          msprobe-ci compare -tp ms_dump/step0 -gp torch_dump/step0 -o out    (MindSpore vs PyTorch)",
     "overflow": "example: msprobe-ci overflow -i out/target/step0 -o out/overflow",
     "graph": "examples: msprobe-ci graph -tp out/target -o out/graphs/run1    (build)\n"
              "          msprobe-ci graph -tp out/target -gp out/bench -o out/graphs/run1    (compare)",
@@ -51,6 +52,25 @@ def _workers(text: str) -> int:
     return n
 
 
+def _mapping_args(p: argparse.ArgumentParser) -> None:
+    """msprobe's cross-framework mapping flags (MindSpore against PyTorch is matched without them)."""
+    p.add_argument("-dm", "--data_mapping", default=None, metavar="YAML",
+                   help="{MindSpore row: PyTorch compare key}; wins over every other rule")
+    p.add_argument("-lm", "--layer_mapping", default=None, metavar="YAML",
+                   help="{class: {MindSpore child: PyTorch child}} renames in the layer tree")
+    p.add_argument("-cm", "--cell_mapping", default=None, metavar="YAML", nargs="?", const="",
+                   help="{Cell name part: Module name part} (bare -cm: the automatic Cell<->Module pairing)")
+    p.add_argument("-am", "--api_mapping", default=None, metavar="YAML", nargs="?", const="",
+                   help="{MindSpore API: PyTorch API} on top of the packaged table (bare -am: the table only)")
+
+
+def _mappings(args):
+    from .compare.crossframe import Mappings
+
+    return Mappings.load(data=args.data_mapping, layer=args.layer_mapping, cell=args.cell_mapping or None,
+                         api=args.api_mapping or None)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="msprobe-ci", description="msprobe-compatible accuracy tools: compare dumps, "
                                 "find overflow, build graphs for tb-graph-ascend, replay APIs alone.",
@@ -71,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-gp", "--golden_path", required=True, help="bench dump.json, rank folder, step folder or root")
     c.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
     c.add_argument("-fm", "--fuzzy_match", action="store_true", help="ignore call indices when matching")
+    _mapping_args(c)
     o = command("overflow", "find NaN/Inf (overflow) and the first node where it appears",
                 "Scan every tensor record for NaN/Inf (statistics or tensor dumps) and name the first node in "
                 "execution order where it appears: the same rule the pytest plugin reports.")
@@ -85,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output_path", required=True, help="output folder for build_/compare_<ts>.vis.db")
     g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
+    _mapping_args(g)
     a = command("api-check", "replay every API of a dump alone on CPU and judge it by its own standard",
                 "msprobe's api_accuracy_checker: rebuild each API call's inputs from the dump, run it alone in "
                 "higher precision and at the target's dtype, and judge the dumped (or, with --live, re-run) "
@@ -147,9 +169,10 @@ def _compare(args) -> int:
     from .compare.isolated import apply_isolation, load_isolation
 
     worst = 0
+    mappings = _mappings(args)
     for t, g, rank in _pairs(args.target_path, args.golden_path):
         target = load_dump(t)
-        report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match)
+        report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match, mappings=mappings)
         records = load_isolation(target.folder)
         if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
             apply_isolation(report, records, target.construct)
@@ -196,7 +219,7 @@ def _graph(args) -> int:
 
     if args.golden_path:
         path = compare_vis_db(args.target_path, args.golden_path, args.output_path, overflow=args.overflow_check,
-                              fuzzy=args.fuzzy_match)
+                              fuzzy=args.fuzzy_match, mappings=_mappings(args))
     else:
         path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check)
     print(path)

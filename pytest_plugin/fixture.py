@@ -201,10 +201,16 @@ class MsprobeFixture:
         except MsprobeError as exc:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
+        inject = st["inject"] or session.inject_path
+        return self._conclude(row, outcome, check_dir, level, list(runs["target"].unapplied), inject,
+                              f"--msprobe-target={target.device}", stored)
+
+    def _conclude(self, row: dict, outcome, check_dir: str, level: str, unapplied: list, inject: str | None,
+                  target_flag: str, stored=None):
+        """Publish one judged check (properties, result file) and fail the test on its first problem."""
         report, target_dump = outcome.report, outcome.target_dump
-        unapplied = list(runs["target"].unapplied)
         csv_path, graph_path = outcome.csv, outcome.graph
-        notes.extend(outcome.notes)
+        row.setdefault("notes", []).extend(outcome.notes)
         first = outcome.first_divergence
         row.update(outcome.summary(), unapplied=unapplied)
         props = self.request.node.user_properties
@@ -220,14 +226,11 @@ class MsprobeFixture:
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if unapplied:
-            source = st["inject"] or session.inject_path
-            pytest.fail(f"msprobe: {source}: {unapplied[0]}; a fault that never fires proves nothing about the "
+            pytest.fail(f"msprobe: {inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
                         f"gate (fix its api/call/step)" + (f" (+{len(unapplied) - 1} more)" if len(unapplied) > 1
                                                            else "") + f". Artifacts: {check_dir}", pytrace=False)
         if first is not None:
-            inject = st["inject"] or session.inject_path
-            replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live "
-                          f"--msprobe-target={target.device}"
+            replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live {target_flag}"
                           + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
             pytest.fail(_failure_message(report, check_dir, target_dump, graph_path, replay_cmd), pytrace=False)
         if outcome.overflow_failed:
@@ -245,6 +248,58 @@ class MsprobeFixture:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
         return report
+
+    def compare_dumps(self, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
+                      layer_mapping: str | None = None, cell_mapping: str | None = None,
+                      api_mapping: str | None = None):
+        """Gate a dump recorded elsewhere (another runner, another framework) against a bench dump.
+
+        The same judgement as :meth:`check` without running a model: compare (a MindSpore dump against a PyTorch
+        one, either way round, is matched across frameworks with no mapping file), CSV, graph, overflow, the
+        per-API pre-check of a tensor dump, one JUnit testsuite, and a failure naming the first divergence.
+
+        Args:
+            target: the dump under test: a dump.json, rank folder or step folder with one rank.
+            bench: the reference dump, same forms (a recorded baseline's rank folder works).
+            fuzzy: msprobe's ``-fm`` matching.
+            data_mapping, layer_mapping, cell_mapping, api_mapping: msprobe's ``-dm``/``-lm``/``-cm``/``-am`` YAML
+                files (optional).
+
+        Returns:
+            The :class:`~msprobe_ci.compare.CompareReport`.
+
+        Raises:
+            pytest.fail.Exception: unreadable dumps (one line), or the first divergence / overflow.
+        """
+        __tracebackhide__ = True
+        from ..check import SideRun, evaluate
+        from ..compare.crossframe import Mappings
+        from ..dump.reader import rank_folders
+        from ..errors import MsprobeError
+
+        session = self.session
+        try:
+            folders = [os.path.dirname(os.path.abspath(p)) if os.path.isfile(p) else rank_folders(p)[0]
+                       for p in (target, bench)]
+            mappings = Mappings.load(data=data_mapping, layer=layer_mapping, cell=cell_mapping, api=api_mapping)
+            base_dir = session.test_dir(self.request.node.nodeid) if self.checks == 0 else self._base_dir
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
+        index = self.checks
+        self.checks += 1
+        check_dir = os.path.join(base_dir, f"check{index}")
+        os.makedirs(check_dir, exist_ok=True)
+        nodeid = self.request.node.nodeid
+        row = {"test": nodeid, "index": index, "dir": check_dir, "bench": f"dump {folders[1]}",
+               "target": f"dump {folders[0]}", "level": "mix", "notes": []}
+        try:
+            outcome = evaluate(folders[1], SideRun(folders[0]), check_dir, level="mix", fuzzy=fuzzy, isolate=True,
+                               graph_dir=None if session.no_graph else session.graph_dir(nodeid, index),
+                               mappings=mappings)
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        return self._conclude(row, outcome, check_dir, "mix", [], None, "--msprobe-target=cpu")
 
     def _absent(self, row: dict, exc: Exception) -> None:
         """An absent device: a failure with --msprobe-require-device, else a skip that the summary lists."""

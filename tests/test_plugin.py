@@ -197,7 +197,7 @@ def test_graph_per_check_and_opt_out(suite):
     graph = props["msprobe.graph"]
     assert graph.endswith(".vis.db") and os.path.isfile(graph)
     assert os.path.basename(os.path.dirname(graph)) == "test_model.py_test_net.check0"
-    result.stdout.fnmatch_lines(["*msprobe graphs: tensorboard --logdir */msprobe-out/graphs*"])
+    result.stdout.fnmatch_lines(["*msprobe graphs: msprobe-ci view */msprobe-out/graphs*"])
     result = suite.runpytest_subprocess("--msprobe-no-graph", "--msprobe-out=plain", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert not (suite.path / "plain" / "graphs").exists()

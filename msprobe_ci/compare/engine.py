@@ -48,6 +48,8 @@ class CompareReport:
     thresholds: Thresholds = field(default_factory=Thresholds)
     isolated: bool = False
     seconds: dict[str, float] = field(default_factory=dict)  # node -> seconds its isolated verdict took
+    frameworks: tuple[str, str] = ("pytorch", "pytorch")  # (target, bench), from dump.json
+    entry_pairs: dict[str, str] = field(default_factory=dict)  # target entry -> bench entry (matched rows)
 
     @property
     def first_divergence(self) -> CompareResult | None:
@@ -107,8 +109,12 @@ class CompareReport:
     def _csv_row(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
         t, b = rr.target, rr.bench
         na = "N/A"
-        row: list[Any] = [t.name, b.name if b else na, t.dtype, b.dtype if b else na, t.shape,
-                          b.shape if b else na, t.requires_grad, b.requires_grad if b else na]
+        # a null slot's dtype and shape: msprobe writes N/A for PyTorch dumps and None for MindSpore ones
+        tn, bn = ("None" if fw == "mindspore" else na for fw in self.frameworks)
+        t_dtype, t_shape = (tn, tn) if t.record is None else (t.dtype, t.shape)
+        b_dtype, b_shape = (na, na) if b is None else (bn, bn) if b.record is None else (b.dtype, b.shape)
+        row: list[Any] = [t.name, b.name if b else na, t_dtype, b_dtype, t_shape, b_shape, t.requires_grad,
+                          b.requires_grad if b else na]
         ts = t.stats()
         bs = b.stats() if b else (na,) * 4
         if self.mode == "md5":
@@ -119,7 +125,7 @@ class CompareReport:
             row += [rr.metrics.get(c, na) for c in M.STAT_DIFF_COLUMNS + M.STAT_REL_COLUMNS]
         if self.mode != "md5":
             row += [_s(v) for v in ts] + [_s(v) for v in bs]
-        consistent = b is None or t.requires_grad == b.requires_grad
+        consistent = b is None or t.requires_grad == b.requires_grad or "N/A" in (t.requires_grad, b.requires_grad)
         status, message = "pass", []
         if b is None:
             status, message = "unmatched", ["warning: No bench data matched."]
@@ -168,7 +174,7 @@ def _twin_entries(name: str) -> list[str]:
 
 
 def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
-                  thresholds: Thresholds | None = None) -> CompareReport:
+                  thresholds: Thresholds | None = None, mappings: Any = None) -> CompareReport:
     """Compare a target dump against a bench dump.
 
     Args:
@@ -176,6 +182,9 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
         bench: the reference (msprobe's "Bench"/golden side).
         fuzzy: ignore call indices when matching (``-fm``).
         thresholds: node-rule factors; defaults as documented in :mod:`msprobe_ci.compare.verdict`.
+        mappings: msprobe's mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`: ``-dm``, ``-lm``,
+            ``-cm``, ``-am``). A MindSpore dump against a PyTorch one (either side) is matched across frameworks
+            automatically (:mod:`msprobe_ci.compare.crossframe`); the files refine it.
 
     Returns:
         A :class:`CompareReport`; ``bool(report)`` is true when no node is an error.
@@ -185,7 +194,14 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
     """
     th = thresholds or Thresholds()
     mode = _mode(target, bench)
-    pairs = match_rows(target.data, bench.data, fuzzy=fuzzy)
+    t_fw, b_fw = getattr(target, "framework", "pytorch"), getattr(bench, "framework", "pytorch")
+    cross = None
+    if t_fw != b_fw and "mindspore" in (t_fw, b_fw):
+        from .crossframe import translate
+
+        cross = translate(target.data, bench.data, mappings, target_is_mindspore=t_fw == "mindspore")
+    pairs = match_rows(target.data, bench.data, fuzzy=fuzzy, cross=cross,
+                       data_map=getattr(mappings, "data", None) or None)
     rows: list[RowResult] = []
     for t, b in pairs:
         rows.append(_compare_row(t, b, mode, target, bench))
@@ -193,8 +209,12 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
     for rr in rows:
         by_entry.setdefault(rr.target.entry, []).append(rr)
     nodes = [_judge_node(name, by_entry.get(name, []), by_entry, mode, th) for name in target.data]
+    entry_pairs: dict[str, str] = {}
+    for t, b in pairs:
+        if b is not None:
+            entry_pairs.setdefault(t.entry, b.entry)
     return CompareReport(mode=mode, rows=rows, nodes=_blame_first(nodes, th), target_stack=target.stack,
-                         thresholds=th)
+                         thresholds=th, frameworks=(t_fw, b_fw), entry_pairs=entry_pairs)
 
 
 def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResult]:
@@ -238,12 +258,20 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) ->
     if mode == "tensor" and t.data_name != "-1" and b.data_name != "-1":
         tn = M.to_array(target.load_tensor(t.data_name, t.record.get("shape")))
         bn = M.to_array(bench.load_tensor(b.data_name, b.record.get("shape")))
+        if _transposed(t, b):  # PyTorch's linear hands back dW transposed; paired by shape across frameworks
+            bn = bn.T
         cols = M.tensor_metrics(tn, bn)
         return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
     cols = M.stats_metrics(t.stats(), b.stats())
-    if t.shape != b.shape:
+    if t.shape != b.shape and not _transposed(t, b):
         return RowResult(t, b, cols, math.inf)
     return RowResult(t, b, cols, M.relative_error_stats(t.stats(), b.stats(), t.numel))
+
+
+def _transposed(t: Row, b: Row) -> bool:
+    """Both 2-D tensors whose shapes are each other's transpose (and not equal)."""
+    ts, bs = (list(r.record.get("shape") or []) if r.is_tensor else [] for r in (t, b))
+    return len(ts) == 2 and ts != bs and ts == bs[::-1]
 
 
 def _scalar_err(tv: Any, bv: Any) -> float:

@@ -42,7 +42,10 @@ class Row:
             return "N/A"
         if self.is_tensor:
             return str(r["dtype"])
-        return f"<class '{r.get('type')}'>"
+        typ = str(r.get("type"))
+        if typ == "mindspore.dtype":  # msprobe shows the Python type of the value (a dtype name string)
+            return "<class 'str'>"
+        return f"<class '{typ}'>"
 
     @property
     def shape(self) -> str:
@@ -100,7 +103,7 @@ def _leaves(value: Any, name: str, entry: str, side: str) -> Iterator[Row]:
     elif isinstance(value, dict) and ("type" in value or "dtype" in value):
         if "data_name" in value and value.get("data_name"):
             dn = str(value["data_name"])
-            name = dn[:-3] if dn.endswith(".pt") else dn
+            name = dn[:-3] if dn.endswith(".pt") else dn[:-4] if dn.endswith(".npy") else dn
         yield Row(name, entry, side, value)
     elif isinstance(value, dict):
         for k, v in value.items():
@@ -172,12 +175,19 @@ def _dtype_compatible(a: Row, b: Row) -> bool:
     return a.dtype == b.dtype or (is_floating(a.dtype) and is_floating(b.dtype))
 
 
-def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = False) -> list[tuple[Row, Row | None]]:
+def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = False, cross: Any = None,
+               data_map: dict[str, str] | None = None) -> list[tuple[Row, Row | None]]:
     """Pair every target row with its bench row (or ``None``), in target dump order.
 
     Exact mode joins on the row name after backward renumbering; fuzzy mode (``-fm``) ignores call indices and
     pairs rows of equal normalised name in order of appearance. A bench row whose dtype is not compatible
     (both floating, or equal) is treated as unmatched, as msprobe does.
+
+    Args:
+        cross: a :class:`~msprobe_ci.compare.crossframe.Translation` when the two dumps come from different
+            frameworks: target entries and rows are renamed into the bench's naming first, and backward outputs
+            of translated APIs pair by shape.
+        data_map: msprobe's ``-dm`` data mapping ``{target row: bench compare key}``; wins over every other rule.
     """
     t_rows = [r for k, e in target.items() for r in entry_rows(k, e)]
     b_rows = [r for k, e in bench.items() for r in entry_rows(k, e)]
@@ -191,15 +201,46 @@ def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = Fals
             b = q.pop(0) if q else None
             pairs.append((r, b if b is not None and _dtype_compatible(r, b) else None))
         return pairs
-    t_map = backward_renumbering(list(target))
+    renamed = {k: cross.entries.get(k, k) for k in target} if cross is not None else {k: k for k in target}
+    t_map = backward_renumbering(list(renamed.values()))
     b_map = backward_renumbering(list(bench))
 
     def key_of(row: Row, mapping: dict[str, str]) -> str:
         new = mapping.get(row.entry)
         return new + row.name[len(row.entry):] if new and row.name.startswith(row.entry) else row.name
 
+    def target_entry_key(entry: str) -> str:
+        new = renamed[entry]
+        return t_map.get(new, new)
+
+    def target_key(row: Row) -> str:
+        if data_map and row.name in data_map:
+            return data_map[row.name]
+        if cross is None:
+            return key_of(row, t_map)
+        from .crossframe import rename_row
+
+        if not row.name.startswith(row.entry):
+            return row.name
+        return target_entry_key(row.entry) + rename_row(row.name, row.entry, cross.rows.get(row.entry, {}))
+
     index = {key_of(r, b_map): r for r in b_rows}
+    shaped: dict[int, Row | None] = {}
+    if cross is not None and cross.by_shape:
+        from .crossframe import pair_by_shape
+
+        b_outputs: dict[str, list[Row]] = {}
+        for r in b_rows:
+            if r.side == "output":
+                b_outputs.setdefault(b_map.get(r.entry, r.entry), []).append(r)
+        t_outputs: dict[str, list[Row]] = {}
+        for r in t_rows:
+            if r.side == "output" and r.entry in cross.by_shape and not (data_map and r.name in data_map):
+                t_outputs.setdefault(r.entry, []).append(r)
+        for entry, rows in t_outputs.items():
+            for t, b in pair_by_shape(rows, b_outputs.get(target_entry_key(entry), []), entry in cross.last_first):
+                shaped[id(t)] = b
     for r in t_rows:
-        b = index.get(key_of(r, t_map))
+        b = shaped[id(r)] if id(r) in shaped else index.get(target_key(r))
         pairs.append((r, b if b is not None and _dtype_compatible(r, b) else None))
     return pairs

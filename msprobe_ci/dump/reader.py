@@ -29,6 +29,7 @@ class Dump:
         data: the ``data`` mapping, in file (execution) order.
         stack: ``{entry name: [frame strings]}`` (msprobe's grouped format inverted), empty when absent.
         construct: ``{name: parent or None}``, empty when absent.
+        framework: ``pytorch`` (default) or ``mindspore``, from dump.json.
     """
 
     folder: str
@@ -37,6 +38,7 @@ class Dump:
     data: dict[str, Any]
     stack: dict[str, list[str]] = field(default_factory=dict)
     construct: dict[str, Any] = field(default_factory=dict)
+    framework: str = "pytorch"
 
     @property
     def summary_mode(self) -> str:
@@ -74,17 +76,37 @@ class Dump:
         path = self.tensor_path(data_name)
         if not os.path.isfile(path):
             raise MsprobeError(f"{path}: tensor file listed in dump.json is missing")
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # pickle errors, zip errors, weights_only refusals
-            raise MsprobeError(f"{path}: not a loadable tensor file ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if path.endswith(".npy"):  # MindSpore dumps: NumPy arrays, never pickles
+            obj = _load_npy(path)
+        else:
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # pickle errors, zip errors, weights_only refusals
+                raise MsprobeError(f"{path}: not a loadable tensor file ({type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
         if not isinstance(obj, torch.Tensor):
             raise MsprobeError(f"{path}: expected a torch.Tensor, found {type(obj).__name__}")
+        if shape is not None and list(shape) == [] and list(obj.shape) == [1] and path.endswith(".npy"):
+            obj = obj.reshape(())  # MindSpore saves a 0-d tensor as a one-element array
         if shape is not None and list(obj.shape) != list(shape):
             raise MsprobeError(f"{path}: holds shape {list(obj.shape)}, dump.json says {list(shape)} for "
                                f"{data_name}")
         return obj
+
+
+def _load_npy(path: str):
+    """A MindSpore ``.npy`` tensor file as a torch tensor (``allow_pickle=False``: object arrays are refused)."""
+    import numpy as np
+    import torch
+
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except Exception as exc:  # ValueError for pickled object arrays, OSError/format errors for the rest
+        raise MsprobeError(f"{path}: not a loadable .npy tensor file ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "biufc":
+        raise MsprobeError(f"{path}: expected a numeric NumPy array, found dtype {getattr(arr, 'dtype', '?')}")
+    return torch.from_numpy(np.ascontiguousarray(arr))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
@@ -240,7 +262,8 @@ def load_dump(path: str | os.PathLike) -> Dump:
         if not isinstance(construct, dict):
             raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
     return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
-                data=raw["data"], stack=stack, construct=construct)
+                data=raw["data"], stack=stack, construct=construct,
+                framework=str(raw.get("framework") or "pytorch").lower())
 
 
 _STEP_RE = re.compile(r"^step(\d+)$")

@@ -34,6 +34,17 @@ def _match_exact(target: Graph, bench: Graph) -> dict[str, str]:
     return pairs
 
 
+def _match_entries(target: Graph, bench: Graph, entry_pairs: dict[str, str]) -> dict[str, str]:
+    """Across frameworks: nodes pair as the compare paired their dump entries (Cell ↔ Module by path,
+    ``Primitive.dense.Dense`` ↔ ``Functional.linear`` ...), the root with the root, API collections by name."""
+    pairs = {ROOT: ROOT} if ROOT in target.nodes and ROOT in bench.nodes else {}
+    pairs.update({t: b for t, b in entry_pairs.items() if t in target.nodes and b in bench.nodes})
+    for name, node in target.nodes.items():
+        if node.type == COLLECTION and name in bench.nodes:
+            pairs[name] = name
+    return pairs
+
+
 def _match_fuzzy(target: Graph, bench: Graph) -> dict[str, str]:
     pairs = {n: n for n, node in target.nodes.items() if node.type != API and n in bench.nodes}
     for t_name, b_name in list(pairs.items()):
@@ -67,9 +78,11 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
     Returns:
         ``{target node name: bench node name}`` for every matched pair.
     """
-    pairs = _match_fuzzy(target, bench) if fuzzy else _match_exact(target, bench)
+    cross = report.frameworks[0] != report.frameworks[1]
+    pairs = _match_fuzzy(target, bench) if fuzzy else _match_entries(target, bench, report.entry_pairs) \
+        if cross else _match_exact(target, bench)
     for t_name, b_name in pairs.items():
-        if fuzzy:  # crosswise, as msprobe stores them
+        if fuzzy or cross:  # crosswise, as msprobe stores them
             target.nodes[t_name].matched_link = bench.ancestors(b_name) + [b_name]
             bench.nodes[b_name].matched_link = target.ancestors(t_name) + [t_name]
         else:
@@ -89,7 +102,8 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
                 if rr is None or rr.bench is None:
                     continue
                 fields.update({k: _text(v) for k, v in rr.metrics.items()})
-                consistent = rr.target.requires_grad == rr.bench.requires_grad
+                consistent = rr.target.requires_grad == rr.bench.requires_grad or \
+                    "N/A" in (rr.target.requires_grad, rr.bench.requires_grad)  # MindSpore records have none
                 status, message = "pass", []
                 if verdict is not None and verdict.worst_row == row_name and verdict.status in ("warning", "error"):
                     status, message = verdict.status, [f"{verdict.status}: {verdict.message}"]

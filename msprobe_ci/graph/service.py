@@ -44,7 +44,8 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
 
 
 def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
-                   thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None) -> str:
+                   thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None,
+                   mappings=None) -> str:
     """``compare_<ts>.vis.db`` of every (step, rank) the two sides share; returns its path.
 
     Args:
@@ -54,6 +55,8 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         fuzzy: msprobe's ``-fm`` node matching (and fuzzy row matching in the compare).
         thresholds: :class:`~msprobe_ci.compare.Thresholds` for the node verdicts (default rule).
         reports: already computed compare reports by (step, rank), to skip recomputing them.
+        mappings: msprobe's ``-dm``/``-lm``/``-cm``/``-am`` files (:class:`~msprobe_ci.compare.crossframe.Mappings`);
+            a MindSpore side against a PyTorch side is matched automatically without them.
 
     Raises:
         MsprobeError: no (step, rank) in common, unreadable dumps, construct.json missing, dangling parents or
@@ -70,7 +73,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         report = (reports or {}).get(key)
         if report is None:
             kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-            report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, **kwargs)
+            report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
         mode = report.mode
         graphs += _compared(t_dump, g_dump, report, key, overflow, fuzzy)
     return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)

@@ -23,6 +23,11 @@ DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torc
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         DTYPES[f"torch.{_name}"] = getattr(torch, _name)
+# MindSpore dump spellings of the same dtypes (``Float16`` is ``torch.float16``)
+DTYPES.update({"Float16": torch.float16, "BFloat16": torch.bfloat16, "Float32": torch.float32,
+               "Float64": torch.float64, "Int8": torch.int8, "UInt8": torch.uint8, "Int16": torch.int16,
+               "Int32": torch.int32, "Int64": torch.int64, "Bool": torch.bool, "Complex64": torch.complex64,
+               "Complex128": torch.complex128})
 
 
 #: The most elements one rebuilt tensor may have (2**28: 2 GiB once upcast to float64). A dump's shape is data:
@@ -56,7 +61,8 @@ class Rebuilder:
         if not isinstance(rec, dict):
             return rec
         typ = rec.get("type")
-        if typ in ("torch.Tensor", "torch.nn.parameter.Parameter"):
+        if typ in ("torch.Tensor", "torch.nn.parameter.Parameter") or str(typ).startswith("mindspore.") and \
+                "dtype" in rec and "shape" in rec:
             return self.tensor(rec, gen, where)
         if typ in ("int", "float", "bool", "str"):
             return rec.get("value")
@@ -66,7 +72,7 @@ class Rebuilder:
             return slice(*rec.get("value", [None, None, None]))
         if typ == "ellipsis":
             return Ellipsis
-        if typ == "torch.dtype":
+        if typ in ("torch.dtype", "mindspore.dtype"):
             dt = DTYPES.get(str(rec.get("value")))
             if dt is None:
                 raise MsprobeError(f"{where}: unknown torch.dtype {rec.get('value')!r}")

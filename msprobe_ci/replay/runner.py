@@ -90,13 +90,34 @@ def resolve(prefix: str, api: str):
     """
     if prefix in _UNSUPPORTED_PREFIX:
         raise MsprobeError(f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}; not replayable on CPU")
-    if prefix not in allowlist.PREFIXES:
+    if prefix not in allowlist.PREFIXES:  # a MindSpore API whose PyTorch twin takes the same arguments
+        from ..compare.crossframe import torch_api
+
+        base, row = torch_api(prefix, api)
+        if base is not None and (row.get("replay") or not row) and "." in base:
+            t_prefix, t_api = base.split(".", 1)
+            if t_prefix in allowlist.PREFIXES and (func := allowlist.lookup(t_prefix, t_api)) is not None:
+                return func
+            raise MsprobeError(f"{prefix}.{api}: its PyTorch twin {base} is not on the replay allowlist")
         raise MsprobeError(f"{prefix}.{api}: unknown API prefix (replay knows {', '.join(allowlist.PREFIXES)})")
     func = allowlist.lookup(prefix, api)
     if func is None:
         raise MsprobeError(f"{prefix}.{api}: not on the replay allowlist (tensor operations only; "
                            "I/O, process, file, RNG-state and serialisation functions are never replayed)")
     return func
+
+
+@functools.lru_cache(maxsize=None)
+def _short(prefix: str, api: str) -> str:
+    """The API name the standards registry knows: ``linear`` for ``Functional.linear`` and for MindSpore's
+    ``Primitive.dense.Dense`` (its PyTorch twin)."""
+    if prefix not in allowlist.PREFIXES:
+        from ..compare.crossframe import torch_api
+
+        base, _ = torch_api(prefix, api)
+        if base is not None:
+            return base.rsplit(".", 1)[-1]
+    return api.rsplit(".", 1)[-1]
 
 
 def _cast(value: Any, fn) -> Any:
@@ -140,6 +161,30 @@ def _records(recs: Any, stem: str) -> list[tuple[str, Any]]:
     out = []
     for i, r in enumerate(recs):
         out += _records(r, f"{stem}.{i}") if isinstance(r, list) else [(f"{stem}.{i}", r)]
+    return out
+
+
+def _mindspore_order(targets: list, grads: list, last_first: bool) -> list:
+    """Torch's gradients (in its autograd node's order, None where an input needs none) lined up with a MindSpore
+    backward entry's outputs, which hold only the gradients that exist (a Primitive's last input first): paired
+    by shape, equal shapes first (ties in MindSpore's order), then a 2-D gradient with its transpose (torch's
+    ``addmm`` hands back dW transposed). Unchanged when some target finds no partner."""
+    free = [g for g in grads if isinstance(g, torch.Tensor)]
+    free = free[::-1] if last_first else free
+    out: list = [None] * len(targets)
+    for transposed in (False, True):
+        for i, (_, t) in enumerate(targets):
+            if out[i] is not None or not isinstance(t, torch.Tensor):
+                continue
+            want = tuple(t.shape)[::-1] if transposed else tuple(t.shape)
+            if transposed and len(want) != 2:
+                continue
+            j = next((k for k, g in enumerate(free) if tuple(g.shape) == want), None)
+            if j is not None:
+                hit = free.pop(j)
+                out[i] = hit.t() if transposed else hit
+    if any(o is None and isinstance(t, torch.Tensor) for o, (_, t) in zip(out, targets)):
+        return grads
     return out
 
 
@@ -270,9 +315,9 @@ class ApiReplayer:
         """Judge one entry; never raises for a bad entry: it becomes a skip (unjudgeable) with the reason."""
         try:
             prefix, api, n, direction = parse_name(name)
-            if api.rsplit(".", 1)[-1] in _NOT_COMPARABLE:
+            if _short(prefix, api) in _NOT_COMPARABLE:
                 return ApiResult(name, "skip", reason=f"{api}: uninitialised memory, not comparable")
-            if api.rsplit(".", 1)[-1] in _RANDOM:
+            if _short(prefix, api) in _RANDOM:
                 return ApiResult(name, "skip", reason=f"{api}: random output, not comparable element-wise")
             func = resolve(prefix, api)
             if direction == "forward":
@@ -311,7 +356,7 @@ class ApiReplayer:
     def _forward(self, name, prefix, api, n, func) -> ApiResult:
         entry = self.dump.data[name]
         args, kwargs = self.arguments(name)
-        short = api.rsplit(".", 1)[-1]
+        short = _short(prefix, api)
         records = _records(entry.get("output") or [], f"{name}.output")
         if "dropout" in short:
             return self._dropout(name, args, kwargs, records, func)
@@ -322,7 +367,7 @@ class ApiReplayer:
         inputs' dtypes, with this replayer's ``faults`` applied to its output), as fuzzing does."""
         prefix, api, n, _ = parse_name(name)
         func = resolve(prefix, api)
-        short = api.rsplit(".", 1)[-1]
+        short = _short(prefix, api)
         try:
             bench = self._run(func, args, kwargs, _fresh)
             oracle, _ = self._oracle(func, args, kwargs)
@@ -396,9 +441,13 @@ class ApiReplayer:
         records = _records(entry.get("output") or [], f"{name}.output")
 
         fwd_entry = self.dump.data[fwd]
-        wants = [isinstance(r, dict) and bool(r.get("requires_grad")) for r in fwd_entry.get("input_args") or []]
-        wants_kw = {k: isinstance(r, dict) and bool(r.get("requires_grad"))
-                    for k, r in (fwd_entry.get("input_kwargs") or {}).items()}
+        mindspore = getattr(self.dump, "framework", "pytorch") == "mindspore"
+
+        def want(r: Any) -> bool:  # MindSpore records have no requires_grad: every floating input may need one
+            return isinstance(r, dict) and (bool(r.get("requires_grad")) or mindspore and "dtype" in r)
+
+        wants = [want(r) for r in fwd_entry.get("input_args") or []]
+        wants_kw = {k: want(r) for k, r in (fwd_entry.get("input_kwargs") or {}).items()}
 
         def grads(cast):
             """The gradients the API's autograd node hands to its inputs (``grad_inputs``, the order the dump
@@ -437,9 +486,13 @@ class ApiReplayer:
                 raise MsprobeError(f"{name}: statistics dump: target gradients belong to other inputs; dump with "
                                    "task 'tensor'")
             targets = [(row, self.rebuild.value(rec, gen, row)) for row, rec in records]
+        if mindspore:  # MindSpore lists only the gradients that exist (a Primitive's last input first)
+            last_first = prefix == "Primitive"
+            bench = _mindspore_order(targets, bench, last_first)
+            oracle = _mindspore_order(targets, oracle, last_first)
         if len(targets) != len(bench):
             return ApiResult(name, "error", [(name, CheckResult("structure", "error", message=(
                 f"{len(targets)} target gradients vs {len(bench)} bench gradients")))])
         keep = [i for i, (_, t) in enumerate(targets) if t is not None]  # inputs that needed no grad
-        return self._judge(name, api.rsplit(".", 1)[-1], [targets[i] for i in keep],
+        return self._judge(name, _short(prefix, api), [targets[i] for i in keep],
                            [(targets[i][0], bench[i]) for i in keep], [(targets[i][0], oracle[i]) for i in keep])
