@@ -141,6 +141,19 @@ def test_cross_framework_matches_what_msprobe_needs_a_79_entry_file_for(mode):
     assert reverse.counts()["error"] == 0
 
 
+def test_classic_dense_matmul_plus_bias_add_is_one_linear():
+    """nn.Dense dumps MatMul then BiasAdd; PyTorch has one F.linear: the table's fused rule pairs them."""
+    report = compare_dumps(load_dump(_ms("nn_fp32_statistics")), load_dump(_pt("fp32_statistics")))
+    ours = _pairs(report)
+    assert len(ours) >= 80 and report.counts()["error"] == 0
+    assert ours["Primitive.matmul.MatMul.1.forward.input.1"] == "Functional.linear.1.forward.input.1"
+    assert ours["Primitive.bias_add.BiasAdd.1.forward.input.1"] == "Functional.linear.1.forward.input.2"
+    assert ours["Primitive.bias_add.BiasAdd.1.forward.output.0"] == "Functional.linear.1.forward.output.0"
+    assert "Primitive.matmul.MatMul.1.forward.output.0" not in ours  # the intermediate x @ W^T has no twin
+    assert ours["Primitive.matmul.MatMul.1.backward.output.0"] == "Functional.linear.1.backward.output.2"  # dW^T
+    assert ours["Cell.fc1.Dense.forward.0.output.0"] == "Module.fc1.Linear.forward.0.output.0"
+
+
 def test_cross_framework_fault_is_named(tmp_path):
     shutil.copytree(_ms("fp16_tensor"), tmp_path / "t")
     f = tmp_path / "t" / "dump_tensor_data" / "Primitive.layer_norm.LayerNorm.0.forward.output.0.npy"

@@ -41,7 +41,29 @@ def table() -> dict[str, Any]:
     with open(_TABLE, encoding="utf-8") as fh:
         doc = yaml.safe_load(fh)
     return {"prefixes": dict(doc.get("prefixes") or {}), "apis": dict(doc.get("apis") or {}),
-            "parameters": dict(doc.get("parameters") or {})}
+            "parameters": dict(doc.get("parameters") or {}), "fused": list(doc.get("fused") or [])}
+
+
+def _fused_renames() -> dict[str, tuple[str, dict[str, str], dict[str, str], bool]]:
+    """``{MindSpore API: (PyTorch API, forward renames, backward renames, last call of its group)}``."""
+    out = {}
+    for group in table()["fused"]:
+        calls = list(group["calls"])
+        for k, api in enumerate(calls):
+            fwd: dict[str, str] = {}
+            for i, (ck, j) in enumerate(group.get("inputs") or []):
+                if ck == k:
+                    fwd[f".input.{j}"] = f".input.{i}"
+            for i, (ck, j) in enumerate(group.get("outputs") or []):
+                if ck == k:
+                    fwd[f".output.{j}"] = f".output.{i}"
+            for j in range(8):  # everything else of this call is intermediate: never paired
+                fwd.setdefault(f".input.{j}", f".input.intermediate{k}_{j}")
+                fwd.setdefault(f".output.{j}", f".output.intermediate{k}_{j}")
+            last = k == len(calls) - 1
+            bwd = {} if last else {f".input.{j}": f".input.intermediate{k}_{j}" for j in range(8)}
+            out[api] = (str(group["torch"]), fwd, bwd, last)
+    return out
 
 
 def torch_api(prefix: str, api: str, extra: dict[str, str] | None = None) -> tuple[str | None, dict]:
@@ -157,6 +179,15 @@ def translate(target: dict[str, Any], bench: dict[str, Any], mappings: Mappings 
                 out.rows[k] = {f"{stem}{a}": f"{stem}{params[a]}" for a in own if a in params}
             continue
         if p.kind != "api":
+            continue
+        fused = _fused_renames().get(f"{p.prefix}.{p.api}")
+        if fused is not None and f"{p.prefix}.{p.api}" not in m.api:
+            base, fwd, bwd, _ = fused
+            out.entries[k] = f"{base}.{p.call}.{p.direction}"
+            out.rows[k] = fwd if p.direction == "forward" else bwd
+            if p.direction == "backward":
+                out.by_shape.add(k)
+                out.last_first.add(k)
             continue
         base, row = torch_api(p.prefix, p.api, m.api)
         if base is None:

@@ -202,7 +202,7 @@ def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = Fals
             pairs.append((r, b if b is not None and _dtype_compatible(r, b) else None))
         return pairs
     renamed = {k: cross.entries.get(k, k) for k in target} if cross is not None else {k: k for k in target}
-    t_map = backward_renumbering(list(renamed.values()))
+    t_map = backward_renumbering(list(dict.fromkeys(renamed.values())))  # fused calls share one name
     b_map = backward_renumbering(list(bench))
 
     def key_of(row: Row, mapping: dict[str, str]) -> str:
