@@ -42,9 +42,13 @@ def fault_graphs(tmp_path):
 
 @pytest.fixture
 def tensorboard(fault_graphs, tmp_path):
+    yield from _serve(fault_graphs, tmp_path)
+
+
+def _serve(logdir, tmp_path):
     port = _free_port()
     log = open(tmp_path / "tensorboard.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "msprobe_ci.cli", "view", str(fault_graphs), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "msprobe_ci.cli", "view", str(logdir), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/data/plugin/graph_ascend/"
     try:
@@ -103,3 +107,29 @@ def test_tb_graph_ascend_serves_our_graph(tensorboard):
 
     screen = _post(tensorboard + "screen", {"type": "precision", "values": [[0.6, 1]], "metaData": md})
     assert screen == {"success": True, "data": ["Functional.layer_norm.3.forward"]}
+
+
+def test_tb_graph_ascend_opens_a_mindspore_against_pytorch_graph(tmp_path):
+    from msprobe_ci.graph import compare_vis_db
+
+    data = os.path.join(ROOT, "tests", "data", "msprobe-26.2.0")
+    compare_vis_db(os.path.join(data, "mindspore-tinynet", "fp16_tensor", "step0", "proc0"),
+                   os.path.join(data, "tinynet", "fp32_tensor", "step0", "proc0"), str(tmp_path / "logs" / "ms_vs_pt"))
+    serve = _serve(tmp_path / "logs", tmp_path)
+    base = next(serve)
+    try:
+        meta = _get(base + "load_meta_dir")
+        (tag,) = meta["data"]["ms_vs_pt"]["tags"]
+        md = {"run": "ms_vs_pt", "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
+        assert _post(base + "loadGraphConfigInfo", {"metaData": md})["success"]
+        root = _post(base + "changeNodeExpandState", {"nodeInfo": {"nodeName": "root", "nodeType": "NPU"},
+                                                      "metaData": md})
+        assert root["success"] and "Cell.fc1.Linear.forward.0" in root["data"]
+        info = _post(base + "getNodeInfo", {"nodeInfo": {"nodeName": "Primitive.layer_norm.LayerNorm.0.forward",
+                                                         "nodeType": "NPU"}, "metaData": md})
+        row = info["data"]["npu"]["input_data"]["Primitive.layer_norm.LayerNorm.0.forward.input.1"]
+        assert row["Result"] == "pass" and float(row["Cosine"]) > 0.9999  # gamma against PyTorch's weight
+        screen = _post(base + "screen", {"type": "precision", "values": [[0.6, 1]], "metaData": md})
+        assert screen == {"success": True, "data": []}  # fp16 rounding: nothing red
+    finally:
+        serve.close()
