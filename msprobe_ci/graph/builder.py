@@ -154,13 +154,17 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
         nodes[name].parent = parent or ROOT
         nodes[parent or ROOT].children.append(name)
     # parameter gradients: module-type children of the module's backward node
+    backward_calls: dict[str, list[int]] = {}  # module base -> its backward call numbers (one pass, not per entry)
+    for k in nodes:
+        base, sep, n = k.rpartition(".backward.")
+        if sep and n.isdigit():
+            backward_calls.setdefault(base, []).append(int(n))
     for name in dump.data:
         m = _PGRAD_RE.match(name)
         if not m or name in nodes:
             continue
         base = m.group("base")
-        backs = sorted((int(k.rsplit(".", 1)[1]) for k in nodes if k.startswith(f"{base}.backward.")
-                        and k.rsplit(".", 1)[1].isdigit()))
+        backs = sorted(backward_calls.get(base, ()))
         if not backs:
             continue
         n = int(m.group("n")) if m.group("n") is not None and int(m.group("n")) in backs else backs[-1]
