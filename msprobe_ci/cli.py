@@ -127,22 +127,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _pairs(target: str, golden: str) -> list[tuple[str, str, str]]:
-    """(target, golden, output suffix) per shared (step, rank); dump.json files are taken as they are."""
+def _pairs(target: str, golden: str) -> list[tuple[str, str, str, tuple[int, int]]]:
+    """(target, golden, output suffix, (step, rank)) per shared (step, rank); dump.json files are taken as they
+    are."""
     from .dump.reader import layout
 
     for path in (target, golden):
         if not os.path.exists(path):
             raise MsprobeError(f"{path}: no such dump file or folder")
     if os.path.isfile(target) or os.path.isfile(golden):
-        return [(target, golden, "")]
+        return [(target, golden, "", (0, 0))]
     t, g = layout(target), layout(golden)
     common = sorted(set(t) & set(g))
     if not common or set(t) != set(g):
         raise MsprobeError(f"{target} has step/rank folders {sorted(t)} but {golden} has {sorted(g)}")
     if len(common) == 1:
-        return [(t[common[0]], g[common[0]], "")]
-    return [(t[k], g[k], f"step{k[0]}_rank{k[1]}") for k in common]
+        return [(t[common[0]], g[common[0]], "", common[0])]
+    return [(t[k], g[k], f"step{k[0]}_rank{k[1]}", k) for k in common]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +169,12 @@ def _compare(args) -> int:
 
     from .compare.isolated import apply_isolation, load_isolation
 
+    from .compare.ranks import first_divergence_across_ranks
+
     worst = 0
     mappings = _mappings(args)
-    for t, g, rank in _pairs(args.target_path, args.golden_path):
+    lines, compared = [], {}
+    for t, g, rank, key in _pairs(args.target_path, args.golden_path):
         target = load_dump(t)
         report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match, mappings=mappings)
         records = load_isolation(target.folder)
@@ -181,10 +185,19 @@ def _compare(args) -> int:
         first = report.first_divergence
         how = "isolated verdicts" if report.isolated else "drift rule; later errors on diverged inputs are " \
             "reported as propagated"
-        print(f"{path}: {len(report.nodes)} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, "
-              f"unmatched {c['unmatched']} ({how}); first divergence: "
-              f"{first.message if first is not None else 'none'}")
+        lines.append(f"{path}: {len(report.nodes)} nodes, pass {c['pass']}, warning {c['warning']}, "
+                     f"error {c['error']}, unmatched {c['unmatched']} ({how}); first divergence: "
+                     f"{first.message if first is not None else 'none'}")
+        compared[key] = (report, target)
         worst = max(worst, 0 if first is None else 1)
+    if len(compared) > 1:  # many ranks or steps: one summary first, naming the rank whose own computation diverged
+        result = first_divergence_across_ranks(compared)
+        print(result.headline)
+        for d in result.ranks:
+            if d is not result.first:
+                print(f"  also: {d.message}")
+    for line in lines:
+        print(line)
     return worst
 
 

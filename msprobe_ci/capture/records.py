@@ -75,7 +75,7 @@ class RecordBuilder:
         if numel and t.device.type != "meta":
             dt = t.dtype
             if t.dim() == 0:
-                v = t.float() if dt in _LOW_FLOATS else t
+                v = t.float() if dt in _LOW_FLOATS else t.clone()  # a copy: an in-place op (all_reduce) may follow
                 stats = (_ALL4, (v, v, v, v), None)
             elif dt.is_floating_point:
                 # amax/amin rather than aminmax: 3x faster on contiguous fp32 and 20x on transposed views
@@ -121,6 +121,18 @@ class RecordBuilder:
                 i += len(tensors)
                 if numel is not None and rec["Mean"] is not None:
                     rec["Mean"] = rec["Mean"] / numel
+
+    def forget(self, value: Any) -> None:
+        """Drop cached statistics of the tensors in ``value``: a collective writes them in place without bumping
+        their version counter, so the cache could not tell."""
+        if isinstance(value, torch.Tensor):
+            self._seen.pop(id(value), None)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self.forget(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self.forget(v)
 
     # -- everything else --------------------------------------------------------------------------------------
     def value(self, v: Any, name: str | None, key: str | None = None) -> Any:

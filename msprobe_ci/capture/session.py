@@ -96,6 +96,7 @@ class CaptureSession:
         self.running = False
         self._busy = False
         self._mode: _ApiMode | None = None
+        self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
         self._hooked: dict[int, list] = {}
         self._folders_written: list[str] = []
         self.api_level = config.level in ("L1", "mix")
@@ -178,6 +179,10 @@ class CaptureSession:
         if (self.api_level or self._fault_apis) and self._mode is None:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
+        if self.api_level and self._comm is None and torch.distributed.is_available():
+            from .comm import CommPatch
+
+            self._comm = CommPatch(self._on_comm)
 
     def stop(self) -> None:
         """Stop recording and write the current step's files (atomically)."""
@@ -185,6 +190,9 @@ class CaptureSession:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            comm.remove()
         self.flush()
 
     def step(self) -> None:
@@ -361,6 +369,84 @@ class CaptureSession:
                 node.register_hook(self._api_backward_hook(bwd_name, record and self._bwd and self._keep(bwd_name),
                                                            bwd_faults, n))
         return out
+
+    def _on_comm(self, op: str, func, args: tuple, kwargs: dict):
+        """Run and record one communication op (``Distributed.<op>.<N>.forward``; see :mod:`.comm`)."""
+        if self._busy or not self.running:
+            return func(*args, **kwargs)
+        key = f"Distributed.{op}."
+        n = self.api_counts.get(key, 0)
+        self.api_counts[key] = n + 1
+        name = f"{key}{n}.forward"
+        if self.with_construct:
+            self.construct[name] = self._fwd_stack[-1] if self._fwd_stack else None
+        record = self._keep(name)
+        entry = None
+        if record:
+            self._busy = True
+            try:
+                files = self._tensor_file(name)
+                entry = {"input_args": [self._comm_value(a, f"{name}.input.{i}" if files else None)
+                                        for i, a in enumerate(args)],
+                         "input_kwargs": {k: self._comm_value(v, f"{name}.input.{k}" if files else None, k)
+                                          for k, v in kwargs.items()},
+                         "output": []}
+                self._stack(name)
+                self.data[name] = entry
+            finally:
+                self._busy = False
+        self._busy = True  # a collective built from other collectives is one record, as msprobe's
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            self._busy = False
+
+        def record_output() -> None:
+            if entry is None or not self._fwd_out:
+                return
+            was, self._busy = self._busy, True
+            try:
+                files = self._tensor_file(name)
+                values = list(args) + list(kwargs.values())
+                self.builder.forget(values)
+                entry["output"] = [self._comm_value(v, f"{name}.output.{i}" if files else None)
+                                   for i, v in enumerate(values)]
+                self._dirty = True
+            finally:
+                self._busy = was
+
+        from .comm import wrap_work
+
+        if isinstance(result, list) and result and all(hasattr(w, "wait") for w in result):
+            pending = {"left": len(result)}
+
+            def one_done() -> None:
+                pending["left"] -= 1
+                if pending["left"] == 0:
+                    record_output()
+            return [wrap_work(w, one_done) for w in result]
+        if result is not None and hasattr(result, "wait"):
+            return wrap_work(result, record_output)
+        record_output()
+        return result
+
+    def _comm_value(self, v: Any, name: str | None, key: str | None = None) -> Any:
+        """Arguments of a communication op: process groups and reduce ops as msprobe records them."""
+        import torch.distributed as dist
+
+        from .comm import encode_group
+
+        if isinstance(v, dist.ProcessGroup) or (key == "group" and v is None):
+            return encode_group(v)
+        if isinstance(v, (dist.ReduceOp, getattr(dist.ReduceOp, "RedOpType", dist.ReduceOp))):
+            return {"type": "torch.distributed.ReduceOp", "value": str(v)}
+        if isinstance(v, dist.P2POp):
+            return {"class_type": "torch.distributed.P2POp", "tensor": self.builder.value(v.tensor, name),
+                    "op": getattr(v.op, "__name__", str(v.op)), "peer": v.peer, "tag": v.tag,
+                    "group_id": encode_group(v.group)["group_id"]}
+        if isinstance(v, (list, tuple)) and v and not isinstance(v, torch.Size):
+            return [self._comm_value(x, None if name is None else f"{name}.{i}") for i, x in enumerate(v)]
+        return self.builder.value(v, name, key)
 
     def _encode_output(self, out: Any, stem: str | None) -> Any:
         if isinstance(out, torch.Tensor):

@@ -1,0 +1,101 @@
+"""Capture of torch.distributed communication ops as ``Distributed.<op>.<N>.forward`` entries.
+
+Collectives do not reach ``__torch_function__``, so while a capture session runs, the functions below are replaced
+on ``torch.distributed`` and ``torch.distributed.distributed_c10d`` by wrappers (as msprobe wraps them) and put
+back when it stops. An entry is laid out as msprobe lays it out (``shared/spec/dump-format.md`` §4.1, §7.2):
+
+* ``input_args`` / ``input_kwargs``: the arguments **before** the op (an in-place collective overwrites them);
+* ``output``: the arguments and keyword values **after** the op (``args + kwargs values``), so an ``all_reduce``
+  output lists the reduced tensor and its ``ReduceOp``;
+* a process group is ``{"type": "torch.ProcessGroup", "group_ranks": [...], "group_id": "<crc32>"}``, a reduce op
+  ``{"type": "torch.distributed.ReduceOp", "value": "RedOpType.SUM"}``; ``src``/``dst`` are plain ints.
+
+With ``async_op=True`` the output is recorded when the returned work is waited on (the call's own record holds
+the pre-op values until then). Communication ops have no backward entry and are never replayed or isolated.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+#: the torch.distributed functions recorded (msprobe's ``distributed`` wrap list, the ones torch still has)
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+       "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
+       "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv")
+_NOT_RECORDED_ARGS = ("all_gather_object",)
+
+
+def encode_group(group: Any) -> dict:
+    """msprobe's record of a process group (the default group when ``None``)."""
+    import torch.distributed as dist
+
+    try:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except Exception:  # noqa: BLE001 - a group object this torch cannot describe
+        ranks = []
+    return {"type": "torch.ProcessGroup", "group_ranks": list(ranks),
+            "group_id": format(zlib.crc32(str(list(ranks)).encode()), "08x")}
+
+
+class _Work:
+    """The async work an op returned, recording the op's output again when waited on."""
+
+    def __init__(self, work: Any, on_done: Callable[[], None]):
+        self._work, self._on_done = work, on_done
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        done, self._on_done = self._on_done, None
+        if done is not None:
+            done()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class CommPatch:
+    """Replaces the communication functions while a session records; :meth:`remove` puts the originals back.
+
+    Args:
+        on_call: ``on_call(op, func, args, kwargs)`` runs the op and records it (the session's method).
+    """
+
+    def __init__(self, on_call: Callable[[str, Callable, tuple, dict], Any]):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self._saved: list[tuple[Any, str, Any]] = []
+        wrappers: dict[int, Callable] = {}
+        for module in (dist, c10d):
+            for op in OPS:
+                orig = getattr(module, op, None)
+                if orig is None or getattr(orig, "_msprobe_ci_original", None) is not None:
+                    continue
+                if id(orig) not in wrappers:
+                    wrappers[id(orig)] = _wrapper(op, orig, on_call)
+                self._saved.append((module, op, orig))
+                setattr(module, op, wrappers[id(orig)])
+
+    def remove(self) -> None:
+        for module, op, orig in reversed(self._saved):
+            setattr(module, op, orig)
+        self._saved.clear()
+
+
+def _wrapper(op: str, orig: Callable, on_call: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        return on_call(op, orig, args, kwargs)
+
+    wrapper.__name__ = getattr(orig, "__name__", op)
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._msprobe_ci_original = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+def wrap_work(work: Any, on_done: Callable[[], None]) -> Any:
+    """``work`` (a ``torch.distributed.Work`` or None) whose ``wait()`` also calls ``on_done`` once."""
+    if work is None or not hasattr(work, "wait"):
+        return work
+    return _Work(work, on_done)

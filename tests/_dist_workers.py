@@ -1,0 +1,89 @@
+"""Rank programs the multi-rank tests spawn (torch.multiprocessing, gloo on CPU); importable by the children."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class TPMLP(torch.nn.Module):
+    """Megatron-style tensor-parallel MLP: column-parallel fc1 (a shard of the hidden units), row-parallel fc2,
+    and an all_reduce of the partial outputs. Every rank holds its shard of the same full weights."""
+
+    def __init__(self, rank, world, d=16, h=32):
+        super().__init__()
+        torch.manual_seed(0)
+        full1, full2 = torch.nn.Linear(d, h), torch.nn.Linear(h, d, bias=False)
+        k = h // world
+        self.fc1 = torch.nn.Linear(d, k)
+        self.fc2 = torch.nn.Linear(k, d, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(full1.weight[rank * k:(rank + 1) * k])
+            self.fc1.bias.copy_(full1.bias[rank * k:(rank + 1) * k])
+            self.fc2.weight.copy_(full2.weight[:, rank * k:(rank + 1) * k])
+        self.async_op = False
+
+    def forward(self, x):
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        if self.async_op:
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, async_op=True).wait()
+        else:
+            dist.all_reduce(y)
+        return y
+
+
+def tp_mlp(rank, world, port, out, fault_rank, ranks, async_op):
+    """Bench (fp32) and target (bf16, a 5% gelu fault on ``fault_rank``) dumps of the TP MLP on every rank."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        for side, dtype in (("bench", torch.float32), ("target", torch.bfloat16)):
+            m = TPMLP(rank, world).to(dtype)
+            m.async_op = async_op
+            faults = [Fault("Functional.gelu", 0, "forward", "scale", 1.05)] \
+                if side == "target" and rank == fault_rank else []
+            cap = CaptureSession(DumpConfig(dump_path=os.path.join(out, side), level="mix", rank=list(ranks)),
+                                 faults=faults)
+            cap.start(m)
+            m(x.to(dtype)).float().pow(2).mean().backward()
+            cap.stop()
+            cap.close()
+    finally:
+        dist.destroy_process_group()
+
+
+class Stage(torch.nn.Module):
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(rank)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def pipeline(rank, world, port, out):
+    """A 2-stage pipeline: rank 0 sends its activations to rank 1 (send/recv), captured with PrecisionDebugger."""
+    from msprobe_ci import PrecisionDebugger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        stage = Stage(rank)
+        dbg = PrecisionDebugger(dump_path=out, level="mix")
+        dbg.start(stage)
+        with torch.no_grad():
+            if rank == 0:
+                dist.send(stage(torch.ones(2, 8)), dst=1)
+            else:
+                h = torch.zeros(2, 8)
+                dist.recv(h, src=0)
+                stage(h)
+        dbg.stop()
+    finally:
+        dist.destroy_process_group()

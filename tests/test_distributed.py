@@ -1,0 +1,81 @@
+"""Multi-rank capture and compare: torch.distributed (gloo, CPU, 2 processes) communication ops in msprobe's
+layout, one rank folder per rank, and the first divergence over ranks naming the rank that computed it."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import _dist_workers
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp(out, fault_rank=-1, ranks=(), async_op=False):
+    mp.spawn(_dist_workers.tp_mlp, args=(2, _port(), str(out), fault_rank, tuple(ranks), async_op), nprocs=2,
+             join=True)
+
+
+def _data(folder):
+    with open(os.path.join(folder, "dump.json")) as fh:
+        return json.load(fh)["data"]
+
+
+def _compare(out, tmp_path):
+    return subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "compare", "-tp", str(out / "target" / "step0"),
+                           "-gp", str(out / "bench" / "step0"), "-o", str(tmp_path / "cmp")],
+                          capture_output=True, text=True)
+
+
+def test_collectives_are_captured_per_rank_in_msprobe_layout(tmp_path):
+    _tp(tmp_path / "o", async_op=True)
+    for rank in (0, 1):
+        data = _data(tmp_path / "o" / "target" / "step0" / f"rank{rank}")
+        e = data["Distributed.all_reduce.0.forward"]
+        before, after = e["input_args"][0], e["output"][0]
+        assert before["shape"] == after["shape"] == [4, 16]
+        assert before["Norm"] != after["Norm"]  # input before the collective, output after it (async: on wait)
+        assert e["input_kwargs"]["op"] == {"type": "torch.distributed.ReduceOp", "value": "RedOpType.SUM"}
+        assert list(data).index("Distributed.all_reduce.0.forward") > list(data).index("Functional.linear.1.forward")
+
+
+def test_first_divergence_names_the_rank_that_computed_it(tmp_path):
+    for fault_rank in (1, 0):
+        out = tmp_path / f"f{fault_rank}"
+        _tp(out, fault_rank)
+        r = _compare(out, tmp_path / f"c{fault_rank}")
+        assert r.returncode == 1, r.stderr
+        lines = r.stdout.splitlines()
+        other = 1 - fault_rank
+        assert lines[0].startswith(f"first divergence: step0 rank{fault_rank} Functional.gelu.0.forward: ")
+        assert f"step0 rank{other} Distributed.all_reduce.0.forward: received diverged data through " \
+               f"Distributed.all_reduce.0.forward from rank{fault_rank}" in r.stdout
+    clean = tmp_path / "clean"
+    _tp(clean)
+    r = _compare(clean, tmp_path / "cc")
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "first divergence: none", r.stdout + r.stderr
+
+
+def test_config_rank_list_is_honoured(tmp_path):
+    _tp(tmp_path / "o", ranks=(1,))
+    assert sorted(os.listdir(tmp_path / "o" / "target" / "step0")) == ["rank1"]
+
+
+def test_send_recv_pipeline_with_precision_debugger(tmp_path):
+    mp.spawn(_dist_workers.pipeline, args=(2, _port(), str(tmp_path / "p")), nprocs=2, join=True)
+    send = _data(tmp_path / "p" / "step0" / "rank0")["Distributed.send.0.forward"]
+    recv = _data(tmp_path / "p" / "step0" / "rank1")["Distributed.recv.0.forward"]
+    assert send["input_kwargs"]["dst"] == {"type": "int", "value": 1}
+    assert recv["input_kwargs"]["src"] == {"type": "int", "value": 0}
+    assert recv["input_args"][0]["Max"] == 0.0 and recv["output"][0]["Max"] == send["input_args"][0]["Max"]
