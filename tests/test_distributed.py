@@ -79,3 +79,30 @@ def test_send_recv_pipeline_with_precision_debugger(tmp_path):
     assert send["input_kwargs"]["dst"] == {"type": "int", "value": 1}
     assert recv["input_kwargs"]["src"] == {"type": "int", "value": 0}
     assert recv["input_args"][0]["Max"] == 0.0 and recv["output"][0]["Max"] == send["input_args"][0]["Max"]
+
+
+def test_graph_holds_every_rank_with_communication_nodes_linked(tmp_path):
+    import sqlite3
+    from contextlib import closing
+
+    from msprobe_ci.graph import build_vis_db, compare_vis_db
+
+    _tp(tmp_path / "o", fault_rank=1)
+    db = compare_vis_db(str(tmp_path / "o" / "target"), str(tmp_path / "o" / "bench"), str(tmp_path / "g"))
+    with closing(sqlite3.connect(db)) as c:
+        assert c.execute("select rank_list from tb_config").fetchone()[0] == "[0, 1]"
+        rows = {(src, rank): json.loads(md) for src, rank, md in c.execute(
+            "select data_source, rank, matched_distributed from tb_nodes where node_name = "
+            "'Distributed.all_reduce.0.forward'")}
+    assert set(rows) == {("NPU", 0), ("NPU", 1), ("Bench", 0), ("Bench", 1)}
+    assert rows[("NPU", 0)]["communications_type"] == "send_receive"
+    assert rows[("NPU", 0)]["nodes_info"]["1"][1] == "Distributed.all_reduce.0.forward"
+    assert rows[("NPU", 1)]["nodes_info"]["0"][1] == "Distributed.all_reduce.0.forward"
+    mp.spawn(_dist_workers.pipeline, args=(2, _port(), str(tmp_path / "p")), nprocs=2, join=True)
+    db = build_vis_db(str(tmp_path / "p"), str(tmp_path / "gp"))
+    with closing(sqlite3.connect(db)) as c:
+        md = {name: json.loads(v) for name, v in c.execute(
+            "select node_name, matched_distributed from tb_nodes where is_distributed = 1")}
+    assert md["Distributed.send.0.forward"] == {"communications_type": "send",
+                                                "nodes_info": {"1": ["Nan", "Distributed.recv.0.forward"]}}
+    assert md["Distributed.recv.0.forward"]["communications_type"] == "receive"

@@ -41,6 +41,7 @@ class Node:
         precision_index: ``None``, 0, 0.5 or 1 (compare graphs, target side).
         overflow_level: ``None`` or ``medium``/``high``/``critical``.
         matched_link: ancestors + matched node (compare graphs), ``[]`` when unmatched.
+        matched_distributed: for a communication node of a multi-rank graph, its peers on the other ranks.
     """
 
     name: str
@@ -55,6 +56,7 @@ class Node:
     precision_index: float | None = None
     overflow_level: str | None = None
     matched_link: list[str] = field(default_factory=list)
+    matched_distributed: dict = field(default_factory=dict)  # communication peers on other ranks (distributed.py)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from ..overflow import check_overflow
 from .builder import Graph, build_graph
 from .compare import compare_graphs
 from .db import out_path, write_vis_db
+from .distributed import link as link_distributed
 
 
 def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Graph:
@@ -25,6 +26,11 @@ def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Gra
             if a.name in g.nodes:
                 g.nodes[a.name].overflow_level = a.level
     return g
+
+
+def _comm_entries(dump: Dump) -> dict:
+    """The communication entries of a dump (all that cross-rank linking needs to keep in memory)."""
+    return {k: v for k, v in dump.data.items() if k.startswith("Distributed.")}
 
 
 def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, int], overflow: bool,
@@ -38,8 +44,12 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
 
 def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
     """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path."""
-    graphs = [_graph(load_dump(folder), "NPU", step, rank, overflow)
-              for (step, rank), folder in sorted(layout(target).items())]
+    graphs, comms = [], {}
+    for (step, rank), folder in sorted(layout(target).items()):
+        dump = load_dump(folder)
+        graphs.append(_graph(dump, "NPU", step, rank, overflow))
+        comms[(step, rank)] = _comm_entries(dump)
+    link_distributed(graphs, comms)
     return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
 
 
@@ -68,14 +78,18 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         raise MsprobeError(f"{target} and {golden} share no step/rank folder (target has {sorted(t_layout)}, "
                            f"golden has {sorted(g_layout)})")
     graphs, mode = [], "statistics"
+    comms: dict[str, dict] = {"NPU": {}, "Bench": {}}
     for key in common:
         t_dump, g_dump = load_dump(t_layout[key]), load_dump(g_layout[key])
+        comms["NPU"][key], comms["Bench"][key] = _comm_entries(t_dump), _comm_entries(g_dump)
         report = (reports or {}).get(key)
         if report is None:
             kwargs = {"thresholds": thresholds} if thresholds is not None else {}
             report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
         mode = report.mode
         graphs += _compared(t_dump, g_dump, report, key, overflow, fuzzy)
+    for source in ("NPU", "Bench"):
+        link_distributed([g for g in graphs if g.data_source == source], comms[source])
     return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
 
 
