@@ -71,3 +71,36 @@ def test_msprobe_compare_reads_our_dumps_with_equal_metrics(tmp_path, task, summ
                   if k not in SKIP and o[k] != t[k]]
     assert mismatches == []
     assert report.counts()["error"] == 0  # bf16 rounding explains every difference; msprobe's Result column errs
+
+
+def test_msprobe_compare_reads_our_multi_rank_dumps(tmp_path):
+    """A TP=2 run (gloo, two processes): msprobe pairs our rank folders and its rows and metrics equal ours."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import _dist_workers
+
+    cli = _msprobe_cli()
+    if cli is None:
+        pytest.skip("the msprobe command is not on PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_dist_workers.tp_mlp, args=(2, port, str(tmp_path / "o"), -1, (), False), nprocs=2, join=True)
+    out = tmp_path / "msprobe-out"
+    proc = subprocess.run([cli, "compare", "-tp", str(tmp_path / "o" / "target" / "step0"),
+                           "-gp", str(tmp_path / "o" / "bench" / "step0"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in (0, 1):
+        (theirs_path,) = glob.glob(str(out / f"compare_result_rank{rank}_*.csv"))
+        theirs = list(csv.DictReader(_lines(theirs_path)))
+        rank_dir = tmp_path / "o" / "{}" / "step0" / f"rank{rank}"
+        report = compare_dumps(load_dump(str(rank_dir).format("target")), load_dump(str(rank_dir).format("bench")))
+        ours = list(csv.DictReader(_lines(report.write_csv(str(tmp_path / f"ours{rank}")))))
+        assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in theirs]
+        assert "Distributed.all_reduce.0.forward.output.0" in {r["NPU Name"] for r in ours}
+        mismatches = [(t["NPU Name"], k, o[k], t[k]) for o, t in zip(ours, theirs) for k in t
+                      if k not in SKIP and o[k] != t[k]]
+        assert mismatches == []
