@@ -85,7 +85,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
         raise MsprobeError("nothing was captured (no torch API or submodule ran)")
     unapplied = []
     for i, f in enumerate(faults):
-        if i not in capture.faults_applied:
+        if i not in capture.faults_applied and f.on_rank(capture.fault_rank):
             where = "" if f.call is None else f" call {f.call}"
             why = ("it ran inside a torch.compile region, where APIs cannot be reached" if backend.compile
                    else "no such call ran on the target")

@@ -249,6 +249,126 @@ class MsprobeFixture:
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
         return report
 
+    def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
+                       bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
+                       timeout: float = 300.0, **options: Any):
+        """Run a model split over ``world_size`` ranks on the bench and the target, compare rank by rank, and fail
+        naming the rank whose own computation diverged first.
+
+        ``build(rank, world_size)`` returns that rank's module (its shard of the weights); every rank gets the same
+        ``inputs``. Ranks are spawned processes joined by torch.distributed (gloo on CPU) on a port chosen per
+        check; each captures the bench side, then the target side (isolated verdicts), into
+        ``<check>/<side>/step0/rank<R>``. Communication ops are captured on every rank; a rank that only received
+        diverged data through a collective is named as such, not blamed. Faults take ``rank: N``.
+
+        Args:
+            build: a module-level function (it is sent to the rank processes), as are ``loss_fn`` and the inputs.
+            world_size: ranks of the target run. bench_world_size: ranks of the bench run (default the same;
+                a different size needs graph merging of TP/PP partitions, which is not built yet).
+            loss_fn: maps a rank's output to a scalar loss; enables backward capture.
+            timeout: seconds before hung ranks are terminated and the check fails naming them (default 300).
+            options: as for :meth:`check` (bench, target, bench_dtype, target_dtype, level, task, inject, seed,
+                isolate, api_standards, api_thresholds).
+
+        Returns:
+            ``{rank: CompareReport}``.
+
+        Raises:
+            pytest.fail.Exception: a rank raised or hung, the first divergence, an overflow, a fault that never
+                fired, or a per-API pre-check error; each message names the rank.
+        """
+        __tracebackhide__ = True
+        from ..backends import Backend
+        from ..capture.inject import load_faults
+        from ..check import SideRun, evaluate
+        from ..compare.ranks import first_divergence_across_ranks
+        from ..errors import MsprobeError
+        from ..graph.service import compare_vis_db
+        from ..parallel import RankJob, free_port, run_ranks
+
+        self._check_keys(options, "msprobe.check_parallel()")
+        st = self._settings(options)
+        self.session.validate_files()
+        session = self.session
+        nodeid = self.request.node.nodeid
+        try:
+            if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+                raise MsprobeError(f"check_parallel: world_size: expected a positive int, got {world_size!r}")
+            if bench_world_size not in (None, world_size):
+                raise MsprobeError(f"check_parallel: bench_world_size {bench_world_size} differs from world_size "
+                                   f"{world_size}: comparing differently partitioned runs needs TP/PP graph "
+                                   "merging, which msprobe-ci does not do yet")
+            bench = Backend.from_options(st["bench"], st["bench_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"])
+            faults = load_faults(st["inject"]) if st["inject"] else session.faults
+            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
+        index = self.checks
+        self.checks += 1
+        check_dir = os.path.join(base_dir, f"check{index}")
+        os.makedirs(check_dir, exist_ok=True)
+        level, task = st["level"], st["task"]
+        dist_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(target.kind, "gloo")
+        job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
+                      sides=(("bench", st["bench"], st["bench_dtype"]), ("target", st["target"], st["target_dtype"])),
+                      level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
+                      isolate=_isolate_flag(st["isolate"]), standards=dict(st["api_standards"] or {}),
+                      thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend)
+        outcomes = {}
+        try:
+            run_ranks(job, world_size, float(timeout))
+            for rank in range(world_size):
+                folder = {side: os.path.join(check_dir, side, "step0", f"rank{rank}") for side in ("bench", "target")}
+                outcomes[rank] = evaluate(folder["bench"], SideRun(folder["target"]), os.path.join(check_dir,
+                                          f"rank{rank}"), level=level, isolate=job.isolate,
+                                          api_standards=st["api_standards"], api_thresholds=st["api_thresholds"])
+            graph = None
+            if not session.no_graph:
+                graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
+                                       session.graph_dir(nodeid, index),
+                                       reports={(0, r): o.report for r, o in outcomes.items()})
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+        props = self.request.node.user_properties
+        for rank, outcome in outcomes.items():
+            row = {"test": nodeid, "index": f"{index} rank{rank}", "dir": os.path.join(check_dir, f"rank{rank}"),
+                   "bench": f"{bench.label} x{world_size}", "target": f"{target.label} x{world_size}",
+                   "level": level, "notes": list(outcome.notes)}
+            row.update(outcome.summary(), unapplied=[])
+            props.append((RESULT_PROPERTY, _publish(row)))
+        if graph:
+            props.append(("msprobe.graph", graph))
+        unapplied = []
+        for i, f in enumerate(faults):
+            ranks = [r for r in range(world_size) if f.on_rank(r)]
+            files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
+            if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _read(p) for p in files):
+                unapplied.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+        if unapplied:
+            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {unapplied[0]}; a fault that never fires "
+                        f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+        cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
+        if cross.first is not None:
+            lines = [f"msprobe: {cross.headline}"]
+            lines += [f"  also: {d.message}" for d in cross.ranks if d is not cross.first]
+            if graph:
+                lines.append(f"graph: {graph}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph))}; "
+                             "the rank switch shows each rank)")
+            lines.append(f"Artifacts: {check_dir}")
+            pytest.fail("\n".join(lines), pytrace=False)
+        for rank, outcome in outcomes.items():
+            if outcome.overflow_failed:
+                ov = outcome.overflow.first
+                pytest.fail(f"msprobe: overflow on the target at rank{rank} {ov.name} ({ov.level}); the bench has "
+                            f"none there. Artifacts: {check_dir}", pytrace=False)
+            if outcome.api_errors:
+                a = outcome.api_errors[0]
+                pytest.fail(f"msprobe: per-API pre-check: rank{rank} {a.name}: {a.message}. Artifacts: {check_dir}",
+                            pytrace=False)
+        return {r: o.report for r, o in outcomes.items()}
+
     def compare_dumps(self, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
                       layer_mapping: str | None = None, cell_mapping: str | None = None,
                       api_mapping: str | None = None):
@@ -349,6 +469,11 @@ class MsprobeFixture:
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
         return run
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
 
 
 def _publish(row: dict) -> str:

@@ -106,3 +106,89 @@ def test_graph_holds_every_rank_with_communication_nodes_linked(tmp_path):
     assert md["Distributed.send.0.forward"] == {"communications_type": "send",
                                                 "nodes_info": {"1": ["Nan", "Distributed.recv.0.forward"]}}
     assert md["Distributed.recv.0.forward"]["communications_type"] == "receive"
+
+
+PARALLEL_TESTS = '''
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class Shard(torch.nn.Module):
+    def __init__(self, rank, world):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        full1, full2 = torch.randn(32, 16, generator=g) * 0.2, torch.randn(16, 32, generator=g) * 0.2
+        k = 32 // world
+        self.fc1 = torch.nn.Linear(16, k, bias=False)
+        self.fc2 = torch.nn.Linear(k, 16, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(full1[rank * k:(rank + 1) * k])
+            self.fc2.weight.copy_(full2[:, rank * k:(rank + 1) * k])
+
+    def forward(self, x):
+        y = self.fc2(F.gelu(self.fc1(x)))
+        dist.all_reduce(y)
+        return y
+
+
+def build(rank, world):
+    return Shard(rank, world)
+
+
+def build_raises(rank, world):
+    if rank == 1:
+        raise ValueError("shard 1 has no weights")
+    return Shard(rank, world)
+
+
+def build_hangs(rank, world):
+    if rank == 1:
+        time.sleep(120)
+    return Shard(rank, world)
+
+
+def loss(out):
+    return out.float().pow(2).mean()
+
+
+X = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_clean(msprobe):
+    msprobe.check_parallel(build, X, world_size=2, loss_fn=loss)
+
+
+def test_fault_on_rank_1(msprobe):
+    msprobe.check_parallel(build, X, world_size=2, loss_fn=loss, inject="faults.yaml")
+
+
+def test_rank_raises(msprobe):
+    msprobe.check_parallel(build_raises, X, world_size=2)
+
+
+def test_rank_hangs(msprobe):
+    msprobe.check_parallel(build_hangs, X, world_size=2, timeout=20)
+
+
+def test_lambda(msprobe):
+    msprobe.check_parallel(lambda r, w: Shard(r, w), X, world_size=2)
+'''
+
+
+def test_check_parallel_names_ranks(pytester):
+    pytester.makepyfile(test_par=PARALLEL_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.gelu, call: 0, perturb: scale, value: 1.05, "
+                                      "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-junitxml=j.xml", "-n", "2")
+    result.assert_outcomes(passed=1, failed=4)
+    out = result.stdout.str()
+    assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
+    assert "check_parallel: rank 1 raised: ValueError: shard 1 has no weights" in out
+    assert "check_parallel: rank(s) [0, 1] still running after 20 s (hung in a collective?); terminated" in out
+    assert "must be picklable (module-level functions)" in out
+    junit = (pytester.path / "j.xml").read_text()
+    assert "test_par.test_clean check 0 rank1" in junit

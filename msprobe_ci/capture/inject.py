@@ -12,6 +12,7 @@ File format (YAML, loaded with ``yaml.safe_load``)::
 * ``perturb``: ``scale`` (``x * value``), ``offset`` (``x + value``) or ``noise`` (``x + value * |x| * N(0, 1)``,
   i.e. ``value`` is the relative standard deviation; the generator is seeded per fault and call, so runs repeat).
 * ``step``: apply only at that capture step (``step<N>`` folder; absent or ``null``: every step).
+* ``rank``: apply only on that rank of a multi-rank run (absent or ``null``: every rank).
 
 The perturbed value is what the caller receives *and* what capture records, exactly as a buggy kernel would.
 """
@@ -38,6 +39,11 @@ class Fault:
     perturb: str = "scale"
     value: float = 1.0
     step: int | None = None
+    rank: int | None = None
+
+    def on_rank(self, rank: int | None) -> bool:
+        """This fault applies on ``rank`` (every rank when the fault names none)."""
+        return self.rank is None or rank is None or self.rank == rank
 
     def matches(self, api: str, call: int, direction: str, step: int | None = None) -> bool:
         """This fault applies to call ``call`` of ``api`` in ``direction`` (at capture step ``step`` when given)."""
@@ -84,7 +90,7 @@ def parse_faults(raw: Any, source: str = "faults") -> tuple[Fault, ...]:
         where = f"{source}: faults[{i}]"
         if not isinstance(item, dict):
             raise MsprobeError(f"{where}: expected a mapping, got {item!r}")
-        unknown = sorted(set(item) - {"api", "call", "direction", "perturb", "value", "step"})
+        unknown = sorted(set(item) - {"api", "call", "direction", "perturb", "value", "step", "rank"})
         if unknown:
             raise MsprobeError(f"{where}: unknown field(s) {unknown}")
         api = item.get("api")
@@ -105,7 +111,10 @@ def parse_faults(raw: Any, source: str = "faults") -> tuple[Fault, ...]:
         step = item.get("step")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise MsprobeError(f"{where}.step: expected a non-negative int (a capture step), got {step!r}")
-        out.append(Fault(api, call, direction, perturb, float(value), step))
+        rank = item.get("rank")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise MsprobeError(f"{where}.rank: expected a non-negative int (a rank), got {rank!r}")
+        out.append(Fault(api, call, direction, perturb, float(value), step, rank))
     return tuple(out)
 
 

@@ -140,6 +140,15 @@ class CaptureSession:
     def step_enabled(self) -> bool:
         return not self.config.step or self.current_step in self.config.step
 
+    @property
+    def fault_rank(self) -> int | None:
+        """This process's rank for faults with a ``rank`` (None outside torch.distributed)."""
+        if self.rank is not None:
+            return self.rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return None
+
     def rank_dir(self) -> str:
         rank = self.rank
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -299,7 +308,8 @@ class CaptureSession:
         n = self.api_counts.get(key, 0)
         fwd_name = f"{key}{n}.forward"
         api_id = f"{prefix}.{api}"
-        faults = [f for f in self.faults if f.api == api_id] if api_id in self._fault_apis else ()
+        faults = [f for f in self.faults if f.api == api_id and f.on_rank(self.fault_rank)] \
+            if api_id in self._fault_apis else ()
         if self.with_construct and self.api_level:
             self.construct[fwd_name] = self._fwd_stack[-1] if self._fwd_stack else None
         record = self.api_level and kind == naming.RECORD and self._keep(fwd_name)

@@ -1,0 +1,108 @@
+"""Multi-rank checks: spawn the ranks, capture bench and target on each, judge every rank and the run as a whole.
+
+torch.distributed is the engine: ranks are processes started by ``torch.multiprocessing`` (spawn), joined over
+``gloo`` on CPU (``nccl`` for CUDA, ``hccl`` for NPU targets), each on a free port of 127.0.0.1 chosen per check
+(so checks under pytest-xdist do not collide). Every rank runs the bench side, then the target side, through
+:func:`msprobe_ci.check.run_side` (isolation on the target), writing ``<check>/<side>/step0/rank<R>``. A rank that
+raises ends the check with that rank's error; a rank that hangs past ``timeout`` seconds is terminated and named.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import MsprobeError
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank runs (pickled to the spawned processes)."""
+
+    build: Callable[[int, int], Any]
+    inputs: tuple
+    loss_fn: Callable | None
+    out: str
+    sides: tuple  # ((side, device, dtype option), ...)
+    level: str
+    task: str
+    seed: int
+    faults: tuple
+    isolate: bool
+    standards: dict
+    thresholds: dict
+    port: int
+    backend: str
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawned process
+    import torch.distributed as dist
+
+    from .backends import Backend
+    from .check import run_side
+    from .config import DumpConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
+    dist.init_process_group(job.backend, rank=rank, world_size=world)
+    try:
+        for side, device, dtype in job.sides:
+            backend = Backend.from_options(device, dtype)
+            isolator = None
+            if side == "target" and job.isolate:
+                from .isolate import Isolator
+
+                isolator = Isolator(standards=dict(job.standards), thresholds=dict(job.thresholds),
+                                    target_device=backend.torch_device, backward=job.loss_fn is not None)
+            cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
+            run = run_side(job.build(rank, world), job.inputs, job.loss_fn, backend, cfg,
+                           faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator)
+            if run.unapplied:
+                with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
+                    fh.write("\n".join(run.unapplied))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(job: RankJob, world: int, timeout: float) -> None:
+    """Spawn ``world`` ranks running ``job`` and wait for them.
+
+    Raises:
+        MsprobeError: ``build``/``loss_fn``/inputs cannot be sent to a process (not module-level), a rank raised
+            (its exception's last line and the rank), or ranks still ran after ``timeout`` seconds (terminated).
+    """
+    import torch.multiprocessing as mp
+
+    try:
+        pickle.dumps(job)
+    except Exception as exc:  # noqa: BLE001 - lambdas, closures, local classes
+        raise MsprobeError(f"check_parallel: build, loss_fn and inputs are sent to spawned rank processes and must "
+                           f"be picklable (module-level functions): {type(exc).__name__}: {exc}") from None
+    ctx = mp.start_processes(_rank_main, args=(world, job), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                raise MsprobeError(f"check_parallel: rank(s) {alive} still running after {timeout:g} s (hung in a "
+                                   "collective?); terminated")
+    except mp.ProcessRaisedException as exc:
+        last = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        raise MsprobeError(f"check_parallel: rank {exc.error_index} raised: {last[-1] if last else exc}") from None
+    except mp.ProcessExitedException as exc:
+        raise MsprobeError(f"check_parallel: rank {exc.error_index} exited with code {exc.exit_code}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
