@@ -170,7 +170,7 @@ def test_rank_raises(msprobe):
 
 
 def test_rank_hangs(msprobe):
-    msprobe.check_parallel(build_hangs, X, world_size=2, timeout=20)
+    msprobe.check_parallel(build_hangs, X, world_size=2, timeout=10)
 
 
 def test_lambda(msprobe):
@@ -188,7 +188,7 @@ def test_check_parallel_names_ranks(pytester):
     out = result.stdout.str()
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
     assert "check_parallel: rank 1 raised: ValueError: shard 1 has no weights" in out
-    assert "check_parallel: rank(s) [0, 1] still running after 20 s (hung in a collective?); terminated" in out
+    assert "check_parallel: rank(s) [0, 1] still running after 10 s (hung in a collective?); terminated" in out
     assert "must be picklable (module-level functions)" in out
     junit = (pytester.path / "j.xml").read_text()
     assert "test_par.test_clean check 0 rank1" in junit
