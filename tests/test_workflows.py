@@ -45,7 +45,7 @@ def test_ci_runs_the_readme_test_command_on_two_pythons():
     assert len(job["strategy"]["matrix"]["python-version"]) == 2
     runs = [r.strip() for r in _runs(job)]
     readme = _readme_commands()
-    assert "pytest tests/" in readme and "pytest tests/" in runs
+    assert "pytest tests/ -n 2" in readme and "pytest tests/ -n 2" in runs
     assert any(r.startswith("pytest examples/") and r in " ".join(readme) for r in runs)
 
 
