@@ -94,7 +94,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
-          cast_roundoff: float = 0.0, mappings=None):
+          cast_roundoff: float = 0.0, mappings=None, source_factor: float = 4.0):
     """Compare the target dump with the bench dump and apply the isolated verdicts.
 
     Returns:
@@ -112,7 +112,8 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
     report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds, mappings=mappings)
     records = load_isolation(target_folder) if isolate else None
     if records is not None:
-        apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff)
+        apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff,
+                        source_factor=source_factor)
     return report, target_dump, bench_dump
 
 
@@ -243,7 +244,7 @@ class CheckOutcome:
 def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
              thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
              graph_dir: str | None = None, api_standards: dict | None = None,
-             api_thresholds: dict | None = None, mappings=None) -> CheckOutcome:
+             api_thresholds: dict | None = None, mappings=None, source_factor: float = 4.0) -> CheckOutcome:
     """Judge one check from its two sides: compare (isolated verdicts), CSV, graph, model-level testcases,
     overflow, and the per-API pre-check of a tensor dump.
 
@@ -253,6 +254,9 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         out_dir: where the compare CSV goes. graph_dir: where the ``.vis.db`` goes (``None``: no graph).
         level: the capture level (the pre-check needs API entries: L1 or mix).
         mappings: msprobe's cross-framework mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`).
+        source_factor: how far sources (parameters, buffers, inputs, state) may differ from the bench, in units
+            of u (default 4); ``inf`` after the first training step, where weights and optimizer state have
+            legitimately trained apart.
 
     Raises:
         MsprobeError: unreadable or incompatible dumps.
@@ -262,7 +266,8 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
 
     bench_folder = bench if isinstance(bench, str) else bench.folder
     report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
-                                            isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings)
+                                            isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings,
+                                            source_factor=source_factor)
     csv_path = report.write_csv(out_dir)
     graph_path, notes = None, []
     if graph_dir is not None:
@@ -284,3 +289,98 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         api_checks = [replayer.check(n) for n in replayer.api_names()]
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
                         tuple(api_checks), tuple(notes))
+
+
+@dataclass
+class TrainingRun:
+    """What one side of a training check produced.
+
+    Attributes:
+        folders: the rank folder of each step (``.../step<N>/rank``).
+        losses: the loss of each step (float).
+        grads: per step, ``{parameter name: float64 CPU gradient}`` after backward, before the optimizer step.
+        unapplied: injected faults that never fired.
+    """
+
+    folders: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    unapplied: tuple = ()
+
+
+def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
+                 faults: tuple = (), seed: int = 1234, isolator=None) -> TrainingRun:
+    """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
+
+    Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
+    backward, the gradients kept for grad_probe statistics, ``optimizer.step()`` (its APIs are captured in the
+    same step), ``zero_grad()``.
+
+    Args:
+        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side.
+
+    Raises:
+        MsprobeError: a batch list that is empty, or nothing captured.
+    """
+    import torch
+
+    from .backends import deterministic
+    from .capture import CaptureSession
+
+    if not batches:
+        raise MsprobeError("check_training: batches is empty (one training step per batch)")
+    side_model = backend.prepare_model(model)
+    side_model.train()
+    opt = optimizer(side_model.parameters())
+    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
+    run = TrainingRun()
+    torch.manual_seed(seed)
+    try:
+        with deterministic():
+            for batch in batches:
+                inputs = backend.prepare_inputs((batch,))[0]
+                capture.start(side_model)
+                if isinstance(inputs, dict):
+                    out = side_model(**inputs)
+                elif isinstance(inputs, (list, tuple)):
+                    out = side_model(*inputs)
+                else:
+                    out = side_model(inputs)
+                loss = loss_fn(out)
+                loss.backward()
+                run.losses.append(float(loss.detach().float().cpu()))
+                run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
+                                  for n, p in side_model.named_parameters() if p.grad is not None})
+                opt.step()
+                opt.zero_grad()
+                capture.stop()
+                run.folders.append(capture.dump_folder())
+                capture.step()
+    finally:
+        capture.close()
+    run.unapplied = tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never "
+                          "applied: no such call ran on the target"
+                          for i, f in enumerate(faults) if i not in capture.faults_applied)
+    return run
+
+
+def grad_similarity(bench: dict, target: dict) -> list[dict]:
+    """grad_probe's per-parameter record of one step: norm, min and max on both sides, the cosine of the two
+    gradient vectors, and sign agreement (the share of elements whose signs agree)."""
+    import torch
+
+    out = []
+    for name, b in bench.items():
+        t = target.get(name)
+        if t is None or t.shape != b.shape:
+            continue
+        bf, tf = b.reshape(-1), t.reshape(-1)
+        denom = float(bf.norm() * tf.norm())
+        cos = float(bf @ tf) / denom if denom > 0 else (1.0 if float(bf.norm()) == float(tf.norm()) else 0.0)
+        out.append({"param": name, "cosine": cos, "sign_agreement": float((torch.sign(bf) == torch.sign(tf))
+                                                                            .double().mean()) if bf.numel() else 1.0,
+                    "bench_norm": float(bf.norm()), "target_norm": float(tf.norm()),
+                    "bench_min": float(bf.min()) if bf.numel() else 0.0, "bench_max": float(bf.max()) if bf.numel()
+                    else 0.0, "target_min": float(tf.min()) if tf.numel() else 0.0,
+                    "target_max": float(tf.max()) if tf.numel() else 0.0})
+    return out

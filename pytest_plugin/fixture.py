@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -368,6 +369,121 @@ class MsprobeFixture:
                 pytest.fail(f"msprobe: per-API pre-check: rank{rank} {a.name}: {a.message}. Artifacts: {check_dir}",
                             pytrace=False)
         return {r: o.report for r, o in outcomes.items()}
+
+    def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
+                       *, grad_cosine: float = 0.99, **options: Any):
+        """Train the model for one step per batch on the bench and the target, and fail at the first step whose
+        computation diverges.
+
+        Each side trains its own copy (same weights, cast to the side's dtype): forward, ``loss_fn(out)``, backward,
+        ``optimizer(parameters).step()`` (its APIs captured in the same step), ``zero_grad()``, one ``step<N>``
+        folder per step. Every step is judged with isolated verdicts, so a step whose inputs drifted because the
+        weights trained apart is not blamed for it; the first step with an own divergence fails the test as
+        ``first divergence at step 2: Functional.silu.1.forward ...``. Per step and parameter the gradients are
+        compared as grad_probe does (norms, min/max, cosine of the gradient vectors, sign agreement); the loss
+        curves of both sides and the first step whose gradient cosine drops below ``grad_cosine`` are reported.
+
+        Args:
+            model: an ``nn.Module`` (left untouched). batches: one batch per step (a tensor, a tuple of inputs or
+                a dict of keyword inputs). loss_fn: output -> scalar loss.
+            optimizer: ``optimizer(parameters) -> torch.optim.Optimizer`` (e.g. ``lambda p: torch.optim.AdamW(p,
+                lr=1e-3)``).
+            grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
+            options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...).
+
+        Returns:
+            ``{"losses": {"bench": [...], "target": [...]}, "grads": [[per-parameter record, ...] per step],
+            "reports": [CompareReport per step]}``.
+        """
+        __tracebackhide__ = True
+        import torch
+
+        from ..backends import Backend
+        from ..capture.inject import load_faults
+        from ..check import SideRun, evaluate, grad_similarity, run_training
+        from ..compare.verdict import unit_roundoff
+        from ..config import DumpConfig
+        from ..errors import MsprobeError
+
+        self._check_keys(options, "msprobe.check_training()")
+        if not isinstance(model, torch.nn.Module):
+            raise pytest.fail.Exception(f"msprobe: check_training(model, ...): expected a torch.nn.Module, got "
+                                        f"{type(model).__name__}", pytrace=False)
+        st = self._settings(options)
+        self.session.validate_files()
+        session = self.session
+        nodeid = self.request.node.nodeid
+        try:
+            bench = Backend.from_options(st["bench"], st["bench_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"])
+            faults = load_faults(st["inject"]) if st["inject"] else session.faults
+            isolate = _isolate_flag(st["isolate"])
+            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
+        index = self.checks
+        self.checks += 1
+        check_dir = os.path.join(base_dir, f"check{index}")
+        level, task = st["level"], st["task"]
+        runs = {}
+        try:
+            for side, backend in (("bench", bench), ("target", target)):
+                isolator = None
+                if side == "target" and isolate:
+                    from ..isolate import Isolator
+
+                    isolator = Isolator(standards=dict(st["api_standards"] or {}),
+                                        thresholds=dict(st["api_thresholds"] or {}),
+                                        target_device=backend.torch_device, backward=True)
+                cfg = DumpConfig(dump_path=os.path.join(check_dir, side), level=level, task=task)
+                runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
+                                          faults=faults if side == "target" else (), seed=int(st["seed"]),
+                                          isolator=isolator)
+            # sources (weights, optimizer state, inputs) match the bench only at step 0: later they have trained
+            # apart by rounding, which isolation judges step by step, so they are context from step 1 on
+            outcomes = [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{i}"), level=level, isolate=isolate,
+                                 api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
+                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)),
+                                 source_factor=4.0 if i == 0 else math.inf)
+                        for i, (b, t) in enumerate(zip(runs["bench"].folders, runs["target"].folders))]
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+        grads = [grad_similarity(b, t) for b, t in zip(runs["bench"].grads, runs["target"].grads)]
+        losses = {"bench": runs["bench"].losses, "target": runs["target"].losses}
+        curve = ", ".join(f"step{i} {b:.6g}/{t:.6g}" for i, (b, t) in enumerate(zip(losses["bench"],
+                                                                                   losses["target"])))
+        low = next(((i, g) for i, step in enumerate(grads) for g in step if g["cosine"] < grad_cosine), None)
+        sim = (f"gradient cosine first below {grad_cosine:g} at step{low[0]} {low[1]['param']} "
+               f"({low[1]['cosine']:.6f})") if low else f"gradient cosine >= {grad_cosine:g} at every step"
+        props = self.request.node.user_properties
+        for i, outcome in enumerate(outcomes):
+            row = {"test": nodeid, "index": f"{index} step{i}", "dir": os.path.join(check_dir, f"step{i}"),
+                   "bench": bench.label, "target": target.label, "level": level,
+                   "notes": list(outcome.notes) + ([f"loss bench/target: {curve}", sim] if i == 0 else [])}
+            row.update(outcome.summary(), unapplied=[], step=i, loss_bench=losses["bench"][i],
+                       loss_target=losses["target"][i], grads=grads[i])
+            props.append((RESULT_PROPERTY, _publish(row)))
+        props += [("msprobe.loss_bench", json.dumps(losses["bench"])),
+                  ("msprobe.loss_target", json.dumps(losses["target"])), ("msprobe.grad_similarity", sim)]
+        if runs["target"].unapplied:
+            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {runs['target'].unapplied[0]}; a fault "
+                        f"that never fires proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+        for i, outcome in enumerate(outcomes):
+            if outcome.first_divergence is not None:
+                msg = _failure_message(outcome.report, os.path.join(check_dir, f"step{i}"), outcome.target_dump,
+                                       outcome.graph)
+                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at step {i}: ", 1)
+                pytest.fail(f"{msg}\nloss bench/target: {curve}; {sim}", pytrace=False)
+            if outcome.overflow_failed:
+                ov = outcome.overflow.first
+                pytest.fail(f"msprobe: overflow on the target at step {i}: {ov.name} ({ov.level}); the bench has "
+                            f"none there. Artifacts: {check_dir}", pytrace=False)
+            if outcome.api_errors:
+                a = outcome.api_errors[0]
+                pytest.fail(f"msprobe: per-API pre-check at step {i}: {a.name}: {a.message}. Artifacts: "
+                            f"{check_dir}", pytrace=False)
+        return {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
 
     def compare_dumps(self, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
                       layer_mapping: str | None = None, cell_mapping: str | None = None,

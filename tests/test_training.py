@@ -1,0 +1,60 @@
+"""msprobe.check_training: a stock transformers Llama (built from a config) trained for three AdamW steps on a
+bf16 target against an fp32 bench; one step<N> folder per step, judged step by step with isolated verdicts."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+TRAIN = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 128, (1, 8), generator=g)
+                                                         for _ in range(3))]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, foreach=False)
+
+
+def test_train(msprobe):
+    r = msprobe.check_training(build(), batches(), lambda out: out.loss, adamw)
+    assert len(r["losses"]["bench"]) == 3 and len(r["grads"]) == 3
+    assert all(g["cosine"] > 0.9 for step in r["grads"] for g in step)
+
+
+def test_train_with_a_faulty_silu_at_step_2(msprobe):
+    msprobe.check_training(build(), batches(), lambda out: out.loss, adamw, inject="faults.yaml")
+"""
+
+
+def test_benign_bf16_training_passes_and_a_step_2_fault_is_named(pytester):
+    pytester.makepyfile(test_train=TRAIN)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
+                                      "step: 2}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-junitxml=j.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    junit = (pytester.path / "j.xml").read_text()
+    for step in range(3):
+        assert f"test_train.test_train check 0 step{step}" in junit
+    result.stdout.fnmatch_lines(["*loss bench/target: step0 *, step1 *, step2 *"])
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 2: Functional.silu.0.forward*"])
+    results = [json.loads(p.read_text()) for p in
+               (pytester.path / "msprobe-out" / "test_train.py_test_train").rglob("msprobe-result.json")]
+    assert sorted(r["step"] for r in results) == [0, 1, 2]
+    assert all(r["grads"] and {"cosine", "sign_agreement", "bench_norm", "target_norm"} <= set(r["grads"][0])
+               for r in results)
