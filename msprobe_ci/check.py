@@ -384,3 +384,68 @@ def grad_similarity(bench: dict, target: dict) -> list[dict]:
                     else 0.0, "target_min": float(tf.min()) if tf.numel() else 0.0,
                     "target_max": float(tf.max()) if tf.numel() else 0.0})
     return out
+
+
+@dataclass
+class DecodeRun:
+    """What one side of a generation check produced: per step (0 = prefill) the rank folder, the greedy next
+    token the side itself would pick, and its last-position logits (float64 CPU)."""
+
+    folders: list = field(default_factory=list)
+    picks: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    unapplied: tuple = ()
+
+
+def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forced: list | None = None,
+               faults: tuple = (), seed: int = 1234, isolator=None, **generate_kwargs) -> DecodeRun:
+    """Greedy decoding with the model's KV cache, one captured forward per step (step 0 is the prefill).
+
+    Args:
+        model: a causal LM taking ``input_ids``, ``past_key_values``, ``use_cache`` (transformers style) whose
+            output has ``.logits`` and ``.past_key_values``.
+        input_ids: ``[batch, prompt]`` token ids.
+        max_new_tokens: decode steps after the prefill.
+        forced: the tokens to feed at steps 1..N (teacher forcing on the bench's tokens); ``None`` feeds the
+            side's own greedy picks.
+        generate_kwargs: extra keyword inputs of every forward (e.g. ``attention_mask`` is not supported yet).
+
+    Raises:
+        MsprobeError: a model output without ``logits``/``past_key_values``, or nothing captured.
+    """
+    import torch
+
+    from .backends import deterministic
+    from .capture import CaptureSession
+
+    side_model = backend.prepare_model(model, eval_mode=True)
+    ids = backend.prepare_inputs((input_ids,))[0]
+    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
+    run = DecodeRun()
+    torch.manual_seed(seed)
+    past, step_ids = None, ids
+    try:
+        with deterministic(), torch.no_grad():
+            for step in range(max_new_tokens + 1):
+                capture.start(side_model)
+                out = side_model(input_ids=step_ids, past_key_values=past, use_cache=True, **generate_kwargs)
+                capture.stop()
+                logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
+                if logits is None or past is None:
+                    raise MsprobeError("check_generate: the model output needs .logits and .past_key_values "
+                                       "(a causal LM called with use_cache=True)")
+                last = logits[:, -1].detach().to("cpu", torch.float64)
+                run.logits.append(last)
+                run.picks.append(last.argmax(-1))
+                run.folders.append(capture.dump_folder())
+                capture.step()
+                if step == max_new_tokens:
+                    break
+                nxt = forced[step] if forced is not None else run.picks[-1]
+                step_ids = nxt.reshape(-1, 1).to(ids.device)
+    finally:
+        capture.close()
+    run.unapplied = tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never "
+                          "applied: no such call ran on the target"
+                          for i, f in enumerate(faults) if i not in capture.faults_applied)
+    return run

@@ -485,6 +485,112 @@ class MsprobeFixture:
                             f"{check_dir}", pytrace=False)
         return {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
 
+    def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, **options: Any):
+        """Greedy generation, one captured forward per step (step 0 is the prefill, then one step per new token,
+        with the model's KV cache), and fail at the first step whose computation diverges.
+
+        The bench decodes freely; the target is teacher-forced on the bench's tokens, so every step compares the
+        same computation even where a benign bf16 target would pick another token at a near tie. How often the
+        target's own pick agrees with the bench's is reported (``msprobe.token_agreement``), never failed on.
+        Each step is judged with isolated verdicts; the KV cache and inputs are compared with the bench at the
+        prefill only (later the cache holds values that differ by rounding, which the steps that made them judged).
+
+        Args:
+            model: a causal LM taking ``input_ids``, ``past_key_values``, ``use_cache`` with ``.logits`` and
+                ``.past_key_values`` in its output (transformers models).
+            input_ids: ``[batch, prompt]`` token ids.
+            max_new_tokens: decode steps after the prefill (>= 0).
+            options: as for :meth:`check` (bench, target, dtypes, level, task, inject (faults take ``step: N``),
+                seed, isolate ...).
+
+        Returns:
+            ``{"tokens": bench tokens per step, "target_picks": ..., "token_agreement": float, "reports": [...]}``.
+        """
+        __tracebackhide__ = True
+        import torch
+
+        from ..backends import Backend
+        from ..capture.inject import load_faults
+        from ..check import SideRun, evaluate, run_decode
+        from ..compare.verdict import unit_roundoff
+        from ..config import DumpConfig
+        from ..errors import MsprobeError
+
+        self._check_keys(options, "msprobe.check_generate()")
+        if not isinstance(model, torch.nn.Module):
+            raise pytest.fail.Exception(f"msprobe: check_generate(model, ...): expected a torch.nn.Module, got "
+                                        f"{type(model).__name__}", pytrace=False)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise pytest.fail.Exception(f"msprobe: check_generate: max_new_tokens: expected an int >= 0, got "
+                                        f"{max_new_tokens!r}", pytrace=False)
+        st = self._settings(options)
+        self.session.validate_files()
+        session = self.session
+        nodeid = self.request.node.nodeid
+        try:
+            bench = Backend.from_options(st["bench"], st["bench_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"])
+            faults = load_faults(st["inject"]) if st["inject"] else session.faults
+            isolate = _isolate_flag(st["isolate"])
+            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
+        index = self.checks
+        self.checks += 1
+        check_dir = os.path.join(base_dir, f"check{index}")
+        level, task = st["level"], st["task"]
+        try:
+            bench_run = run_decode(model, input_ids, max_new_tokens, bench,
+                                   DumpConfig(dump_path=os.path.join(check_dir, "bench"), level=level, task=task),
+                                   seed=int(st["seed"]))
+            isolator = None
+            if isolate:
+                from ..isolate import Isolator
+
+                isolator = Isolator(standards=dict(st["api_standards"] or {}),
+                                    thresholds=dict(st["api_thresholds"] or {}),
+                                    target_device=target.torch_device, backward=False)
+            target_run = run_decode(model, input_ids, max_new_tokens, target,
+                                    DumpConfig(dump_path=os.path.join(check_dir, "target"), level=level, task=task),
+                                    forced=bench_run.picks, faults=faults, seed=int(st["seed"]), isolator=isolator)
+            outcomes = [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{i}"), level=level, isolate=isolate,
+                                 api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
+                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)),
+                                 source_factor=4.0 if i == 0 else math.inf)
+                        for i, (b, t) in enumerate(zip(bench_run.folders, target_run.folders))]
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+        agree = [bool((b == t).all()) for b, t in zip(bench_run.picks, target_run.picks)]
+        agreement = sum(agree) / len(agree) if agree else 1.0
+        note = (f"token agreement (target's own greedy pick vs the bench's, teacher-forced): {sum(agree)}/"
+                f"{len(agree)}" + ("" if all(agree) else f", first differs at step {agree.index(False)}"))
+        props = self.request.node.user_properties
+        for i, outcome in enumerate(outcomes):
+            row = {"test": nodeid, "index": f"{index} step{i}", "dir": os.path.join(check_dir, f"step{i}"),
+                   "bench": bench.label, "target": target.label, "level": level,
+                   "notes": list(outcome.notes) + ([note] if i == 0 else [])}
+            row.update(outcome.summary(), unapplied=[], step=i, token_agrees=agree[i])
+            props.append((RESULT_PROPERTY, _publish(row)))
+        props.append(("msprobe.token_agreement", agreement))
+        if target_run.unapplied:
+            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {target_run.unapplied[0]}; a fault that "
+                        f"never fires proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+        for i, outcome in enumerate(outcomes):
+            what = "prefill" if i == 0 else f"decode token {i}"
+            if outcome.first_divergence is not None:
+                msg = _failure_message(outcome.report, os.path.join(check_dir, f"step{i}"), outcome.target_dump,
+                                       outcome.graph)
+                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at step {i} "
+                                  f"({what}): ", 1)
+                pytest.fail(f"{msg}\n{note}", pytrace=False)
+            if outcome.overflow_failed:
+                ov = outcome.overflow.first
+                pytest.fail(f"msprobe: overflow on the target at step {i} ({what}): {ov.name} ({ov.level}); the "
+                            f"bench has none there. Artifacts: {check_dir}", pytrace=False)
+        return {"tokens": [p.tolist() for p in bench_run.picks], "target_picks": [p.tolist() for p in
+                target_run.picks], "token_agreement": agreement, "reports": [o.report for o in outcomes]}
+
     def compare_dumps(self, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
                       layer_mapping: str | None = None, cell_mapping: str | None = None,
                       api_mapping: str | None = None):

@@ -1,5 +1,6 @@
-"""msprobe.check_training: a stock transformers Llama (built from a config) trained for three AdamW steps on a
-bf16 target against an fp32 bench; one step<N> folder per step, judged step by step with isolated verdicts."""
+"""Loop gates on a stock transformers Llama (built from a config), bf16 target against an fp32 bench, one step<N>
+folder per step judged with isolated verdicts: msprobe.check_training (three AdamW steps) and
+msprobe.check_generate (prefill + four teacher-forced decode steps with the KV cache)."""
 
 import json
 
@@ -38,21 +39,35 @@ def test_train(msprobe):
 
 def test_train_with_a_faulty_silu_at_step_2(msprobe):
     msprobe.check_training(build(), batches(), lambda out: out.loss, adamw, inject="faults.yaml")
+
+
+PROMPT = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+
+
+def test_generate(msprobe):
+    r = msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=4)
+    assert len(r["tokens"]) == 5 and 0.0 <= r["token_agreement"] <= 1.0
+
+
+def test_generate_with_a_faulty_silu_at_decode_step_2(msprobe):
+    msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=4, inject="faults.yaml")
 """
 
 
-def test_benign_bf16_training_passes_and_a_step_2_fault_is_named(pytester):
+def test_benign_bf16_loops_pass_and_a_step_2_fault_is_named(pytester):
     pytester.makepyfile(test_train=TRAIN)
     pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
                                       "step: 2}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
                                            "--msprobe-junitxml=j.xml")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=2)
     junit = (pytester.path / "j.xml").read_text()
     for step in range(3):
         assert f"test_train.test_train check 0 step{step}" in junit
     result.stdout.fnmatch_lines(["*loss bench/target: step0 *, step1 *, step2 *"])
     result.stdout.fnmatch_lines(["*msprobe: first divergence at step 2: Functional.silu.0.forward*"])
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 2 (decode token 2): Functional.silu.0.forward*"])
+    result.stdout.fnmatch_lines(["*token agreement (target's own greedy pick vs the bench's, teacher-forced): */5*"])
     results = [json.loads(p.read_text()) for p in
                (pytester.path / "msprobe-out" / "test_train.py_test_train").rglob("msprobe-result.json")]
     assert sorted(r["step"] for r in results) == [0, 1, 2]
