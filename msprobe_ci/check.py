@@ -83,14 +83,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
         capture.close()
     if not capture.folders:
         raise MsprobeError("nothing was captured (no torch API or submodule ran)")
-    unapplied = []
-    for i, f in enumerate(faults):
-        if i not in capture.faults_applied and f.on_rank(capture.fault_rank):
-            where = "" if f.call is None else f" call {f.call}"
-            why = ("it ran inside a torch.compile region, where APIs cannot be reached" if backend.compile
-                   else "no such call ran on the target")
-            unapplied.append(f"fault {f.api}{where} ({f.direction}) was never applied: {why}")
-    return SideRun(capture.folders[0], flat, tuple(unapplied))
+    return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)))
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
@@ -358,10 +351,17 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                 capture.step()
     finally:
         capture.close()
-    run.unapplied = tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never "
-                          "applied: no such call ran on the target"
-                          for i, f in enumerate(faults) if i not in capture.faults_applied)
+    run.unapplied = unapplied_faults(faults, capture)
     return run
+
+
+def unapplied_faults(faults: tuple, capture, compiled: bool = False) -> tuple[str, ...]:
+    """One line per fault meant for this rank that never perturbed anything in ``capture``."""
+    why = ("it ran inside a torch.compile region, where APIs cannot be reached" if compiled
+           else "no such call ran on the target")
+    return tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never applied: "
+                 f"{why}" for i, f in enumerate(faults)
+                 if i not in capture.faults_applied and f.on_rank(capture.fault_rank))
 
 
 def grad_similarity(bench: dict, target: dict) -> list[dict]:
@@ -445,7 +445,5 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
                 step_ids = nxt.reshape(-1, 1).to(ids.device)
     finally:
         capture.close()
-    run.unapplied = tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never "
-                          "applied: no such call ran on the target"
-                          for i, f in enumerate(faults) if i not in capture.faults_applied)
+    run.unapplied = unapplied_faults(faults, capture)
     return run

@@ -7,11 +7,14 @@ import math
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
 
 from .session import RESULT_PROPERTY, ProbeSession
+
+_NO_MODEL = object()  # _begin() without a model to check
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
                  "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
@@ -250,6 +253,83 @@ class MsprobeFixture:
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
         return report
 
+    def _begin(self, options: dict, what: str, model: Any = _NO_MODEL):
+        """The common start of a loop or multi-rank check: option keys, settings, both backends, faults, the
+        test folder and this check's index. Returns a :class:`_Check`; fails the test with one line on bad input."""
+        import torch
+
+        from ..backends import Backend
+        from ..capture.inject import load_faults
+        from ..errors import MsprobeError
+
+        self._check_keys(options, f"msprobe.{what}()")
+        if model is not _NO_MODEL and not isinstance(model, torch.nn.Module):
+            raise pytest.fail.Exception(f"msprobe: {what}(model, ...): expected a torch.nn.Module, got "
+                                        f"{type(model).__name__}", pytrace=False)
+        st = self._settings(options)
+        self.session.validate_files()
+        nodeid = self.request.node.nodeid
+        try:
+            bench = Backend.from_options(st["bench"], st["bench_dtype"])
+            target = Backend.from_options(st["target"], st["target_dtype"])
+            faults = load_faults(st["inject"]) if st["inject"] else self.session.faults
+            isolate = _isolate_flag(st["isolate"])
+            base_dir = self.session.test_dir(nodeid) if self.checks == 0 else self._base_dir
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        self._base_dir = base_dir
+        index = self.checks
+        self.checks += 1
+        return _Check(st, bench, target, tuple(faults), isolate, os.path.join(base_dir, f"check{index}"), index,
+                      nodeid, st["inject"] or self.session.inject_path)
+
+    def _judge_steps(self, c: "_Check", bench_folders: list, target_folders: list) -> list:
+        """Judge the step folders of a loop. Sources (weights, optimizer state, KV cache, inputs) match the bench
+        only at step 0: later they have moved apart by rounding, which the steps that made them judged, so from
+        step 1 on they are context (``source_factor`` inf)."""
+        from ..check import SideRun, evaluate
+        from ..compare.verdict import unit_roundoff
+        from ..errors import MsprobeError
+
+        try:
+            return [evaluate(b, SideRun(t), os.path.join(c.dir, f"step{i}"), level=c.st["level"],
+                             isolate=c.isolate, api_standards=c.st["api_standards"],
+                             api_thresholds=c.st["api_thresholds"],
+                             cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)),
+                             source_factor=4.0 if i == 0 else math.inf)
+                    for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
+
+    def _conclude_steps(self, c: "_Check", outcomes: list, unapplied: tuple, first_notes: list, extra: list,
+                        label: Callable[[int], str], tail: str) -> None:
+        """Publish one result row per step (``extra[i]``: step fields) and fail on the first problem, naming the
+        step (``label(i)``, e.g. ``step 2`` or ``step 2 (decode token 2)``); ``tail`` ends a divergence message."""
+        props = self.request.node.user_properties
+        for i, outcome in enumerate(outcomes):
+            row = {"test": c.nodeid, "index": f"{c.index} step{i}", "dir": os.path.join(c.dir, f"step{i}"),
+                   "bench": c.bench.label, "target": c.target.label, "level": c.st["level"],
+                   "notes": list(outcome.notes) + (list(first_notes) if i == 0 else [])}
+            row.update(outcome.summary(), unapplied=[], step=i, **extra[i])
+            props.append((RESULT_PROPERTY, _publish(row)))
+        if unapplied:
+            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
+                        f"gate. Artifacts: {c.dir}", pytrace=False)
+        for i, outcome in enumerate(outcomes):
+            if outcome.first_divergence is not None:
+                msg = _failure_message(outcome.report, os.path.join(c.dir, f"step{i}"), outcome.target_dump,
+                                       outcome.graph)
+                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at {label(i)}: ", 1)
+                pytest.fail(f"{msg}\n{tail}", pytrace=False)
+            if outcome.overflow_failed:
+                ov = outcome.overflow.first
+                pytest.fail(f"msprobe: overflow on the target at {label(i)}: {ov.name} ({ov.level}); the bench has "
+                            f"none there. Artifacts: {c.dir}", pytrace=False)
+            if outcome.api_errors:
+                a = outcome.api_errors[0]
+                pytest.fail(f"msprobe: per-API pre-check at {label(i)}: {a.name}: {a.message}. Artifacts: {c.dir}",
+                            pytrace=False)
+
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
                        bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
                        timeout: float = 300.0, **options: Any):
@@ -279,43 +359,31 @@ class MsprobeFixture:
                 fired, or a per-API pre-check error; each message names the rank.
         """
         __tracebackhide__ = True
-        from ..backends import Backend
-        from ..capture.inject import load_faults
         from ..check import SideRun, evaluate
         from ..compare.ranks import first_divergence_across_ranks
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
         from ..parallel import RankJob, free_port, run_ranks
 
-        self._check_keys(options, "msprobe.check_parallel()")
-        st = self._settings(options)
-        self.session.validate_files()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise pytest.fail.Exception(f"msprobe: check_parallel: world_size: expected a positive int, got "
+                                        f"{world_size!r}", pytrace=False)
+        if bench_world_size not in (None, world_size):
+            raise pytest.fail.Exception(
+                f"msprobe: check_parallel: bench_world_size {bench_world_size} differs from world_size {world_size}: "
+                "comparing differently partitioned runs needs TP/PP graph merging, which msprobe-ci does not do yet",
+                pytrace=False)
+        c = self._begin(options, "check_parallel")
+        st, bench, target, faults, check_dir, index, nodeid = c.st, c.bench, c.target, c.faults, c.dir, c.index, \
+            c.nodeid
         session = self.session
-        nodeid = self.request.node.nodeid
-        try:
-            if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-                raise MsprobeError(f"check_parallel: world_size: expected a positive int, got {world_size!r}")
-            if bench_world_size not in (None, world_size):
-                raise MsprobeError(f"check_parallel: bench_world_size {bench_world_size} differs from world_size "
-                                   f"{world_size}: comparing differently partitioned runs needs TP/PP graph "
-                                   "merging, which msprobe-ci does not do yet")
-            bench = Backend.from_options(st["bench"], st["bench_dtype"])
-            target = Backend.from_options(st["target"], st["target_dtype"])
-            faults = load_faults(st["inject"]) if st["inject"] else session.faults
-            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
-        except MsprobeError as exc:
-            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
-        self._base_dir = base_dir
-        index = self.checks
-        self.checks += 1
-        check_dir = os.path.join(base_dir, f"check{index}")
         os.makedirs(check_dir, exist_ok=True)
         level, task = st["level"], st["task"]
         dist_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(target.kind, "gloo")
         job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
                       sides=(("bench", st["bench"], st["bench_dtype"]), ("target", st["target"], st["target_dtype"])),
                       level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
-                      isolate=_isolate_flag(st["isolate"]), standards=dict(st["api_standards"] or {}),
+                      isolate=c.isolate, standards=dict(st["api_standards"] or {}),
                       thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend)
         outcomes = {}
         try:
@@ -348,7 +416,7 @@ class MsprobeFixture:
             if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _read(p) for p in files):
                 unapplied.append(f"fault {f.api} was never applied on rank(s) {ranks}")
         if unapplied:
-            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {unapplied[0]}; a fault that never fires "
+            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
                         f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
         cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
         if cross.first is not None:
@@ -396,59 +464,21 @@ class MsprobeFixture:
             "reports": [CompareReport per step]}``.
         """
         __tracebackhide__ = True
-        import torch
-
-        from ..backends import Backend
-        from ..capture.inject import load_faults
-        from ..check import SideRun, evaluate, grad_similarity, run_training
-        from ..compare.verdict import unit_roundoff
+        from ..check import grad_similarity, run_training
         from ..config import DumpConfig
         from ..errors import MsprobeError
 
-        self._check_keys(options, "msprobe.check_training()")
-        if not isinstance(model, torch.nn.Module):
-            raise pytest.fail.Exception(f"msprobe: check_training(model, ...): expected a torch.nn.Module, got "
-                                        f"{type(model).__name__}", pytrace=False)
-        st = self._settings(options)
-        self.session.validate_files()
-        session = self.session
-        nodeid = self.request.node.nodeid
-        try:
-            bench = Backend.from_options(st["bench"], st["bench_dtype"])
-            target = Backend.from_options(st["target"], st["target_dtype"])
-            faults = load_faults(st["inject"]) if st["inject"] else session.faults
-            isolate = _isolate_flag(st["isolate"])
-            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
-        except MsprobeError as exc:
-            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
-        self._base_dir = base_dir
-        index = self.checks
-        self.checks += 1
-        check_dir = os.path.join(base_dir, f"check{index}")
-        level, task = st["level"], st["task"]
+        c = self._begin(options, "check_training", model)
         runs = {}
         try:
-            for side, backend in (("bench", bench), ("target", target)):
-                isolator = None
-                if side == "target" and isolate:
-                    from ..isolate import Isolator
-
-                    isolator = Isolator(standards=dict(st["api_standards"] or {}),
-                                        thresholds=dict(st["api_thresholds"] or {}),
-                                        target_device=backend.torch_device, backward=True)
-                cfg = DumpConfig(dump_path=os.path.join(check_dir, side), level=level, task=task)
+            for side, backend in (("bench", c.bench), ("target", c.target)):
+                cfg = DumpConfig(dump_path=os.path.join(c.dir, side), level=c.st["level"], task=c.st["task"])
                 runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
-                                          faults=faults if side == "target" else (), seed=int(st["seed"]),
-                                          isolator=isolator)
-            # sources (weights, optimizer state, inputs) match the bench only at step 0: later they have trained
-            # apart by rounding, which isolation judges step by step, so they are context from step 1 on
-            outcomes = [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{i}"), level=level, isolate=isolate,
-                                 api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
-                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)),
-                                 source_factor=4.0 if i == 0 else math.inf)
-                        for i, (b, t) in enumerate(zip(runs["bench"].folders, runs["target"].folders))]
+                                          faults=c.faults if side == "target" else (), seed=int(c.st["seed"]),
+                                          isolator=_isolator(c, backward=True) if side == "target" else None)
         except MsprobeError as exc:
-            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
+        outcomes = self._judge_steps(c, runs["bench"].folders, runs["target"].folders)
         grads = [grad_similarity(b, t) for b, t in zip(runs["bench"].grads, runs["target"].grads)]
         losses = {"bench": runs["bench"].losses, "target": runs["target"].losses}
         curve = ", ".join(f"step{i} {b:.6g}/{t:.6g}" for i, (b, t) in enumerate(zip(losses["bench"],
@@ -456,33 +486,13 @@ class MsprobeFixture:
         low = next(((i, g) for i, step in enumerate(grads) for g in step if g["cosine"] < grad_cosine), None)
         sim = (f"gradient cosine first below {grad_cosine:g} at step{low[0]} {low[1]['param']} "
                f"({low[1]['cosine']:.6f})") if low else f"gradient cosine >= {grad_cosine:g} at every step"
-        props = self.request.node.user_properties
-        for i, outcome in enumerate(outcomes):
-            row = {"test": nodeid, "index": f"{index} step{i}", "dir": os.path.join(check_dir, f"step{i}"),
-                   "bench": bench.label, "target": target.label, "level": level,
-                   "notes": list(outcome.notes) + ([f"loss bench/target: {curve}", sim] if i == 0 else [])}
-            row.update(outcome.summary(), unapplied=[], step=i, loss_bench=losses["bench"][i],
-                       loss_target=losses["target"][i], grads=grads[i])
-            props.append((RESULT_PROPERTY, _publish(row)))
-        props += [("msprobe.loss_bench", json.dumps(losses["bench"])),
-                  ("msprobe.loss_target", json.dumps(losses["target"])), ("msprobe.grad_similarity", sim)]
-        if runs["target"].unapplied:
-            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {runs['target'].unapplied[0]}; a fault "
-                        f"that never fires proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
-        for i, outcome in enumerate(outcomes):
-            if outcome.first_divergence is not None:
-                msg = _failure_message(outcome.report, os.path.join(check_dir, f"step{i}"), outcome.target_dump,
-                                       outcome.graph)
-                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at step {i}: ", 1)
-                pytest.fail(f"{msg}\nloss bench/target: {curve}; {sim}", pytrace=False)
-            if outcome.overflow_failed:
-                ov = outcome.overflow.first
-                pytest.fail(f"msprobe: overflow on the target at step {i}: {ov.name} ({ov.level}); the bench has "
-                            f"none there. Artifacts: {check_dir}", pytrace=False)
-            if outcome.api_errors:
-                a = outcome.api_errors[0]
-                pytest.fail(f"msprobe: per-API pre-check at step {i}: {a.name}: {a.message}. Artifacts: "
-                            f"{check_dir}", pytrace=False)
+        self.request.node.user_properties.extend([
+            ("msprobe.loss_bench", json.dumps(losses["bench"])), ("msprobe.loss_target", json.dumps(losses["target"])),
+            ("msprobe.grad_similarity", sim)])
+        self._conclude_steps(c, outcomes, runs["target"].unapplied, [f"loss bench/target: {curve}", sim],
+                             [{"loss_bench": losses["bench"][i], "loss_target": losses["target"][i],
+                               "grads": grads[i]} for i in range(len(outcomes))],
+                             lambda i: f"step {i}", f"loss bench/target: {curve}; {sim}")
         return {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
 
     def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, **options: Any):
@@ -507,87 +517,33 @@ class MsprobeFixture:
             ``{"tokens": bench tokens per step, "target_picks": ..., "token_agreement": float, "reports": [...]}``.
         """
         __tracebackhide__ = True
-        import torch
-
-        from ..backends import Backend
-        from ..capture.inject import load_faults
-        from ..check import SideRun, evaluate, run_decode
-        from ..compare.verdict import unit_roundoff
+        from ..check import run_decode
         from ..config import DumpConfig
         from ..errors import MsprobeError
 
-        self._check_keys(options, "msprobe.check_generate()")
-        if not isinstance(model, torch.nn.Module):
-            raise pytest.fail.Exception(f"msprobe: check_generate(model, ...): expected a torch.nn.Module, got "
-                                        f"{type(model).__name__}", pytrace=False)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise pytest.fail.Exception(f"msprobe: check_generate: max_new_tokens: expected an int >= 0, got "
                                         f"{max_new_tokens!r}", pytrace=False)
-        st = self._settings(options)
-        self.session.validate_files()
-        session = self.session
-        nodeid = self.request.node.nodeid
-        try:
-            bench = Backend.from_options(st["bench"], st["bench_dtype"])
-            target = Backend.from_options(st["target"], st["target_dtype"])
-            faults = load_faults(st["inject"]) if st["inject"] else session.faults
-            isolate = _isolate_flag(st["isolate"])
-            base_dir = session.test_dir(nodeid) if self.checks == 0 else self._base_dir
-        except MsprobeError as exc:
-            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
-        self._base_dir = base_dir
-        index = self.checks
-        self.checks += 1
-        check_dir = os.path.join(base_dir, f"check{index}")
-        level, task = st["level"], st["task"]
-        try:
-            bench_run = run_decode(model, input_ids, max_new_tokens, bench,
-                                   DumpConfig(dump_path=os.path.join(check_dir, "bench"), level=level, task=task),
-                                   seed=int(st["seed"]))
-            isolator = None
-            if isolate:
-                from ..isolate import Isolator
+        c = self._begin(options, "check_generate", model)
 
-                isolator = Isolator(standards=dict(st["api_standards"] or {}),
-                                    thresholds=dict(st["api_thresholds"] or {}),
-                                    target_device=target.torch_device, backward=False)
-            target_run = run_decode(model, input_ids, max_new_tokens, target,
-                                    DumpConfig(dump_path=os.path.join(check_dir, "target"), level=level, task=task),
-                                    forced=bench_run.picks, faults=faults, seed=int(st["seed"]), isolator=isolator)
-            outcomes = [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{i}"), level=level, isolate=isolate,
-                                 api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
-                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)),
-                                 source_factor=4.0 if i == 0 else math.inf)
-                        for i, (b, t) in enumerate(zip(bench_run.folders, target_run.folders))]
+        def cfg(side: str) -> DumpConfig:
+            return DumpConfig(dump_path=os.path.join(c.dir, side), level=c.st["level"], task=c.st["task"])
+
+        try:
+            bench_run = run_decode(model, input_ids, max_new_tokens, c.bench, cfg("bench"), seed=int(c.st["seed"]))
+            target_run = run_decode(model, input_ids, max_new_tokens, c.target, cfg("target"), forced=bench_run.picks,
+                                    faults=c.faults, seed=int(c.st["seed"]), isolator=_isolator(c, backward=False))
         except MsprobeError as exc:
-            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
+        outcomes = self._judge_steps(c, bench_run.folders, target_run.folders)
         agree = [bool((b == t).all()) for b, t in zip(bench_run.picks, target_run.picks)]
         agreement = sum(agree) / len(agree) if agree else 1.0
         note = (f"token agreement (target's own greedy pick vs the bench's, teacher-forced): {sum(agree)}/"
                 f"{len(agree)}" + ("" if all(agree) else f", first differs at step {agree.index(False)}"))
-        props = self.request.node.user_properties
-        for i, outcome in enumerate(outcomes):
-            row = {"test": nodeid, "index": f"{index} step{i}", "dir": os.path.join(check_dir, f"step{i}"),
-                   "bench": bench.label, "target": target.label, "level": level,
-                   "notes": list(outcome.notes) + ([note] if i == 0 else [])}
-            row.update(outcome.summary(), unapplied=[], step=i, token_agrees=agree[i])
-            props.append((RESULT_PROPERTY, _publish(row)))
-        props.append(("msprobe.token_agreement", agreement))
-        if target_run.unapplied:
-            pytest.fail(f"msprobe: {st['inject'] or session.inject_path}: {target_run.unapplied[0]}; a fault that "
-                        f"never fires proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
-        for i, outcome in enumerate(outcomes):
-            what = "prefill" if i == 0 else f"decode token {i}"
-            if outcome.first_divergence is not None:
-                msg = _failure_message(outcome.report, os.path.join(check_dir, f"step{i}"), outcome.target_dump,
-                                       outcome.graph)
-                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at step {i} "
-                                  f"({what}): ", 1)
-                pytest.fail(f"{msg}\n{note}", pytrace=False)
-            if outcome.overflow_failed:
-                ov = outcome.overflow.first
-                pytest.fail(f"msprobe: overflow on the target at step {i} ({what}): {ov.name} ({ov.level}); the "
-                            f"bench has none there. Artifacts: {check_dir}", pytrace=False)
+        self.request.node.user_properties.append(("msprobe.token_agreement", agreement))
+        self._conclude_steps(c, outcomes, target_run.unapplied, [note],
+                             [{"token_agrees": a} for a in agree],
+                             lambda i: f"step {i} ({'prefill' if i == 0 else f'decode token {i}'})", note)
         return {"tokens": [p.tolist() for p in bench_run.picks], "target_picks": [p.tolist() for p in
                 target_run.picks], "token_agreement": agreement, "reports": [o.report for o in outcomes]}
 
@@ -691,6 +647,31 @@ class MsprobeFixture:
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
         return run
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One loop or multi-rank check's settings (see ``MsprobeFixture._begin``)."""
+
+    st: dict
+    bench: Any
+    target: Any
+    faults: tuple
+    isolate: bool
+    dir: str
+    index: int
+    nodeid: str
+    inject: str | None
+
+
+def _isolator(c: _Check, backward: bool):
+    """The target side's Isolator (``None`` with isolation off)."""
+    if not c.isolate:
+        return None
+    from ..isolate import Isolator
+
+    return Isolator(standards=dict(c.st["api_standards"] or {}), thresholds=dict(c.st["api_thresholds"] or {}),
+                    target_device=c.target.torch_device, backward=backward)
 
 
 def _read(path: str) -> str:
