@@ -38,7 +38,8 @@ class SideRun:
 
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
-             seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None) -> SideRun:
+             seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
+             free_bench=None) -> SideRun:
     """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
 
     Args:
@@ -52,6 +53,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
         regions: module paths compiled by the backend (no hooks inside).
         eval_mode: put the copy in eval mode.
         isolator: an :class:`~msprobe_ci.isolate.Isolator` (target side), or ``None``.
+        free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark` (a target with no bench), or ``None``.
 
     Raises:
         MsprobeError: nothing was captured.
@@ -63,7 +65,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 
     side_model = backend.prepare_model(model, eval_mode=eval_mode)
     side_inputs = backend.prepare_inputs(inputs)
-    capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator)
+    capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
     try:
         with deterministic():

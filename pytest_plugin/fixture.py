@@ -18,7 +18,7 @@ _NO_MODEL = object()  # _begin() without a model to check
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
                  "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
-                 "api_thresholds")
+                 "api_thresholds", "free_benchmark")
 
 
 class MsprobeFixture:
@@ -48,7 +48,7 @@ class MsprobeFixture:
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                   "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
                   "output_rtol": s.output_rtol,
-                  "api_thresholds": s.api_thresholds}
+                  "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark}
         merged.update(s.thresholds_raw)
         for layer in (self.marker_options, options):
             merged.update(layer)
@@ -74,7 +74,13 @@ class MsprobeFixture:
                 ``api_thresholds`` (``{standard: {threshold: value}}``) for the per-API pre-check, and the
                 rule factors ``round_factor``,
                 ``propagation``, ``error_factor``, ``rel_floor`` (old name ``atol``) of the drift rule (see
-                :mod:`msprobe_ci.compare.verdict`).
+                :mod:`msprobe_ci.compare.verdict`), ``free_benchmark`` (``improve_precision``/``to_cpu``: no bench
+                side, see below).
+
+        Free benchmark (``--msprobe-free-benchmark[=MODE]`` or ``free_benchmark=MODE``): for runners with neither
+        a bench device nor a baseline. Only the target runs; every API call is re-run on copies of its inputs in
+        higher precision and with bit-noised inputs and judged by :mod:`msprobe_ci.free_benchmark`; the test fails
+        naming the API calls at risk (forward only; ``free_benchmark.csv`` and one JUnit testcase per call).
 
         Baselines: with ``--msprobe-record`` only the bench runs and its dump is stored under
         ``--msprobe-baseline=DIR`` (returns ``None``); with ``--msprobe-baseline=DIR`` alone the bench dump is read
@@ -136,6 +142,8 @@ class MsprobeFixture:
             regions = []
         row = {"test": nodeid, "index": index, "dir": check_dir, "bench": bench.label, "target": target.label,
                "level": level, "notes": notes}
+        if st["free_benchmark"]:
+            return self._free_check(model, inputs, loss_fn, st, target, row, faults, regions)
 
         if session.record:
             try:
@@ -208,6 +216,63 @@ class MsprobeFixture:
         inject = st["inject"] or session.inject_path
         return self._conclude(row, outcome, check_dir, level, list(runs["target"].unapplied), inject,
                               f"--msprobe-target={target.device}", stored)
+
+    def _free_check(self, model, inputs, loss_fn, st: dict, target, row: dict, faults, regions):
+        """``check()`` with no bench side: capture the target at L1 with the free benchmark and fail naming the
+        API calls at risk."""
+        __tracebackhide__ = True
+        from ..free_benchmark import MODES, FreeBenchmark
+
+        mode = st["free_benchmark"]
+        mode = "improve_precision" if mode is True else mode
+        if mode not in MODES:
+            raise pytest.fail.Exception(f"msprobe: free_benchmark: expected one of {list(MODES)}, got {mode!r}",
+                                        pytrace=False)
+        if self.session.record or self.session.baseline:
+            raise pytest.fail.Exception("msprobe: --msprobe-free-benchmark runs no bench: it cannot record or read "
+                                        "a baseline (drop one of them)", pytrace=False)
+        try:
+            target.check_available()
+        except Exception as exc:  # noqa: BLE001 - MsprobeError: an absent device
+            self._absent(row, exc)
+        check_dir = row["dir"]
+        fb = FreeBenchmark(mode, seed=int(st["seed"]))
+        level = "L1"  # the free benchmark judges API calls
+        run = self._run_side(model, inputs, loss_fn, target,
+                             self._capture_config(st["task"], level, os.path.join(check_dir, "target")),
+                             faults, int(st["seed"]), regions, False, None, fb)
+        csv_path = os.path.join(check_dir, "free_benchmark.csv")
+        _write_free_csv(csv_path, fb.results)
+        nodes = [{"name": k, "status": v["status"], "metric": v.get("metric", "free_benchmark"),
+                  "value": _num(v.get("value", 0.0)), "threshold": _num(v.get("threshold", 0.0)),
+                  "input_error": "", "worst_row": v.get("row", ""), "message": v["message"],
+                  "standard": "free_benchmark", "seconds": v.get("seconds", 0.0)} for k, v in fb.results.items()]
+        counts = {s: sum(n["status"] == s for n in nodes) for s in ("pass", "warning", "error", "skip")}
+        errors = fb.errors()
+        notes = row["notes"]
+        notes.append(f"free benchmark ({mode}, bit-noise sensitivity): {len(nodes)} API calls, pass {counts['pass']}, "
+                     f"at risk {counts['error']}, not judgeable {counts['skip']} (named in {csv_path})")
+        if loss_fn is not None:
+            notes.append("free benchmark judges forward calls only; the backward pass ran uncaptured by it")
+        unapplied = list(run.unapplied)
+        row.update(bench=f"none (free benchmark, {mode})", mode="free_benchmark", level=level, csv=csv_path,
+                   graph=None, nodes_compared=len(nodes), counts=dict(counts, unmatched=0),
+                   first_divergence=errors[0][0] if errors else None, overflow_first=None, overflow_failed=False,
+                   isolated=False, model=[], overflow_message="", nodes=nodes, unapplied=unapplied)
+        props = self.request.node.user_properties
+        props += [(RESULT_PROPERTY, _publish(row)), ("msprobe.free_benchmark", mode),
+                  ("msprobe.error", counts["error"]), ("msprobe.first_divergence", row["first_divergence"] or ""),
+                  ("msprobe.csv", csv_path)]
+        inject = st["inject"] or self.session.inject_path
+        if unapplied:
+            pytest.fail(f"msprobe: {inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
+                        f"gate (fix its api/call/step). Artifacts: {check_dir}", pytrace=False)
+        if errors:
+            name, rec = errors[0]
+            more = "".join(f"\n  {v['message']}" for _, v in errors[1:5])
+            pytest.fail(f"msprobe: free benchmark: {len(errors)} API call(s) at risk on {target.label}; first: "
+                        f"{rec['message']}{more}\nArtifacts: {check_dir} (free_benchmark.csv)", pytrace=False)
+        return fb.results
 
     def _conclude(self, row: dict, outcome, check_dir: str, level: str, unapplied: list, inject: str | None,
                   target_flag: str, stored=None):
@@ -637,13 +702,14 @@ class MsprobeFixture:
             self._record = None
 
     @staticmethod
-    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode, isolator=None):
+    def _run_side(model, inputs, loss_fn, backend, cfg, faults, seed, regions, eval_mode, isolator=None,
+                  free_bench=None):
         from ..check import run_side
         from ..errors import MsprobeError
 
         try:
             run = run_side(model, inputs, loss_fn, backend, cfg, faults=faults, seed=seed, regions=regions,
-                           eval_mode=eval_mode, isolator=isolator)
+                           eval_mode=eval_mode, isolator=isolator, free_bench=free_bench)
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
         return run
@@ -672,6 +738,22 @@ def _isolator(c: _Check, backward: bool):
 
     return Isolator(standards=dict(c.st["api_standards"] or {}), thresholds=dict(c.st["api_thresholds"] or {}),
                     target_device=c.target.torch_device, backward=backward)
+
+
+def _write_free_csv(path: str, results: dict) -> None:
+    """The free benchmark's verdicts, one row per API call in execution order."""
+    import csv
+
+    from ..outputs import atomic_write, make_output_dir
+
+    make_output_dir(os.path.dirname(path))
+    with atomic_write(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["API Name", "Status", "Metric", "Value", "Allowed", "Bit-noise Sensitivity", "Dtype", "Row",
+                    "Message"])
+        for name, r in results.items():
+            w.writerow([name, r["status"], r.get("metric", ""), r.get("value", ""), r.get("threshold", ""),
+                        r.get("sensitivity", ""), r.get("dtype", ""), r.get("row", ""), r["message"]])
 
 
 def _read(path: str) -> str:

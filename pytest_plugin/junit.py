@@ -61,6 +61,8 @@ def write_junit(path: str, results: list[dict]) -> None:
                 case.stdout = f"msprobe warning: {n['message']}\n{_body(n)}"
             elif n["status"] == "unmatched":
                 case.add_skipped_info(message=n["message"] or "no bench data matched")
+            elif n["status"] == "skip":  # not judgeable (free benchmark): said, never counted as a pass
+                case.add_skipped_info(message=n["message"])
             cases.append(case)
             props[(suite_name, n["name"])] = {
                 "msprobe.status": n["status"], "msprobe.metric": n["metric"], "msprobe.value": str(n["value"]),

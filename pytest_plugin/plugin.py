@@ -23,6 +23,7 @@ BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
 REQUIRE_DEVICE = "--msprobe-require-device"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
+FREE_BENCHMARK = "--msprobe-free-benchmark"
 
 from ..dtypes import OPTION_NAMES as _DTYPES  # noqa: E402 - torch-free
 
@@ -92,6 +93,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for flag, ini, help_text in FLAGS:
         group.addoption(flag, dest=ini, action="store_true", default=None, help=f"{help_text} (ini: {ini}).")
         parser.addini(ini, help=f"default for {flag}", type="bool", default=False)
+    group.addoption(FREE_BENCHMARK, dest="msprobe_free_benchmark", nargs="?", const="improve_precision", default=None,
+                    type=_choice(("improve_precision", "to_cpu")), metavar="MODE",
+                    help="no bench side: msprobe.check() runs only the target and re-runs every API call on copies of "
+                         "its inputs in higher precision (improve_precision, the default MODE, on the target device; "
+                         "to_cpu: fp64 on the CPU) and with bit-noised inputs, and fails naming the APIs whose output "
+                         "errs beyond msprobe's free-benchmark threshold (fp16 0.002, bf16 0.004, fp32 0.0002) plus "
+                         "what the bit noise moves it (ini: msprobe_free_benchmark).")
+    parser.addini("msprobe_free_benchmark", help=f"default for {FREE_BENCHMARK} (a MODE; empty: off)", default="")
     for key, default, text in (("msprobe_round_factor", "2", "verdict rule: multiples of the dtype's unit roundoff"),
                                ("msprobe_propagation", "1", "verdict rule: allowed amplification of input error"),
                                ("msprobe_error_factor", "1.5", "verdict rule: error threshold as a multiple of the pass budget"),
@@ -107,7 +116,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
                             "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, output_rtol, round_factor, propagation, "
-                            "error_factor, rel_floor, api_standards, api_thresholds)")
+                            "error_factor, rel_floor, api_standards, api_thresholds, free_benchmark)")
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")

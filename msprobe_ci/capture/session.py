@@ -75,15 +75,19 @@ class CaptureSession:
             is still captured.
         isolator: an :class:`~msprobe_ci.isolate.Isolator`: every recorded API call is also judged on its own
             inputs (``isolation.json`` beside dump.json); ``None`` (default) captures only.
+        free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark`: every recorded API call is also re-run
+            in higher precision and on bit-noised inputs and judged with no bench (``free_benchmark.json`` beside
+            dump.json); ``None`` (default) does not.
 
     Raises:
         MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
     """
 
     def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None,
-                 opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None):
+                 opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None):
         config.validate()
         self.isolator = isolator
+        self.free_bench = free_bench
         if isolator is not None:
             isolator.on_fault_applied = self._faults_applied
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
@@ -131,6 +135,8 @@ class CaptureSession:
         self._dirty = False  # something was recorded since the last flush
         if getattr(self, "isolator", None) is not None:
             self.isolator.reset()
+        if getattr(self, "free_bench", None) is not None:
+            self.free_bench.reset()
 
     def _faults_applied(self, faults) -> None:
         for f in faults:
@@ -237,6 +243,10 @@ class CaptureSession:
             from ..dump.writer import atomic_write_json
 
             atomic_write_json(os.path.join(folder, "isolation.json"), self.isolator.as_json())
+        if self.free_bench is not None:
+            from ..dump.writer import atomic_write_json
+
+            atomic_write_json(os.path.join(folder, "free_benchmark.json"), self.free_bench.as_json())
         if folder not in self._folders_written:
             self._folders_written.append(folder)
 
@@ -327,6 +337,19 @@ class CaptureSession:
                 self._stack(fwd_name)
             finally:
                 self._busy = False
+        fwd_faults = [f for f in faults if f.direction == "forward" and f.matches(api_id, n, "forward",
+                                                                                  self.current_step)]
+        pending = None
+        if record and self.free_bench is not None:
+            def kernel(value: Any) -> Any:  # the target's kernel, fault included, for the bit-noise rerun
+                for f in fwd_faults:
+                    value = f.apply(value, n)
+                return value
+            self._busy = True
+            try:
+                pending = self.free_bench.before(fwd_name, prefix, api, func, args, kwargs, kernel)
+            finally:
+                self._busy = False
         iso = self.isolator if record else None
         call = None
         if iso is not None:
@@ -339,11 +362,16 @@ class CaptureSession:
             finally:
                 self._busy = False
         out = orig = func(*args, **kwargs)
-        for f in faults:
-            if f.direction == "forward" and f.matches(api_id, n, "forward", self.current_step):
-                out = f.apply(out, n)
-                self.faults_applied.add(self.faults.index(f))
+        for f in fwd_faults:
+            out = f.apply(out, n)
+            self.faults_applied.add(self.faults.index(f))
         self.api_counts[key] = n + 1
+        if pending is not None:
+            self._busy = True
+            try:
+                self.free_bench.after(pending, out)
+            finally:
+                self._busy = False
         if iso is not None:
             self._busy = True
             try:

@@ -1,0 +1,250 @@
+"""Free benchmark: judge every API the target runs with no bench device and no baseline.
+
+msprobe's free_benchmark re-runs each API on perturbed inputs and flags outputs that move more than a per-dtype
+relative threshold (fp16 0.002, bf16 0.004, fp32 0.0002; ``../shared/spec/peers-and-tolerances.md``). A fixed
+threshold cries wolf on APIs that are ill-conditioned at the values they were given (a softmax over large logits
+amplifies every rounding), so msprobe-ci judges each output against what the perturbations can explain:
+
+1. **reference** (the error of the target's kernel): the same API on copies of the inputs in higher precision,
+   ``improve_precision`` (default): fp16/bf16 inputs in fp32, fp32 inputs in fp64, on the target's own device (a
+   different kernel from the one under test); ``to_cpu``: every floating input in fp64 on the CPU;
+2. **sensitivity** (msprobe's ``bit_noise``): the API in the target's dtypes on the target's device with the last
+   mantissa bit of every floating input element flipped (a seeded random sign per element). The output change
+   it causes is how far rounding-level differences in the inputs move this output, here: the conditioning of
+   the call, which a correct kernel's internal roundings may also show;
+3. **verdict** per output row, with ``scale = ‖reference‖``:
+   ``rel_rmse = rms(target − reference) / rms(reference)`` must stay within
+   ``threshold(dtype) + rms(noisy − target) / rms(reference)``, and
+   ``max_err = max|target − reference| / max|reference|`` within ``threshold(dtype) + max|noisy − target| /
+   max|reference|``. NaN/Inf in the target where the reference is finite is an error (``overflow``).
+
+A correctly rounded kernel is within one rounding unit of the reference (bf16 2^-8 < 0.004, fp16 2^-11 < 0.002,
+fp32 2^-24 < 0.0002), so a well-conditioned API passes with room; a kernel that is 2% off fails even in bf16.
+The sensitivity rerun goes through the same kernel as the target (an injected fault perturbs it as well, as a
+buggy kernel would), so a consistent kernel error does not widen its own allowance.
+
+What cannot be judged gets a named skip: random APIs, uninitialised memory, communication and device-only ops,
+non-floating outputs, fp64-only calls (nothing more precise on the device), calls whose rerun fails.
+Cost: two extra calls per API on copies of its inputs (no gradients), and one NumPy-free pass over each output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .isolate import _DROPOUT, _NOT_COMPARABLE, _RANDOM, _UNSUPPORTED_PREFIX, _tensors
+from .replay.runner import _cast
+from .replay.runner import _outputs as _flat_outputs
+
+MODES = ("improve_precision", "to_cpu")
+#: msprobe free_benchmark output relative-error thresholds by output dtype (peers-and-tolerances.md §3.3).
+THRESHOLDS = {torch.float16: 0.002, torch.bfloat16: 0.004, torch.float32: 0.0002, torch.float64: 0.0002}
+_HIGHER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+
+
+@dataclass
+class _Pending:
+    name: str
+    reference: Any = None
+    noisy: Any = None
+    started: float = 0.0
+
+
+def bit_noise(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A copy of floating tensor ``t`` with every finite element moved by one ULP (its last mantissa bit), up or
+    down by a seeded random sign; zeros move to ± the smallest subnormal, NaN/Inf stay.
+
+    Args:
+        t: a floating tensor (fp16, bf16, fp32, fp64), any shape and device.
+        gen: a CPU ``torch.Generator`` (the signs are drawn on the CPU, so runs repeat across devices).
+
+    Returns:
+        A new tensor of ``t``'s shape, dtype and device.
+    """
+    x = t.detach()
+    sign = torch.randint(0, 2, x.shape, generator=gen).to(x.device, torch.bool)
+    toward = torch.where(sign, torch.full_like(x, math.inf), torch.full_like(x, -math.inf))
+    return torch.where(torch.isfinite(x), torch.nextafter(x, toward), x)
+
+
+class FreeBenchmark:
+    """Per-step free-benchmark state of one target capture (see the module docstring for the rule).
+
+    Args:
+        mode: ``improve_precision`` (default) or ``to_cpu``: where the reference runs.
+        seed: seeds the bit-noise signs (default 0): identical runs give identical verdicts.
+        thresholds: ``{dtype: relative threshold}`` overrides of msprobe's fp16 0.002 / bf16 0.004 /
+            fp32 0.0002.
+
+    Raises:
+        ValueError: an unknown mode.
+
+    Attributes:
+        results: ``{node name: record}`` in execution order; a record holds ``status`` (pass/error/skip),
+            ``metric`` (``rel_rmse``, ``max_err`` or ``overflow``), ``value``, ``threshold`` (the allowance that
+            applied: the dtype threshold plus the sensitivity), ``row``, ``dtype``, ``sensitivity``,
+            ``message`` and ``seconds``.
+    """
+
+    def __init__(self, mode: str = "improve_precision", seed: int = 0,
+                 thresholds: dict | None = None):
+        if mode not in MODES:
+            raise ValueError(f"free benchmark mode: expected one of {list(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.seed = int(seed)
+        self.thresholds = dict(THRESHOLDS)
+        self.thresholds.update(thresholds or {})
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.results: dict[str, dict] = {}
+        self._calls = 0
+
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = {"status": "skip", "message": reason}
+
+    def before(self, name: str, prefix: str, api: str, func: Callable, args: tuple, kwargs: dict,
+               kernel: Callable[[Any], Any] = lambda v: v) -> _Pending | None:
+        """Run the reference and the bit-noise rerun of one call on copies of its inputs, before the target call
+        (so an in-place API never sees its own result).
+
+        Args:
+            name: the dump name (``Functional.linear.0.forward``). prefix, api: its parts.
+            func: the torch callable the target is about to call.
+            kernel: what the target's kernel does to an output beyond torch's own result (an injected fault),
+                applied to the bit-noise rerun, which runs through that same kernel.
+
+        Returns:
+            The pending call for :meth:`after`, or ``None`` when the call gets a named skip.
+        """
+        started = time.perf_counter()
+        short = api.rsplit(".", 1)[-1]
+        reason = None
+        if prefix in _UNSUPPORTED_PREFIX:
+            reason = f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}"
+        elif short in _NOT_COMPARABLE:
+            reason = f"{api}: uninitialised memory, not comparable"
+        elif short in _RANDOM or short in _DROPOUT or (kwargs.get("dropout_p") or 0) > 0:
+            reason = f"{api}: random output, not comparable element-wise"
+        floats = [t for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
+        if reason is None and not floats:
+            reason = "no floating input: nothing to perturb"
+        if reason is None and all(t.dtype == torch.float64 for t in floats):
+            reason = "fp64 inputs: nothing more precise to compare with"
+        if reason is not None:
+            self.skip(name, reason)
+            return None
+        kw = {k: v for k, v in kwargs.items() if k != "out"}
+        low = min((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
+        if self.mode == "to_cpu":
+            ref_dtype, ref_device = torch.float64, "cpu"
+        else:
+            ref_dtype, ref_device = _HIGHER.get(low, torch.float64), None
+
+        def up(t: torch.Tensor) -> torch.Tensor:
+            x = t.detach()
+            dev = ref_device or x.device
+            if x.is_floating_point():
+                return x.to(device=dev, dtype=torch.float64 if ref_device else max(
+                    (ref_dtype, x.dtype), key=lambda d: torch.finfo(d).bits), copy=True)
+            return x.to(device=dev, copy=True)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self._calls)
+        self._calls += 1
+
+        def noisy(t: torch.Tensor) -> torch.Tensor:
+            return bit_noise(t, gen) if t.is_floating_point() else t.detach().clone()
+        try:
+            with torch.no_grad():
+                ref_kw = {k: _cast(v, up) for k, v in kw.items()}
+                if isinstance(ref_kw.get("dtype"), torch.dtype) and ref_kw["dtype"].is_floating_point:
+                    ref_kw["dtype"] = torch.float64 if ref_device else max(
+                        (ref_dtype, ref_kw["dtype"]), key=lambda d: torch.finfo(d).bits)
+                reference = func(*_cast(tuple(args), up), **ref_kw)
+                noise_out = kernel(func(*_cast(tuple(args), noisy), **{k: _cast(v, noisy) for k, v in kw.items()}))
+        except Exception as exc:  # noqa: BLE001 - unjudgeable, never a crash of the user's run
+            self.skip(name, f"rerun failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            return None
+        return _Pending(name, reference, noise_out, started)
+
+    def after(self, pending: _Pending | None, out: Any) -> None:
+        """Judge the target's output ``out`` of a call prepared by :meth:`before`."""
+        if pending is None:
+            return
+        stem = f"{pending.name}.output"
+        refs = dict(_flat_outputs(pending.reference, stem))
+        noisy = dict(_flat_outputs(pending.noisy, stem))
+        worst: dict | None = None
+        judged = 0
+        for row, t in _flat_outputs(out, stem):
+            r, n = refs.get(row), noisy.get(row)
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point() and isinstance(r, torch.Tensor)
+                    and isinstance(n, torch.Tensor) and list(t.shape) == list(r.shape) == list(n.shape)) \
+                    or t.numel() == 0:
+                continue
+            judged += 1
+            rec = self._judge(row, t, r, n)
+            order = {"error": 2, "pass": 1}
+            if worst is None or (order[rec["status"]], rec["ratio"]) > (order[worst["status"]], worst["ratio"]):
+                worst = rec
+        if worst is None:
+            self.skip(pending.name, "no floating output to judge")
+            return
+        worst.pop("ratio")
+        worst["seconds"] = round(time.perf_counter() - pending.started, 6)
+        worst["rows"] = judged
+        self.results[pending.name] = worst
+
+    def _judge(self, row: str, t: torch.Tensor, r: torch.Tensor, n: torch.Tensor) -> dict:
+        y = t.detach().to("cpu", torch.float64)
+        ref = r.detach().to("cpu", torch.float64)
+        nz = n.detach().to("cpu", torch.float64)
+        thr = self.thresholds.get(t.dtype, THRESHOLDS[torch.float32])
+        base = {"row": row, "dtype": str(t.dtype)}
+        y_bad, r_bad = ~torch.isfinite(y), ~torch.isfinite(ref)
+        if bool((y_bad & ~r_bad).any()):
+            k = int((y_bad & ~r_bad).sum())
+            return {**base, "status": "error", "metric": "overflow", "value": k, "threshold": 0, "ratio": math.inf,
+                    "sensitivity": 0.0,
+                    "message": f"{row}: {k} NaN/Inf element(s) where the higher-precision reference is finite"}
+        keep = ~(y_bad | r_bad)  # both non-finite: the inputs made them so, not the kernel
+        y, ref, nz = y[keep], ref[keep], torch.nan_to_num(nz[keep], nan=0.0, posinf=0.0, neginf=0.0)
+        if y.numel() == 0:
+            return {**base, "status": "pass", "metric": "rel_rmse", "value": 0.0, "threshold": thr, "ratio": 0.0,
+                    "sensitivity": 0.0, "message": "every element non-finite on both sides"}
+        err, sens = (y - ref).abs(), (nz - y).abs()
+        rms_ref, max_ref = float(ref.square().mean().sqrt()), float(ref.abs().max())
+        if max_ref == 0.0:
+            value = float(err.max())
+            status = "pass" if value == 0.0 else "error"
+            return {**base, "status": status, "metric": "max_abs_err", "value": value, "threshold": 0.0,
+                    "ratio": math.inf if value else 0.0, "sensitivity": float(sens.max()),
+                    "message": f"{row}: the reference is all zeros; target max |value| {value:.3g}"}
+        rel_rmse = float(err.square().mean().sqrt()) / rms_ref
+        max_err = float(err.max()) / max_ref
+        sens_rms = float(sens.square().mean().sqrt()) / rms_ref
+        sens_max = float(sens.max()) / max_ref
+        cands = [("rel_rmse", rel_rmse, thr + sens_rms, sens_rms), ("max_err", max_err, thr + sens_max, sens_max)]
+        metric, value, allowed, s = max(cands, key=lambda c: c[1] / c[2])
+        status = "error" if value > allowed else "pass"
+        verb = "exceeds" if status == "error" else "within"
+        return {**base, "status": status, "metric": metric, "value": value, "threshold": allowed,
+                "ratio": value / allowed, "sensitivity": s,
+                "message": f"{row}: {metric} {value:.4g} {verb} {allowed:.4g} (free benchmark threshold "
+                           f"{thr:g} for {str(t.dtype).replace('torch.', '')} + bit-noise sensitivity {s:.3g})"}
+
+    def errors(self) -> list[tuple[str, dict]]:
+        """The calls at risk, in execution order."""
+        return [(k, v) for k, v in self.results.items() if v["status"] == "error"]
+
+    def as_json(self) -> dict:
+        """The step's verdicts as written to ``free_benchmark.json``."""
+        return {"version": 1, "mode": self.mode, "perturbation": "bit_noise",
+                "thresholds": {str(k): v for k, v in self.thresholds.items()},
+                "nodes": {k: {f: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                              for f, v in rec.items()} for k, rec in self.results.items()}}
