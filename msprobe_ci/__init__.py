@@ -6,7 +6,7 @@ The package imports torch lazily: ``import msprobe_ci`` is cheap, ``msprobe_ci.P
 from .errors import MsprobeError, MsprobeInternalError
 
 __version__ = "0.1.0"
-__all__ = ["PrecisionDebugger", "MsprobeError", "MsprobeInternalError", "__version__"]
+__all__ = ["PrecisionDebugger", "TrainerMon", "MsprobeError", "MsprobeInternalError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from .debugger import PrecisionDebugger
 
         return PrecisionDebugger
+    if name == "TrainerMon":
+        from .monitor import TrainerMon
+
+        return TrainerMon
     raise AttributeError(f"module 'msprobe_ci' has no attribute {name!r}")

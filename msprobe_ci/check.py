@@ -295,16 +295,18 @@ class TrainingRun:
         losses: the loss of each step (float).
         grads: per step, ``{parameter name: float64 CPU gradient}`` after backward, before the optimizer step.
         unapplied: injected faults that never fired.
+        monitor: the :class:`~msprobe_ci.monitor.MonitorReport` when the loop was monitored, else ``None``.
     """
 
     folders: list = field(default_factory=list)
     losses: list = field(default_factory=list)
     grads: list = field(default_factory=list)
     unapplied: tuple = ()
+    monitor: Any = None
 
 
 def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
-                 faults: tuple = (), seed: int = 1234, isolator=None) -> TrainingRun:
+                 faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None) -> TrainingRun:
     """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
 
     Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
@@ -313,6 +315,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
 
     Args:
         optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side.
+        monitor_dir: also run the training monitor (:class:`~msprobe_ci.monitor.TrainerMon`) into this folder.
 
     Raises:
         MsprobeError: a batch list that is empty, or nothing captured.
@@ -329,6 +332,11 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     opt = optimizer(side_model.parameters())
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = TrainingRun()
+    mon = None
+    if monitor_dir is not None:
+        from .monitor import TrainerMon
+
+        mon = TrainerMon(monitor_dir).set_monitor(side_model, opt)
     torch.manual_seed(seed)
     try:
         with deterministic():
@@ -343,6 +351,8 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                     out = side_model(inputs)
                 loss = loss_fn(out)
                 loss.backward()
+                if mon is not None:
+                    mon.record_loss(loss)
                 run.losses.append(float(loss.detach().float().cpu()))
                 run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
                                   for n, p in side_model.named_parameters() if p.grad is not None})
@@ -353,6 +363,8 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                 capture.step()
     finally:
         capture.close()
+        if mon is not None:
+            run.monitor = mon.close()
     run.unapplied = unapplied_faults(faults, capture)
     return run
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,7 +19,7 @@ _NO_MODEL = object()  # _begin() without a model to check
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
                  "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
-                 "api_thresholds", "free_benchmark")
+                 "api_thresholds", "free_benchmark", "monitor")
 
 
 class MsprobeFixture:
@@ -48,7 +49,8 @@ class MsprobeFixture:
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                   "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
                   "output_rtol": s.output_rtol,
-                  "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark}
+                  "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark,
+                  "monitor": s.monitor}
         merged.update(s.thresholds_raw)
         for layer in (self.marker_options, options):
             merged.update(layer)
@@ -522,7 +524,9 @@ class MsprobeFixture:
             optimizer: ``optimizer(parameters) -> torch.optim.Optimizer`` (e.g. ``lambda p: torch.optim.AdamW(p,
                 lr=1e-3)``).
             grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
-            options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...).
+            options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...), and
+                ``monitor`` (default ``--msprobe-monitor``): run :class:`msprobe_ci.TrainerMon` on both sides and
+                fail on a target anomaly (NaN/Inf, a 10x jump over the running median) the bench does not share.
 
         Returns:
             ``{"losses": {"bench": [...], "target": [...]}, "grads": [[per-parameter record, ...] per step],
@@ -534,13 +538,15 @@ class MsprobeFixture:
         from ..errors import MsprobeError
 
         c = self._begin(options, "check_training", model)
+        monitored = bool(c.st["monitor"])
         runs = {}
         try:
             for side, backend in (("bench", c.bench), ("target", c.target)):
                 cfg = DumpConfig(dump_path=os.path.join(c.dir, side), level=c.st["level"], task=c.st["task"])
                 runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
                                           faults=c.faults if side == "target" else (), seed=int(c.st["seed"]),
-                                          isolator=_isolator(c, backward=True) if side == "target" else None)
+                                          isolator=_isolator(c, backward=True) if side == "target" else None,
+                                          monitor_dir=os.path.join(c.dir, "monitor", side) if monitored else None)
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
         outcomes = self._judge_steps(c, runs["bench"].folders, runs["target"].folders)
@@ -554,10 +560,26 @@ class MsprobeFixture:
         self.request.node.user_properties.extend([
             ("msprobe.loss_bench", json.dumps(losses["bench"])), ("msprobe.loss_target", json.dumps(losses["target"])),
             ("msprobe.grad_similarity", sim)])
-        self._conclude_steps(c, outcomes, runs["target"].unapplied, [f"loss bench/target: {curve}", sim],
+        first_notes = [f"loss bench/target: {curve}", sim]
+        new_anomalies = []
+        if monitored:
+            bench_mon, target_mon = runs["bench"].monitor, runs["target"].monitor
+            shared = {(a.step, a.stage, a.name, a.rule) for a in bench_mon.anomalies}
+            new_anomalies = [a for a in target_mon.anomalies if (a.step, a.stage, a.name, a.rule) not in shared]
+            first_notes.append(f"monitor: target {len(target_mon.anomalies)} anomalies ({len(new_anomalies)} not on "
+                               f"the bench), bench {len(bench_mon.anomalies)}; plot {target_mon.png or 'not drawn'}")
+            if bench_mon.first is not None:
+                first_notes.append(f"monitor: the bench itself is anomalous: {bench_mon.first.message}")
+            self.request.node.user_properties.append(("msprobe.monitor", os.path.dirname(target_mon.db)))
+        self._conclude_steps(c, outcomes, runs["target"].unapplied, first_notes,
                              [{"loss_bench": losses["bench"][i], "loss_target": losses["target"][i],
                                "grads": grads[i]} for i in range(len(outcomes))],
                              lambda i: f"step {i}", f"loss bench/target: {curve}; {sim}")
+        if new_anomalies:
+            a = new_anomalies[0]
+            pytest.fail(f"msprobe: monitor: first target anomaly at {a.message}; the bench has none there "
+                        f"({len(new_anomalies)} in all). Plot: {runs['target'].monitor.png}. Artifacts: {c.dir}",
+                        pytrace=False)
         return {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
 
     def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, **options: Any):
@@ -611,6 +633,83 @@ class MsprobeFixture:
                              lambda i: f"step {i} ({'prefill' if i == 0 else f'decode token {i}'})", note)
         return {"tokens": [p.tolist() for p in bench_run.picks], "target_picks": [p.tolist() for p in
                 target_run.picks], "token_agreement": agreement, "reports": [o.report for o in outcomes]}
+
+    @contextlib.contextmanager
+    def monitor(self, model: Any, optimizer: Any = None, *, alert_factor: float = 10.0, warmup: int = 3,
+                xy_distribution: bool = True, wg_distribution: bool = True, mv_distribution: bool = True):
+        """Monitor the test's own training loop (msprobe's ``TrainerMon``) and fail at its first anomaly.
+
+        Usage::
+
+            with msprobe.monitor(model, opt) as mon:
+                for batch in batches:
+                    loss = model(**batch).loss
+                    loss.backward(); mon.record_loss(loss)
+                    opt.step(); opt.zero_grad()        # the optimizer's step closes each monitored step
+
+        Without an optimizer call ``mon.close_step()`` at each step's end. Needs no bench and no baseline.
+
+        Args:
+            model: the ``nn.Module`` the loop trains. optimizer: its ``torch.optim.Optimizer`` (optional).
+            alert_factor, warmup, xy_distribution, wg_distribution, mv_distribution: as
+                :class:`msprobe_ci.TrainerMon` (jump rule: a norm above 10x the median of its previous values,
+                once 3 exist).
+
+        Yields:
+            The :class:`msprobe_ci.TrainerMon`; ``mon.report`` holds the anomalies after the block.
+
+        Raises:
+            pytest.fail.Exception: at the end of the block, on the first anomaly (its step, stage and module),
+                with the plot's path.
+        """
+        __tracebackhide__ = True
+        from ..errors import MsprobeError
+        from ..monitor import TrainerMon
+
+        nodeid = self.request.node.nodeid
+        try:
+            base_dir = self.session.test_dir(nodeid) if self.checks == 0 else self._base_dir
+            self._base_dir = base_dir
+            index = self.checks
+            self.checks += 1
+            folder = os.path.join(base_dir, f"check{index}", "monitor")
+            mon = TrainerMon(folder, alert_factor=alert_factor, warmup=warmup, xy_distribution=xy_distribution,
+                             wg_distribution=wg_distribution, mv_distribution=mv_distribution)
+            mon.set_monitor(model, optimizer)
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        try:
+            yield mon
+        finally:
+            report = mon.close()
+        first = report.first
+        props = self.request.node.user_properties
+        props += [("msprobe.monitor", folder), ("msprobe.monitor_steps", report.steps),
+                  ("msprobe.monitor_anomalies", len(report.anomalies))]
+        if report.png:
+            props.append(("msprobe.monitor_png", report.png))
+        by_step: dict[int, list] = {}
+        for a in report.anomalies:
+            by_step.setdefault(a.step, []).append(a)
+        nodes = [{"name": f"step {i}", "status": "error" if i in by_step else "pass", "metric": "anomalies",
+                  "value": len(by_step.get(i, ())), "threshold": 0, "input_error": "",
+                  "worst_row": by_step[i][0].name if i in by_step else "",
+                  "message": by_step[i][0].message if i in by_step else "no anomaly", "standard": "monitor",
+                  "seconds": 0.0} for i in range(report.steps)]
+        errors = sum(n["status"] == "error" for n in nodes)
+        losses = ", ".join("nan" if v is None else f"{v:.6g}" for v in report.losses)
+        row = {"test": nodeid, "index": index, "dir": os.path.dirname(folder), "bench": "none (monitor)",
+               "target": "this test's loop", "level": "module", "mode": "monitor", "csv": "", "graph": None,
+               "nodes_compared": report.steps, "counts": {"pass": len(nodes) - errors, "warning": 0,
+                                                          "error": errors, "unmatched": 0},
+               "first_divergence": f"step{first.step} {first.name}" if first else None, "overflow_first": None,
+               "overflow_failed": False, "isolated": False, "model": [], "overflow_message": "", "nodes": nodes,
+               "unapplied": [], "notes": [f"monitor: {report.steps} steps, {len(report.anomalies)} anomalies; "
+                                          f"loss per step: {losses}; plot {report.png or 'not drawn (no matplotlib)'}"]}
+        props.append((RESULT_PROPERTY, _publish(row)))
+        if first is not None:
+            pytest.fail(f"msprobe: monitor: first anomaly at {first.message} ({len(report.anomalies)} in all). "
+                        f"Plot: {report.png}. Artifacts: {folder}", pytrace=False)
 
     def compare_dumps(self, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
                       layer_mapping: str | None = None, cell_mapping: str | None = None,

@@ -77,6 +77,7 @@ class ProbeSession:
             raise pytest.UsageError("msprobe: ini msprobe_fuzz: expected an integer") from None
         if self.fuzz < 0:
             raise pytest.UsageError(f"msprobe: --msprobe-fuzz: expected 0 or more examples per API, got {self.fuzz}")
+        self.monitor = bool(_opt(config, "msprobe_monitor"))
         self.free_benchmark = _opt(config, "msprobe_free_benchmark")
         if self.free_benchmark not in (None, "improve_precision", "to_cpu"):
             raise pytest.UsageError(f"msprobe: ini msprobe_free_benchmark: expected improve_precision or to_cpu, got "
