@@ -409,10 +409,12 @@ class DecodeRun:
     picks: list = field(default_factory=list)
     logits: list = field(default_factory=list)
     unapplied: tuple = ()
+    steps: list = field(default_factory=list)  # the captured steps, one per folder
 
 
 def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forced: list | None = None,
-               faults: tuple = (), seed: int = 1234, isolator=None, **generate_kwargs) -> DecodeRun:
+               faults: tuple = (), seed: int = 1234, isolator=None, capture_steps=None,
+               **generate_kwargs) -> DecodeRun:
     """Greedy decoding with the model's KV cache, one captured forward per step (step 0 is the prefill).
 
     Args:
@@ -422,6 +424,8 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
         max_new_tokens: decode steps after the prefill.
         forced: the tokens to feed at steps 1..N (teacher forcing on the bench's tokens); ``None`` feeds the
             side's own greedy picks.
+        capture_steps: the steps to capture (a set of ints; ``None``: all); the others run uncaptured, so a long
+            generation writes only what is judged (msprobe's ``token_range``).
         generate_kwargs: extra keyword inputs of every forward (e.g. ``attention_mask`` is not supported yet).
 
     Raises:
@@ -441,9 +445,12 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
     try:
         with deterministic(), torch.no_grad():
             for step in range(max_new_tokens + 1):
-                capture.start(side_model)
+                captured = capture_steps is None or step in capture_steps
+                if captured:
+                    capture.start(side_model)
                 out = side_model(input_ids=step_ids, past_key_values=past, use_cache=True, **generate_kwargs)
-                capture.stop()
+                if captured:
+                    capture.stop()
                 logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
                 if logits is None or past is None:
                     raise MsprobeError("check_generate: the model output needs .logits and .past_key_values "
@@ -451,7 +458,9 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
                 last = logits[:, -1].detach().to("cpu", torch.float64)
                 run.logits.append(last)
                 run.picks.append(last.argmax(-1))
-                run.folders.append(capture.dump_folder())
+                if captured:
+                    run.folders.append(capture.dump_folder())
+                    run.steps.append(step)
                 capture.step()
                 if step == max_new_tokens:
                     break

@@ -350,7 +350,7 @@ class MsprobeFixture:
         return _Check(st, bench, target, tuple(faults), isolate, os.path.join(base_dir, f"check{index}"), index,
                       nodeid, st["inject"] or self.session.inject_path)
 
-    def _judge_steps(self, c: "_Check", bench_folders: list, target_folders: list) -> list:
+    def _judge_steps(self, c: "_Check", bench_folders: list, target_folders: list, steps: list | None = None) -> list:
         """Judge the step folders of a loop. Sources (weights, optimizer state, KV cache, inputs) match the bench
         only at step 0: later they have moved apart by rounding, which the steps that made them judged, so from
         step 1 on they are context (``source_factor`` inf)."""
@@ -359,42 +359,45 @@ class MsprobeFixture:
         from ..errors import MsprobeError
 
         try:
-            return [evaluate(b, SideRun(t), os.path.join(c.dir, f"step{i}"), level=c.st["level"],
+            steps = list(range(len(bench_folders))) if steps is None else steps
+            return [evaluate(b, SideRun(t), os.path.join(c.dir, f"step{steps[i]}"), level=c.st["level"],
                              isolate=c.isolate, api_standards=c.st["api_standards"],
                              api_thresholds=c.st["api_thresholds"],
                              cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)),
-                             source_factor=4.0 if i == 0 else math.inf)
+                             source_factor=4.0 if steps[i] == 0 else math.inf)
                     for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
 
     def _conclude_steps(self, c: "_Check", outcomes: list, unapplied: tuple, first_notes: list, extra: list,
-                        label: Callable[[int], str], tail: str) -> None:
+                        label: Callable[[int], str], tail: str, steps: list | None = None) -> None:
         """Publish one result row per step (``extra[i]``: step fields) and fail on the first problem, naming the
         step (``label(i)``, e.g. ``step 2`` or ``step 2 (decode token 2)``); ``tail`` ends a divergence message."""
         props = self.request.node.user_properties
+        steps = list(range(len(outcomes))) if steps is None else steps
         for i, outcome in enumerate(outcomes):
-            row = {"test": c.nodeid, "index": f"{c.index} step{i}", "dir": os.path.join(c.dir, f"step{i}"),
+            row = {"test": c.nodeid, "index": f"{c.index} step{steps[i]}", "dir": os.path.join(c.dir, f"step{steps[i]}"),
                    "bench": c.bench.label, "target": c.target.label, "level": c.st["level"],
                    "notes": list(outcome.notes) + (list(first_notes) if i == 0 else [])}
-            row.update(outcome.summary(), unapplied=[], step=i, **extra[i])
+            row.update(outcome.summary(), unapplied=[], step=steps[i], **extra[i])
             props.append((RESULT_PROPERTY, _publish(row)))
         if unapplied:
             pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
                         f"gate. Artifacts: {c.dir}", pytrace=False)
         for i, outcome in enumerate(outcomes):
             if outcome.first_divergence is not None:
-                msg = _failure_message(outcome.report, os.path.join(c.dir, f"step{i}"), outcome.target_dump,
+                msg = _failure_message(outcome.report, os.path.join(c.dir, f"step{steps[i]}"), outcome.target_dump,
                                        outcome.graph)
-                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at {label(i)}: ", 1)
+                msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at {label(steps[i])}: ",
+                                  1)
                 pytest.fail(f"{msg}\n{tail}", pytrace=False)
             if outcome.overflow_failed:
                 ov = outcome.overflow.first
-                pytest.fail(f"msprobe: overflow on the target at {label(i)}: {ov.name} ({ov.level}); the bench has "
+                pytest.fail(f"msprobe: overflow on the target at {label(steps[i])}: {ov.name} ({ov.level}); the bench has "
                             f"none there. Artifacts: {c.dir}", pytrace=False)
             if outcome.api_errors:
                 a = outcome.api_errors[0]
-                pytest.fail(f"msprobe: per-API pre-check at {label(i)}: {a.name}: {a.message}. Artifacts: {c.dir}",
+                pytest.fail(f"msprobe: per-API pre-check at {label(steps[i])}: {a.name}: {a.message}. Artifacts: {c.dir}",
                             pytrace=False)
 
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
@@ -582,7 +585,8 @@ class MsprobeFixture:
                         pytrace=False)
         return {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
 
-    def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, **options: Any):
+    def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, token_range: Any = None,
+                       **options: Any):
         """Greedy generation, one captured forward per step (step 0 is the prefill, then one step per new token,
         with the model's KV cache), and fail at the first step whose computation diverges.
 
@@ -597,6 +601,9 @@ class MsprobeFixture:
                 ``.past_key_values`` in its output (transformers models).
             input_ids: ``[batch, prompt]`` token ids.
             max_new_tokens: decode steps after the prefill (>= 0).
+            token_range: ``[a, b]`` (msprobe's ``start(token_range=...)``): capture and judge only forward calls
+                a..b (0 = the prefill); the others run uncaptured, still teacher-forced. Default: the ``step``
+                list of ``--msprobe-config``'s config.json when it has one, else every step.
             options: as for :meth:`check` (bench, target, dtypes, level, task, inject (faults take ``step: N``),
                 seed, isolate ...).
 
@@ -611,26 +618,46 @@ class MsprobeFixture:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise pytest.fail.Exception(f"msprobe: check_generate: max_new_tokens: expected an int >= 0, got "
                                         f"{max_new_tokens!r}", pytrace=False)
+        if token_range is not None:
+            ok = isinstance(token_range, (list, tuple)) and len(token_range) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in token_range) and \
+                token_range[0] <= token_range[1] <= max_new_tokens
+            if not ok:
+                raise pytest.fail.Exception(f"msprobe: check_generate: token_range: expected [a, b] with 0 <= a <= b <= "
+                                            f"max_new_tokens ({max_new_tokens}), got {token_range!r}", pytrace=False)
+            capture = set(range(token_range[0], token_range[1] + 1))
+        else:
+            config_steps = getattr(self.session.dump_config, "step", None) or None
+            capture = {s for s in config_steps if s <= max_new_tokens} if config_steps else None
+            if capture is not None and not capture:
+                raise pytest.fail.Exception(f"msprobe: check_generate: the config's step list {sorted(config_steps)} "
+                                            f"holds no step <= max_new_tokens ({max_new_tokens})", pytrace=False)
         c = self._begin(options, "check_generate", model)
 
         def cfg(side: str) -> DumpConfig:
             return DumpConfig(dump_path=os.path.join(c.dir, side), level=c.st["level"], task=c.st["task"])
 
         try:
-            bench_run = run_decode(model, input_ids, max_new_tokens, c.bench, cfg("bench"), seed=int(c.st["seed"]))
+            bench_run = run_decode(model, input_ids, max_new_tokens, c.bench, cfg("bench"), seed=int(c.st["seed"]),
+                                   capture_steps=capture)
             target_run = run_decode(model, input_ids, max_new_tokens, c.target, cfg("target"), forced=bench_run.picks,
-                                    faults=c.faults, seed=int(c.st["seed"]), isolator=_isolator(c, backward=False))
+                                    faults=c.faults, seed=int(c.st["seed"]), isolator=_isolator(c, backward=False),
+                                    capture_steps=capture)
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {c.dir}", pytrace=False) from None
-        outcomes = self._judge_steps(c, bench_run.folders, target_run.folders)
+        steps = bench_run.steps
+        outcomes = self._judge_steps(c, bench_run.folders, target_run.folders, steps)
         agree = [bool((b == t).all()) for b, t in zip(bench_run.picks, target_run.picks)]
         agreement = sum(agree) / len(agree) if agree else 1.0
         note = (f"token agreement (target's own greedy pick vs the bench's, teacher-forced): {sum(agree)}/"
                 f"{len(agree)}" + ("" if all(agree) else f", first differs at step {agree.index(False)}"))
         self.request.node.user_properties.append(("msprobe.token_agreement", agreement))
+        if capture is not None:
+            note += f"; captured and judged steps {steps[0]}..{steps[-1]} of 0..{max_new_tokens}" if \
+                steps == list(range(steps[0], steps[-1] + 1)) else f"; captured and judged steps {steps}"
         self._conclude_steps(c, outcomes, target_run.unapplied, [note],
-                             [{"token_agrees": a} for a in agree],
-                             lambda i: f"step {i} ({'prefill' if i == 0 else f'decode token {i}'})", note)
+                             [{"token_agrees": agree[s]} for s in steps],
+                             lambda i: f"step {i} ({'prefill' if i == 0 else f'decode token {i}'})", note, steps)
         return {"tokens": [p.tolist() for p in bench_run.picks], "target_picks": [p.tolist() for p in
                 target_run.picks], "token_agreement": agreement, "reports": [o.report for o in outcomes]}
 

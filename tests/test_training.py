@@ -73,3 +73,34 @@ def test_benign_bf16_loops_pass_and_a_step_2_fault_is_named(pytester):
     assert sorted(r["step"] for r in results) == [0, 1, 2]
     assert all(r["grads"] and {"cosine", "sign_agreement", "bench_norm", "target_norm"} <= set(r["grads"][0])
                for r in results)
+
+
+SAMPLED = TRAIN.split("def test_train(")[0] + """
+PROMPT = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+
+
+def test_sampled(msprobe):
+    r = msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=6, token_range=[2, 3])
+    assert len(r["tokens"]) == 7 and len(r["reports"]) == 2
+
+
+def test_sampled_fault(msprobe):
+    msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=6, token_range=[2, 3], inject="faults.yaml")
+
+
+def test_bad_range(msprobe):
+    msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=3, token_range=[2, 5])
+"""
+
+
+def test_token_range_captures_only_its_steps_and_still_names_the_faulty_step(pytester):
+    pytester.makepyfile(test_gen=SAMPLED)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
+                                      "step: 3}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 3 (decode token 3): Functional.silu.0.forward*"])
+    result.stdout.fnmatch_lines(["*token_range: expected ?a, b? with 0 <= a <= b <= max_new_tokens (3), got ?2, 5?*"])
+    result.stdout.fnmatch_lines(["*captured and judged steps 2..3 of 0..6*"])
+    check = pytester.path / "msprobe-out" / "test_gen.py_test_sampled" / "check0"
+    assert sorted(p.name for p in (check / "target").iterdir()) == ["step2", "step3"]
