@@ -43,9 +43,14 @@ class PrecisionDebugger:
         self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)
         self.session = CaptureSession(self.config)
 
-    def start(self, model: Any = None) -> None:
-        """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix."""
-        self.session.start(model)
+    def start(self, model: Any = None, token_range: Any = None) -> None:
+        """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix.
+
+        Args:
+            token_range: ``[a, b]``: record only the root model's forward calls a..b (0-based, counted from the
+                first ``start``), as msprobe does for inference; generation steps outside the range run uncaptured.
+        """
+        self.session.start(model, token_range=token_range)
 
     def stop(self) -> None:
         """Stop recording and write this step's dump.json, stack.json and construct.json."""

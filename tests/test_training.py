@@ -104,3 +104,32 @@ def test_token_range_captures_only_its_steps_and_still_names_the_faulty_step(pyt
     result.stdout.fnmatch_lines(["*captured and judged steps 2..3 of 0..6*"])
     check = pytester.path / "msprobe-out" / "test_gen.py_test_sampled" / "check0"
     assert sorted(p.name for p in (check / "target").iterdir()) == ["step2", "step3"]
+
+
+def test_precision_debugger_token_range_records_only_those_root_forward_calls(tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from msprobe_ci import MsprobeError, PrecisionDebugger
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    prompt = torch.randint(1, 128, (1, 5), generator=torch.Generator().manual_seed(3))
+    counts = {}
+    for name, token_range in (("all", None), ("sampled", [2, 3])):
+        debugger = PrecisionDebugger(dump_path=str(tmp_path / name), level="mix", task="statistics")
+        debugger.start(model, token_range=token_range)
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        debugger.stop()
+        data = json.loads((tmp_path / name / "step0" / "rank" / "dump.json").read_text())["data"]
+        counts[name] = data
+    roots = [k for k in counts["sampled"] if k.startswith("Module.model.LlamaModel.forward.")]
+    assert len([k for k in counts["all"] if k.startswith("Module.model.LlamaModel.forward.")]) == 6
+    assert roots == ["Module.model.LlamaModel.forward.0", "Module.model.LlamaModel.forward.1"]
+    # calls 2 and 3 are decode steps: one new token each
+    assert counts["sampled"][roots[0]]["input_kwargs"]["input_ids"]["shape"] == [1, 1]
+    with pytest.raises(MsprobeError, match="token_range"):
+        PrecisionDebugger(dump_path=str(tmp_path / "bad")).start(model, token_range=[3, 1])

@@ -98,6 +98,10 @@ class CaptureSession:
         self.rank = rank
         self.current_step = 0
         self.running = False
+        self._armed = False  # started: recording unless a token_range says this root call is outside it
+        self._token_range: tuple[int, int] | None = None
+        self._token_hooked: dict[int, tuple] = {}
+        self._root_calls = 0
         self._busy = False
         self._mode: _ApiMode | None = None
         self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
@@ -168,22 +172,40 @@ class CaptureSession:
         return os.path.join(os.fspath(self.config.dump_path), f"step{self.current_step if step is None else step}",
                             self.rank_dir() or "rank")
 
-    def start(self, model: Any = None) -> None:
+    def start(self, model: Any = None, token_range: Any = None) -> None:
         """Install the hooks (once per model) and begin recording.
 
         Args:
-            model: an ``nn.Module`` or a list/tuple of them; required at L0 and mix.
+            model: an ``nn.Module`` or a list/tuple of them; required at L0 and mix, and with ``token_range``.
+            token_range: ``[a, b]`` (msprobe's): count the forward calls of the root model(s) from the first
+                ``start`` on (0-based) and record only calls a..b, and nothing outside them (inference).
+
+        Raises:
+            MsprobeError: a missing or unhookable model, a malformed ``token_range``.
         """
         if self.module_level and model is None:
             raise MsprobeError(f"level {self.config.level} needs the model: call start(model)")
         if isinstance(model, torch.jit.ScriptModule):
             raise MsprobeError("start(model): torch.jit.ScriptModule cannot be hooked; pass the eager module")
+        if token_range is not None:
+            if not (isinstance(token_range, (list, tuple)) and len(token_range) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in token_range)
+                    and token_range[0] <= token_range[1]):
+                raise MsprobeError(f"start(token_range=...): expected [a, b] with 0 <= a <= b, got {token_range!r}")
+            if model is None:
+                raise MsprobeError("start(token_range=...) needs the model: its forward calls are what is counted")
         if model is not None and self.module_level:
             models = list(model) if isinstance(model, (list, tuple)) else [model]
             for i, m in enumerate(models):
                 if not isinstance(m, torch.nn.Module):
                     raise MsprobeError(f"start(model): expected torch.nn.Module, got {type(m).__name__}")
                 self._hook_model(m, f"{i}." if len(models) > 1 else "")
+        if token_range is not None:
+            self._token_range = (token_range[0], token_range[1])
+            for m in (list(model) if isinstance(model, (list, tuple)) else [model]):
+                if isinstance(m, torch.nn.Module) and id(m) not in self._token_hooked:
+                    self._token_hooked[id(m)] = (m.register_forward_pre_hook(self._token_pre, prepend=True),
+                                                 m.register_forward_hook(self._token_post))
         if self.step_enabled and self.rank_dir() and not self._folder_checked:
             ensure_fresh_dir(self.dump_folder())
             self._folder_checked = True
@@ -191,6 +213,9 @@ class CaptureSession:
             return
         self.running = self.step_enabled and bool(self.rank_dir())
         self._dirty = self._dirty or self.running
+        self._armed = self.running
+        if self._token_range is not None:
+            self.running = False  # until a root forward call inside the range begins
         if (self.api_level or self._fault_apis) and self._mode is None:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
@@ -199,9 +224,19 @@ class CaptureSession:
 
             self._comm = CommPatch(self._on_comm)
 
+    def _token_pre(self, module, args):
+        n = self._root_calls
+        self._root_calls += 1
+        a, b = self._token_range
+        self.running = self._armed and a <= n <= b
+
+    def _token_post(self, module, args, output):
+        self.running = False
+
     def stop(self) -> None:
         """Stop recording and write the current step's files (atomically)."""
         self.running = False
+        self._armed = False
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
@@ -220,10 +255,11 @@ class CaptureSession:
         """Stop and remove every hook this session installed."""
         if self.running or self._mode is not None:
             self.stop()
-        for handles in self._hooked.values():
+        for handles in list(self._hooked.values()) + list(self._token_hooked.values()):
             for h in handles:
                 h.remove()
         self._hooked.clear()
+        self._token_hooked.clear()
 
     def flush(self) -> None:
         """Write the step's files when something was recorded since the last flush (stop() then step() writes once)."""
