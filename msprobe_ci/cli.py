@@ -174,7 +174,13 @@ def _compare(args) -> int:
     worst = 0
     mappings = _mappings(args)
     lines, compared = [], {}
-    for t, g, rank, key in _pairs(args.target_path, args.golden_path):
+    pairs = _pairs(args.target_path, args.golden_path)
+    if len(pairs) == 1 and not args.fuzzy_match and not any((mappings.data, mappings.layer, mappings.cell,
+                                                              mappings.api)):
+        streamed = _stream(pairs[0], args)
+        if streamed is not None:
+            return streamed
+    for t, g, rank, key in pairs:
         target = load_dump(t)
         report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match, mappings=mappings)
         records = load_isolation(target.folder)
@@ -199,6 +205,37 @@ def _compare(args) -> int:
     for line in lines:
         print(line)
     return worst
+
+
+def _stream(pair, args) -> int | None:
+    """One pair of PyTorch dumps: the streaming compare (memory bounded by the unmatched window); ``None`` when
+    the in-memory compare must run (MindSpore, isolation records of an msprobe-ci capture)."""
+    from .compare.stream import NotStreamable, stream_compare
+
+    t, g, rank, _ = pair
+    folder = os.path.dirname(t) if os.path.isfile(t) else t
+    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "dump.json")):
+        from .dump.reader import rank_folders
+
+        folders = rank_folders(folder)
+        if len(folders) != 1:
+            return None
+        folder = folders[0]
+    if os.path.isfile(os.path.join(folder, "isolation.json")):
+        return None
+    from .dump.reader import rank_folders
+
+    bench = g if os.path.isfile(g) else rank_folders(g)[0]
+    try:
+        r = stream_compare(t if os.path.isfile(t) else folder, bench, args.output_path,
+                           prefix=f"compare_result_{rank}" if rank else "compare_result")
+    except NotStreamable:
+        return None
+    c, first = r.counts, r.first_divergence
+    print(f"{r.csv}: {r.nodes} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, unmatched "
+          f"{c['unmatched']} (drift rule; later errors on diverged inputs are reported as propagated); first "
+          f"divergence: {first.message if first is not None else 'none'}")
+    return 0 if first is None else 1
 
 
 def _overflow(args) -> int:

@@ -50,6 +50,12 @@ def _cls(v: Any) -> str:
 
 def stat_diff(target: Any, bench: Any) -> tuple[Any, Any]:
     """One statistic: ``(diff, relative error string)`` with msprobe's special cases."""
+    if type(target) is float and type(bench) is float and math.isfinite(target) and math.isfinite(bench):
+        # the common case, without the string classification below (same results)
+        if target == bench and math.copysign(1.0, target) == math.copysign(1.0, bench):
+            return 0, 0
+        diff = target - bench
+        return (diff, "inf") if bench == 0 else (diff, f"{abs(diff / bench) * 100}%")
     if str(target) == str(bench):
         return 0, 0
     ct, cb = _cls(target), _cls(bench)

@@ -1,0 +1,351 @@
+"""Streaming compare: two large PyTorch dumps compared entry by entry, memory bounded by what is still unmatched.
+
+``msprobe-ci compare`` on one target/bench pair of PyTorch dumps (no ``-fm``, no mapping files, no msprobe-ci
+isolation records) reads both dump.json files incrementally with ``ijson`` (its C backend, yajl2), pairs target
+and bench entries as they come (dumps of the same model list them in the same execution order; a bench entry not
+yet needed waits in a window, and is dropped once matched), judges each node with the same rules as the in-memory
+compare (:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run:
+entry names (duplicate detection), per forward entry the relative errors and bench norms of its rows (what its
+backward twin and a module's ``parameters_grad`` judge their inputs by: a few floats each), the target's
+stack.json and the counts. Measured by ``benchmarks/scale.py``.
+
+Each entry is validated against the dump schema as it is read (one-line errors naming file, entry and field);
+duplicate entry names are caught, duplicate keys *inside* one entry are not (the in-memory reader catches both).
+The dump mode (statistics/md5/tensor) is decided from the task and the first tensor record of each side.
+Dumps this path does not take raise :class:`NotStreamable` and go to the in-memory compare: MindSpore dumps, a
+header after ``data``, and JSON that yajl rejects (``NaN``/``Infinity`` tokens of overflowing runs, or a real
+syntax error, which the in-memory reader then reports).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+from ..dump.reader import validate_dump_json
+from ..errors import MsprobeError
+from ..dump.writer import timestamped_path
+from ..outputs import atomic_write
+from . import engine
+from .rows import entry_rows
+from .verdict import CompareResult, Thresholds
+
+
+class NotStreamable(Exception):
+    """The dump needs the in-memory compare (another framework, header after the data)."""
+
+
+@dataclass
+class StreamResult:
+    """What a streaming compare produced: the CSV, node counts, the first divergence, ``nodes`` judged."""
+
+    csv: str
+    mode: str
+    counts: dict = field(default_factory=lambda: {s: 0 for s in ("pass", "warning", "error", "unmatched")})
+    first_divergence: CompareResult | None = None
+    nodes: int = 0
+
+
+def _header(path: str) -> dict:
+    """The top-level scalars before ``data`` (msprobe and msprobe-ci write them first)."""
+    import ijson
+
+    head: dict[str, Any] = {}
+    key = None
+    try:
+        with open(path, "rb") as fh:
+            for prefix, event, value in ijson.parse(fh, use_float=True):
+                if prefix == "" and event == "map_key":
+                    key = value
+                    if value == "data":
+                        return head
+                elif prefix == key and event in ("string", "number", "boolean", "null"):
+                    head[key] = value
+                elif prefix == "" and event == "end_map":
+                    break
+    except FileNotFoundError:
+        raise MsprobeError(f"{path}: file not found") from None
+    except ijson.JSONError as exc:
+        raise NotStreamable(f"{path}: {str(exc).splitlines()[0][:120]}") from None
+    raise NotStreamable(f"{path}: no 'data' after the header")
+
+
+def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
+    """``(name, entry)`` of dump.json's ``data`` in file order, each validated; duplicate names are errors."""
+    import ijson
+
+    seen: set[str] = set()
+    tensors = str(head.get("task", "statistics")) == "tensor"  # data_name opens files only in tensor dumps
+    with open(path, "rb") as fh:
+        it = ijson.kvitems(fh, "data", use_float=True)
+        n = 0
+        while True:
+            try:
+                name, entry = next(it)
+            except StopIteration:
+                break
+            except ijson.JSONError as exc:
+                # yajl rejects NaN/Infinity, which Python's json (and msprobe's overflow dumps) use: the in-memory
+                # reader takes over and reports real syntax errors itself
+                raise NotStreamable(f"{path}: {str(exc).splitlines()[0][:120]}") from None
+            except RecursionError:
+                raise MsprobeError(f"{path}: JSON nested too deeply to be a dump") from None
+            if name in seen:
+                raise MsprobeError(f"{path}: duplicate key {name!r} in one JSON object (the first value would be "
+                                   "silently dropped)")
+            seen.add(name)
+            validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
+            n += 1
+            if progress is not None and n % 2000 == 0:
+                progress.update(fh.tell() - progress.n)
+            yield name, entry
+        if progress is not None:
+            progress.update(max(0, os.path.getsize(path) - progress.n))
+
+
+class _TwinBench:
+    """What a twin's row keeps of its bench record: its L2 norm (``stats()[3]``)."""
+
+    __slots__ = ("norm",)
+    is_tensor = True
+
+    def __init__(self, norm: float):
+        self.norm = norm
+
+    def stats(self):
+        return (None, None, None, self.norm)
+
+
+def _stack_map(folder: str) -> dict[str, list[str]]:
+    from ..dump.reader import _read_json
+
+    path = os.path.join(folder, "stack.json")
+    if not os.path.isfile(path):
+        return {}
+    raw = _read_json(path)
+    out: dict[str, list[str]] = {}
+    if isinstance(raw, dict) and "0" in raw:
+        for key, group in raw.items():
+            if not (isinstance(group, list) and len(group) == 2 and isinstance(group[0], list)):
+                raise MsprobeError(f"{path}: entry {key!r}: expected [[names], [frames]]")
+            for n in group[0]:
+                out[str(n)] = group[1]
+    elif isinstance(raw, dict):
+        out = raw
+    return out
+
+
+def _first_tensor_md5(entry: Any) -> bool | None:
+    """True/False when the entry holds a tensor record (with/without ``md5``); None when it holds none."""
+    if isinstance(entry, dict):
+        if "dtype" in entry and "shape" in entry and entry.get("type") in ("torch.Tensor", "mindspore.Tensor",
+                                                                          "torch.nn.parameter.Parameter"):
+            return "md5" in entry
+        vals = entry.values()
+    elif isinstance(entry, list):
+        vals = entry
+    else:
+        return None
+    for v in vals:
+        r = _first_tensor_md5(v)
+        if r is not None:
+            return r
+    return None
+
+
+def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thresholds: Thresholds | None = None,
+                   prefix: str = "compare_result", progress: bool | None = None) -> StreamResult:
+    """Compare two PyTorch rank folders (or dump.json files) entry by entry and write msprobe's CSV.
+
+    Args:
+        target_folder, bench_folder: rank folders holding dump.json (or the dump.json files).
+        out_dir: where ``{prefix}_<timestamp>.csv`` goes (never overwritten).
+        thresholds: node-rule factors (:mod:`msprobe_ci.compare.verdict`).
+        progress: a tqdm bar on stderr; ``None`` (default): only when stderr is a terminal.
+
+    Returns:
+        A :class:`StreamResult` (same verdicts as the in-memory compare's drift rule).
+
+    Raises:
+        MsprobeError: bad dumps (one line naming the file and entry) or tasks that cannot be compared.
+        NotStreamable: a dump this path does not handle (MindSpore, header after data): use the in-memory one.
+    """
+    import sys
+
+    th = thresholds or Thresholds()
+    files = [f if os.path.isfile(f) else os.path.join(f, "dump.json") for f in (target_folder, bench_folder)]
+    t_head, b_head = (_header(f) for f in files)
+    for h, f in ((t_head, files[0]), (b_head, files[1])):
+        if str(h.get("framework") or "pytorch").lower() != "pytorch":
+            raise NotStreamable(f"{f}: framework {h.get('framework')!r}")
+        if "task" not in h:
+            raise NotStreamable(f"{f}: no task before data")
+    stack = _stack_map(os.path.dirname(files[0]))
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=os.path.getsize(files[0]), unit="B", unit_scale=True, desc="compare", file=sys.stderr,
+                   leave=False)
+    targets = _entries(files[0], t_head, bar)
+    benches = _entries(files[1], b_head)
+    window: dict[str, Any] = {}        # bench entries read ahead, by renumbered name
+    bench_done = False
+    b_seen: dict[str, int] = {}
+    t_seen: dict[str, int] = {}
+    twins: dict[str, list] = {}        # forward/module entry -> [RowResult stubs]
+    from ..dump.names import parse
+
+    def renumber(name: str, seen: dict[str, int]) -> str:
+        p = parse(name, any_prefix=True)
+        if p is None or p.direction != "backward" or p.kind not in ("api", "module"):
+            return name
+        k = seen.get(p.base, 0)
+        seen[p.base] = k + 1
+        return f"{p.base}.{k}.backward" if p.kind == "api" else f"{p.base}.backward.{k}"
+
+    def bench_for(key: str):
+        nonlocal bench_done
+        while key not in window and not bench_done:
+            try:
+                name, entry = next(benches)
+            except StopIteration:
+                bench_done = True
+                break
+            window[renumber(name, b_seen)] = (name, entry)
+        return window.pop(key, None)
+
+    first_t = next(targets, None)
+    if first_t is None:
+        raise MsprobeError(f"{files[0]}: no entries in data")
+    t_task, b_task = str(t_head.get("task", "statistics")), str(b_head.get("task", "statistics"))
+    first_key = renumber(first_t[0], t_seen)
+    first_b = bench_for(first_key)
+    shells = []
+    for head, task, entry in ((t_head, t_task, first_t[1]), (b_head, b_task, first_b[1] if first_b else None)):
+        md5 = _first_tensor_md5(entry) if entry is not None else None
+        shells.append(_Shell(task=task, md5=bool(md5)))
+    mode = engine._mode(*shells)
+    t_dump, b_dump = _Shell(task=t_task, folder=os.path.dirname(files[0])), \
+        _Shell(task=b_task, folder=os.path.dirname(files[1]))
+    if mode == "tensor":
+        from ..dump.reader import Dump
+
+        t_dump = Dump(folder=os.path.dirname(files[0]), task=t_task, level="", data={})
+        b_dump = Dump(folder=os.path.dirname(files[1]), task=b_task, level="", data={})
+    report = engine.CompareReport(mode=mode, rows=[], nodes=[], target_stack=stack, thresholds=th)
+    path = timestamped_path(out_dir, prefix, ".csv")
+    result = StreamResult(csv=path, mode=mode)
+    first_error: str | None = None
+    queue: list[list] = []              # [name, own rows, node or None, twin names awaited], in dump order
+    head = 0
+
+    def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
+        b_rows = {}
+        if bench_item is not None:
+            b_name, b_entry = bench_item
+            b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r
+                      for r in entry_rows(b_name, b_entry)}
+        own = []
+        for t in entry_rows(name, entry):
+            tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
+            b = b_rows.get(tk)
+            if b is not None and not _compatible(t, b):
+                b = None
+            own.append(engine._compare_row(t, b, mode, t_dump, b_dump))
+        return own
+
+    def node_of(slot: list) -> None:
+        name, own = slot[0], slot[1]
+        by_entry = {tw: twins[tw] for tw in engine._twin_entries(name) if tw in twins}
+        slot[2] = engine._judge_node(name, own, by_entry, mode, th)
+
+    def add(name: str, key: str, entry: Any, bench_item) -> None:
+        own = rows_of(name, key, entry, bench_item)
+        p = parse(name, any_prefix=True)
+        awaited = [tw for tw in engine._twin_entries(name) if tw not in twins]
+        slot = [name, own, None, awaited]
+        queue.append(slot)
+        if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
+            node_of(slot)
+        if p is not None and (p.direction == "forward" or p.kind == "module"):
+            twins[name] = [engine.RowResult(None, _TwinBench(engine._norm(r.bench)), {}, r.error)
+                           for r in own if r.bench is not None]
+            for waiting in queue[head:]:
+                if waiting[2] is None and name in waiting[3]:
+                    waiting[3].remove(name)
+                    if not waiting[3]:
+                        node_of(waiting)
+        flush()
+
+    def flush(final: bool = False) -> None:
+        nonlocal head, first_error
+        while head < len(queue):
+            slot = queue[head]
+            if slot[2] is None:
+                if not final:
+                    return
+                node_of(slot)
+            name, own, node = slot[0], slot[1], slot[2]
+            if node.status == "error" and node.metric == "RelativeErr":
+                if first_error is None:
+                    first_error = name
+                elif node.input_error > th.round_factor * node.roundoff + th.rel_floor:
+                    node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
+                                                                    f"({node.message})",
+                                   metrics=dict(node.metrics, propagated_from=first_error))
+            result.counts[node.status] += 1
+            result.nodes += 1
+            if node.status == "error" and result.first_divergence is None:
+                result.first_divergence = node
+            done: set[str] = set()
+            for rr in own:
+                writer.writerow(report._csv_row(rr, node, done))
+            queue[head] = None
+            head += 1
+        if head > 1024 and head * 2 > len(queue):
+            del queue[:head]
+            head = 0
+
+    try:
+        with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(report.columns())
+            add(first_t[0], first_key, first_t[1], first_b)
+            for name, entry in targets:
+                key = renumber(name, t_seen)
+                add(name, key, entry, bench_for(key))
+            flush(final=True)
+    except BaseException:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)  # the name reserved for this CSV: nothing was written
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return result
+
+
+def _compatible(a, b) -> bool:
+    from .rows import _dtype_compatible
+
+    return _dtype_compatible(a, b)
+
+
+@dataclass
+class _Shell:
+    """The few Dump fields the row comparison reads (task, summary mode, folder)."""
+
+    task: str
+    md5: bool = False
+    folder: str = ""
+
+    @property
+    def summary_mode(self) -> str:
+        return "md5" if self.md5 else "statistics"
+
+
+__all__ = ["stream_compare", "StreamResult", "NotStreamable"]

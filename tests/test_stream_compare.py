@@ -1,0 +1,108 @@
+"""Streaming compare (msprobe-ci compare on one pair of PyTorch dumps): the same CSV and verdicts as the in-memory
+compare, entry by entry, on a captured GPT-2 with a forward and a backward fault; bad input mid-stream is one line;
+dumps it does not take (NaN tokens) go to the in-memory compare and leave no stray file."""
+
+import csv
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from msprobe_ci.capture import CaptureSession
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.cli import main
+from msprobe_ci.compare import compare_dumps
+from msprobe_ci.compare.stream import NotStreamable, stream_compare
+from msprobe_ci.config import DumpConfig
+from msprobe_ci.dump import load_dump
+from msprobe_ci.errors import MsprobeError
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gpt2_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    faults = (Fault("Functional.layer_norm", call=3, value=1.02),
+              Fault("Torch.addmm", call=5, direction="backward", value=1.05))
+    for side, dtype, side_faults in (("bench", torch.float32, ()), ("target", torch.bfloat16, faults)):
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(cfg).to(dtype)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        cs = CaptureSession(DumpConfig(dump_path=str(root / side), level="mix", task="statistics"),
+                            faults=side_faults)
+        cs.start(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        cs.stop()
+        cs.close()
+    return root / "target" / "step0" / "rank", root / "bench" / "step0" / "rank"
+
+
+def _rows(path):
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.reader(fh))
+
+
+def test_streaming_gives_the_in_memory_csv_and_verdicts(gpt2_pair, tmp_path):
+    target, bench = gpt2_pair
+    streamed = stream_compare(str(target), str(bench), str(tmp_path), prefix="s", progress=False)
+    report = compare_dumps(load_dump(target), load_dump(bench))
+    assert streamed.counts == report.counts() and streamed.counts["error"] >= 1
+    assert streamed.first_divergence.name == report.first_divergence.name == "Functional.layer_norm.3.forward"
+    assert _rows(streamed.csv) == _rows(report.write_csv(str(tmp_path), prefix="m"))
+    # parameters_grad entries come before their module's backward entry and are judged with it
+    data = json.loads((target / "dump.json").read_text())["data"]
+    names = list(data)
+    pg = next(n for n in names if n.endswith(".parameters_grad.0") or ".parameters_grad" in n)
+    assert any(n.startswith(pg.split(".parameters_grad")[0]) and ".backward" in n for n in names[names.index(pg):])
+
+
+def test_cli_compare_streams_and_fails_naming_the_first_divergence(gpt2_pair, tmp_path, capsys):
+    target, bench = gpt2_pair
+    rc = main(["compare", "-tp", str(target.parent), "-gp", str(bench.parent), "-o", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 1 and "first divergence: Functional.layer_norm.3.forward" in out
+    assert len(os.listdir(tmp_path / "out")) == 1
+
+
+def _copy(pair, tmp_path):
+    target, bench = pair
+    t = tmp_path / "t"
+    shutil.copytree(target, t)
+    return t, bench
+
+
+def test_bad_entries_mid_stream_are_one_line_errors(gpt2_pair, tmp_path):
+    t, bench = _copy(gpt2_pair, tmp_path)
+    raw = (t / "dump.json").read_text()
+    data = json.loads(raw)["data"]
+    late = list(data)[-5]
+    broken = json.loads(raw)
+    broken["data"][late]["output"] = "oops"
+    (t / "dump.json").write_text(json.dumps(broken))
+    with pytest.raises(MsprobeError, match=r"dump.json: data\[.*\]\.output: 'oops' must be array or object"):
+        stream_compare(str(t), str(bench), str(tmp_path / "o1"), progress=False)
+    assert not os.listdir(tmp_path / "o1")  # the reserved CSV name is released
+    first = list(data)[0]
+    dup = raw.replace(json.dumps(first), json.dumps(list(data)[1]), 1)
+    (t / "dump.json").write_text(dup)
+    with pytest.raises(MsprobeError, match="duplicate key"):
+        stream_compare(str(t), str(bench), str(tmp_path / "o2"), progress=False)
+
+
+def test_nan_tokens_go_to_the_in_memory_compare(fixtures_dir, tmp_path, capsys):
+    tiny = fixtures_dir
+    overflow = os.path.join(tiny, "fp16_overflow_statistics", "step0", "proc0")
+    with pytest.raises(NotStreamable):
+        stream_compare(overflow, os.path.join(tiny, "fp32_statistics", "step0", "proc0"), str(tmp_path / "o"),
+                       progress=False)
+    assert not os.listdir(tmp_path / "o")
+    rc = main(["compare", "-tp", os.path.dirname(overflow), "-gp", os.path.join(tiny, "fp32_statistics", "step0"),
+               "-o", str(tmp_path / "cli")])
+    assert rc in (0, 1) and len(os.listdir(tmp_path / "cli")) == 1
+    assert "36 nodes" in capsys.readouterr().out
