@@ -6,7 +6,8 @@ and bench entries as they come (dumps of the same model list them in the same ex
 yet needed waits in a window, and is dropped once matched), judges each node with the same rules as the in-memory
 compare (:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run:
 entry names (duplicate detection), per forward entry the relative errors and bench norms of its rows (what its
-backward twin and a module's ``parameters_grad`` judge their inputs by: a few floats each), the target's
+backward twin and a module's ``parameters_grad`` judge their inputs by: a tuple of floats each, dropped for an API
+once its backward call is judged), the target's
 stack.json and the counts. Measured by ``benchmarks/scale.py``.
 
 Each entry is validated against the dump schema as it is read (one-line errors naming file, entry and field);
@@ -103,6 +104,9 @@ def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
             yield name, entry
         if progress is not None:
             progress.update(max(0, os.path.getsize(path) - progress.n))
+
+
+_API_PREFIXES = ("Functional.", "Torch.", "Tensor.", "Aten.", "Distributed.", "NPU.", "VF.", "MindSpeed.")
 
 
 class _TwinBench:
@@ -260,8 +264,12 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
 
     def node_of(slot: list) -> None:
         name, own = slot[0], slot[1]
-        by_entry = {tw: twins[tw] for tw in engine._twin_entries(name) if tw in twins}
+        by_entry = {tw: [engine.RowResult(None, _TwinBench(norm), {}, err) for err, norm in twins[tw]]
+                    for tw in engine._twin_entries(name) if tw in twins}
         slot[2] = engine._judge_node(name, own, by_entry, mode, th)
+        if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
+            for tw in by_entry:  # an API's forward twin serves its one backward call only
+                twins.pop(tw, None)
 
     def add(name: str, key: str, entry: Any, bench_item) -> None:
         own = rows_of(name, key, entry, bench_item)
@@ -272,8 +280,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
             node_of(slot)
         if p is not None and (p.direction == "forward" or p.kind == "module"):
-            twins[name] = [engine.RowResult(None, _TwinBench(engine._norm(r.bench)), {}, r.error)
-                           for r in own if r.bench is not None]
+            twins[name] = tuple((r.error, engine._norm(r.bench)) for r in own if r.bench is not None)
             for waiting in queue[head:]:
                 if waiting[2] is None and name in waiting[3]:
                     waiting[3].remove(name)
