@@ -187,13 +187,8 @@ def _compare(args) -> int:
         if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
             apply_isolation(report, records, target.construct)
         path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
-        c = report.counts()
         first = report.first_divergence
-        how = "isolated verdicts" if report.isolated else "drift rule; later errors on diverged inputs are " \
-            "reported as propagated"
-        lines.append(f"{path}: {len(report.nodes)} nodes, pass {c['pass']}, warning {c['warning']}, "
-                     f"error {c['error']}, unmatched {c['unmatched']} ({how}); first divergence: "
-                     f"{first.message if first is not None else 'none'}")
+        lines.append(_summary_line(path, len(report.nodes), report.counts(), first, report.isolated))
         compared[key] = (report, target)
         worst = max(worst, 0 if first is None else 1)
     if len(compared) > 1:  # many ranks or steps: one summary first, naming the rank whose own computation diverged
@@ -208,34 +203,26 @@ def _compare(args) -> int:
 
 
 def _stream(pair, args) -> int | None:
-    """One pair of PyTorch dumps: the streaming compare (memory bounded by the unmatched window); ``None`` when
-    the in-memory compare must run (MindSpore, isolation records of an msprobe-ci capture)."""
+    """One pair of PyTorch dumps (files or rank folders, as ``_pairs`` gives them): the streaming compare, memory
+    bounded by the unmatched window; ``None`` when the in-memory compare must run (MindSpore, NaN tokens,
+    isolation records of an msprobe-ci capture)."""
     from .compare.stream import NotStreamable, stream_compare
 
     t, g, rank, _ = pair
-    folder = os.path.dirname(t) if os.path.isfile(t) else t
-    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "dump.json")):
-        from .dump.reader import rank_folders
-
-        folders = rank_folders(folder)
-        if len(folders) != 1:
-            return None
-        folder = folders[0]
-    if os.path.isfile(os.path.join(folder, "isolation.json")):
+    if os.path.isfile(os.path.join(os.path.dirname(t) if os.path.isfile(t) else t, "isolation.json")):
         return None
-    from .dump.reader import rank_folders
-
-    bench = g if os.path.isfile(g) else rank_folders(g)[0]
     try:
-        r = stream_compare(t if os.path.isfile(t) else folder, bench, args.output_path,
-                           prefix=f"compare_result_{rank}" if rank else "compare_result")
+        r = stream_compare(t, g, args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
     except NotStreamable:
         return None
-    c, first = r.counts, r.first_divergence
-    print(f"{r.csv}: {r.nodes} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, unmatched "
-          f"{c['unmatched']} (drift rule; later errors on diverged inputs are reported as propagated); first "
-          f"divergence: {first.message if first is not None else 'none'}")
-    return 0 if first is None else 1
+    print(_summary_line(r.csv, r.nodes, r.counts, r.first_divergence, isolated=False))
+    return 0 if r.first_divergence is None else 1
+
+
+def _summary_line(path: str, nodes: int, c: dict, first, isolated: bool) -> str:
+    how = "isolated verdicts" if isolated else "drift rule; later errors on diverged inputs are reported as propagated"
+    return (f"{path}: {nodes} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, unmatched "
+            f"{c['unmatched']} ({how}); first divergence: {first.message if first is not None else 'none'}")
 
 
 def _overflow(args) -> int:

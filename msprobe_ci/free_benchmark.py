@@ -142,18 +142,19 @@ class FreeBenchmark:
             return None
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         low = min((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
-        if self.mode == "to_cpu":
-            ref_dtype, ref_device = torch.float64, "cpu"
-        else:
-            ref_dtype, ref_device = _HIGHER.get(low, torch.float64), None
+        # to_cpu: everything fp64 on the CPU; improve_precision: one level above the lowest floating input, on the
+        # target's device (an fp32 input of an fp16 call stays fp32; nothing is ever lowered)
+        ref_dtype, ref_device = (torch.float64, "cpu") if self.mode == "to_cpu" else \
+            (_HIGHER.get(low, torch.float64), None)
+
+        def higher(dtype: torch.dtype) -> torch.dtype:
+            return dtype if torch.finfo(dtype).bits > torch.finfo(ref_dtype).bits else ref_dtype
 
         def up(t: torch.Tensor) -> torch.Tensor:
             x = t.detach()
             dev = ref_device or x.device
-            if x.is_floating_point():
-                return x.to(device=dev, dtype=torch.float64 if ref_device else max(
-                    (ref_dtype, x.dtype), key=lambda d: torch.finfo(d).bits), copy=True)
-            return x.to(device=dev, copy=True)
+            return x.to(device=dev, dtype=higher(x.dtype), copy=True) if x.is_floating_point() else \
+                x.to(device=dev, copy=True)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self._calls)
         self._calls += 1
 
@@ -163,8 +164,7 @@ class FreeBenchmark:
             with torch.no_grad():
                 ref_kw = {k: _cast(v, up) for k, v in kw.items()}
                 if isinstance(ref_kw.get("dtype"), torch.dtype) and ref_kw["dtype"].is_floating_point:
-                    ref_kw["dtype"] = torch.float64 if ref_device else max(
-                        (ref_dtype, ref_kw["dtype"]), key=lambda d: torch.finfo(d).bits)
+                    ref_kw["dtype"] = higher(ref_kw["dtype"])
                 reference = func(*_cast(tuple(args), up), **ref_kw)
                 noise_out = kernel(func(*_cast(tuple(args), noisy), **{k: _cast(v, noisy) for k, v in kw.items()}))
         except Exception as exc:  # noqa: BLE001 - unjudgeable, never a crash of the user's run
@@ -189,8 +189,8 @@ class FreeBenchmark:
                 continue
             judged += 1
             rec = self._judge(row, t, r, n)
-            order = {"error": 2, "pass": 1}
-            if worst is None or (order[rec["status"]], rec["ratio"]) > (order[worst["status"]], worst["ratio"]):
+            if worst is None or (rec["status"] == "error", rec["ratio"]) > (worst["status"] == "error",
+                                                                             worst["ratio"]):
                 worst = rec
         if worst is None:
             self.skip(pending.name, "no floating output to judge")

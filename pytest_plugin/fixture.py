@@ -257,10 +257,10 @@ class MsprobeFixture:
         if loss_fn is not None:
             notes.append("free benchmark judges forward calls only; the backward pass ran uncaptured by it")
         unapplied = list(run.unapplied)
-        row.update(bench=f"none (free benchmark, {mode})", mode="free_benchmark", level=level, csv=csv_path,
-                   graph=None, nodes_compared=len(nodes), counts=dict(counts, unmatched=0),
-                   first_divergence=errors[0][0] if errors else None, overflow_first=None, overflow_failed=False,
-                   isolated=False, model=[], overflow_message="", nodes=nodes, unapplied=unapplied)
+        row = _benchless_row(**dict(row, bench=f"none (free benchmark, {mode})", mode="free_benchmark", level=level,
+                                    csv=csv_path, nodes_compared=len(nodes), counts=dict(counts, unmatched=0),
+                                    first_divergence=errors[0][0] if errors else None, nodes=nodes,
+                                    unapplied=unapplied))
         props = self.request.node.user_properties
         props += [(RESULT_PROPERTY, _publish(row)), ("msprobe.free_benchmark", mode),
                   ("msprobe.error", counts["error"]), ("msprobe.first_divergence", row["first_divergence"] or ""),
@@ -391,14 +391,7 @@ class MsprobeFixture:
                 msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at {label(steps[i])}: ",
                                   1)
                 pytest.fail(f"{msg}\n{tail}", pytrace=False)
-            if outcome.overflow_failed:
-                ov = outcome.overflow.first
-                pytest.fail(f"msprobe: overflow on the target at {label(steps[i])}: {ov.name} ({ov.level}); the bench has "
-                            f"none there. Artifacts: {c.dir}", pytrace=False)
-            if outcome.api_errors:
-                a = outcome.api_errors[0]
-                pytest.fail(f"msprobe: per-API pre-check at {label(steps[i])}: {a.name}: {a.message}. Artifacts: {c.dir}",
-                            pytrace=False)
+            _fail_overflow_or_api(outcome, f"{label(steps[i])}: ", c.dir)
 
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
                        bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
@@ -498,14 +491,7 @@ class MsprobeFixture:
             lines.append(f"Artifacts: {check_dir}")
             pytest.fail("\n".join(lines), pytrace=False)
         for rank, outcome in outcomes.items():
-            if outcome.overflow_failed:
-                ov = outcome.overflow.first
-                pytest.fail(f"msprobe: overflow on the target at rank{rank} {ov.name} ({ov.level}); the bench has "
-                            f"none there. Artifacts: {check_dir}", pytrace=False)
-            if outcome.api_errors:
-                a = outcome.api_errors[0]
-                pytest.fail(f"msprobe: per-API pre-check: rank{rank} {a.name}: {a.message}. Artifacts: {check_dir}",
-                            pytrace=False)
+            _fail_overflow_or_api(outcome, f"rank{rank} ", check_dir)
         return {r: o.report for r, o in outcomes.items()}
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
@@ -725,14 +711,13 @@ class MsprobeFixture:
                   "seconds": 0.0} for i in range(report.steps)]
         errors = sum(n["status"] == "error" for n in nodes)
         losses = ", ".join("nan" if v is None else f"{v:.6g}" for v in report.losses)
-        row = {"test": nodeid, "index": index, "dir": os.path.dirname(folder), "bench": "none (monitor)",
-               "target": "this test's loop", "level": "module", "mode": "monitor", "csv": "", "graph": None,
-               "nodes_compared": report.steps, "counts": {"pass": len(nodes) - errors, "warning": 0,
-                                                          "error": errors, "unmatched": 0},
-               "first_divergence": f"step{first.step} {first.name}" if first else None, "overflow_first": None,
-               "overflow_failed": False, "isolated": False, "model": [], "overflow_message": "", "nodes": nodes,
-               "unapplied": [], "notes": [f"monitor: {report.steps} steps, {len(report.anomalies)} anomalies; "
-                                          f"loss per step: {losses}; plot {report.png or 'not drawn (no matplotlib)'}"]}
+        row = _benchless_row(
+            test=nodeid, index=index, dir=os.path.dirname(folder), bench="none (monitor)", target="this test's loop",
+            level="module", mode="monitor", nodes_compared=report.steps,
+            counts={"pass": len(nodes) - errors, "warning": 0, "error": errors, "unmatched": 0},
+            first_divergence=f"step{first.step} {first.name}" if first else None, nodes=nodes,
+            notes=[f"monitor: {report.steps} steps, {len(report.anomalies)} anomalies; loss per step: {losses}; "
+                   f"plot {report.png or 'not drawn (no matplotlib)'}"])
         props.append((RESULT_PROPERTY, _publish(row)))
         if first is not None:
             pytest.fail(f"msprobe: monitor: first anomaly at {first.message} ({len(report.anomalies)} in all). "
@@ -864,6 +849,29 @@ def _isolator(c: _Check, backward: bool):
 
     return Isolator(standards=dict(c.st["api_standards"] or {}), thresholds=dict(c.st["api_thresholds"] or {}),
                     target_device=c.target.torch_device, backward=backward)
+
+
+def _fail_overflow_or_api(outcome, where: str, artifacts: str) -> None:
+    """Fail on a judged outcome's new overflow or per-API pre-check error; ``where`` names the step or rank
+    (``"step 2: "``, ``"rank1 "``)."""
+    __tracebackhide__ = True
+    if outcome.overflow_failed:
+        ov = outcome.overflow.first
+        pytest.fail(f"msprobe: overflow on the target at {where}{ov.name} ({ov.level}); the bench has none there. "
+                    f"Artifacts: {artifacts}", pytrace=False)
+    if outcome.api_errors:
+        a = outcome.api_errors[0]
+        pytest.fail(f"msprobe: per-API pre-check at {where}{a.name}: {a.message}. Artifacts: {artifacts}",
+                    pytrace=False)
+
+
+def _benchless_row(**fields: Any) -> dict:
+    """A result row for a check with no compare behind it (free benchmark, monitor): the compare fields the
+    terminal summary and the JUnit writer read, empty, under ``fields``."""
+    row = {"csv": "", "graph": None, "overflow_first": None, "overflow_failed": False, "isolated": False,
+           "model": [], "overflow_message": "", "unapplied": [], "notes": []}
+    row.update(fields)
+    return row
 
 
 def _write_free_csv(path: str, results: dict) -> None:

@@ -145,20 +145,28 @@ def entry_rows(key: str, entry: Any) -> list[Row]:
     return rows
 
 
-def backward_renumbering(keys: list[str]) -> dict[str, str]:
-    """Map each backward entry name to the name with its call index replaced by the ordinal of that backward
-    call of the same API/module in dump order (msprobe's rule, so recomputation does not break matching)."""
+def backward_key(key: str, seen: dict[str, int]) -> str:
+    """The compare key of one entry name in dump order: a backward API/module call gets the ordinal of that
+    backward call of the same API/module (``seen`` counts them; msprobe's rule, so recomputation does not break
+    matching); any other name is itself."""
     from ..dump.names import parse
 
+    p = parse(key, any_prefix=True)
+    if p is None or p.direction != "backward" or p.kind not in ("api", "module"):
+        return key
+    k = seen.get(p.base, 0)
+    seen[p.base] = k + 1
+    return f"{p.base}.{k}.backward" if p.kind == "api" else f"{p.base}.backward.{k}"
+
+
+def backward_renumbering(keys: list[str]) -> dict[str, str]:
+    """``{backward entry name: compare key}`` for the names in dump order (:func:`backward_key`)."""
     seen: dict[str, int] = {}
     out: dict[str, str] = {}
     for key in keys:
-        p = parse(key, any_prefix=True)
-        if p is None or p.direction != "backward" or p.kind not in ("api", "module"):
-            continue
-        k = seen.get(p.base, 0)
-        seen[p.base] = k + 1
-        out[key] = f"{p.base}.{k}.backward" if p.kind == "api" else f"{p.base}.backward.{k}"
+        new = backward_key(key, seen)
+        if new is not key:
+            out[key] = new
     return out
 
 

@@ -25,12 +25,12 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from ..dump.reader import validate_dump_json
+from ..dump.reader import read_stack, validate_dump_json
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write
 from . import engine
-from .rows import entry_rows
+from .rows import _dtype_compatible, backward_key, entry_rows
 from .verdict import CompareResult, Thresholds
 
 
@@ -122,25 +122,6 @@ class _TwinBench:
         return (None, None, None, self.norm)
 
 
-def _stack_map(folder: str) -> dict[str, list[str]]:
-    from ..dump.reader import _read_json
-
-    path = os.path.join(folder, "stack.json")
-    if not os.path.isfile(path):
-        return {}
-    raw = _read_json(path)
-    out: dict[str, list[str]] = {}
-    if isinstance(raw, dict) and "0" in raw:
-        for key, group in raw.items():
-            if not (isinstance(group, list) and len(group) == 2 and isinstance(group[0], list)):
-                raise MsprobeError(f"{path}: entry {key!r}: expected [[names], [frames]]")
-            for n in group[0]:
-                out[str(n)] = group[1]
-    elif isinstance(raw, dict):
-        out = raw
-    return out
-
-
 def _first_tensor_md5(entry: Any) -> bool | None:
     """True/False when the entry holds a tensor record (with/without ``md5``); None when it holds none."""
     if isinstance(entry, dict):
@@ -186,7 +167,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
             raise NotStreamable(f"{f}: framework {h.get('framework')!r}")
         if "task" not in h:
             raise NotStreamable(f"{f}: no task before data")
-    stack = _stack_map(os.path.dirname(files[0]))
+    stack = read_stack(os.path.dirname(files[0]))
     show = sys.stderr.isatty() if progress is None else progress
     bar = None
     if show:
@@ -203,14 +184,6 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
     twins: dict[str, list] = {}        # forward/module entry -> [RowResult stubs]
     from ..dump.names import parse
 
-    def renumber(name: str, seen: dict[str, int]) -> str:
-        p = parse(name, any_prefix=True)
-        if p is None or p.direction != "backward" or p.kind not in ("api", "module"):
-            return name
-        k = seen.get(p.base, 0)
-        seen[p.base] = k + 1
-        return f"{p.base}.{k}.backward" if p.kind == "api" else f"{p.base}.backward.{k}"
-
     def bench_for(key: str):
         nonlocal bench_done
         while key not in window and not bench_done:
@@ -219,14 +192,14 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
             except StopIteration:
                 bench_done = True
                 break
-            window[renumber(name, b_seen)] = (name, entry)
+            window[backward_key(name, b_seen)] = (name, entry)
         return window.pop(key, None)
 
     first_t = next(targets, None)
     if first_t is None:
         raise MsprobeError(f"{files[0]}: no entries in data")
     t_task, b_task = str(t_head.get("task", "statistics")), str(b_head.get("task", "statistics"))
-    first_key = renumber(first_t[0], t_seen)
+    first_key = backward_key(first_t[0], t_seen)
     first_b = bench_for(first_key)
     shells = []
     for head, task, entry in ((t_head, t_task, first_t[1]), (b_head, b_task, first_b[1] if first_b else None)):
@@ -257,7 +230,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         for t in entry_rows(name, entry):
             tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
             b = b_rows.get(tk)
-            if b is not None and not _compatible(t, b):
+            if b is not None and not _dtype_compatible(t, b):
                 b = None
             own.append(engine._compare_row(t, b, mode, t_dump, b_dump))
         return own
@@ -323,7 +296,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
             writer.writerow(report.columns())
             add(first_t[0], first_key, first_t[1], first_b)
             for name, entry in targets:
-                key = renumber(name, t_seen)
+                key = backward_key(name, t_seen)
                 add(name, key, entry, bench_for(key))
             flush(final=True)
     except BaseException:
@@ -334,12 +307,6 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         if bar is not None:
             bar.close()
     return result
-
-
-def _compatible(a, b) -> bool:
-    from .rows import _dtype_compatible
-
-    return _dtype_compatible(a, b)
 
 
 @dataclass

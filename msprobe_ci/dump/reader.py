@@ -244,6 +244,25 @@ def load_dump(path: str | os.PathLike) -> Dump:
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
         raise MsprobeError(f"{file}: expected a JSON object with a 'data' object (an msprobe dump.json)")
     validate_dump_json(raw, file)
+    stack = read_stack(folder)
+    construct: dict[str, Any] = {}
+    construct_file = os.path.join(folder, "construct.json")
+    if os.path.isfile(construct_file):
+        construct = _read_json(construct_file) or {}
+        if not isinstance(construct, dict):
+            raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
+    return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
+                data=raw["data"], stack=stack, construct=construct,
+                framework=str(raw.get("framework") or "pytorch").lower())
+
+
+def read_stack(folder: str) -> dict[str, list[str]]:
+    """``{entry name: [frame strings]}`` from ``folder/stack.json`` (msprobe's grouped format
+    ``{"0": [[names], [frames]], ...}`` inverted, or the older flat one); empty when there is none.
+
+    Raises:
+        MsprobeError: malformed JSON, or a group that is not ``[[names], [frames]]``.
+    """
     stack: dict[str, list[str]] = {}
     stack_file = os.path.join(folder, "stack.json")
     if os.path.isfile(stack_file):
@@ -258,15 +277,7 @@ def load_dump(path: str | os.PathLike) -> Dump:
                         stack[str(n)] = group[1]
             else:
                 stack = raw_stack
-    construct: dict[str, Any] = {}
-    construct_file = os.path.join(folder, "construct.json")
-    if os.path.isfile(construct_file):
-        construct = _read_json(construct_file) or {}
-        if not isinstance(construct, dict):
-            raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
-    return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
-                data=raw["data"], stack=stack, construct=construct,
-                framework=str(raw.get("framework") or "pytorch").lower())
+    return stack
 
 
 _STEP_RE = re.compile(r"^step(\d+)$")
