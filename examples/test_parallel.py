@@ -1,7 +1,8 @@
 """Multi-rank examples (torch.distributed over gloo on CPU, 2 ranks): a Megatron-style tensor-parallel transformer
 block (attention heads and MLP hidden units split over ranks: column-parallel then row-parallel linears, one
-all_reduce each) and a 2-stage pipeline (send/recv). ``build(rank, world)`` returns a rank's shard of the same full
-weights, so every world size computes the same function."""
+all_reduce each, Megatron's f/g so gradients are exact) and a pipeline of MLP blocks cut into stages (send/recv).
+``build(rank, world)`` returns a rank's shard of the same full weights, so every world size computes the same
+function, and a TP=2 or PP=2 target can be checked against the whole model on one rank."""
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,37 @@ def _full_weights():
             (("qkv", (3 * D, D)), ("proj", (D, D)), ("fc1", (FFN, D)), ("fc2", (D, FFN)))}
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's ``f``: identity forward; the input gradient (a partial sum per rank) is all-reduced backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's ``g``: the row-parallel partial outputs are all-reduced forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class TPBlock(torch.nn.Module):
-    """Pre-norm attention + MLP; this rank holds HEADS/world heads and FFN/world hidden units."""
+    """Pre-norm attention + MLP; this rank holds HEADS/world heads and FFN/world hidden units (column-parallel qkv
+    and fc1, row-parallel proj and fc2, Megatron's f/g around them, so gradients are exact too)."""
 
     def __init__(self, rank: int, world: int):
         super().__init__()
@@ -38,44 +68,71 @@ class TPBlock(torch.nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, -1).unbind(2)
+        q, k, v = self.qkv(_CopyToTP.apply(self.ln1(x))).view(b, s, 3, self.heads, -1).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        a = self.proj(a.transpose(1, 2).reshape(b, s, -1))
-        dist.all_reduce(a)
-        x = x + a
-        m = self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        dist.all_reduce(m)
-        return x + m
+        x = x + _ReduceFromTP.apply(self.proj(a.transpose(1, 2).reshape(b, s, -1)))
+        m = self.fc2(F.gelu(self.fc1(_CopyToTP.apply(self.ln2(x)))))
+        return x + _ReduceFromTP.apply(m)
 
 
 def build_tp_block(rank: int, world: int) -> torch.nn.Module:
     return TPBlock(rank, world)
 
 
-class PipelineStage(torch.nn.Module):
-    """Stage 0 runs the first linear and sends its activations to stage 1, which receives and runs the second."""
+class PPModel(torch.nn.Module):
+    """An embedding, LAYERS MLP blocks and a head, cut into ``world`` pipeline stages: stage ``rank`` holds its
+    share of the blocks (numbered from 0 on every stage, as Megatron numbers them), the first stage the embedding,
+    the last the head; activations go stage to stage by send/recv. ``world == 1`` is the whole model."""
 
-    def __init__(self, rank: int):
+    LAYERS = 4
+
+    def __init__(self, rank: int, world: int):
         super().__init__()
-        g = torch.Generator().manual_seed(rank)
-        self.rank = rank
-        self.fc = torch.nn.Linear(D, D)
+        per = self.LAYERS // world
+        self.rank, self.world = rank, world
+        self.embed = torch.nn.Linear(D, D) if rank == 0 else None
+        self.layers = torch.nn.ModuleList(_block(i) for i in range(rank * per, (rank + 1) * per))
+        self.head = torch.nn.Linear(D, D) if rank == world - 1 else None
+        g = torch.Generator().manual_seed(7)
+        weights = [torch.randn(D, D, generator=g) * 0.2 for _ in range(2)]
         with torch.no_grad():
-            self.fc.weight.copy_(torch.randn(D, D, generator=g) * 0.1)
-            self.fc.bias.copy_(torch.randn(D, generator=g) * 0.1)
+            for lin, w in zip((self.embed, self.head), weights):
+                if lin is not None:
+                    lin.weight.copy_(w)
+                    lin.bias.zero_()
 
     def forward(self, x):
         if self.rank == 0:
-            h = torch.tanh(self.fc(x))
-            dist.send(h.detach(), dst=1)
+            h = self.embed(x)
+        else:
+            h = torch.empty_like(x)
+            dist.recv(h, src=self.rank - 1)
+        for layer in self.layers:
+            h = layer(h)
+        if self.rank < self.world - 1:
+            dist.send(h, dst=self.rank + 1)
             return h
-        h = torch.empty_like(x)
-        dist.recv(h, src=0)
-        return torch.tanh(self.fc(h))
+        return self.head(h)
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(D)
+        self.fc1, self.fc2 = torch.nn.Linear(D, FFN), torch.nn.Linear(FFN, D)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _block(i: int) -> MLPBlock:
+    """Block ``i`` of the whole model, with the same weights on whichever stage holds it."""
+    torch.manual_seed(100 + i)
+    return MLPBlock()
 
 
 def build_pipeline(rank: int, world: int) -> torch.nn.Module:
-    return PipelineStage(rank)
+    return PPModel(rank, world)
 
 
 def loss(out):
@@ -87,6 +144,20 @@ def test_tensor_parallel_block(msprobe):
     msprobe.check_parallel(build_tp_block, x, world_size=2, loss_fn=loss)
 
 
+def test_tensor_parallel_against_one_rank(msprobe):
+    """TP=2 target against a TP=1 bench: the ranks' shards are merged back into one model (weights, activations and
+    gradients), row-parallel partial sums stand for their all_reduce, and every node compares clean."""
+    x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(1))
+    msprobe.check_parallel(build_tp_block, x, world_size=2, bench_world_size=1, loss_fn=loss)
+
+
 def test_pipeline(msprobe):
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
     msprobe.check_parallel(build_pipeline, x, world_size=2)
+
+
+def test_pipeline_against_one_rank(msprobe):
+    """A 2-stage pipeline against the whole model on one rank: stages are stitched back in order, the blocks
+    renumbered (layers.0-1 of stage 1 are layers 2-3)."""
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
+    msprobe.check_parallel(build_pipeline, x, world_size=2, bench_world_size=1)

@@ -71,6 +71,60 @@ def _mappings(args):
                          api=args.api_mapping or None)
 
 
+def _parallel_args(p: argparse.ArgumentParser) -> None:
+    """msprobe's parallel-merge flags: one value for both sides, or target then bench."""
+    p.add_argument("--rank_size", type=int, nargs="+", default=None, metavar="N",
+                   help="ranks per side (default: the rank folders found); with --tp/--pp merges TP/PP ranks into "
+                        "one model per data-parallel group before comparing")
+    p.add_argument("--tp", type=int, nargs="+", default=None, metavar="N", help="tensor-parallel size per side")
+    p.add_argument("--pp", type=int, nargs="+", default=None, metavar="N", help="pipeline-parallel size per side")
+    p.add_argument("--vpp", type=int, nargs="+", default=None, metavar="N",
+                   help="virtual pipeline size per side (only 1: interleaved stages are not merged)")
+    p.add_argument("--order", nargs="+", default=None, metavar="ORDER",
+                   help="rank order of the parallel dimensions, fastest first (default tp-dp-pp; Megatron's "
+                        "tp-cp-ep-dp-pp is accepted)")
+
+
+def _parallel(args, paths: tuple[str, ...]):
+    """One :class:`~msprobe_ci.compare.merge.Parallel` per path (target, then bench) from the merge flags
+    (``None`` in a slot: inferred from that side's collectives), or ``None`` when no flag was given (per-rank
+    compare). Raises MsprobeError for more than two values or an unsupported ``--vpp``."""
+    from .compare.merge import Parallel
+    from .dump.reader import layout
+
+    given = {k: getattr(args, k, None) for k in ("rank_size", "tp", "pp", "vpp", "order")}
+    if not any(v is not None for v in given.values()):
+        return None
+    for k, v in given.items():
+        if v is not None and not 1 <= len(v) <= 2:
+            raise MsprobeError(f"--{k}: expected one value (both sides) or two (target, bench), got {len(v)}")
+    if given["vpp"] is not None and any(v != 1 for v in given["vpp"]):
+        raise MsprobeError(f"--vpp {' '.join(map(str, given['vpp']))}: virtual pipeline stages are not merged; "
+                           "only --vpp 1 is supported")
+
+    def pick(k, side, default):
+        v = given[k]
+        return default if v is None else v[side] if len(v) == 2 else v[0]
+
+    out = []
+    for side, path in enumerate(paths):
+        if given["rank_size"] is None:
+            lay = layout(path)
+            first = min(s for s, _ in lay)
+            size = sum(1 for s, _ in lay if s == first)
+        else:
+            size = pick("rank_size", side, 1)
+        if given["tp"] is None and given["pp"] is None:
+            out.append(None)  # inferred from the side's collectives
+            continue
+        tp = pick("tp", side, None)
+        pp = pick("pp", side, None)
+        tp = tp if tp is not None else max(1, size // (pp or 1))
+        pp = pp if pp is not None else max(1, size // tp)
+        out.append(Parallel(size, tp, pp, pick("order", side, "tp-dp-pp")))
+    return tuple(out)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="msprobe-ci", description="msprobe-compatible accuracy tools: compare dumps, "
                                 "find overflow, build graphs for tb-graph-ascend, replay APIs alone.",
@@ -92,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output_path", default="./output", help="output folder (default ./output)")
     c.add_argument("-fm", "--fuzzy_match", action="store_true", help="ignore call indices when matching")
     _mapping_args(c)
+    _parallel_args(c)
     o = command("overflow", "find NaN/Inf (overflow) and the first node where it appears",
                 "Scan every tensor record for NaN/Inf (statistics or tensor dumps) and name the first node in "
                 "execution order where it appears: the same rule the pytest plugin reports.")
@@ -107,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-oc", "--overflow_check", action="store_true", help="mark NaN/Inf overflow levels on nodes")
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
     _mapping_args(g)
+    _parallel_args(g)
     a = command("api-check", "replay every API of a dump alone on CPU and judge it by its own standard",
                 "msprobe's api_accuracy_checker: rebuild each API call's inputs from the dump, run it alone in "
                 "higher precision and at the target's dtype, and judge the dumped (or, with --live, re-run) "
@@ -140,7 +196,9 @@ def _pairs(target: str, golden: str) -> list[tuple[str, str, str, tuple[int, int
     t, g = layout(target), layout(golden)
     common = sorted(set(t) & set(g))
     if not common or set(t) != set(g):
-        raise MsprobeError(f"{target} has step/rank folders {sorted(t)} but {golden} has {sorted(g)}")
+        raise MsprobeError(f"{target} has step/rank folders {sorted(t)} but {golden} has {sorted(g)}; differently "
+                           "partitioned runs are compared by merging their ranks: add --rank_size T B --tp T B "
+                           "[--pp T B]")
     if len(common) == 1:
         return [(t[common[0]], g[common[0]], "", common[0])]
     return [(t[k], g[k], f"step{k[0]}_rank{k[1]}", k) for k in common]
@@ -173,6 +231,9 @@ def _compare(args) -> int:
 
     worst = 0
     mappings = _mappings(args)
+    parallel = _parallel(args, (args.target_path, args.golden_path))
+    if parallel is not None:
+        return _compare_merged(args, parallel)
     lines, compared = [], {}
     pairs = _pairs(args.target_path, args.golden_path)
     if len(pairs) == 1 and not args.fuzzy_match and not any((mappings.data, mappings.layer, mappings.cell,
@@ -200,6 +261,31 @@ def _compare(args) -> int:
     for line in lines:
         print(line)
     return worst
+
+
+def _compare_merged(args, parallel) -> int:
+    """compare with TP/PP merging: one CSV and summary line per (step, data-parallel group), first the earliest
+    divergence over them, naming the rank whose isolated verdict failed."""
+    from .parallel import evaluate_merged
+
+    if args.fuzzy_match or any(getattr(args, k, None) for k in ("data_mapping", "layer_mapping", "cell_mapping",
+                                                                   "api_mapping")):
+        raise MsprobeError("compare: --rank_size/--tp/--pp merging does not combine with -fm or mapping files")
+    results = evaluate_merged(args.target_path, args.golden_path, args.output_path, *parallel)
+    lines, firsts = [], []
+    for step, i, merged, outcome in results:
+        report = outcome.report
+        first = report.first_divergence
+        lines.append(f"step{step} group{i} (target ranks {merged.ranks}): " + _summary_line(
+            outcome.csv, len(report.nodes), report.counts(), first, report.isolated))
+        if first is not None:
+            rank = (first.metrics or {}).get("rank")
+            where = f"rank{rank}" if rank is not None else f"ranks {merged.ranks}"
+            firsts.append(f"step{step} {where} {first.name}")
+    print(f"first divergence: {firsts[0]}" if firsts else "first divergence: none")
+    for line in lines:
+        print(line)
+    return 1 if firsts else 0
 
 
 def _stream(pair, args) -> int | None:
@@ -256,12 +342,24 @@ def _graph(args) -> int:
 
     if args.golden_path:
         path = compare_vis_db(args.target_path, args.golden_path, args.output_path, overflow=args.overflow_check,
-                              fuzzy=args.fuzzy_match, mappings=_mappings(args))
+                              fuzzy=args.fuzzy_match, mappings=_mappings(args),
+                              parallel=_parallel(args, (args.target_path, args.golden_path)))
     else:
-        path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check)
+        par = _parallel(args, (args.target_path,))
+        path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check,
+                            parallel=None if par is None else par[0] or _inferred(args.target_path))
     print(path)
     print(f"open it with: msprobe-ci view {os.path.dirname(os.path.dirname(os.path.abspath(path)))}")
     return 0
+
+
+def _inferred(path: str):
+    from .compare.merge import infer_parallel
+    from .dump.reader import layout, load_dump
+
+    lay = layout(path)
+    first = min(s for s, _ in lay)
+    return infer_parallel({r: load_dump(f) for (s, r), f in lay.items() if s == first})
 
 
 def _check_chunk(job: tuple[str, list[str], bool]) -> list:

@@ -69,12 +69,21 @@ def _records(value: Any, path: str) -> Iterator[tuple[str, dict]]:
             yield from _records(v, f"{path}.{i}")
 
 
-def _sides(entry: dict) -> tuple[list, list]:
+#: communication ops whose first argument is a receive buffer: its contents before the op are not data
+#: (``torch.empty`` memory may hold NaN/Inf), so they are no input anomaly
+_RECEIVE_BUFFER_OPS = tuple(f"Distributed.{op}." for op in (
+    "recv", "irecv", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "all_to_all", "all_to_all_single"))
+
+
+def _sides(entry: dict, name: str = "") -> tuple[list, list]:
     if "input" in entry or "output" in entry and "input_args" not in entry:
         ins = list(_records(entry.get("input") or [], "input"))
     else:
         ins = list(_records(entry.get("input_args") or [], "input")) + \
             list(_records(entry.get("input_kwargs") or {}, "input"))
+    if name.startswith(_RECEIVE_BUFFER_OPS):
+        ins = [(p, r) for p, r in ins if p != "input.0" and not p.startswith("input.0.")]
     outs = list(_records(entry.get("output") or [], "output"))
     return ins, outs
 
@@ -87,7 +96,7 @@ def check_entry(name: str, entry: Any) -> Anomaly | None:
         outs = list(_records(entry, "parameters_grad"))
         bad = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
         return Anomaly(name, "critical", tuple(bad)) if bad else None
-    ins, outs = _sides(entry)
+    ins, outs = _sides(entry, name)
     bad_in = [p for p, r in ins if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
     bad_out = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
     if any(name.startswith(p + ".") for p in _IGNORED_OUTPUT):

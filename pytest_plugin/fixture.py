@@ -395,7 +395,8 @@ class MsprobeFixture:
 
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
                        bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
-                       timeout: float = 300.0, **options: Any):
+                       timeout: float = 300.0, tp: int | tuple | None = None, pp: int | tuple | None = None,
+                       **options: Any):
         """Run a model split over ``world_size`` ranks on the bench and the target, compare rank by rank, and fail
         naming the rank whose own computation diverged first.
 
@@ -407,8 +408,13 @@ class MsprobeFixture:
 
         Args:
             build: a module-level function (it is sent to the rank processes), as are ``loss_fn`` and the inputs.
-            world_size: ranks of the target run. bench_world_size: ranks of the bench run (default the same;
-                a different size needs graph merging of TP/PP partitions, which is not built yet).
+            world_size: ranks of the target run. bench_world_size: ranks of the bench run (default the same).
+                When they differ, each side runs in its own ranks and its TP/PP ranks are merged into one model
+                per data-parallel group before the compare (:mod:`msprobe_ci.compare.merge`; statistics merged
+                as msprobe's graph merging does, partial sums standing for their all_reduce).
+            tp, pp: the tensor/pipeline-parallel sizes, ``(target, bench)`` or one int for the target (the bench's
+                then inferred); default inferred from each side's captured collectives (all_reduce process
+                group, send/recv chain), as msprobe infers them.
             loss_fn: maps a rank's output to a scalar loss; enables backward capture.
             timeout: seconds before hung ranks are terminated and the check fails naming them (default 300).
             options: as for :meth:`check` (bench, target, bench_dtype, target_dtype, level, task, inject, seed,
@@ -431,11 +437,11 @@ class MsprobeFixture:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise pytest.fail.Exception(f"msprobe: check_parallel: world_size: expected a positive int, got "
                                         f"{world_size!r}", pytrace=False)
-        if bench_world_size not in (None, world_size):
-            raise pytest.fail.Exception(
-                f"msprobe: check_parallel: bench_world_size {bench_world_size} differs from world_size {world_size}: "
-                "comparing differently partitioned runs needs TP/PP graph merging, which msprobe-ci does not do yet",
-                pytrace=False)
+        bench_world_size = world_size if bench_world_size is None else bench_world_size
+        if isinstance(bench_world_size, bool) or not isinstance(bench_world_size, int) or bench_world_size < 1:
+            raise pytest.fail.Exception(f"msprobe: check_parallel: bench_world_size: expected a positive int, got "
+                                        f"{bench_world_size!r}", pytrace=False)
+        merged = bench_world_size != world_size or tp is not None or pp is not None
         c = self._begin(options, "check_parallel")
         st, bench, target, faults, check_dir, index, nodeid = c.st, c.bench, c.target, c.faults, c.dir, c.index, \
             c.nodeid
@@ -448,6 +454,8 @@ class MsprobeFixture:
                       level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
                       isolate=c.isolate, standards=dict(st["api_standards"] or {}),
                       thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend)
+        if merged:
+            return self._check_merged(c, job, world_size, bench_world_size, tp, pp, float(timeout))
         outcomes = {}
         try:
             run_ranks(job, world_size, float(timeout))
@@ -493,6 +501,82 @@ class MsprobeFixture:
         for rank, outcome in outcomes.items():
             _fail_overflow_or_api(outcome, f"rank{rank} ", check_dir)
         return {r: o.report for r, o in outcomes.items()}
+
+    def _check_merged(self, c: "_Check", job, world: int, bench_world: int, tp, pp, timeout: float):
+        """check_parallel of differently partitioned sides: each side in its own ranks, merged, compared per
+        data-parallel group; failures name the rank whose isolated verdict failed."""
+        __tracebackhide__ = True
+        import dataclasses
+
+        from ..compare.merge import Parallel
+        from ..compare.verdict import unit_roundoff
+        from ..errors import MsprobeError
+        from ..graph.service import compare_vis_db
+        from ..parallel import evaluate_merged, free_port, run_ranks
+
+        check_dir, st = c.dir, c.st
+        try:
+            sizes = {}
+            for key, value in (("tp", tp), ("pp", pp)):
+                pair = tuple(value) if isinstance(value, (tuple, list)) else (value, None)
+                if len(pair) != 2:
+                    raise MsprobeError(f"check_parallel: {key}: expected an int or (target, bench), got {value!r}")
+                sizes[key] = pair
+            par = [None, None]
+            for side, n in ((0, world), (1, bench_world)):
+                t_, p_ = sizes["tp"][side], sizes["pp"][side]
+                if t_ is not None or p_ is not None:
+                    t_ = t_ if t_ is not None else max(1, n // (p_ or 1))
+                    par[side] = Parallel(n, int(t_), int(p_) if p_ is not None else max(1, n // int(t_)))
+            sides = dict((s[0], s) for s in job.sides)
+            run_ranks(dataclasses.replace(job, sides=(sides["bench"],), port=free_port()), bench_world, timeout)
+            run_ranks(dataclasses.replace(job, sides=(sides["target"],), port=free_port()), world, timeout)
+            results = evaluate_merged(os.path.join(check_dir, "target", "step0"),
+                                      os.path.join(check_dir, "bench", "step0"), check_dir, par[0], par[1],
+                                      isolate=job.isolate,
+                                      cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)))
+            graph = None
+            if not self.session.no_graph:
+                graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
+                                       self.session.graph_dir(c.nodeid, c.index), parallel=(par[0], par[1]),
+                                       reports={(s, i): o.report for s, i, _, o in results})
+        except MsprobeError as exc:
+            raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
+        props = self.request.node.user_properties
+        for step, i, merged, outcome in results:
+            row = {"test": c.nodeid, "index": f"{c.index} group{i}", "dir": check_dir,
+                   "bench": f"{c.bench.label} x{bench_world}", "target": f"{c.target.label} x{world}",
+                   "level": st["level"], "notes": list(outcome.notes)}
+            row.update(outcome.summary(), unapplied=[])
+            props.append((RESULT_PROPERTY, _publish(row)))
+        if graph:
+            props.append(("msprobe.graph", graph))
+        unapplied = []
+        for f in c.faults:
+            ranks = [r for r in range(world) if f.on_rank(r)]
+            files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
+            if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _read(p) for p in files):
+                unapplied.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+        if unapplied:
+            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
+                        f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+        for step, i, merged, outcome in results:
+            first = outcome.first_divergence
+            if first is None:
+                continue
+            rank = (first.metrics or {}).get("rank")
+            where = f"rank{rank}" if rank is not None else f"ranks {merged.ranks} (merged)"
+            detail = first.message.split(": ", 1)[-1] if first.message else first.status
+            lines = [f"msprobe: first divergence: step{step} {where} {first.name}: {detail}",
+                     f"  target ranks {merged.ranks} merged (TP/PP) against a bench of {bench_world} rank(s); "
+                     f"CSV: {outcome.csv}"]
+            if graph:
+                lines.append(f"graph: {graph}")
+            lines.append(f"Artifacts: {check_dir}")
+            pytest.fail("\n".join(lines), pytrace=False)
+        for step, i, merged, outcome in results:
+            _fail_overflow_or_api(outcome, f"step{step} ranks {merged.ranks} ", check_dir)
+        return {(s, i): o.report for s, i, _, o in results}
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
                        *, grad_cosine: float = 0.99, **options: Any):

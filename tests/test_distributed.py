@@ -192,3 +192,69 @@ def test_check_parallel_names_ranks(pytester):
     assert "must be picklable (module-level functions)" in out
     junit = (pytester.path / "j.xml").read_text()
     assert "test_par.test_clean check 0 rank1" in junit
+
+
+MERGED_TESTS = '''
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.environ["MSPROBE_EXAMPLES"])
+from test_parallel import build_pipeline, build_tp_block, loss  # noqa: E402
+
+X3 = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+X2 = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
+
+
+def test_tp_clean(msprobe):
+    msprobe.check_parallel(build_tp_block, X3, world_size=2, bench_world_size=1, loss_fn=loss)
+
+
+def test_tp_fault(msprobe):
+    msprobe.check_parallel(build_tp_block, X3, world_size=2, bench_world_size=1, loss_fn=loss, inject="gelu1.yaml")
+
+
+def test_pp_clean(msprobe):
+    msprobe.check_parallel(build_pipeline, X2, world_size=2, bench_world_size=1)
+
+
+def test_pp_fault(msprobe):
+    msprobe.check_parallel(build_pipeline, X2, world_size=2, bench_world_size=1, inject="gelu1.yaml")
+'''
+
+
+def test_check_parallel_merges_tp_and_pp_ranks_against_one_rank(pytester, monkeypatch):
+    """TP=2 and PP=2 bf16 targets against a one-rank fp32 bench: clean runs pass (shards, partial sums and
+    stages merged back into one model), a 5% gelu fault on rank 1 is named with its rank and its merged name
+    (stage 1's gelu.0 is the whole model's gelu.2), and the CLI merges the same dumps into a CSV and a graph."""
+    import sqlite3
+
+    monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    pytester.makepyfile(test_merged=MERGED_TESTS)
+    pytester.makefile(".yaml", gelu1="faults:\n  - {api: Functional.gelu, call: 0, perturb: scale, value: 1.05, "
+                                     "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-n", "2")
+    result.assert_outcomes(passed=2, failed=2)
+    out = result.stdout.str()
+    assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
+    assert "msprobe: first divergence: step0 rank1 Functional.gelu.2.forward" in out
+    check = pytester.path / "msprobe-out" / "test_merged.py_test_tp_clean" / "check0"
+    cli = [sys.executable, "-m", "msprobe_ci.cli"]
+    sides = ["-tp", str(check / "target"), "-gp", str(check / "bench")]
+    run = subprocess.run(cli + ["compare"] + sides + ["-o", str(pytester.path / "cmp"), "--rank_size", "2", "1",
+                                                      "--tp", "2", "1"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("first divergence: none\nstep0 group0 (target ranks [0, 1]):")
+    plain = subprocess.run(cli + ["compare"] + sides + ["-o", str(pytester.path / "cmp2")], capture_output=True,
+                           text=True)
+    assert plain.returncode == 2 and "add --rank_size T B --tp T B" in plain.stderr
+    run = subprocess.run(cli + ["graph"] + sides + ["-o", str(pytester.path / "g"), "--tp", "2", "1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    db = sqlite3.connect(run.stdout.splitlines()[0])
+    rows = dict(db.execute("SELECT node_name, parallel_merge_info FROM tb_nodes WHERE data_source = 'NPU'"))
+    db.close()
+    assert "partial sums on ranks [0, 1]; the reduced value is the output of Distributed.all_reduce.0.forward" in \
+        rows["Functional.linear.1.forward"]
+    assert "parameters.weight: shards of ranks [0, 1]" in rows["Module.qkv.Linear.forward.0"]

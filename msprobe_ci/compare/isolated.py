@@ -114,7 +114,8 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         src = _judge_sources(node.name, rec.get("sources") or {}, rows_by_name, seen_sources, source_factor,
                              cast_roundoff)
         if src is not None:
-            new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source")))
+            new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source",
+                                                       **({"rank": rec["rank"]} if "rank" in rec else {}))))
             failing_api[node.name] = node.name
             continue
         status = rec.get("status", "skip")
@@ -134,7 +135,8 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             value=value, threshold=threshold, budget=threshold, input_error=node.input_error,
             worst_row=str(rec.get("row") or node.worst_row),
             passing_threshold=value,
-            metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True), message=msg))
+            metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True,
+                         **({"rank": rec["rank"]} if "rank" in rec else {})), message=msg))
         if status == "error":
             failing_api[node.name] = node.name
     # module roll-up

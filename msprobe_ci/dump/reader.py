@@ -30,6 +30,8 @@ class Dump:
         stack: ``{entry name: [frame strings]}`` (msprobe's grouped format inverted), empty when absent.
         construct: ``{name: parent or None}``, empty when absent.
         framework: ``pytorch`` (default) or ``mindspore``, from dump.json.
+        merge_notes: ``{entry name: [note]}`` for a dump merged from TP/PP ranks (:mod:`msprobe_ci.compare.merge`),
+            shown as the graph's ``parallel_merge_info``; empty otherwise.
     """
 
     folder: str
@@ -39,6 +41,7 @@ class Dump:
     stack: dict[str, list[str]] = field(default_factory=dict)
     construct: dict[str, Any] = field(default_factory=dict)
     framework: str = "pytorch"
+    merge_notes: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def summary_mode(self) -> str:

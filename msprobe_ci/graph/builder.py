@@ -42,6 +42,7 @@ class Node:
         overflow_level: ``None`` or ``medium``/``high``/``critical``.
         matched_link: ancestors + matched node (compare graphs), ``[]`` when unmatched.
         matched_distributed: for a communication node of a multi-rank graph, its peers on the other ranks.
+        merge_info: how a TP/PP-merged node's data were merged (``parallel_merge_info``), ``[]`` otherwise.
     """
 
     name: str
@@ -57,6 +58,7 @@ class Node:
     overflow_level: str | None = None
     matched_link: list[str] = field(default_factory=list)
     matched_distributed: dict = field(default_factory=dict)  # communication peers on other ranks (distributed.py)
+    merge_info: list[str] = field(default_factory=list)  # TP/PP merge notes (parallel_merge_info)
 
 
 @dataclass
@@ -180,6 +182,7 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
         entry = dump.data.get(node.name)
         if entry is not None:
             node.input_data, node.output_data = node_data(node.name, entry)
+            node.merge_info = list(dump.merge_notes.get(node.name, ()))
         frames = dump.stack.get(node.name)
         if frames is None and _BWD_RE.search(node.name):
             frames = dump.stack.get(_twin(node.name, "backward", "forward"))

@@ -104,7 +104,9 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
                     f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type),
                     node.parent or "", json.dumps(node.children) if node.children else "",
                     node.precision_index, node.overflow_level, node.micro_step,
-                    json.dumps(node.matched_link), stacks[key], "", json.dumps(node.matched_distributed), 0,
+                    json.dumps(node.matched_link), stacks[key],
+                    json.dumps(node.merge_info, ensure_ascii=False) if node.merge_info else "",
+                    json.dumps(node.matched_distributed), 0,
                     json.dumps(node.input_data, ensure_ascii=False),
                     json.dumps(node.output_data, ensure_ascii=False), g.data_source,
                     g.dump_data_dir, g.step, g.rank, int(node.name.startswith("Distributed"))))

@@ -42,9 +42,23 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
     return [t_graph, g_graph]
 
 
-def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
-    """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path."""
+def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, parallel=None) -> str:
+    """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path.
+
+    ``parallel``: a :class:`~msprobe_ci.compare.merge.Parallel` merges the TP/PP ranks of each step into one graph
+    per data-parallel group (its ``rank`` column is the group index; shards keep their per-rank shapes, there
+    being no other side to tell the split dimension).
+    """
     graphs, comms = [], {}
+    if parallel is not None:
+        from ..compare.merge import merge_ranks
+
+        lay = layout(target)
+        for step in sorted({s for s, _ in lay}):
+            dumps = {r: load_dump(f) for (s, r), f in sorted(lay.items()) if s == step}
+            for i, m in enumerate(merge_ranks(dumps, parallel)):
+                graphs.append(_graph(m.dump, "NPU", step, i, overflow))
+        return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
     for (step, rank), folder in sorted(layout(target).items()):
         dump = load_dump(folder)
         graphs.append(_graph(dump, "NPU", step, rank, overflow))
@@ -55,7 +69,7 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False) -> str:
 
 def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
                    thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None,
-                   mappings=None) -> str:
+                   mappings=None, parallel=None) -> str:
     """``compare_<ts>.vis.db`` of every (step, rank) the two sides share; returns its path.
 
     Args:
@@ -67,11 +81,26 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         reports: already computed compare reports by (step, rank), to skip recomputing them.
         mappings: msprobe's ``-dm``/``-lm``/``-cm``/``-am`` files (:class:`~msprobe_ci.compare.crossframe.Mappings`);
             a MindSpore side against a PyTorch side is matched automatically without them.
+        parallel: ``(target Parallel, bench Parallel)`` (either ``None``: inferred) merges each side's TP/PP ranks
+            into one graph per data-parallel group (:func:`~msprobe_ci.compare.merge.merged_pairs`; the graphs'
+            ``rank`` is the group index, ``reports`` keyed by (step, group)).
 
     Raises:
         MsprobeError: no (step, rank) in common, unreadable dumps, construct.json missing, dangling parents or
             cycles.
     """
+    if parallel is not None:
+        from ..compare.merge import merged_pairs
+
+        graphs, mode = [], "statistics"
+        for step, i, t, g in merged_pairs(target, golden, *parallel):
+            report = (reports or {}).get((step, i))
+            if report is None:
+                kwargs = {"thresholds": thresholds} if thresholds is not None else {}
+                report = compare_dumps(t.dump, g.dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
+            mode = report.mode
+            graphs += _compared(t.dump, g.dump, report, (step, i), overflow, fuzzy)
+        return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
     t_layout, g_layout = layout(target), layout(golden)
     common = sorted(set(t_layout) & set(g_layout))
     if not common:
