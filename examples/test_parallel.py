@@ -21,37 +21,39 @@ class _CopyToTP(torch.autograd.Function):
     """Megatron's ``f``: identity forward; the input gradient (a partial sum per rank) is all-reduced backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """Megatron's ``g``: the row-parallel partial outputs are all-reduced forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group=None):
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class TPBlock(torch.nn.Module):
     """Pre-norm attention + MLP; this rank holds HEADS/world heads and FFN/world hidden units (column-parallel qkv
     and fc1, row-parallel proj and fc2, Megatron's f/g around them, so gradients are exact too)."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, group=None):
         super().__init__()
         w, h, f = _full_weights(), HEADS // world, FFN // world
+        self.group = group
         hd = D // HEADS
         rows = [torch.arange(part * D + rank * h * hd, part * D + (rank + 1) * h * hd) for part in range(3)]
         self.heads = h
@@ -68,11 +70,12 @@ class TPBlock(torch.nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = self.qkv(_CopyToTP.apply(self.ln1(x))).view(b, s, 3, self.heads, -1).unbind(2)
+        g = self.group
+        q, k, v = self.qkv(_CopyToTP.apply(self.ln1(x), g)).view(b, s, 3, self.heads, -1).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + _ReduceFromTP.apply(self.proj(a.transpose(1, 2).reshape(b, s, -1)))
-        m = self.fc2(F.gelu(self.fc1(_CopyToTP.apply(self.ln2(x)))))
-        return x + _ReduceFromTP.apply(m)
+        x = x + _ReduceFromTP.apply(self.proj(a.transpose(1, 2).reshape(b, s, -1)), g)
+        m = self.fc2(F.gelu(self.fc1(_CopyToTP.apply(self.ln2(x), g))))
+        return x + _ReduceFromTP.apply(m, g)
 
 
 def build_tp_block(rank: int, world: int) -> torch.nn.Module:
@@ -135,6 +138,43 @@ def build_pipeline(rank: int, world: int) -> torch.nn.Module:
     return PPModel(rank, world)
 
 
+class TPPPModel(torch.nn.Module):
+    """TP x PP: LAYERS tensor-parallel blocks cut into pipeline stages; ranks ordered tp fastest (Megatron's
+    tp-dp-pp): stage = rank // tp, the stage's TP group its tp consecutive ranks. ``world == 1`` is the whole
+    model; ``world == 4`` is TP=2 x PP=2."""
+
+    LAYERS = 2
+
+    def __init__(self, rank: int, world: int):
+        super().__init__()
+        tp = min(2, world)
+        pp = world // tp
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]  # every rank, every group
+        self.rank, self.tp, self.stage, self.pp = rank, tp, rank // tp, pp
+        per = self.LAYERS // pp
+        self.layers = torch.nn.ModuleList(TPBlock(rank % tp, tp, groups[self.stage]) for _ in range(per))
+
+    def forward(self, x):
+        if self.stage > 0:
+            x = torch.empty_like(x)
+            dist.recv(x, src=self.rank - self.tp)
+        for layer in self.layers:
+            x = layer(x)
+        if self.stage < self.pp - 1:
+            dist.send(x, dst=self.rank + self.tp)
+        return x
+
+
+def build_tp_pp(rank: int, world: int) -> torch.nn.Module:
+    return TPPPModel(rank, world)
+
+
+def build_ddp(rank: int, world: int) -> torch.nn.Module:
+    """Data parallel: every rank the whole model (the one-stage pipeline model), wrapped in
+    DistributedDataParallel (gradients averaged over ranks in backward by DDP's reducer)."""
+    return torch.nn.parallel.DistributedDataParallel(PPModel(0, 1))
+
+
 def loss(out):
     return out.float().pow(2).mean()
 
@@ -161,3 +201,16 @@ def test_pipeline_against_one_rank(msprobe):
     renumbered (layers.0-1 of stage 1 are layers 2-3)."""
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
     msprobe.check_parallel(build_pipeline, x, world_size=2, bench_world_size=1)
+
+
+def test_tp_x_pp_against_one_rank(msprobe):
+    """TP=2 x PP=2 on 4 ranks against one rank: each stage's TP pair merged, then the stages stitched."""
+    x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(3))
+    msprobe.check_parallel(build_tp_pp, x, world_size=4, bench_world_size=1, tp=(2, 1), pp=(2, 1))
+
+
+def test_ddp_training_step(msprobe):
+    """DistributedDataParallel on 2 ranks against one rank: forward, backward (DDP's bucketed gradient all_reduce
+    runs in its C++ reducer, so it is not a captured call, as with msprobe) and every parameter gradient."""
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(4))
+    msprobe.check_parallel(build_ddp, x, world_size=2, bench_world_size=1, loss_fn=loss)

@@ -202,7 +202,9 @@ class Backend:
                                f"{kind.name} device(s) here")
 
     def prepare_model(self, model: "torch.nn.Module", *, eval_mode: bool = False) -> "torch.nn.Module":
-        """Return a deep copy of ``model`` on this device, floating parameters/buffers cast to ``dtype``.
+        """Return a deep copy of ``model`` on this device, floating parameters/buffers cast to ``dtype``
+        (process groups a module holds are shared with the copy, not copied; a ``DistributedDataParallel``
+        model is re-wrapped around a prepared copy of its module, on the same process group).
 
         Args:
             model: left untouched.
@@ -210,7 +212,13 @@ class Backend:
                 random streams differ.
         """
         self.check_available()
-        clone = copy.deepcopy(model)
+        ddp = _ddp_class(model)
+        if ddp is not None:  # re-wrap a prepared copy of the wrapped module: DDP's reducer holds the originals
+            inner = self.prepare_model(model.module, eval_mode=eval_mode)
+            return ddp(inner, process_group=model.process_group, broadcast_buffers=model.broadcast_buffers,
+                       find_unused_parameters=model.find_unused_parameters,
+                       gradient_as_bucket_view=model.gradient_as_bucket_view)
+        clone = copy.deepcopy(model, _shared_handles(model))
         clone.to(self.torch_device)
         if self.dtype is not None:
             clone.to(self.dtype)  # nn.Module.to(dtype) casts floating params and buffers only
@@ -244,3 +252,27 @@ class Backend:
         if isinstance(value, (list, tuple)):
             return type(value)(self.prepare_inputs(v) for v in value)
         return value
+
+
+def _shared_handles(model: Any) -> dict:
+    """A ``deepcopy`` memo sharing the torch.distributed process groups held in module attributes (handles to
+    the running communicator: they cannot be copied, and a copy of the model talks to the same ranks)."""
+    try:
+        from torch.distributed import ProcessGroup
+    except ImportError:  # torch built without distributed
+        return {}
+    memo: dict = {}
+    for mod in model.modules():
+        for v in vars(mod).values():
+            if isinstance(v, ProcessGroup):
+                memo[id(v)] = v
+    return memo
+
+
+def _ddp_class(model: Any):
+    """``DistributedDataParallel`` when ``model`` is one, else ``None``."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return None
+    return DistributedDataParallel if isinstance(model, DistributedDataParallel) else None

@@ -57,7 +57,8 @@ def _mapping_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-dm", "--data_mapping", default=None, metavar="YAML",
                    help="{MindSpore row: PyTorch compare key}; wins over every other rule")
     p.add_argument("-lm", "--layer_mapping", default=None, metavar="YAML",
-                   help="{class: {MindSpore child: PyTorch child}} renames in the layer tree")
+                   help="{class: {target child: bench child}} renames in the layer tree (MindSpore against "
+                        "PyTorch, or two PyTorch suites whose modules are named differently)")
     p.add_argument("-cm", "--cell_mapping", default=None, metavar="YAML", nargs="?", const="",
                    help="{Cell name part: Module name part} (bare -cm: the automatic Cell<->Module pairing)")
     p.add_argument("-am", "--api_mapping", default=None, metavar="YAML", nargs="?", const="",
@@ -268,10 +269,10 @@ def _compare_merged(args, parallel) -> int:
     divergence over them, naming the rank whose isolated verdict failed."""
     from .parallel import evaluate_merged
 
-    if args.fuzzy_match or any(getattr(args, k, None) for k in ("data_mapping", "layer_mapping", "cell_mapping",
-                                                                   "api_mapping")):
-        raise MsprobeError("compare: --rank_size/--tp/--pp merging does not combine with -fm or mapping files")
-    results = evaluate_merged(args.target_path, args.golden_path, args.output_path, *parallel)
+    if args.fuzzy_match or args.data_mapping or args.api_mapping:
+        raise MsprobeError("compare: --rank_size/--tp/--pp merging combines with -lm/-cm, not with -fm, -dm or -am")
+    results = evaluate_merged(args.target_path, args.golden_path, args.output_path, *parallel,
+                              mappings=_mappings(args))
     lines, firsts = [], []
     for step, i, merged, outcome in results:
         report = outcome.report

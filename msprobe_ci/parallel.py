@@ -109,7 +109,7 @@ def run_ranks(job: RankJob, world: int, timeout: float) -> None:
 
 
 def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=None, *, isolate: bool = True,
-                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0) -> list:
+                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0, mappings=None) -> list:
     """Judge a multi-rank target against a differently partitioned bench: merge each side's TP/PP ranks into one
     model per data-parallel group (:mod:`msprobe_ci.compare.merge`), compare the merged dumps, and apply the
     target ranks' isolation records under their merged names (a node judged on several ranks keeps the worst
@@ -119,6 +119,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
         target, bench: the sides' step folders (``.../step0`` holding ``rank<R>``) or dump roots.
         out_dir: where the compare CSVs go (``compare_result_step<S>_group<i>_<ts>.csv``).
         par_t, par_b: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
+        mappings: ``-lm``/``-cm`` module renames between suites (:class:`~msprobe_ci.compare.crossframe.Mappings`).
 
     Returns:
         ``[(step, group index, Merged target, CheckOutcome)]``.
@@ -135,7 +136,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
     out = []
     for step, i, t, b in merged_pairs(target, bench, par_t, par_b):
         kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-        report = compare_dumps(t.dump, b.dump, **kwargs)
+        report = compare_dumps(t.dump, b.dump, mappings=mappings, **kwargs)
         if isolate:
             folders = {r: _rank_folder(t.dump.folder, r) for r in t.ranks}
             records = merge_isolation({r: load_isolation(f) for r, f in folders.items()}, t.renames)

@@ -544,7 +544,8 @@ class MsprobeFixture:
             raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
         props = self.request.node.user_properties
         for step, i, merged, outcome in results:
-            row = {"test": c.nodeid, "index": f"{c.index} group{i}", "dir": check_dir,
+            row = {"test": c.nodeid, "index": f"{c.index} group{i}", "dir": os.path.join(check_dir,
+                                                                                        f"step{step}_group{i}"),
                    "bench": f"{c.bench.label} x{bench_world}", "target": f"{c.target.label} x{world}",
                    "level": st["level"], "notes": list(outcome.notes)}
             row.update(outcome.summary(), unapplied=[])

@@ -87,3 +87,28 @@ def pipeline(rank, world, port, out):
         dbg.stop()
     finally:
         dist.destroy_process_group()
+
+
+def dtensor_mlp(rank, world, port, out):
+    """A DTensor tensor-parallel MLP (parallelize_module: column-wise fc1, row-wise fc2 on a 1-D device mesh),
+    forward and backward, captured with CaptureSession; ``world`` 1 is the unsplit bench."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        m = parallelize_module(m, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        cap = CaptureSession(DumpConfig(dump_path=out, level="mix"))
+        cap.start(m)
+        m(x).float().pow(2).mean().backward()
+        cap.stop()
+        cap.close()
+    finally:
+        dist.destroy_process_group()

@@ -258,3 +258,67 @@ def test_check_parallel_merges_tp_and_pp_ranks_against_one_rank(pytester, monkey
     assert "partial sums on ranks [0, 1]; the reduced value is the output of Distributed.all_reduce.0.forward" in \
         rows["Functional.linear.1.forward"]
     assert "parameters.weight: shards of ranks [0, 1]" in rows["Module.qkv.Linear.forward.0"]
+
+    # a bench from another suite that names fc1 "mlp_in": -lm pairs the modules across the merge
+    import shutil
+
+    renamed = pytester.path / "renamed"
+    shutil.copytree(check / "bench", renamed)
+    for f in (renamed / "step0" / "rank0").glob("*.json"):
+        f.write_text(f.read_text().replace("Module.fc1.", "Module.mlp_in."))
+    (pytester.path / "lm.yaml").write_text("TPBlock:\n  fc1: mlp_in\n")
+    sides = ["-tp", str(check / "target"), "-gp", str(renamed), "--tp", "2", "1"]
+    without = subprocess.run(cli + ["compare"] + sides + ["-o", str(pytester.path / "c3")], capture_output=True,
+                             text=True)
+    assert "unmatched 0 " not in without.stdout
+    run = subprocess.run(cli + ["compare"] + sides + ["-o", str(pytester.path / "c4"), "-lm",
+                                                      str(pytester.path / "lm.yaml")], capture_output=True, text=True)
+    assert run.returncode == 0 and "error 0, unmatched 0 " in run.stdout, run.stdout + run.stderr
+
+
+def test_dtensor_redistribution_is_captured_and_merges_against_one_rank(tmp_path):
+    """DTensor tensor parallelism reaches torch.distributed through the functional collectives: the row-wise
+    layer's Partial -> Replicate redistribution is recorded as Distributed.all_reduce (input, reduceOp, the mesh's
+    process group, output), tensors are this rank's local shards, and the two ranks merged compare clean
+    against the unsplit run."""
+    for world, side in ((2, "target"), (1, "bench")):
+        mp.spawn(_dist_workers.dtensor_mlp, args=(world, _port(), str(tmp_path / side)), nprocs=world, join=True)
+    entry = _data(tmp_path / "target" / "step0" / "rank1")["Distributed.all_reduce.0.forward"]
+    assert entry["input_kwargs"]["reduceOp"] == {"type": "str", "value": "sum"}
+    assert entry["input_kwargs"]["group"]["group_ranks"] == [0, 1]
+    assert entry["input_args"][0]["shape"] == entry["output"][0]["shape"] == [4, 16]
+    assert entry["input_args"][0]["Norm"] != entry["output"][0]["Norm"]
+    weight = _data(tmp_path / "target" / "step0" / "rank0")["Module.0.Linear.forward.0"]["parameters"]["weight"]
+    assert weight["shape"] == [16, 16]  # the local shard of the column-wise [32, 16] weight
+    run = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "compare", "-tp", str(tmp_path / "target"),
+                          "-gp", str(tmp_path / "bench"), "-o", str(tmp_path / "cmp"), "--rank_size", "2", "1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("first divergence: none\n")
+    assert "warning 0, error 0, unmatched 1 " in run.stdout  # the all_reduce a one-rank mesh never calls
+
+
+@pytest.mark.parametrize("rank_size,tp,pp,order", [(8, 2, 2, "tp-cp-ep-dp-pp"), (8, 4, 1, "tp-cp-ep-dp-pp"),
+                                                   (8, 1, 4, "tp-cp-ep-dp-pp"), (16, 2, 4, "tp-cp-ep-dp-pp"),
+                                                   (8, 2, 2, "tp-pp-dp"), (12, 3, 2, "dp-tp-pp")])
+def test_parallel_groups_match_msprobe(rank_size, tp, pp, order):
+    """Our TP and PP groups for a layout are msprobe's (its get_tp_pp_default_groups is the oracle)."""
+    ps = pytest.importorskip("msprobe.core.common.parallel_state")
+    from msprobe_ci.compare.merge import Parallel
+
+    tp_groups, pp_groups = ps.get_tp_pp_default_groups(rank_size, tp, pp, order=order)
+    groups = Parallel(rank_size, tp, pp, order).groups()
+    assert sorted(stage for g in groups for stage in g) == sorted(tp_groups)
+    assert sorted([stage[t] for stage in g] for g in groups for t in range(tp)) == sorted(pp_groups)
+
+
+def test_parallel_layout_errors_are_one_line():
+    from msprobe_ci.compare.merge import Parallel
+    from msprobe_ci.errors import MsprobeError
+
+    with pytest.raises(MsprobeError, match=r"^--rank_size 8 is not divisible by --tp 3 x --pp 1$"):
+        Parallel(8, 3, 1)
+    with pytest.raises(MsprobeError, match=r"^--order 'tp-pp': expected the dimensions tp, dp and pp"):
+        Parallel(4, 2, 2, "tp-pp")
+    with pytest.raises(MsprobeError, match=r"^--tp: expected a positive integer, got 0$"):
+        Parallel(4, 0, 1)

@@ -12,6 +12,12 @@ back when it stops. An entry is laid out as msprobe lays it out (``shared/spec/d
 
 With ``async_op=True`` the output is recorded when the returned work is waited on (the call's own record holds
 the pre-op values until then). Communication ops have no backward entry and are never replayed or isolated.
+
+The functional collectives of ``torch.distributed._functional_collectives`` (:data:`FUNCTIONAL_OPS`), which DTensor
+redistribution and ``torch.compile``-friendly code call, are recorded under the same names
+(``Distributed.all_reduce``, ``Distributed.all_gather_single`` ...): they are out of place, so their ``output`` is
+the returned tensor (waited for), and their ``group`` (ranks, a DeviceMesh, ``(mesh, dim)``, a group name) is
+recorded as the process group it resolves to.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object"
        "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
        "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv")
 _NOT_RECORDED_ARGS = ("all_gather_object",)
+#: the functional (out-of-place) collectives recorded
+FUNCTIONAL_OPS = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
+                  "reduce_scatter_single", "all_to_all_single", "broadcast")
 
 
 def encode_group(group: Any) -> dict:
@@ -77,6 +86,16 @@ class CommPatch:
                     wrappers[id(orig)] = _wrapper(op, orig, on_call)
                 self._saved.append((module, op, orig))
                 setattr(module, op, wrappers[id(orig)])
+        try:
+            import torch.distributed._functional_collectives as funcol
+        except ImportError:  # an older torch
+            return
+        for op in FUNCTIONAL_OPS:
+            orig = getattr(funcol, op, None)
+            if orig is None or getattr(orig, "_msprobe_ci_original", None) is not None:
+                continue
+            self._saved.append((funcol, op, orig))
+            setattr(funcol, op, _wrapper(op, orig, on_call, functional=True))
 
     def remove(self) -> None:
         for module, op, orig in reversed(self._saved):
@@ -84,14 +103,30 @@ class CommPatch:
         self._saved.clear()
 
 
-def _wrapper(op: str, orig: Callable, on_call: Callable) -> Callable:
-    def wrapper(*args, **kwargs):
-        return on_call(op, orig, args, kwargs)
+def _wrapper(op: str, orig: Callable, on_call: Callable, functional: bool = False) -> Callable:
+    if functional:
+        def wrapper(*args, **kwargs):
+            return on_call(op, orig, args, kwargs, functional=True)
+    else:
+        def wrapper(*args, **kwargs):
+            return on_call(op, orig, args, kwargs)
 
     wrapper.__name__ = getattr(orig, "__name__", op)
     wrapper.__doc__ = getattr(orig, "__doc__", None)
     wrapper._msprobe_ci_original = orig  # type: ignore[attr-defined]
     return wrapper
+
+
+def resolve_group(group: Any) -> Any:
+    """The ProcessGroup a functional collective's ``group`` argument names (ranks, DeviceMesh, ``(mesh, dim)``,
+    group name), or ``None`` when this torch cannot say."""
+    try:
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._resolve_process_group(funcol._resolve_group_name(group))
+    except Exception:  # noqa: BLE001 - private helpers that differ across torch versions
+        return None
 
 
 def wrap_work(work: Any, on_done: Callable[[], None]) -> Any:

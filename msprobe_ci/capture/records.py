@@ -45,7 +45,11 @@ class RecordBuilder:
 
     # -- tensors ---------------------------------------------------------------------------------------------
     def tensor(self, t: torch.Tensor, data_name: str | None = None) -> dict:
-        """Record one tensor; ``data_name`` (a file name) also keeps a CPU copy for ``dump_tensor_data/``."""
+        """Record one tensor; ``data_name`` (a file name) also keeps a CPU copy for ``dump_tensor_data/``.
+        A DTensor is recorded as this rank's local shard (shape and statistics), as every other rank's tensors
+        are; merging ranks (:mod:`msprobe_ci.compare.merge`) puts the shards back together."""
+        if type(t) is not torch.Tensor and hasattr(t, "_local_tensor") and hasattr(t, "placements"):
+            t = t._local_tensor
         rec: dict[str, Any] = {
             "type": "torch.Tensor",
             "dtype": str(t.dtype),

@@ -444,8 +444,9 @@ class CaptureSession:
                                                            bwd_faults, n))
         return out
 
-    def _on_comm(self, op: str, func, args: tuple, kwargs: dict):
-        """Run and record one communication op (``Distributed.<op>.<N>.forward``; see :mod:`.comm`)."""
+    def _on_comm(self, op: str, func, args: tuple, kwargs: dict, functional: bool = False):
+        """Run and record one communication op (``Distributed.<op>.<N>.forward``; see :mod:`.comm`); a
+        ``functional`` (out-of-place) collective's output is its returned tensor."""
         if self._busy or not self.running:
             return func(*args, **kwargs)
         key = f"Distributed.{op}."
@@ -460,10 +461,11 @@ class CaptureSession:
             self._busy = True
             try:
                 files = self._tensor_file(name)
+                rec_args, rec_kwargs = _resolved_groups(func, args, kwargs) if functional else (args, kwargs)
                 entry = {"input_args": [self._comm_value(a, f"{name}.input.{i}" if files else None)
-                                        for i, a in enumerate(args)],
+                                        for i, a in enumerate(rec_args)],
                          "input_kwargs": {k: self._comm_value(v, f"{name}.input.{k}" if files else None, k)
-                                          for k, v in kwargs.items()},
+                                          for k, v in rec_kwargs.items()},
                          "output": []}
                 self._stack(name)
                 self.data[name] = entry
@@ -481,7 +483,7 @@ class CaptureSession:
             was, self._busy = self._busy, True
             try:
                 files = self._tensor_file(name)
-                values = list(args) + list(kwargs.values())
+                values = [result] if functional else list(args) + list(kwargs.values())
                 self.builder.forget(values)
                 entry["output"] = [self._comm_value(v, f"{name}.output.{i}" if files else None)
                                    for i, v in enumerate(values)]
@@ -499,7 +501,7 @@ class CaptureSession:
                 if pending["left"] == 0:
                     record_output()
             return [wrap_work(w, one_done) for w in result]
-        if result is not None and hasattr(result, "wait"):
+        if not functional and result is not None and hasattr(result, "wait"):
             return wrap_work(result, record_output)
         record_output()
         return result
@@ -773,3 +775,25 @@ def _format_frame(frame: tuple) -> str:
     fn, lineno, func = frame
     src = linecache.getline(fn, lineno).strip()
     return f"File {fn}, line {lineno}, in {func}, \n {src}"
+
+
+def _resolved_groups(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A functional collective's arguments with its ``group`` (ranks, DeviceMesh, ``(mesh, dim)``, a name)
+    replaced by the ProcessGroup it names, for the record (the call itself gets the original arguments)."""
+    import inspect
+
+    from .comm import resolve_group
+
+    if "group" in kwargs:
+        pg = resolve_group(kwargs["group"])
+        return args, (dict(kwargs, group=pg) if pg is not None else kwargs)
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "group" in params and params.index("group") < len(args):
+        i = params.index("group")
+        pg = resolve_group(args[i])
+        if pg is not None:
+            return args[:i] + (pg,) + args[i + 1:], kwargs
+    return args, kwargs

@@ -146,6 +146,26 @@ class Translation:
     last_first: set[str] = field(default_factory=set)
 
 
+def layer_translation(target: dict[str, Any], bench: dict[str, Any], mappings: Mappings) -> Translation:
+    """Same framework, different suites (``-lm``/``-cm`` on two PyTorch dumps): the target's Module and
+    parameters_grad entries paired with the bench's by their module path after the mapping's child renames
+    (``mlp.dense_h_to_4h`` ↔ ``mlp.fc1``), direction and call index, class names free to differ; APIs keep their
+    names."""
+    modules: dict[tuple, str] = {}
+    for k in bench:
+        p = names.parse(k, any_prefix=True)
+        if p is not None and p.kind in ("module", "parameters_grad"):
+            modules[(_module_path(p.base, Mappings()), p.kind, p.direction, p.call)] = k
+    out = Translation()
+    for k in target:
+        p = names.parse(k, any_prefix=True)
+        if p is not None and p.kind in ("module", "parameters_grad"):
+            hit = modules.get((_module_path(p.base, mappings), p.kind, p.direction, p.call))
+            if hit is not None and hit != k:
+                out.entries[k] = hit
+    return out
+
+
 def translate(target: dict[str, Any], bench: dict[str, Any], mappings: Mappings | None = None,
               target_is_mindspore: bool = True) -> Translation:
     """Translate the MindSpore side's entry names into the PyTorch side's.

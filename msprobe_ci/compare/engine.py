@@ -200,6 +200,10 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
         from .crossframe import translate
 
         cross = translate(target.data, bench.data, mappings, target_is_mindspore=t_fw == "mindspore")
+    elif mappings is not None and (getattr(mappings, "layer", None) or getattr(mappings, "cell", None)):
+        from .crossframe import layer_translation
+
+        cross = layer_translation(target.data, bench.data, mappings)
     pairs = match_rows(target.data, bench.data, fuzzy=fuzzy, cross=cross,
                        data_map=getattr(mappings, "data", None) or None)
     rows: list[RowResult] = []

@@ -184,8 +184,10 @@ def _collective_inputs(dump: Dump) -> dict[tuple, list[tuple[int, str]]]:
             continue
         if name.startswith("Distributed.all_reduce."):
             arg = _at(entry, ("input_args", 0))
-        elif name.startswith("Distributed.reduce_scatter_tensor.") or name.startswith("Distributed._reduce_scatter"):
-            arg = _at(entry, ("input_args", 1))
+        elif name.startswith(("Distributed.reduce_scatter_tensor.", "Distributed.reduce_scatter_single.")):
+            # torch.distributed's (output, input) or the functional (input, ...): the larger tensor is the input
+            tensors = [a for a in entry.get("input_args") or [] if _is_tensor(a)]
+            arg = max(tensors, key=lambda a: math.prod(a.get("shape") or [1])) if tensors else None
         else:
             continue
         if _is_tensor(arg) and _summing(entry):
@@ -198,6 +200,8 @@ def _summing(entry: dict) -> bool:
     for v in values:
         if isinstance(v, dict) and v.get("type") == "torch.distributed.ReduceOp":
             return "SUM" in str(v.get("value"))
+        if isinstance(v, dict) and v.get("type") == "str":  # a functional collective's reduceOp ("sum")
+            return str(v.get("value")).lower() == "sum"
     return True  # the default op
 
 
