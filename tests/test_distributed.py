@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from hypothesis import given, settings, strategies as st
 
 import _dist_workers
 
@@ -322,3 +323,52 @@ def test_parallel_layout_errors_are_one_line():
         Parallel(4, 2, 2, "tp-pp")
     with pytest.raises(MsprobeError, match=r"^--tp: expected a positive integer, got 0$"):
         Parallel(4, 0, 1)
+
+
+def _rec(t):
+    return {"type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(t.shape), "Max": t.max().item(),
+            "Min": t.min().item(), "Mean": t.double().mean().item(), "Norm": t.double().norm().item(),
+            "requires_grad": False}
+
+
+def _dump(data, rank):
+    from msprobe_ci.dump.reader import Dump
+
+    return Dump(folder=f"/nowhere/rank{rank}", task="statistics", level="L1", data=data)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.sampled_from([2, 4]), dims=st.lists(st.integers(1, 3), min_size=1, max_size=3), split=st.data(),
+       seed=st.integers(0, 2**16))
+def test_tp_merge_restores_full_statistics_from_shards_and_partial_sums(n, dims, split, seed):
+    """Shards of a tensor along any one dimension merge back to the full tensor's statistics and shape; partial
+    sums that feed an all_reduce take its reduced output; a replicated tensor stays as it is."""
+    from msprobe_ci.compare.merge import Merged, align_shapes, merge_tp
+
+    g = torch.Generator().manual_seed(seed)
+    dim = split.draw(st.integers(0, len(dims) - 1))
+    shape = list(dims)
+    shape[dim] *= n
+    full = torch.randn(*shape, generator=g, dtype=torch.float64)
+    parts = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(n)]
+    rep = torch.randn(5, generator=g, dtype=torch.float64)
+    dumps = []
+    for r, shard in enumerate(full.chunk(n, dim)):
+        data = {"Functional.linear.0.forward": {"input_args": [_rec(rep)], "input_kwargs": {},
+                                                "output": [_rec(shard)]},
+                "Functional.matmul.0.forward": {"input_args": [_rec(rep)], "input_kwargs": {},
+                                                "output": [_rec(parts[r])]},
+                "Distributed.all_reduce.0.forward": {"input_args": [_rec(parts[r])], "input_kwargs": {},
+                                                     "output": [_rec(sum(parts))]}}
+        dumps.append(_dump(data, r))
+    merged, shards = merge_tp(dumps, list(range(n)))
+    bench = _dump({"Functional.linear.0.forward": {"input_args": [_rec(rep)], "input_kwargs": {},
+                                                   "output": [_rec(full)]}}, 0)
+    align_shapes(Merged(merged, list(range(n)), {}, shards), Merged(bench, [0], {}, {}))
+    got, want = merged.data["Functional.linear.0.forward"]["output"][0], _rec(full)
+    assert got["shape"] == want["shape"]
+    for k in ("Max", "Min", "Mean", "Norm"):
+        assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12)
+    assert merged.data["Functional.linear.0.forward"]["input_args"][0] == _rec(rep)
+    summed = merged.data["Functional.matmul.0.forward"]["output"][0]
+    assert summed["Norm"] == pytest.approx(sum(parts).norm().item())

@@ -133,3 +133,34 @@ def test_tb_graph_ascend_opens_a_mindspore_against_pytorch_graph(tmp_path):
         assert screen == {"success": True, "data": []}  # fp16 rounding: nothing red
     finally:
         serve.close()
+
+
+def test_tb_graph_ascend_opens_a_rank_merged_graph(tmp_path):
+    """A DTensor TP=2 run merged against its one-rank bench: tb-graph-ascend opens the graph and shows a node's
+    merge notes (parallel_merge_info) and its verdict."""
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import _dist_workers
+
+    from msprobe_ci.graph import compare_vis_db
+
+    for world, side in ((2, "target"), (1, "bench")):
+        mp.spawn(_dist_workers.dtensor_mlp, args=(world, _free_port(), str(tmp_path / side)), nprocs=world,
+                 join=True)
+    compare_vis_db(str(tmp_path / "target"), str(tmp_path / "bench"), str(tmp_path / "logs" / "tp2_vs_tp1"),
+                   parallel=(None, None))
+    serve = _serve(tmp_path / "logs", tmp_path)
+    base = next(serve)
+    try:
+        meta = _get(base + "load_meta_dir")
+        (tag,) = meta["data"]["tp2_vs_tp1"]["tags"]
+        md = {"run": "tp2_vs_tp1", "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
+        assert _post(base + "loadGraphConfigInfo", {"metaData": md})["success"]
+        info = _post(base + "getNodeInfo", {"nodeInfo": {"nodeName": "Functional.linear.1.forward",
+                                                         "nodeType": "NPU"}, "metaData": md})
+        npu = info["data"]["npu"]
+        assert any("partial sums on ranks [0, 1]" in line for line in npu["parallel_merge_info"]), npu
+        assert npu["output_data"]["Functional.linear.1.forward.output.0"]["Result"] == "pass"
+    finally:
+        serve.close()
