@@ -5,7 +5,8 @@ interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
-Prints per-mode median ms per iteration, the ratio to no capture, records per step and ms per record.
+Prints per-mode median ms per iteration, the ratio to no capture, records per step and ms per record, and the
+physical floor: the bytes of the tensors captured per step, read once at the measured single-thread read bandwidth.
 msprobe runs in a subprocess (its API wrapping is global and cannot be undone in-process).
 """
 
@@ -101,13 +102,67 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt * 1000)
+    distinct: dict = {}  # one more, untimed step
+    if mode == "msprobe-ci":  # count the distinct tensors the statistics read (a tensor reused by the next op
+        from msprobe_ci.capture.records import RecordBuilder  # is recorded twice but read once)
+
+        orig = RecordBuilder.tensor
+
+        def counting(self, t, data_name=None):
+            try:
+                distinct[(t.data_ptr(), t._version, tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+            except RuntimeError:
+                pass
+            return orig(self, t, data_name)
+
+        RecordBuilder.tensor = counting
+        model.zero_grad(set_to_none=True)
+        dbg.start(model)
+        model(x).backward()
+        dbg.stop()
+        dbg.step()
+        RecordBuilder.tensor = orig
+    nbytes = 0
     if mode != "none":
         for root, _, files in os.walk(tmp):
             if "dump.json" in files:
                 with open(os.path.join(root, "dump.json")) as fh:
-                    records = len(json.load(fh)["data"])
+                    data = json.load(fh)["data"]
+                records = len(data)
+                nbytes = sum(distinct.values()) if distinct else sum(_tensor_bytes(e) for e in data.values())
                 break
-    return statistics.median(times), records
+    return statistics.median(times), records, nbytes
+
+
+_ITEMSIZE = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.int64": 8,
+             "torch.int32": 4, "torch.bool": 1, "torch.uint8": 1, "torch.int8": 1}
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of every tensor record in a dump entry (what reading each captured tensor once costs)."""
+    if isinstance(value, dict) and "dtype" in value and "shape" in value:
+        n = 1
+        for s in value["shape"]:
+            n *= int(s)
+        return n * _ITEMSIZE.get(value["dtype"], 4)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """Measured single-thread read bandwidth in bytes/s: the best of ``repeats`` sums over an ``mb`` MB fp32
+    tensor (a reduction reads every byte once, as a statistic does)."""
+    x = torch.ones(mb * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
 
 
 def main():
@@ -130,17 +185,23 @@ def main():
     except ImportError:
         modes = ["none", "msprobe-ci", "isolated", "isolated-full"]
     results = {m: [] for m in modes}
-    recs = {}
+    recs, captured = {}, {}
     for _ in range(args.rounds):
         for m in modes:  # interleaved; each mode in a fresh process so msprobe's global wrapping stays contained
             out = subprocess.run([sys.executable, __file__, "--size", args.size, "--iters", str(iters),
                                   "--dtype", args.dtype, "--worker", m], capture_output=True, text=True, check=True)
-            ms, n = json.loads(out.stdout.strip().splitlines()[-1])
+            ms, n, nbytes = json.loads(out.stdout.strip().splitlines()[-1])
             results[m].append(ms)
             recs[m] = n
+            captured[m] = nbytes
     base = statistics.median(results["none"])
     plain = statistics.median(results["msprobe-ci"])
     print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), {args.dtype}, 1 thread, {args.rounds} interleaved rounds x {iters} iters")
+    bw = read_bandwidth()
+    floor = captured["msprobe-ci"] / bw * 1000
+    print(f"physical floor: {captured['msprobe-ci'] / 2**20:.1f} MB of distinct captured tensors per step, read "
+          f"once at {bw / 1e9:.1f} GB/s (1 thread) = {floor:.2f} ms -> x{(base + floor) / base:.3f} of no capture "
+          f"(four separate reductions, amax/amin/sum/norm, read them 4 times: x{(base + 4 * floor) / base:.3f})")
     for m in modes:
         med = statistics.median(results[m])
         per = (med - base) / recs[m] if recs.get(m) else float("nan")
