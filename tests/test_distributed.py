@@ -372,3 +372,22 @@ def test_tp_merge_restores_full_statistics_from_shards_and_partial_sums(n, dims,
     assert merged.data["Functional.linear.0.forward"]["input_args"][0] == _rec(rep)
     summed = merged.data["Functional.matmul.0.forward"]["output"][0]
     assert summed["Norm"] == pytest.approx(sum(parts).norm().item())
+
+
+def test_tp_merge_keeps_a_replica_whose_ranks_differ_in_the_last_bits():
+    """A replicated tensor whose ranks differ by rounding is no shard: against an unsplit bench of the same
+    shape it keeps the first rank's statistics (a shard merge would inflate its Norm by sqrt(2) and fail it)."""
+    from msprobe_ci.compare import compare_dumps
+    from msprobe_ci.compare.merge import Merged, align_shapes, merge_tp
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ranks = [_dump({"Functional.layer_norm.0.forward": {"input_args": [_rec(x)], "input_kwargs": {},
+                                                        "output": [_rec(x * (1 + 1e-5 * r))]}}, r) for r in (0, 1)]
+    merged, shards = merge_tp(ranks, [0, 1])
+    bench = _dump({"Functional.layer_norm.0.forward": {"input_args": [_rec(x)], "input_kwargs": {},
+                                                       "output": [_rec(x)]}}, 0)
+    assert align_shapes(Merged(merged, [0, 1], {}, shards), Merged(bench, [0], {}, {})) == 1
+    out = merged.data["Functional.layer_norm.0.forward"]["output"][0]
+    assert out["Norm"] == pytest.approx(x.norm().item(), rel=1e-9)
+    assert "not a shard" in merged.merge_notes["Functional.layer_norm.0.forward"][-1]
+    assert compare_dumps(merged, bench).first_divergence is None

@@ -11,11 +11,14 @@ record, over the group's ranks:
 * equal on every rank (``Max``/``Min`` exactly, ``Mean``/``Norm`` within a relative 1e-6, msprobe's tolerance for
   non-deterministic reductions): **replicated**, kept as is;
 * different, and on every rank equal to the input of a later ``all_reduce`` (or ``reduce_scatter_tensor``) on the
-  same rank: a **partial sum** (a row-parallel matmul's output, a column-parallel input gradient); it stands for
-  the reduced value, so it takes the collective's output (for reduce_scatter, the merged shards of its outputs);
+  same rank: a **partial sum** (a row-parallel matmul's output, a column-parallel input gradient; with a max
+  reduction, a vocab-parallel local maximum); it stands for the reduced value, so it takes the collective's output
+  (for reduce_scatter, the merged shards of its outputs);
 * otherwise a **shard**: ``Max`` = max, ``Min`` = min, ``Mean`` = the mean of the means (shards are equal-sized),
   ``Norm`` = sqrt(sum of Norm²). The full shape is the shard's with the one dimension the compare's other side
-  says was split (:func:`align_shapes`); without another side it stays the shard's shape.
+  says was split (:func:`align_shapes`); without another side it stays the shard's shape. Where the other side,
+  unsplit, has the very same shape, the record was no shard (ranks that differ in the last bits): it takes back
+  the first rank's statistics.
 
 **Pipeline parallel** (the ranks of one PP group each ran a stage, in group order). Module containers numbered per
 stage (``layers.0`` on every stage, Megatron's local numbering) are renumbered by the layers of earlier stages;
@@ -101,13 +104,14 @@ class Merged:
         dump: the merged :class:`Dump` (``folder`` is the group's first rank folder; ``merge_notes`` filled).
         ranks: the group's ranks (stage by stage, TP order within a stage).
         renames: ``{rank: {entry name on that rank: merged entry name}}`` (identity names included).
-        shards: ``{id(record): number of shards}`` of records merged as shards (for :func:`align_shapes`).
+        shards: ``{id(record): (number of shards, first rank's statistics)}`` of records merged as shards (for
+            :func:`align_shapes`).
     """
 
     dump: Dump
     ranks: list[int]
     renames: dict[int, dict[str, str]]
-    shards: dict[int, int] = field(default_factory=dict)
+    shards: dict[int, tuple] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ record walking
@@ -177,7 +181,7 @@ def _shard_stats(recs: list[dict]) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ tensor parallel
 def _collective_inputs(dump: Dump) -> dict[tuple, list[tuple[int, str]]]:
-    """``{statistics key: [(position, collective name)]}`` of the summing collectives' inputs on one rank."""
+    """``{statistics key: [(position, collective name)]}`` of the reducing collectives' inputs on one rank."""
     out: dict[tuple, list[tuple[int, str]]] = {}
     for pos, (name, entry) in enumerate(dump.data.items()):
         if not isinstance(entry, dict):
@@ -190,7 +194,7 @@ def _collective_inputs(dump: Dump) -> dict[tuple, list[tuple[int, str]]]:
             arg = max(tensors, key=lambda a: math.prod(a.get("shape") or [1])) if tensors else None
         else:
             continue
-        if _is_tensor(arg) and _summing(entry):
+        if _is_tensor(arg):
             out.setdefault(_key(arg), []).append((pos, name))
     return out
 
@@ -217,11 +221,13 @@ def _reduced(dumps: list[Dump], names_: list[str]) -> tuple[dict | None, bool]:
     return (dict(outs[0], **stats), True) if stats else (None, False)
 
 
-def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, int]]:
+def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple]]:
     """Merge the dumps of one TP group (same code on shards) into one; see the module docstring.
 
     Returns:
-        ``(dump, shards)``: the merged dump (``merge_notes`` filled) and ``{id(record): shard count}``.
+        ``(dump, shards)``: the merged dump (``merge_notes`` filled) and ``{id(record): (shard count, the first
+        rank's statistics or None)}`` for records merged from shards (:func:`align_shapes` may take a record back
+        to the first rank's values).
     """
     first = dumps[0]
     if len(dumps) == 1:
@@ -229,7 +235,7 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, int]]
     collectives = [_collective_inputs(d) for d in dumps]
     positions = [{n: i for i, n in enumerate(d.data)} for d in dumps]
     notes: dict[str, list[str]] = {}
-    shards: dict[int, int] = {}
+    shards: dict[int, tuple] = {}
     data: dict[str, Any] = {}
     for name in _ordered_union([list(d.data) for d in dumps]):
         present = [i for i, d in enumerate(dumps) if name in d.data]
@@ -254,8 +260,9 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, int]]
                 if value is not None:
                     _set(entry, path, dict(rec, **{k: value.get(k) for k in _STATS}, shape=value.get("shape")))
                     if is_shard:
-                        shards[id(_at(entry, path))] = len(dumps)
-                    merged_rows.append(f"{row}: partial sums on ranks {ranks}; the reduced value is the output "
+                        shards[id(_at(entry, path))] = (len(dumps), None)
+                    what = "partial sums" if _summing(first.data[reduced_by]) else "partial values"
+                    merged_rows.append(f"{row}: {what} on ranks {ranks}; the reduced value is the output "
                                        f"of {reduced_by}")
                     continue
             stats = _shard_stats(others)
@@ -263,7 +270,7 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, int]]
                 continue
             new = dict(rec, **stats)
             _set(entry, path, new)
-            shards[id(new)] = len(dumps)
+            shards[id(new)] = (len(dumps), {k: rec.get(k) for k in _STATS})
             merged_rows.append(f"{row}: shards of ranks {ranks}: Max = max, Min = min, Mean = mean of means, "
                                "Norm = sqrt(sum of Norm^2)")
         if merged_rows:
@@ -532,33 +539,45 @@ def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
 
 
 def align_shapes(target: Merged, bench: Merged) -> int:
-    """Give merged shards their full shape, from the other side: where a record was merged from ``n`` shards and
-    the other side's record (``m`` shards, 1 if not merged) has a shape equal to it but for one dimension ``d``
-    with ``shape[d] * n == other[d] * m``, both take that full shape. Returns how many records changed.
+    """Settle merged shards against the other side, record by record:
+
+    * a record merged from ``n`` shards whose other-side record (``m`` shards, 1 if not merged) has a shape equal
+      to it but for one dimension ``d`` with ``shape[d] * n == other[d] * m``: both take that full shape;
+    * a record merged from ``n`` shards whose other-side record, not merged, has **the same shape**: it was no
+      shard (a replicated tensor whose ranks differ in the last bits, or a partial value never reduced): it takes
+      back the first rank's statistics, noted, rather than a merge that inflates its Norm by sqrt(n).
+
+    Returns how many records changed.
     """
     changed = 0
-    for name, t_entry in target.dump.data.items():
-        b_entry = bench.dump.data.get(name)
-        if b_entry is None:
-            continue
-        for path, t_rec in _tensors(t_entry):
-            b_rec = _at(b_entry, path)
-            if not _is_tensor(b_rec):
+    for side, other in ((target, bench), (bench, target)):
+        for name, entry in side.dump.data.items():
+            o_entry = other.dump.data.get(name)
+            if o_entry is None:
                 continue
-            n, m = target.shards.get(id(t_rec), 1), bench.shards.get(id(b_rec), 1)
-            if n == m:
-                continue
-            ts, bs = list(t_rec.get("shape") or []), list(b_rec.get("shape") or [])
-            if len(ts) != len(bs):
-                continue
-            dims = [d for d in range(len(ts)) if ts[d] != bs[d]]
-            if len(dims) == 1 and ts[dims[0]] * n == bs[dims[0]] * m:
-                full = list(ts)
-                full[dims[0]] = ts[dims[0]] * n
-                t_rec["shape"], b_rec["shape"] = full, list(full)
-                changed += 1
-            elif not dims and n != m and len(ts) >= 1:
-                continue
+            for path, rec in _tensors(entry):
+                o_rec = _at(o_entry, path)
+                if not _is_tensor(o_rec):
+                    continue
+                (n, orig), (m, _) = side.shards.get(id(rec), (1, None)), other.shards.get(id(o_rec), (1, None))
+                if n <= 1 or n == m:
+                    continue
+                ts, bs = list(rec.get("shape") or []), list(o_rec.get("shape") or [])
+                if len(ts) != len(bs):
+                    continue
+                dims = [d for d in range(len(ts)) if ts[d] != bs[d]]
+                if len(dims) == 1 and ts[dims[0]] * n == bs[dims[0]] * m:
+                    full = list(ts)
+                    full[dims[0]] = ts[dims[0]] * n
+                    rec["shape"], o_rec["shape"] = full, list(full)
+                    changed += 1
+                elif not dims and m == 1 and orig is not None:
+                    rec.update(orig)
+                    side.shards.pop(id(rec), None)
+                    side.dump.merge_notes.setdefault(name, []).append(
+                        f"{_row_label(path)}: differs across ranks but has the unsplit shape of the other side: "
+                        "not a shard; the first rank's statistics are shown")
+                    changed += 1
     return changed
 
 
