@@ -175,6 +175,32 @@ def build_ddp(rank: int, world: int) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(PPModel(0, 1))
 
 
+def build_llama_dtensor_tp(rank: int, world: int) -> torch.nn.Module:
+    """A stock transformers Llama (2 layers, from a config) split by DTensor tensor parallelism over ``world``
+    ranks (torch.distributed.tensor.parallel: column-wise q/k/v/gate/up, row-wise o/down on a 1-D device mesh);
+    ``world == 1`` is the unsplit model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).eval()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def llama_loss(out):
+    return out.logits.float().pow(2).mean()
+
+
 def loss(out):
     return out.float().pow(2).mean()
 
@@ -214,3 +240,10 @@ def test_ddp_training_step(msprobe):
     runs in its C++ reducer, so it is not a captured call, as with msprobe) and every parameter gradient."""
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(4))
     msprobe.check_parallel(build_ddp, x, world_size=2, bench_world_size=1, loss_fn=loss)
+
+
+def test_llama_dtensor_tp_against_one_rank(msprobe):
+    """A stock transformers Llama split by DTensor TP=2 against the unsplit model: DTensors are captured as local
+    shards, the redistributions as Distributed.all_reduce (functional collectives), and the merge puts it back."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    msprobe.check_parallel(build_llama_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss)

@@ -202,7 +202,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.environ["MSPROBE_EXAMPLES"])
-from test_parallel import build_pipeline, build_tp_block, loss  # noqa: E402
+from test_parallel import build_llama_dtensor_tp, build_pipeline, build_tp_block, llama_loss, loss  # noqa: E402
 
 X3 = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
 X2 = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
@@ -222,24 +222,34 @@ def test_pp_clean(msprobe):
 
 def test_pp_fault(msprobe):
     msprobe.check_parallel(build_pipeline, X2, world_size=2, bench_world_size=1, inject="gelu1.yaml")
+
+
+def test_llama_dtensor_fault(msprobe):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    msprobe.check_parallel(build_llama_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss,
+                           inject="silu1.yaml")
 '''
 
 
 def test_check_parallel_merges_tp_and_pp_ranks_against_one_rank(pytester, monkeypatch):
     """TP=2 and PP=2 bf16 targets against a one-rank fp32 bench: clean runs pass (shards, partial sums and
     stages merged back into one model), a 5% gelu fault on rank 1 is named with its rank and its merged name
-    (stage 1's gelu.0 is the whole model's gelu.2), and the CLI merges the same dumps into a CSV and a graph."""
+    (stage 1's gelu.0 is the whole model's gelu.2), a 3% silu fault on rank 1 of a stock transformers Llama split
+    by DTensor TP is named, and the CLI merges the same dumps into a CSV and a graph."""
     import sqlite3
 
     monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
     pytester.makepyfile(test_merged=MERGED_TESTS)
     pytester.makefile(".yaml", gelu1="faults:\n  - {api: Functional.gelu, call: 0, perturb: scale, value: 1.05, "
                                      "rank: 1}\n")
+    pytester.makefile(".yaml", silu1="faults:\n  - {api: Functional.silu, call: 1, perturb: scale, value: 1.03, "
+                                     "rank: 1}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-n", "2")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=2, failed=3)
     out = result.stdout.str()
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.2.forward" in out
+    assert "msprobe: first divergence: step0 rank1 Functional.silu.1.forward" in out  # a stock Llama, DTensor TP
     check = pytester.path / "msprobe-out" / "test_merged.py_test_tp_clean" / "check0"
     cli = [sys.executable, "-m", "msprobe_ci.cli"]
     sides = ["-tp", str(check / "target"), "-gp", str(check / "bench")]
