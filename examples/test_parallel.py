@@ -110,6 +110,7 @@ class PPModel(torch.nn.Module):
         else:
             h = torch.empty_like(x)
             dist.recv(h, src=self.rank - 1)
+            self.received = h.requires_grad_(torch.is_grad_enabled())  # a training loop sends its grad back
         for layer in self.layers:
             h = layer(h)
         if self.rank < self.world - 1:

@@ -112,3 +112,36 @@ def dtensor_mlp(rank, world, port, out):
         cap.close()
     finally:
         dist.destroy_process_group()
+
+
+def pipeline_training_step(rank, world, port, out):
+    """One training step of the examples' pipeline model (PPModel) cut into ``world`` stages, the way a pipeline
+    schedule runs it by hand: forward stage by stage (send/recv), the last stage's loss backward, each stage
+    sending its input gradient back (send/recv) for the previous stage's backward; captured with
+    PrecisionDebugger (mix). ``world`` 1 is the whole model."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from test_parallel import D, PPModel
+
+    from msprobe_ci import PrecisionDebugger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = PPModel(rank, world)
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
+        dbg = PrecisionDebugger(dump_path=out, level="mix")
+        dbg.start(model)
+        y = model(x)
+        if rank == world - 1:
+            y.float().pow(2).mean().backward()
+        else:
+            grad = torch.empty_like(y)
+            dist.recv(grad, src=rank + 1)
+            y.backward(grad)
+        if rank > 0:
+            dist.send(model.received.grad, dst=rank - 1)
+        dbg.stop()
+    finally:
+        dist.destroy_process_group()

@@ -401,3 +401,27 @@ def test_tp_merge_keeps_a_replica_whose_ranks_differ_in_the_last_bits():
     assert out["Norm"] == pytest.approx(x.norm().item(), rel=1e-9)
     assert "not a shard" in merged.merge_notes["Functional.layer_norm.0.forward"][-1]
     assert compare_dumps(merged, bench).first_divergence is None
+
+
+def test_pipeline_training_step_merges_forward_and_backward_against_one_rank(tmp_path):
+    """A 2-stage pipeline trained one step by hand (activations forward and gradients back by send/recv) against
+    the whole model: the merged dump holds the model's forward in stage order and its backward in reverse stage
+    order, stage 1's blocks renumbered (layers.0 -> layers.2), every parameter gradient included, and it compares
+    clean with the one-rank run."""
+    for world, side in ((2, "target"), (1, "bench")):
+        mp.spawn(_dist_workers.pipeline_training_step, args=(world, _port(), str(tmp_path / side)), nprocs=world,
+                 join=True)
+    from msprobe_ci.compare.merge import Parallel, merged_pairs
+
+    ((_, _, merged, bench),) = merged_pairs(str(tmp_path / "target"), str(tmp_path / "bench"), Parallel(2, 1, 2),
+                                            None)
+    order = [n for n in merged.dump.data if n.startswith("Module.") and ".backward." in n]
+    assert order[0] == "Module.head.Linear.backward.0" and order[-1] == "Module.embed.Linear.backward.0"
+    assert order.index("Module.layers.3.MLPBlock.backward.0") < order.index("Module.layers.0.MLPBlock.backward.0")
+    grads = {n for n in merged.dump.data if ".parameters_grad" in n}
+    assert grads == {n for n in bench.dump.data if ".parameters_grad" in n} and len(grads) == 14
+    run = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "compare", "-tp", str(tmp_path / "target"),
+                          "-gp", str(tmp_path / "bench"), "-o", str(tmp_path / "cmp"), "--rank_size", "2", "1",
+                          "--pp", "2", "1"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("first divergence: none"), run.stdout + run.stderr
+    assert ", error 0, " in run.stdout
