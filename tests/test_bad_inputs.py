@@ -226,3 +226,27 @@ def test_unknown_marker_option_is_a_collection_usage_error(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == 4
     result.stderr.fnmatch_lines(["*test_x*@pytest.mark.msprobe: unknown option(s) ?'taregt'?*"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rank_size", "2", "--tp", "2"], r"bf16_statistics/step0: --rank_size 2: expected 2 rank folders \(ranks "
+                                        r"0..1\), found ranks \[0\]"),
+    (["--tp", "3"], r"--rank_size 1 is not divisible by --tp 3 x --pp 1"),
+    (["--vpp", "2"], r"--vpp 2: virtual pipeline stages are not merged; only --vpp 1 is supported"),
+    (["--tp", "1", "1", "1"], r"--tp: expected one value \(both sides\) or two \(target, bench\), got 3"),
+    (["--order", "tp-pp", "--tp", "1"], r"--order 'tp-pp': expected the dimensions tp, dp and pp"),
+    (["--tp", "1", "-fm"], r"merging combines with -lm/-cm, not with -fm, -dm or -am"),
+])
+def test_rank_merge_flags_give_one_line_errors(fixtures_dir, tmp_path, args, message):
+    """Layouts that do not fit the dumps, or flags merging cannot honour: exit 2 with one line naming them."""
+    import re
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "compare", "-tp",
+                          os.path.join(fixtures_dir, "bf16_statistics"), "-gp",
+                          os.path.join(fixtures_dir, "fp32_statistics"), "-o", str(tmp_path / "o")] + args,
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert re.search(message, run.stderr), run.stderr
+    assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")

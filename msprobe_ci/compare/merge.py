@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -514,8 +515,9 @@ def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
         MsprobeError: ranks missing or extra for the layout, or a non-PyTorch dump.
     """
     if sorted(dumps) != list(range(par.rank_size)):
-        raise MsprobeError(f"--rank_size {par.rank_size}: expected rank folders rank0..rank{par.rank_size - 1}, "
-                           f"found ranks {sorted(dumps)}")
+        where = os.path.dirname(os.path.normpath(next(iter(dumps.values())).folder)) if dumps else "?"
+        raise MsprobeError(f"{where}: --rank_size {par.rank_size}: expected {par.rank_size} rank folders (ranks "
+                           f"0..{par.rank_size - 1}), found ranks {sorted(dumps)}")
     for r, d in dumps.items():
         if d.framework != "pytorch":
             raise MsprobeError(f"{d.folder}: merging TP/PP ranks supports PyTorch dumps (rank {r} is {d.framework})")
