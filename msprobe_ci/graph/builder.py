@@ -257,7 +257,12 @@ def _post_order(nodes: dict[str, Node]) -> None:
 
 # --------------------------------------------------------------------------------------------- node data rows
 def _text(v: Any) -> str:
-    return "null" if v is None else str(v).replace("'", "")
+    if v is None:
+        return "null"
+    t = type(v)
+    if t is float or t is int or t is bool:  # the common case: no quote to strip
+        return str(v)
+    return str(v).replace("'", "")
 
 
 def row_fields(record: Any) -> dict[str, str]:
@@ -267,11 +272,10 @@ def row_fields(record: Any) -> dict[str, str]:
     if record.get("type") in ("torch.Tensor", "mindspore.Tensor") or "dtype" in record and "shape" in record:
         if record.get("Max") is None and "md5" not in record:
             return {"value": "null"}
-        out = {"type": _text(record.get("type")), "dtype": _text(record.get("dtype")),
-               "shape": _text(record.get("shape")), "Max": _text(record.get("Max")), "Min": _text(record.get("Min")),
-               "Mean": _text(record.get("Mean")), "Norm": _text(record.get("Norm")),
-               "requires_grad": _text(record.get("requires_grad")),
-               "data_name": _text(record.get("data_name") or "-1")}
+        g = record.get
+        out = {"type": _text(g("type")), "dtype": _text(g("dtype")), "shape": _text(g("shape")),
+               "Max": _text(g("Max")), "Min": _text(g("Min")), "Mean": _text(g("Mean")), "Norm": _text(g("Norm")),
+               "requires_grad": _text(g("requires_grad")), "data_name": _text(g("data_name") or "-1")}
         if "md5" in record:
             out["md5"] = _text(record["md5"])
         return out

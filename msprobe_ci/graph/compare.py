@@ -146,8 +146,10 @@ def _text(v) -> str:
     """msprobe's node-data formatting: decimal strings with more than 6 decimals are rounded to 6."""
     if v is None:
         return "null"
-    s = str(v)
-    m = _DECIMAL.match(s) if isinstance(v, str) else None
+    if type(v) is not str:
+        return str(v)
+    s = v
+    m = _DECIMAL.match(s) if len(s) > 8 else None
     if m and len(m.group(1).split(".")[1]) > 6:
         s = f"{float(m.group(1)):.6f}{m.group(2)}"
     return s

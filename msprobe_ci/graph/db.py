@@ -93,10 +93,11 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
         for statement in _statements(SCHEMA):
             conn.execute(statement)
         node_rows, stack_rows = [], []
-        for g in graphs:
+        text = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps(ensure_ascii=False) builds one
+        for g in graphs:                                     # per call
             stacks: dict[str, str] = {}
             for node in g.post_order():
-                key = json.dumps(node.stack, ensure_ascii=False)
+                key = text(node.stack)
                 if key not in stacks:
                     stacks[key] = f"{g.graph_id}_{len(stacks)}"
                     stack_rows.append((stacks[key], key))
@@ -105,10 +106,9 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
                     node.parent or "", json.dumps(node.children) if node.children else "",
                     node.precision_index, node.overflow_level, node.micro_step,
                     json.dumps(node.matched_link), stacks[key],
-                    json.dumps(node.merge_info, ensure_ascii=False) if node.merge_info else "",
+                    text(node.merge_info) if node.merge_info else "",
                     json.dumps(node.matched_distributed), 0,
-                    json.dumps(node.input_data, ensure_ascii=False),
-                    json.dumps(node.output_data, ensure_ascii=False), g.data_source,
+                    text(node.input_data), text(node.output_data), g.data_source,
                     g.dump_data_dir, g.step, g.rank, int(node.name.startswith("Distributed"))))
         conn.executemany("INSERT INTO tb_nodes VALUES (" + ",".join("?" * 22) + ")", node_rows)
         conn.executemany("INSERT INTO tb_stack VALUES (?, ?)", stack_rows)
