@@ -73,7 +73,8 @@ def _records(value: Any, path: str) -> Iterator[tuple[str, dict]]:
 #: (``torch.empty`` memory may hold NaN/Inf), so they are no input anomaly
 _RECEIVE_BUFFER_OPS = tuple(f"Distributed.{op}." for op in (
     "recv", "irecv", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "scatter",
-    "all_to_all", "all_to_all_single"))
+    "all_to_all", "all_to_all_single"))  # (the *_single names are also functional collectives, whose first
+#                                           argument is data: their NaN shows at the op that made it anyway)
 
 
 def _sides(entry: dict, name: str = "") -> tuple[list, list]:

@@ -145,3 +145,53 @@ def pipeline_training_step(rank, world, port, out):
         dbg.stop()
     finally:
         dist.destroy_process_group()
+
+
+class SPMLP(torch.nn.Module):
+    """Megatron sequence parallelism around a TP MLP (forward): the sequence-sharded input is all-gathered
+    (all_gather_single; all_gather_into_tensor before torch 2.13) before the column-parallel fc1, and the row-parallel
+    fc2's partial sums are reduce-scattered (reduce_scatter_single / reduce_scatter_tensor) back to sequence shards;
+    LayerNorm runs on the sequence shard."""
+
+    def __init__(self, rank, world, d=16, h=32):
+        super().__init__()
+        torch.manual_seed(0)
+        full1, full2 = torch.nn.Linear(d, h, bias=False), torch.nn.Linear(h, d, bias=False)
+        k = h // world
+        self.world = world
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, k, bias=False)
+        self.fc2 = torch.nn.Linear(k, d, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(full1.weight[rank * k:(rank + 1) * k])
+            self.fc2.weight.copy_(full2.weight[:, rank * k:(rank + 1) * k])
+
+    def forward(self, x_shard):  # [seq / world, d]
+        h = self.norm(x_shard)
+        full = torch.empty(h.shape[0] * self.world, h.shape[1])
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(full, h.contiguous())
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(full)))
+        out = torch.empty_like(x_shard)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, y)
+        return x_shard + out
+
+
+def sequence_parallel_mlp(rank, world, port, out):
+    """Forward of SPMLP on ``world`` ranks (each its sequence shard of the same input), captured at mix."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        n = 8 // world
+        m = SPMLP(rank, world)
+        cap = CaptureSession(DumpConfig(dump_path=out, level="mix"))
+        cap.start(m)
+        with torch.no_grad():
+            m(x[rank * n:(rank + 1) * n])
+        cap.stop()
+        cap.close()
+    finally:
+        dist.destroy_process_group()

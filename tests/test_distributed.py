@@ -425,3 +425,27 @@ def test_pipeline_training_step_merges_forward_and_backward_against_one_rank(tmp
                           "--pp", "2", "1"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("first divergence: none"), run.stdout + run.stderr
     assert ", error 0, " in run.stdout
+
+
+def test_sequence_parallel_reduce_scatter_merges_against_one_rank(tmp_path):
+    """Sequence parallelism: LayerNorm on sequence shards (merged as shards along the sequence), all_gather before
+    the column-parallel fc1, the row-parallel fc2's partial sums reduce-scattered (they take the merged shards of
+    the reduce_scatter's outputs): every row matches the unsplit run (fp32, drift rule, no isolation)."""
+    import csv
+
+    for world, side in ((2, "target"), (1, "bench")):
+        mp.spawn(_dist_workers.sequence_parallel_mlp, args=(world, _port(), str(tmp_path / side)), nprocs=world,
+                 join=True)
+    run = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "compare", "-tp", str(tmp_path / "target"),
+                          "-gp", str(tmp_path / "bench"), "-o", str(tmp_path / "cmp"), "--rank_size", "2", "1",
+                          "--tp", "2", "1"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("first divergence: none"), run.stdout + run.stderr
+    (path,) = (tmp_path / "cmp").glob("compare_result_step0_group0_*.csv")
+    with path.open() as fh:
+        rows = {r["NPU Name"]: r for r in csv.DictReader(fh)}
+    linear = rows["Functional.linear.1.forward.output.0"]  # fc2: partial sums, reduced by the reduce_scatter
+    assert linear["NPU Tensor Shape"] == linear["Bench Tensor Shape"] == "[8, 16]"
+    assert abs(float(linear["NPU l2norm"]) - float(linear["Bench l2norm"])) < 1e-5 * float(linear["Bench l2norm"])
+    ln = rows["Functional.layer_norm.0.forward.output.0"]  # sequence shards
+    assert ln["NPU Tensor Shape"] == ln["Bench Tensor Shape"] == "[8, 16]"
+    assert abs(float(ln["NPU l2norm"]) - float(ln["Bench l2norm"])) < 1e-5 * float(ln["Bench l2norm"])

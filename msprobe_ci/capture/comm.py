@@ -26,9 +26,10 @@ import zlib
 from typing import Any, Callable
 
 #: the torch.distributed functions recorded (msprobe's ``distributed`` wrap list, the ones torch still has)
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-       "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
-       "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv")
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+       "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather",
+       "scatter", "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "barrier",
+       "batch_isend_irecv")
 _NOT_RECORDED_ARGS = ("all_gather_object",)
 #: the functional (out-of-place) collectives recorded
 FUNCTIONAL_OPS = ("all_reduce", "all_gather_tensor", "all_gather_single", "reduce_scatter_tensor",
