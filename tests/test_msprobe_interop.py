@@ -104,3 +104,43 @@ def test_msprobe_compare_reads_our_multi_rank_dumps(tmp_path):
         mismatches = [(t["NPU Name"], k, o[k], t[k]) for o, t in zip(ours, theirs) for k in t
                       if k not in SKIP and o[k] != t[k]]
         assert mismatches == []
+
+
+def test_msprobe_graph_merger_reads_our_tp_dumps(tmp_path):
+    """msprobe's own TP graph merging (``graph_visualize --rank_size 2 1 --tp 2 1``) reads our TP=2 dumps against
+    a one-rank bench, and where both tools merge a node (the column-parallel fc1's weight and output shards) the
+    merged statistics agree with ours."""
+    import json
+    import socket
+    import sqlite3
+
+    import torch.multiprocessing as mp
+
+    import _dist_workers
+    from msprobe_ci.compare.merge import Parallel, merged_pairs
+
+    cli = _msprobe_cli()
+    if cli is None:
+        pytest.skip("the msprobe command is not on PATH")
+    for world in (2, 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_dist_workers.tp_mlp, args=(world, port, str(tmp_path / f"w{world}"), -1, (), False),
+                 nprocs=world, join=True)
+    target, bench = tmp_path / "w2" / "target" / "step0", tmp_path / "w1" / "bench" / "step0"
+    proc = subprocess.run([cli, "graph_visualize", "-tp", str(target), "-gp", str(bench), "-o", str(tmp_path / "g"),
+                           "--rank_size", "2", "1", "--tp", "2", "1", "--pp", "1", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (db,) = glob.glob(str(tmp_path / "g" / "*.vis.db"))
+    with sqlite3.connect(db) as c:
+        theirs = {n: (json.loads(i or "{}"), json.loads(o or "{}")) for n, i, o in c.execute(
+            "SELECT node_name, input_data, output_data FROM tb_nodes WHERE data_source = 'NPU'")}
+    ((_, _, ours, _),) = merged_pairs(str(target), str(bench), Parallel(2, 2, 1), Parallel(1))
+    entry = ours.dump.data["Module.fc1.Linear.forward.0"]
+    their_in, their_out = theirs["Module.fc1.Linear.forward.0"]
+    for rec, row in ((entry["parameters"]["weight"], their_in["Module.fc1.Linear.forward.0.parameters.weight"]),
+                     (entry["output"][0], their_out["Module.fc1.Linear.forward.0.output.0"])):
+        for k in ("Max", "Min", "Mean", "Norm"):
+            assert float(row[k]) == pytest.approx(rec[k], rel=1e-2), (k, row, rec)
