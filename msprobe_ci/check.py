@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ._perf import gc_paused
 from .errors import MsprobeError
 
 
@@ -236,6 +237,7 @@ class CheckOutcome:
         }
 
 
+@gc_paused()
 def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
              thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
              graph_dir: str | None = None, api_standards: dict | None = None,

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+from ._perf import gc_paused
 from .errors import MsprobeError
 
 
@@ -207,6 +208,13 @@ def _pairs(target: str, golden: str) -> list[tuple[str, str, str, tuple[int, int
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "view":  # a long-running server keeps the collector
+        return _run(args)
+    with gc_paused():  # a bulk run over whole dumps: see gc_paused
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         if args.command == "compare":
             return _compare(args)

@@ -8,6 +8,7 @@ target's and the bench's (step, rank) folders and needs at least one in common.
 
 from __future__ import annotations
 
+from .._perf import gc_paused
 from ..compare import compare_dumps
 from ..compare.engine import CompareReport
 from ..dump.reader import Dump, layout, load_dump
@@ -42,6 +43,7 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
     return [t_graph, g_graph]
 
 
+@gc_paused()
 def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, parallel=None) -> str:
     """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path.
 
@@ -67,6 +69,7 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, parallel=
     return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
 
 
+@gc_paused()
 def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
                    thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None,
                    mappings=None, parallel=None) -> str:
@@ -122,6 +125,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
     return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
 
 
+@gc_paused()
 def write_compare_graph(target: Dump, bench: Dump, report: CompareReport, out_dir: str, *, overflow: bool = True,
                         fuzzy: bool = False, step: int = 0, rank: int = 0) -> str:
     """``compare_<ts>.vis.db`` of two loaded dumps whose compare ``report`` is already computed (the plugin's
