@@ -425,6 +425,17 @@ def test_pipeline_training_step_merges_forward_and_backward_against_one_rank(tmp
                           "--pp", "2", "1"], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.startswith("first divergence: none"), run.stdout + run.stderr
     assert ", error 0, " in run.stdout
+    import sqlite3  # a build-only graph of the merged pipeline: one model, the stages' blocks renumbered
+
+    run = subprocess.run([sys.executable, "-m", "msprobe_ci.cli", "graph", "-tp", str(tmp_path / "target"),
+                          "-o", str(tmp_path / "g"), "--rank_size", "2", "--pp", "2"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    with sqlite3.connect(run.stdout.splitlines()[0]) as c:
+        nodes = {n: (r, up) for n, r, up in c.execute("SELECT node_name, rank, up_node FROM tb_nodes")}
+        assert c.execute("SELECT rank_list FROM tb_config").fetchone()[0] == "[0]"
+    assert nodes["Module.layers.3.MLPBlock.forward.0"] == (0, "DefaultModel")
+    assert nodes["Module.layers.3.fc2.Linear.forward.0"][1] == "Module.layers.3.MLPBlock.forward.0"
+    assert "Module.layers.3.MLPBlock.backward.0" in nodes and "Module.head.Linear.forward.0" in nodes
 
 
 def test_sequence_parallel_reduce_scatter_merges_against_one_rank(tmp_path):
