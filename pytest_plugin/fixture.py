@@ -415,13 +415,15 @@ class MsprobeFixture:
             tp, pp: the tensor/pipeline-parallel sizes, ``(target, bench)`` or one int for the target (the bench's
                 then inferred); default inferred from each side's captured collectives (all_reduce process
                 group, send/recv chain), as msprobe infers them.
-            loss_fn: maps a rank's output to a scalar loss; enables backward capture.
+            loss_fn: maps a rank's output to a scalar loss; enables backward capture. It runs on every rank, so a
+                pipeline is checked forward-only here (a pipeline training step your own schedule dumped merges
+                through ``msprobe-ci compare --pp``).
             timeout: seconds before hung ranks are terminated and the check fails naming them (default 300).
             options: as for :meth:`check` (bench, target, bench_dtype, target_dtype, level, task, inject, seed,
                 isolate, api_standards, api_thresholds).
 
         Returns:
-            ``{rank: CompareReport}``.
+            ``{rank: CompareReport}``; when the sides were merged, ``{(step, data-parallel group): CompareReport}``.
 
         Raises:
             pytest.fail.Exception: a rank raised or hung, the first divergence, an overflow, a fault that never
