@@ -275,7 +275,7 @@ def _compare(args) -> int:
 def _compare_merged(args, parallel) -> int:
     """compare with TP/PP merging: one CSV and summary line per (step, data-parallel group), first the earliest
     divergence over them, naming the rank whose isolated verdict failed."""
-    from .parallel import evaluate_merged
+    from .parallel import evaluate_merged, merged_where
 
     if args.fuzzy_match or args.data_mapping or args.api_mapping:
         raise MsprobeError("compare: --rank_size/--tp/--pp merging combines with -lm/-cm, not with -fm, -dm or -am")
@@ -288,9 +288,7 @@ def _compare_merged(args, parallel) -> int:
         lines.append(f"step{step} group{i} (target ranks {merged.ranks}): " + _summary_line(
             outcome.csv, len(report.nodes), report.counts(), first, report.isolated))
         if first is not None:
-            rank = (first.metrics or {}).get("rank")
-            where = f"rank{rank}" if rank is not None else f"ranks {merged.ranks}"
-            firsts.append(f"step{step} {where} {first.name}")
+            firsts.append(f"step{step} {merged_where(first, merged.ranks)} {first.name}")
     print(f"first divergence: {firsts[0]}" if firsts else "first divergence: none")
     for line in lines:
         print(line)
@@ -355,20 +353,11 @@ def _graph(args) -> int:
                               parallel=_parallel(args, (args.target_path, args.golden_path)))
     else:
         par = _parallel(args, (args.target_path,))
-        path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check,
-                            parallel=None if par is None else par[0] or _inferred(args.target_path))
+        path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check, merge=par is not None,
+                            parallel=par[0] if par else None)
     print(path)
     print(f"open it with: msprobe-ci view {os.path.dirname(os.path.dirname(os.path.abspath(path)))}")
     return 0
-
-
-def _inferred(path: str):
-    from .compare.merge import infer_parallel
-    from .dump.reader import layout, load_dump
-
-    lay = layout(path)
-    first = min(s for s, _ in lay)
-    return infer_parallel({r: load_dump(f) for (s, r), f in lay.items() if s == first})
 
 
 def _check_chunk(job: tuple[str, list[str], bool]) -> list:

@@ -154,3 +154,27 @@ def _rank_folder(first_folder: str, rank: int) -> str:
     """The folder of ``rank`` beside ``first_folder`` (``.../rank0`` → ``.../rank<rank>``)."""
     parent = os.path.dirname(os.path.normpath(first_folder))
     return os.path.join(parent, f"rank{rank}")
+
+
+def merged_where(node, ranks: list[int]) -> str:
+    """Where a merged group's node diverged: ``rank<R>`` when a rank's isolation record judged it (the record's
+    ``rank``), else the group's ranks."""
+    rank = (node.metrics or {}).get("rank")
+    return f"rank{rank}" if rank is not None else f"ranks {ranks} (merged)"
+
+
+def unapplied_faults_on_ranks(faults, world: int, check_dir: str) -> list[str]:
+    """Faults that fired on none of the ranks they target (each rank lists its never-applied faults in
+    ``unapplied.rank<R>.txt``)."""
+    out = []
+    for f in faults:
+        ranks = [r for r in range(world) if f.on_rank(r)]
+        files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
+        if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _text(p) for p in files):
+            out.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+    return out
+
+
+def _text(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()

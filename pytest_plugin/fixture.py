@@ -434,7 +434,7 @@ class MsprobeFixture:
         from ..compare.ranks import first_divergence_across_ranks
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
-        from ..parallel import RankJob, free_port, run_ranks
+        from ..parallel import RankJob, free_port, run_ranks, unapplied_faults_on_ranks
 
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise pytest.fail.Exception(f"msprobe: check_parallel: world_size: expected a positive int, got "
@@ -482,12 +482,7 @@ class MsprobeFixture:
             props.append((RESULT_PROPERTY, _publish(row)))
         if graph:
             props.append(("msprobe.graph", graph))
-        unapplied = []
-        for i, f in enumerate(faults):
-            ranks = [r for r in range(world_size) if f.on_rank(r)]
-            files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
-            if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _read(p) for p in files):
-                unapplied.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+        unapplied = unapplied_faults_on_ranks(faults, world_size, check_dir)
         if unapplied:
             pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
                         f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
@@ -514,7 +509,7 @@ class MsprobeFixture:
         from ..compare.verdict import unit_roundoff
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
-        from ..parallel import evaluate_merged, free_port, run_ranks
+        from ..parallel import evaluate_merged, free_port, merged_where, run_ranks, unapplied_faults_on_ranks
 
         check_dir, st = c.dir, c.st
         try:
@@ -554,12 +549,7 @@ class MsprobeFixture:
             props.append((RESULT_PROPERTY, _publish(row)))
         if graph:
             props.append(("msprobe.graph", graph))
-        unapplied = []
-        for f in c.faults:
-            ranks = [r for r in range(world) if f.on_rank(r)]
-            files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
-            if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _read(p) for p in files):
-                unapplied.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+        unapplied = unapplied_faults_on_ranks(c.faults, world, check_dir)
         if unapplied:
             pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
                         f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
@@ -567,8 +557,7 @@ class MsprobeFixture:
             first = outcome.first_divergence
             if first is None:
                 continue
-            rank = (first.metrics or {}).get("rank")
-            where = f"rank{rank}" if rank is not None else f"ranks {merged.ranks} (merged)"
+            where = merged_where(first, merged.ranks)
             detail = first.message.split(": ", 1)[-1] if first.message else first.status
             lines = [f"msprobe: first divergence: step{step} {where} {first.name}: {detail}",
                      f"  target ranks {merged.ranks} merged (TP/PP) against a bench of {bench_world} rank(s); "
@@ -975,11 +964,6 @@ def _write_free_csv(path: str, results: dict) -> None:
         for name, r in results.items():
             w.writerow([name, r["status"], r.get("metric", ""), r.get("value", ""), r.get("threshold", ""),
                         r.get("sensitivity", ""), r.get("dtype", ""), r.get("row", ""), r["message"]])
-
-
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as fh:
-        return fh.read()
 
 
 def _publish(row: dict) -> str:

@@ -6,6 +6,7 @@ only (mindstudio-probe registers a plugin under the same name, so plain ``tensor
 is stopped by PID.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -72,6 +73,20 @@ def _serve(logdir, tmp_path):
         log.close()
 
 
+@contextlib.contextmanager
+def _opened(logdir, tmp_path, run):
+    """A TensorBoard serving ``logdir``, with ``run``'s one graph loaded: yields (plugin base URL, metaData)."""
+    serve = _serve(logdir, tmp_path)
+    base = next(serve)
+    try:
+        (tag,) = _get(base + "load_meta_dir")["data"][run]["tags"]
+        md = {"run": run, "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
+        assert _post(base + "loadGraphConfigInfo", {"metaData": md})["success"]
+        yield base, md
+    finally:
+        serve.close()
+
+
 def _get(url):
     with urllib.request.urlopen(url, timeout=60) as r:
         return json.loads(r.read())
@@ -115,13 +130,7 @@ def test_tb_graph_ascend_opens_a_mindspore_against_pytorch_graph(tmp_path):
     data = os.path.join(ROOT, "tests", "data", "msprobe-26.2.0")
     compare_vis_db(os.path.join(data, "mindspore-tinynet", "fp16_tensor", "step0", "proc0"),
                    os.path.join(data, "tinynet", "fp32_tensor", "step0", "proc0"), str(tmp_path / "logs" / "ms_vs_pt"))
-    serve = _serve(tmp_path / "logs", tmp_path)
-    base = next(serve)
-    try:
-        meta = _get(base + "load_meta_dir")
-        (tag,) = meta["data"]["ms_vs_pt"]["tags"]
-        md = {"run": "ms_vs_pt", "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
-        assert _post(base + "loadGraphConfigInfo", {"metaData": md})["success"]
+    with _opened(tmp_path / "logs", tmp_path, "ms_vs_pt") as (base, md):
         root = _post(base + "changeNodeExpandState", {"nodeInfo": {"nodeName": "root", "nodeType": "NPU"},
                                                       "metaData": md})
         assert root["success"] and "Cell.fc1.Linear.forward.0" in root["data"]
@@ -131,8 +140,6 @@ def test_tb_graph_ascend_opens_a_mindspore_against_pytorch_graph(tmp_path):
         assert row["Result"] == "pass" and float(row["Cosine"]) > 0.9999  # gamma against PyTorch's weight
         screen = _post(base + "screen", {"type": "precision", "values": [[0.6, 1]], "metaData": md})
         assert screen == {"success": True, "data": []}  # fp16 rounding: nothing red
-    finally:
-        serve.close()
 
 
 def test_tb_graph_ascend_opens_a_rank_merged_graph(tmp_path):
@@ -150,17 +157,9 @@ def test_tb_graph_ascend_opens_a_rank_merged_graph(tmp_path):
                  join=True)
     compare_vis_db(str(tmp_path / "target"), str(tmp_path / "bench"), str(tmp_path / "logs" / "tp2_vs_tp1"),
                    parallel=(None, None))
-    serve = _serve(tmp_path / "logs", tmp_path)
-    base = next(serve)
-    try:
-        meta = _get(base + "load_meta_dir")
-        (tag,) = meta["data"]["tp2_vs_tp1"]["tags"]
-        md = {"run": "tp2_vs_tp1", "tag": tag, "type": "db", "lang": "en", "microStep": -1, "rank": 0, "step": 0}
-        assert _post(base + "loadGraphConfigInfo", {"metaData": md})["success"]
+    with _opened(tmp_path / "logs", tmp_path, "tp2_vs_tp1") as (base, md):
         info = _post(base + "getNodeInfo", {"nodeInfo": {"nodeName": "Functional.linear.1.forward",
                                                          "nodeType": "NPU"}, "metaData": md})
         npu = info["data"]["npu"]
         assert any("partial sums on ranks [0, 1]" in line for line in npu["parallel_merge_info"]), npu
         assert npu["output_data"]["Functional.linear.1.forward.output.0"]["Result"] == "pass"
-    finally:
-        serve.close()

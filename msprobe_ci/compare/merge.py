@@ -167,6 +167,11 @@ def _same(a: dict, b: dict) -> bool:
     return all(_close(a.get(k), b.get(k), 0.0 if k in ("Max", "Min") else _UNCERTAINTY) for k in _STATS)
 
 
+def _differs(recs: list) -> bool:
+    """Tensor records on every rank that are not all replicas of the first."""
+    return all(_is_tensor(r) for r in recs) and not all(_same(recs[0], r) for r in recs[1:])
+
+
 def _key(rec: dict) -> tuple:
     """Exact identity of a tensor's statistics (a partial sum and the collective input it is)."""
     return (str(rec.get("dtype")), tuple(rec.get("shape") or ()),) + tuple(repr(rec.get(k)) for k in _STATS)
@@ -246,13 +251,17 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple
             notes.setdefault(name, []).append(f"Only ranks {[ranks[i] for i in present]} of TP group {ranks} "
                                               "recorded this call; their first record is shown.")
             continue
+        differing = [path for path, _ in _tensors(first.data[name])
+                     if _differs([_at(d.data[name], path) for d in dumps])]
+        if not differing:  # replicated as a whole: shared, not copied
+            data[name] = first.data[name]
+            continue
         entry = copy.deepcopy(first.data[name])
         data[name] = entry
         merged_rows: list[str] = []
-        for path, rec in list(_tensors(entry)):
+        for path in differing:
+            rec = _at(entry, path)
             others = [_at(d.data[name], path) for d in dumps]
-            if not all(_is_tensor(o) for o in others) or all(_same(others[0], o) for o in others[1:]):
-                continue
             row = _row_label(path)
             hits = [collectives[i].get(_key(o), []) for i, o in enumerate(others)]
             reduced_by = _first_common_later(hits, [positions[i][name] for i in range(len(dumps))])
@@ -443,6 +452,7 @@ def merge_pp(stages: list[Dump], stage_ranks: list[list[int]]) -> tuple[Dump, li
         sequence += [(s, n) for n in list(st.data)[:splits[s]]]
     for s in reversed(range(len(stages))):
         sequence += [(s, n) for n in list(stages[s].data)[splits[s]:]]
+    inverse = [{v: k for k, v in r.items()} for r in renames]
     occurrences: dict[str, list[int]] = {}
     for s, n in sequence:
         occurrences.setdefault(renames[s][n], []).append(s)
@@ -462,7 +472,7 @@ def merge_pp(stages: list[Dump], stage_ranks: list[list[int]]) -> tuple[Dump, li
             notes[new] = ([f"Pipeline stage {s} (ranks {stage_ranks[s]})" + (f", renamed from {n}" if n != new
                                                                                 else "") + "."] + list(own or []))
         else:
-            data[new] = _shared_entry(new, [(o, stages[o].data[_orig(renames[o], new)]) for o in owners])
+            data[new] = _shared_entry(new, [(o, stages[o].data[inverse[o][new]]) for o in owners])
             notes[new] = [f"Present on pipeline stages {owners}: inputs from the stage the data entered, outputs "
                           "from the stage it left."]
     data = dict(reversed(list(data.items())))
@@ -476,13 +486,6 @@ def merge_pp(stages: list[Dump], stage_ranks: list[list[int]]) -> tuple[Dump, li
             stack.setdefault(renames[s].get(k, rename(s, k)), v)
     merged = replace(stages[0], data=data, construct=construct, stack=stack, merge_notes=notes)
     return merged, renames
-
-
-def _orig(rename: dict[str, str], new: str) -> str:
-    for old, n in rename.items():
-        if n == new:
-            return old
-    return new
 
 
 def _shared_entry(name: str, owners: list[tuple[int, Any]]) -> Any:
@@ -608,6 +611,19 @@ def _step_dumps(lay: dict[tuple[int, int], str], step: int) -> dict[int, Dump]:
     from ..dump.reader import load_dump
 
     return {r: load_dump(f) for (s, r), f in sorted(lay.items()) if s == step}
+
+
+def merged_groups(path: str, par: Parallel | None) -> list[tuple[int, int, Merged]]:
+    """Every step of one multi-rank dump merged: ``[(step, group index, Merged)]`` (``par`` ``None``: inferred
+    per step, :func:`infer_parallel`). Raises MsprobeError as :func:`merge_ranks`."""
+    from ..dump.reader import layout
+
+    lay = layout(path)
+    out = []
+    for step in sorted({s for s, _ in lay}):
+        dumps = _step_dumps(lay, step)
+        out += [(step, i, m) for i, m in enumerate(merge_ranks(dumps, par or infer_parallel(dumps)))]
+    return out
 
 
 def infer_parallel(dumps: dict[int, Dump]) -> Parallel:

@@ -44,22 +44,19 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
 
 
 @gc_paused()
-def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, parallel=None) -> str:
+def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bool = False, parallel=None) -> str:
     """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path.
 
-    ``parallel``: a :class:`~msprobe_ci.compare.merge.Parallel` merges the TP/PP ranks of each step into one graph
-    per data-parallel group (its ``rank`` column is the group index; shards keep their per-rank shapes, there
-    being no other side to tell the split dimension).
+    ``merge``: merge the TP/PP ranks of each step into one graph per data-parallel group, with the layout
+    ``parallel`` (a :class:`~msprobe_ci.compare.merge.Parallel`; ``None``: inferred from the collectives). The
+    graph's ``rank`` column is the group index; shards keep their per-rank shapes, there being no other side to
+    tell the split dimension.
     """
     graphs, comms = [], {}
-    if parallel is not None:
-        from ..compare.merge import merge_ranks
+    if merge:
+        from ..compare.merge import merged_groups
 
-        lay = layout(target)
-        for step in sorted({s for s, _ in lay}):
-            dumps = {r: load_dump(f) for (s, r), f in sorted(lay.items()) if s == step}
-            for i, m in enumerate(merge_ranks(dumps, parallel)):
-                graphs.append(_graph(m.dump, "NPU", step, i, overflow))
+        graphs = [_graph(m.dump, "NPU", step, i, overflow) for step, i, m in merged_groups(target, parallel)]
         return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
     for (step, rank), folder in sorted(layout(target).items()):
         dump = load_dump(folder)
