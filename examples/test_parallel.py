@@ -176,19 +176,20 @@ def build_ddp(rank: int, world: int) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(PPModel(0, 1))
 
 
-def build_llama_dtensor_tp(rank: int, world: int) -> torch.nn.Module:
-    """A stock transformers Llama (2 layers, from a config) split by DTensor tensor parallelism over ``world``
+def _dtensor_tp(config_cls: str, model_cls: str, world: int) -> torch.nn.Module:
+    """A stock transformers decoder (2 layers, from a config) split by DTensor tensor parallelism over ``world``
     ranks (torch.distributed.tensor.parallel: column-wise q/k/v/gate/up, row-wise o/down on a 1-D device mesh);
     ``world == 1`` is the unsplit model."""
+    import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = getattr(transformers, config_cls)(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64)
     cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval()
+    model = getattr(transformers, model_cls)(cfg).eval()
     mesh = init_device_mesh("cpu", (world,))
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -196,6 +197,17 @@ def build_llama_dtensor_tp(rank: int, world: int) -> torch.nn.Module:
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     return model
+
+
+def build_llama_dtensor_tp(rank: int, world: int) -> torch.nn.Module:
+    """A stock transformers Llama split by DTensor TP over ``world`` ranks (see :func:`_dtensor_tp`)."""
+    return _dtensor_tp("LlamaConfig", "LlamaForCausalLM", world)
+
+
+def build_qwen2_dtensor_tp(rank: int, world: int) -> torch.nn.Module:
+    """A stock transformers Qwen2 split by DTensor TP over ``world`` ranks: its q/k/v projections have biases,
+    zero-initialised, so each rank's column-parallel bias shard is equal on every rank (see :func:`_dtensor_tp`)."""
+    return _dtensor_tp("Qwen2Config", "Qwen2ForCausalLM", world)
 
 
 def llama_loss(out):
@@ -248,3 +260,10 @@ def test_llama_dtensor_tp_against_one_rank(msprobe):
     shards, the redistributions as Distributed.all_reduce (functional collectives), and the merge puts it back."""
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     msprobe.check_parallel(build_llama_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss)
+
+
+def test_qwen2_dtensor_tp_against_one_rank(msprobe):
+    """A stock transformers Qwen2 (biased q/k/v) split by DTensor TP=2 against the unsplit model: the zero bias
+    shards, equal on both ranks, are merged as shards (the bench's bias is twice as long), not kept as a replica."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    msprobe.check_parallel(build_qwen2_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss)

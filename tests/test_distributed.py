@@ -202,7 +202,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.environ["MSPROBE_EXAMPLES"])
-from test_parallel import build_llama_dtensor_tp, build_pipeline, build_tp_block, llama_loss, loss  # noqa: E402
+from test_parallel import (build_llama_dtensor_tp, build_pipeline, build_qwen2_dtensor_tp, build_tp_block,  # noqa: E402
+                           llama_loss, loss)
 
 X3 = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
 X2 = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
@@ -228,6 +229,12 @@ def test_llama_dtensor_fault(msprobe):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     msprobe.check_parallel(build_llama_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss,
                            inject="silu1.yaml")
+
+
+def test_qwen2_dtensor_fp16_clean(msprobe):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    msprobe.check_parallel(build_qwen2_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss,
+                           target_dtype="fp16")
 '''
 
 
@@ -235,7 +242,8 @@ def test_check_parallel_merges_tp_and_pp_ranks_against_one_rank(pytester, monkey
     """TP=2 and PP=2 bf16 targets against a one-rank fp32 bench: clean runs pass (shards, partial sums and
     stages merged back into one model), a 5% gelu fault on rank 1 is named with its rank and its merged name
     (stage 1's gelu.0 is the whole model's gelu.2), a 3% silu fault on rank 1 of a stock transformers Llama split
-    by DTensor TP is named, and the CLI merges the same dumps into a CSV and a graph."""
+    by DTensor TP is named, a stock Qwen2 (zero-initialised q/k/v bias shards, equal on both ranks) split the same
+    way passes in fp16, and the CLI merges the same dumps into a CSV and a graph."""
     import sqlite3
 
     monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
@@ -245,7 +253,7 @@ def test_check_parallel_merges_tp_and_pp_ranks_against_one_rank(pytester, monkey
     pytester.makefile(".yaml", silu1="faults:\n  - {api: Functional.silu, call: 1, perturb: scale, value: 1.03, "
                                      "rank: 1}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-n", "2")
-    result.assert_outcomes(passed=2, failed=3)
+    result.assert_outcomes(passed=3, failed=3)
     out = result.stdout.str()
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.2.forward" in out
@@ -371,7 +379,7 @@ def test_tp_merge_restores_full_statistics_from_shards_and_partial_sums(n, dims,
                 "Distributed.all_reduce.0.forward": {"input_args": [_rec(parts[r])], "input_kwargs": {},
                                                      "output": [_rec(sum(parts))]}}
         dumps.append(_dump(data, r))
-    merged, shards = merge_tp(dumps, list(range(n)))
+    merged, shards, _ = merge_tp(dumps, list(range(n)))
     bench = _dump({"Functional.linear.0.forward": {"input_args": [_rec(rep)], "input_kwargs": {},
                                                    "output": [_rec(full)]}}, 0)
     align_shapes(Merged(merged, list(range(n)), {}, shards), Merged(bench, [0], {}, {}))
@@ -393,7 +401,7 @@ def test_tp_merge_keeps_a_replica_whose_ranks_differ_in_the_last_bits():
     x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     ranks = [_dump({"Functional.layer_norm.0.forward": {"input_args": [_rec(x)], "input_kwargs": {},
                                                         "output": [_rec(x * (1 + 1e-5 * r))]}}, r) for r in (0, 1)]
-    merged, shards = merge_tp(ranks, [0, 1])
+    merged, shards, _ = merge_tp(ranks, [0, 1])
     bench = _dump({"Functional.layer_norm.0.forward": {"input_args": [_rec(x)], "input_kwargs": {},
                                                        "output": [_rec(x)]}}, 0)
     assert align_shapes(Merged(merged, [0, 1], {}, shards), Merged(bench, [0], {}, {})) == 1
@@ -401,6 +409,39 @@ def test_tp_merge_keeps_a_replica_whose_ranks_differ_in_the_last_bits():
     assert out["Norm"] == pytest.approx(x.norm().item(), rel=1e-9)
     assert "not a shard" in merged.merge_notes["Functional.layer_norm.0.forward"][-1]
     assert compare_dumps(merged, bench).first_divergence is None
+
+
+@pytest.mark.parametrize("n, fill", [(2, 0.0), (4, 0.5)])
+def test_tp_merge_finds_shards_of_equal_value_by_the_other_sides_shape(n, fill):
+    """A column-parallel shard equal on every rank (a zero-initialised bias, a constant fill) looks replicated; the
+    bench's n-times-longer record shows it is n shards: it takes the full shape and the full tensor's Norm, and a
+    bench group paired with several target groups is settled once (not taken back by the second pairing)."""
+    from msprobe_ci.compare.merge import Merged, align_shapes, merge_tp
+
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    shard = torch.full((8 // n,), fill, dtype=torch.float64)
+
+    def entry(bias):
+        return {"Functional.linear.0.forward": {"input_args": [_rec(x), _rec(bias)], "input_kwargs": {},
+                                                "output": [_rec(x)]}}
+
+    merged, shards, replicas = merge_tp([_dump(entry(shard), r) for r in range(n)], list(range(n)))
+    full = torch.full((8,), fill, dtype=torch.float64)
+    bench = Merged(_dump(entry(full), 0), [0], {}, {})
+    target = Merged(merged, list(range(n)), {}, shards, replicas)
+    assert align_shapes(target, bench) == 1
+    assert align_shapes(target, bench) == 0  # idempotent
+    got = merged.data["Functional.linear.0.forward"]["input_args"][1]
+    assert got["shape"] == [8]
+    assert got["Norm"] == pytest.approx(full.norm().item())
+    assert got["Max"] == fill and got["Mean"] == pytest.approx(fill)
+    assert merged.data["Functional.linear.0.forward"]["input_args"][0] == _rec(x)  # a true replica stays
+    assert any("shards of equal value" in n_ for n_ in merged.merge_notes["Functional.linear.0.forward"])
+    # the other way round: a TP=n bench against a one-rank target
+    bench2, b_shards, b_replicas = merge_tp([_dump(entry(shard), r) for r in range(n)], list(range(n)))
+    one = _dump(entry(full), 0)
+    assert align_shapes(Merged(one, [0], {}, {}), Merged(bench2, list(range(n)), {}, b_shards, b_replicas)) == 1
+    assert bench2.data["Functional.linear.0.forward"]["input_args"][1]["Norm"] == pytest.approx(full.norm().item())
 
 
 def test_pipeline_training_step_merges_forward_and_backward_against_one_rank(tmp_path):

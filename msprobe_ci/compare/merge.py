@@ -9,7 +9,9 @@ group at a time:
 record, over the group's ranks:
 
 * equal on every rank (``Max``/``Min`` exactly, ``Mean``/``Norm`` within a relative 1e-6, msprobe's tolerance for
-  non-deterministic reductions): **replicated**, kept as is;
+  non-deterministic reductions): **replicated**, kept as is, unless the other side of the compare has it with one
+  dimension ``n`` times longer: then it was ``n`` shards of equal value (a zero-initialised column-parallel bias)
+  and takes that shape with ``Norm`` × sqrt(n) (:func:`align_shapes`);
 * different, and on every rank equal to the input of a later ``all_reduce`` (or ``reduce_scatter_tensor``) on the
   same rank: a **partial sum** (a row-parallel matmul's output, a column-parallel input gradient; with a max
   reduction, a vocab-parallel local maximum); it stands for the reduced value, so it takes the collective's output
@@ -107,12 +109,15 @@ class Merged:
         renames: ``{rank: {entry name on that rank: merged entry name}}`` (identity names included).
         shards: ``{id(record): (number of shards, first rank's statistics)}`` of records merged as shards (for
             :func:`align_shapes`).
+        replicas: ``{id(record): number of ranks}`` of records equal on every rank of their TP group (replicated,
+            or shards of equal value: :func:`align_shapes` tells them apart by the other side's shape).
     """
 
     dump: Dump
     ranks: list[int]
     renames: dict[int, dict[str, str]]
     shards: dict[int, tuple] = field(default_factory=dict)
+    replicas: dict[int, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------ record walking
@@ -227,21 +232,23 @@ def _reduced(dumps: list[Dump], names_: list[str]) -> tuple[dict | None, bool]:
     return (dict(outs[0], **stats), True) if stats else (None, False)
 
 
-def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple]]:
+def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple], dict[int, int]]:
     """Merge the dumps of one TP group (same code on shards) into one; see the module docstring.
 
     Returns:
-        ``(dump, shards)``: the merged dump (``merge_notes`` filled) and ``{id(record): (shard count, the first
-        rank's statistics or None)}`` for records merged from shards (:func:`align_shapes` may take a record back
-        to the first rank's values).
+        ``(dump, shards, replicas)``: the merged dump (``merge_notes`` filled), ``{id(record): (shard count, the
+        first rank's statistics or None)}`` for records merged from shards (:func:`align_shapes` may take a record
+        back to the first rank's values) and ``{id(record): rank count}`` for records equal on every rank
+        (:func:`align_shapes` may find them to be shards of equal value).
     """
     first = dumps[0]
     if len(dumps) == 1:
-        return replace(first, merge_notes=dict(getattr(first, "merge_notes", {}) or {})), {}
+        return replace(first, merge_notes=dict(getattr(first, "merge_notes", {}) or {})), {}, {}
     collectives = [_collective_inputs(d) for d in dumps]
     positions = [{n: i for i, n in enumerate(d.data)} for d in dumps]
     notes: dict[str, list[str]] = {}
     shards: dict[int, tuple] = {}
+    replicas: dict[int, int] = {}
     data: dict[str, Any] = {}
     for name in _ordered_union([list(d.data) for d in dumps]):
         present = [i for i, d in enumerate(dumps) if name in d.data]
@@ -255,9 +262,12 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple
                      if _differs([_at(d.data[name], path) for d in dumps])]
         if not differing:  # replicated as a whole: shared, not copied
             data[name] = first.data[name]
+            replicas.update((id(rec), len(dumps)) for _, rec in _tensors(data[name]))
             continue
         entry = copy.deepcopy(first.data[name])
         data[name] = entry
+        split = set(differing)
+        replicas.update((id(rec), len(dumps)) for path, rec in _tensors(entry) if path not in split)
         merged_rows: list[str] = []
         for path in differing:
             rec = _at(entry, path)
@@ -287,7 +297,7 @@ def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple
             notes[name] = [f"Merged from the tensor-parallel ranks {ranks}."] + merged_rows
     merged = replace(first, data=data, construct=_union_dicts([d.construct for d in dumps]),
                      stack=_union_dicts([d.stack for d in dumps]), merge_notes=notes)
-    return merged, shards
+    return merged, shards, replicas
 
 
 def _row_label(path: tuple) -> str:
@@ -526,11 +536,12 @@ def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
             raise MsprobeError(f"{d.folder}: merging TP/PP ranks supports PyTorch dumps (rank {r} is {d.framework})")
     out: list[Merged] = []
     for stages in par.groups():
-        stage_dumps, shards_all = [], {}
+        stage_dumps, shards_all, replicas_all = [], {}, {}
         for tp_ranks in stages:
-            merged, shards = merge_tp([dumps[r] for r in tp_ranks], tp_ranks)
+            merged, shards, replicas = merge_tp([dumps[r] for r in tp_ranks], tp_ranks)
             stage_dumps.append(merged)
             shards_all.update(shards)
+            replicas_all.update(replicas)
         dump, stage_renames = merge_pp(stage_dumps, stages)
         renames: dict[int, dict[str, str]] = {}
         for s, tp_ranks in enumerate(stages):
@@ -539,20 +550,39 @@ def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
         ranks = [r for st in stages for r in st]
         if par.tp * par.pp > 1 and dump.task not in ("statistics",):
             dump = replace(dump, task="statistics")
-        out.append(Merged(dump, ranks, renames, shards_all))
+        out.append(Merged(dump, ranks, renames, shards_all, replicas_all))
     return out
 
 
+def _settle_replica(side: Merged, name: str, path: tuple, rec: dict, n: int, dim: int) -> None:
+    """A record equal on ``n`` ranks found to be ``n`` shards of equal value: ``Norm`` × sqrt(n), noted."""
+    norm = _num(rec.get("Norm"))
+    if norm is not None:
+        rec["Norm"] = norm * math.sqrt(n)
+    del side.replicas[id(rec)]
+    side.shards[id(rec)] = (n, None)
+    side.dump.merge_notes.setdefault(name, []).append(
+        f"{_row_label(path)}: equal on the {n} tensor-parallel ranks but split in dimension {dim} (the other side "
+        "has it longer there): shards of equal value, merged (Norm x sqrt(n))")
+
+
 def align_shapes(target: Merged, bench: Merged) -> int:
-    """Settle merged shards against the other side, record by record:
+    """Settle merged shards and replicas against the other side, record by record:
 
     * a record merged from ``n`` shards whose other-side record (``m`` shards, 1 if not merged) has a shape equal
       to it but for one dimension ``d`` with ``shape[d] * n == other[d] * m``: both take that full shape;
+    * a record equal on all ``n`` ranks of its TP group, against an other-side record that is ``n / m`` times
+      longer in one dimension: it was ``n`` shards of equal value (a zero-initialised column-parallel bias, a
+      constant fill), not a replica: it takes the full shape and ``Norm`` × sqrt(n) (``Max``/``Min``/``Mean`` of
+      equal shards are the shard's), noted;
     * a record merged from ``n`` shards whose other-side record, not merged, has **the same shape**: it was no
       shard (a replicated tensor whose ranks differ in the last bits, or a partial value never reduced): it takes
       back the first rank's statistics, noted, rather than a merge that inflates its Norm by sqrt(n).
 
-    Returns how many records changed.
+    Aligning is idempotent: a bench group paired with several target groups is settled once.
+
+    Returns:
+        How many records changed.
     """
     changed = 0
     for side, other in ((target, bench), (bench, target)):
@@ -564,7 +594,12 @@ def align_shapes(target: Merged, bench: Merged) -> int:
                 o_rec = _at(o_entry, path)
                 if not _is_tensor(o_rec):
                     continue
-                (n, orig), (m, _) = side.shards.get(id(rec), (1, None)), other.shards.get(id(o_rec), (1, None))
+                replica = id(rec) in side.replicas
+                if replica:
+                    n, orig = side.replicas[id(rec)], None
+                else:
+                    n, orig = side.shards.get(id(rec), (1, None))
+                m = other.shards.get(id(o_rec), (other.replicas.get(id(o_rec), 1), None))[0]
                 if n <= 1 or n == m:
                     continue
                 ts, bs = list(rec.get("shape") or []), list(o_rec.get("shape") or [])
@@ -574,7 +609,12 @@ def align_shapes(target: Merged, bench: Merged) -> int:
                 if len(dims) == 1 and ts[dims[0]] * n == bs[dims[0]] * m:
                     full = list(ts)
                     full[dims[0]] = ts[dims[0]] * n
-                    rec["shape"], o_rec["shape"] = full, list(full)
+                    for mine, r, count in ((side, rec, n), (other, o_rec, m)):
+                        r["shape"] = list(full)
+                        if id(r) in mine.replicas and count > 1:
+                            _settle_replica(mine, name, path, r, count, dims[0])
+                        elif count > 1:
+                            mine.shards[id(r)] = (count, None)  # settled: never taken back by a later pairing
                     changed += 1
                 elif not dims and m == 1 and orig is not None:
                     rec.update(orig)
