@@ -140,6 +140,173 @@ def _first_tensor_md5(entry: Any) -> bool | None:
     return None
 
 
+def stream_files(target_folder: str, bench_folder: str) -> tuple[list[str], list[dict]]:
+    """The two dump.json files and their headers, checked for this path.
+
+    Raises:
+        MsprobeError: a missing file.
+        NotStreamable: a MindSpore dump, no task before ``data``, or JSON yajl rejects before ``data``.
+    """
+    files = [f if os.path.isfile(f) else os.path.join(f, "dump.json") for f in (target_folder, bench_folder)]
+    heads = [_header(f) for f in files]
+    for h, f in zip(heads, files):
+        if str(h.get("framework") or "pytorch").lower() != "pytorch":
+            raise NotStreamable(f"{f}: framework {h.get('framework')!r}")
+        if "task" not in h:
+            raise NotStreamable(f"{f}: no task before data")
+    return files, heads
+
+
+class NodeStream:
+    """Two PyTorch dumps judged node by node, in the target's dump order, reading each file once.
+
+    ``mode`` (statistics/md5/tensor) and ``report`` (an empty :class:`~msprobe_ci.compare.engine.CompareReport`
+    holding the mode, thresholds and the target's stack, for CSV rows) are known on construction; iterating yields
+    ``(entry name, [RowResult], NodeResult)`` for every target entry, with the drift rule's propagation already
+    applied (a later error explained by its inputs' error is a warning ``propagated from`` the first). Callbacks:
+    ``on_target(name, entry)`` and ``on_bench(name, entry)`` see every entry as it is read (validated);
+    ``drain_bench`` reads the bench to its end after the target's last entry (so ``on_bench`` sees every bench
+    entry, matched or not).
+
+    Raises (on construction or while iterating):
+        MsprobeError: bad dumps (one line naming the file and entry) or tasks that cannot be compared.
+        NotStreamable: a dump this path does not handle (see the module docstring).
+    """
+
+    def __init__(self, files: list[str], heads: list[dict], thresholds: Thresholds | None = None, *, bar=None,
+                 on_target=None, on_bench=None, drain_bench: bool = False):
+        self.th = thresholds or Thresholds()
+        self.files = files
+        self._on_target, self._on_bench, self._drain = on_target, on_bench, drain_bench
+        t_head, b_head = heads
+        self._targets = _entries(files[0], t_head, bar)
+        self._benches = _entries(files[1], b_head)
+        self._window: dict[str, Any] = {}  # bench entries read ahead, by renumbered name
+        self._bench_done = False
+        self._b_seen: dict[str, int] = {}
+        self._t_seen: dict[str, int] = {}
+        first_t = next(self._targets, None)
+        if first_t is None:
+            raise MsprobeError(f"{files[0]}: no entries in data")
+        t_task, b_task = str(t_head.get("task", "statistics")), str(b_head.get("task", "statistics"))
+        first_key = backward_key(first_t[0], self._t_seen)
+        first_b = self._bench_for(first_key)
+        shells = []
+        for task, entry in ((t_task, first_t[1]), (b_task, first_b[1] if first_b else None)):
+            md5 = _first_tensor_md5(entry) if entry is not None else None
+            shells.append(_Shell(task=task, md5=bool(md5)))
+        self.mode = engine._mode(*shells)
+        self._t_dump, self._b_dump = _Shell(task=t_task, folder=os.path.dirname(files[0])), \
+            _Shell(task=b_task, folder=os.path.dirname(files[1]))
+        if self.mode == "tensor":
+            from ..dump.reader import Dump
+
+            self._t_dump = Dump(folder=os.path.dirname(files[0]), task=t_task, level="", data={})
+            self._b_dump = Dump(folder=os.path.dirname(files[1]), task=b_task, level="", data={})
+        self.report = engine.CompareReport(mode=self.mode, rows=[], nodes=[],
+                                           target_stack=read_stack(os.path.dirname(files[0])), thresholds=self.th)
+        self._first = (first_t, first_key, first_b)
+
+    def _bench_for(self, key: str):
+        window = self._window
+        while key not in window and not self._bench_done:
+            try:
+                name, entry = next(self._benches)
+            except StopIteration:
+                self._bench_done = True
+                break
+            if self._on_bench is not None:
+                self._on_bench(name, entry)
+            window[backward_key(name, self._b_seen)] = (name, entry)
+        return window.pop(key, None)
+
+    def __iter__(self) -> Iterator[tuple[str, list, Any]]:
+        from ..dump.names import parse
+
+        mode, th, t_dump, b_dump = self.mode, self.th, self._t_dump, self._b_dump
+        twins: dict[str, tuple] = {}       # forward/module entry -> ((error, bench norm) per row)
+        queue: list[list] = []             # [name, own rows, node or None, twin names awaited], in dump order
+        head = 0
+        first_error: str | None = None
+
+        def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
+            b_rows = {}
+            if bench_item is not None:
+                b_name, b_entry = bench_item
+                b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r
+                          for r in entry_rows(b_name, b_entry)}
+            own = []
+            for t in entry_rows(name, entry):
+                tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
+                b = b_rows.get(tk)
+                if b is not None and not _dtype_compatible(t, b):
+                    b = None
+                own.append(engine._compare_row(t, b, mode, t_dump, b_dump))
+            return own
+
+        def node_of(slot: list) -> None:
+            name, own = slot[0], slot[1]
+            by_entry = {tw: [engine.RowResult(None, _TwinBench(norm), {}, err) for err, norm in twins[tw]]
+                        for tw in engine._twin_entries(name) if tw in twins}
+            slot[2] = engine._judge_node(name, own, by_entry, mode, th)
+            if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
+                for tw in by_entry:  # an API's forward twin serves its one backward call only
+                    twins.pop(tw, None)
+
+        def add(name: str, key: str, entry: Any, bench_item) -> None:
+            if self._on_target is not None:
+                self._on_target(name, entry)
+            own = rows_of(name, key, entry, bench_item)
+            p = parse(name, any_prefix=True)
+            awaited = [tw for tw in engine._twin_entries(name) if tw not in twins]
+            slot = [name, own, None, awaited]
+            queue.append(slot)
+            if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
+                node_of(slot)
+            if p is not None and (p.direction == "forward" or p.kind == "module"):
+                twins[name] = tuple((r.error, engine._norm(r.bench)) for r in own if r.bench is not None)
+                for waiting in queue[head:]:
+                    if waiting[2] is None and name in waiting[3]:
+                        waiting[3].remove(name)
+                        if not waiting[3]:
+                            node_of(waiting)
+
+        def ready(final: bool = False) -> Iterator[tuple[str, list, Any]]:
+            nonlocal head, first_error
+            while head < len(queue):
+                slot = queue[head]
+                if slot[2] is None:
+                    if not final:
+                        break
+                    node_of(slot)
+                name, own, node = slot[0], slot[1], slot[2]
+                if node.status == "error" and node.metric == "RelativeErr":
+                    if first_error is None:
+                        first_error = name
+                    elif node.input_error > th.round_factor * node.roundoff + th.rel_floor:
+                        node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
+                                                                        f"({node.message})",
+                                       metrics=dict(node.metrics, propagated_from=first_error))
+                queue[head] = None
+                head += 1
+                yield name, own, node
+            if head > 1024 and head * 2 > len(queue):
+                del queue[:head]
+                head = 0
+
+        first_t, first_key, first_b = self._first
+        add(first_t[0], first_key, first_t[1], first_b)
+        yield from ready()
+        for name, entry in self._targets:
+            key = backward_key(name, self._t_seen)
+            add(name, key, entry, self._bench_for(key))
+            yield from ready()
+        yield from ready(final=True)
+        if self._drain:
+            while not self._bench_done:
+                self._bench_for("\0")  # a key no entry has: reads every remaining bench entry
+
+
 def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thresholds: Thresholds | None = None,
                    prefix: str = "compare_result", progress: bool | None = None) -> StreamResult:
     """Compare two PyTorch rank folders (or dump.json files) entry by entry and write msprobe's CSV.
@@ -157,156 +324,44 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         MsprobeError: bad dumps (one line naming the file and entry) or tasks that cannot be compared.
         NotStreamable: a dump this path does not handle (MindSpore, header after data): use the in-memory one.
     """
-    import sys
-
-    th = thresholds or Thresholds()
-    files = [f if os.path.isfile(f) else os.path.join(f, "dump.json") for f in (target_folder, bench_folder)]
-    t_head, b_head = (_header(f) for f in files)
-    for h, f in ((t_head, files[0]), (b_head, files[1])):
-        if str(h.get("framework") or "pytorch").lower() != "pytorch":
-            raise NotStreamable(f"{f}: framework {h.get('framework')!r}")
-        if "task" not in h:
-            raise NotStreamable(f"{f}: no task before data")
-    stack = read_stack(os.path.dirname(files[0]))
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(total=os.path.getsize(files[0]), unit="B", unit_scale=True, desc="compare", file=sys.stderr,
-                   leave=False)
-    targets = _entries(files[0], t_head, bar)
-    benches = _entries(files[1], b_head)
-    window: dict[str, Any] = {}        # bench entries read ahead, by renumbered name
-    bench_done = False
-    b_seen: dict[str, int] = {}
-    t_seen: dict[str, int] = {}
-    twins: dict[str, list] = {}        # forward/module entry -> [RowResult stubs]
-    from ..dump.names import parse
-
-    def bench_for(key: str):
-        nonlocal bench_done
-        while key not in window and not bench_done:
-            try:
-                name, entry = next(benches)
-            except StopIteration:
-                bench_done = True
-                break
-            window[backward_key(name, b_seen)] = (name, entry)
-        return window.pop(key, None)
-
-    first_t = next(targets, None)
-    if first_t is None:
-        raise MsprobeError(f"{files[0]}: no entries in data")
-    t_task, b_task = str(t_head.get("task", "statistics")), str(b_head.get("task", "statistics"))
-    first_key = backward_key(first_t[0], t_seen)
-    first_b = bench_for(first_key)
-    shells = []
-    for head, task, entry in ((t_head, t_task, first_t[1]), (b_head, b_task, first_b[1] if first_b else None)):
-        md5 = _first_tensor_md5(entry) if entry is not None else None
-        shells.append(_Shell(task=task, md5=bool(md5)))
-    mode = engine._mode(*shells)
-    t_dump, b_dump = _Shell(task=t_task, folder=os.path.dirname(files[0])), \
-        _Shell(task=b_task, folder=os.path.dirname(files[1]))
-    if mode == "tensor":
-        from ..dump.reader import Dump
-
-        t_dump = Dump(folder=os.path.dirname(files[0]), task=t_task, level="", data={})
-        b_dump = Dump(folder=os.path.dirname(files[1]), task=b_task, level="", data={})
-    report = engine.CompareReport(mode=mode, rows=[], nodes=[], target_stack=stack, thresholds=th)
-    path = timestamped_path(out_dir, prefix, ".csv")
-    result = StreamResult(csv=path, mode=mode)
-    first_error: str | None = None
-    queue: list[list] = []              # [name, own rows, node or None, twin names awaited], in dump order
-    head = 0
-
-    def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
-        b_rows = {}
-        if bench_item is not None:
-            b_name, b_entry = bench_item
-            b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r
-                      for r in entry_rows(b_name, b_entry)}
-        own = []
-        for t in entry_rows(name, entry):
-            tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
-            b = b_rows.get(tk)
-            if b is not None and not _dtype_compatible(t, b):
-                b = None
-            own.append(engine._compare_row(t, b, mode, t_dump, b_dump))
-        return own
-
-    def node_of(slot: list) -> None:
-        name, own = slot[0], slot[1]
-        by_entry = {tw: [engine.RowResult(None, _TwinBench(norm), {}, err) for err, norm in twins[tw]]
-                    for tw in engine._twin_entries(name) if tw in twins}
-        slot[2] = engine._judge_node(name, own, by_entry, mode, th)
-        if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
-            for tw in by_entry:  # an API's forward twin serves its one backward call only
-                twins.pop(tw, None)
-
-    def add(name: str, key: str, entry: Any, bench_item) -> None:
-        own = rows_of(name, key, entry, bench_item)
-        p = parse(name, any_prefix=True)
-        awaited = [tw for tw in engine._twin_entries(name) if tw not in twins]
-        slot = [name, own, None, awaited]
-        queue.append(slot)
-        if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
-            node_of(slot)
-        if p is not None and (p.direction == "forward" or p.kind == "module"):
-            twins[name] = tuple((r.error, engine._norm(r.bench)) for r in own if r.bench is not None)
-            for waiting in queue[head:]:
-                if waiting[2] is None and name in waiting[3]:
-                    waiting[3].remove(name)
-                    if not waiting[3]:
-                        node_of(waiting)
-        flush()
-
-    def flush(final: bool = False) -> None:
-        nonlocal head, first_error
-        while head < len(queue):
-            slot = queue[head]
-            if slot[2] is None:
-                if not final:
-                    return
-                node_of(slot)
-            name, own, node = slot[0], slot[1], slot[2]
-            if node.status == "error" and node.metric == "RelativeErr":
-                if first_error is None:
-                    first_error = name
-                elif node.input_error > th.round_factor * node.roundoff + th.rel_floor:
-                    node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
-                                                                    f"({node.message})",
-                                   metrics=dict(node.metrics, propagated_from=first_error))
-            result.counts[node.status] += 1
-            result.nodes += 1
-            if node.status == "error" and result.first_divergence is None:
-                result.first_divergence = node
-            done: set[str] = set()
-            for rr in own:
-                writer.writerow(report._csv_row(rr, node, done))
-            queue[head] = None
-            head += 1
-        if head > 1024 and head * 2 > len(queue):
-            del queue[:head]
-            head = 0
-
+    files, heads = stream_files(target_folder, bench_folder)
+    bar = progress_bar(files[0], "compare", progress)
+    path = None
     try:
+        nodes = NodeStream(files, heads, thresholds, bar=bar)
+        report = nodes.report
+        path = timestamped_path(out_dir, prefix, ".csv")
+        result = StreamResult(csv=path, mode=nodes.mode)
         with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
             writer.writerow(report.columns())
-            add(first_t[0], first_key, first_t[1], first_b)
-            for name, entry in targets:
-                key = backward_key(name, t_seen)
-                add(name, key, entry, bench_for(key))
-            flush(final=True)
+            for name, own, node in nodes:
+                result.counts[node.status] += 1
+                result.nodes += 1
+                if node.status == "error" and result.first_divergence is None:
+                    result.first_divergence = node
+                done: set[str] = set()
+                for rr in own:
+                    writer.writerow(report._csv_row(rr, node, done))
     except BaseException:
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
+        if path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
             os.remove(path)  # the name reserved for this CSV: nothing was written
         raise
     finally:
         if bar is not None:
             bar.close()
     return result
+
+
+def progress_bar(file: str, desc: str, show: bool | None):
+    """A tqdm bar over ``file``'s bytes on stderr, or None (``show`` None: only when stderr is a terminal)."""
+    import sys
+
+    if not (sys.stderr.isatty() if show is None else show):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=os.path.getsize(file), unit="B", unit_scale=True, desc=desc, file=sys.stderr, leave=False)
 
 
 @dataclass
@@ -322,4 +377,4 @@ class _Shell:
         return "md5" if self.md5 else "statistics"
 
 
-__all__ = ["stream_compare", "StreamResult", "NotStreamable"]
+__all__ = ["stream_compare", "StreamResult", "NotStreamable", "NodeStream", "stream_files"]

@@ -247,16 +247,24 @@ def load_dump(path: str | os.PathLike) -> Dump:
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
         raise MsprobeError(f"{file}: expected a JSON object with a 'data' object (an msprobe dump.json)")
     validate_dump_json(raw, file)
-    stack = read_stack(folder)
+    return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
+                data=raw["data"], stack=read_stack(folder), construct=read_construct(folder),
+                framework=str(raw.get("framework") or "pytorch").lower())
+
+
+def read_construct(folder: str) -> dict[str, Any]:
+    """``{name: parent or None}`` from ``folder/construct.json``; empty when there is none.
+
+    Raises:
+        MsprobeError: malformed JSON, or not a JSON object.
+    """
     construct: dict[str, Any] = {}
     construct_file = os.path.join(folder, "construct.json")
     if os.path.isfile(construct_file):
         construct = _read_json(construct_file) or {}
         if not isinstance(construct, dict):
             raise MsprobeError(f"{construct_file}: expected a JSON object {{name: parent}}")
-    return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
-                data=raw["data"], stack=stack, construct=construct,
-                framework=str(raw.get("framework") or "pytorch").lower())
+    return construct
 
 
 def read_stack(folder: str) -> dict[str, list[str]]:

@@ -291,9 +291,15 @@ def row_fields(record: Any) -> dict[str, str]:
 def node_data(name: str, entry: Any) -> tuple[dict[str, dict], dict[str, dict]]:
     """``(input_data, output_data)`` of one dump entry: rows with ``.output.`` (and no ``.input.``) are outputs;
     inputs, kwargs, parameters and parameter gradients are inputs, as msprobe files them."""
+    return rows_data(entry_rows(name, entry))
+
+
+def rows_data(rows) -> tuple[dict[str, dict], dict[str, dict]]:
+    """``(input_data, output_data)`` of one entry's :class:`~msprobe_ci.compare.rows.Row` list (see
+    :func:`node_data`)."""
     inputs: dict[str, dict] = {}
     outputs: dict[str, dict] = {}
-    for row in entry_rows(name, entry):
+    for row in rows:
         target = outputs if ".output." in row.name and ".input." not in row.name else inputs
         target[row.name] = row_fields(row.record)
     return inputs, outputs

@@ -95,27 +95,40 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
         node = target.nodes[t_name]
         if node.type == COLLECTION or t_name == ROOT:
             continue
-        verdict = verdicts.get(t_name)
-        for data in (node.input_data, node.output_data):
-            for row_name, fields in data.items():
-                rr = rows.get(row_name)
-                if rr is None or rr.bench is None:
-                    continue
-                fields.update({k: _text(v) for k, v in rr.metrics.items()})
-                consistent = rr.target.requires_grad == rr.bench.requires_grad or \
-                    "N/A" in (rr.target.requires_grad, rr.bench.requires_grad)  # MindSpore records have none
-                status, message = "pass", []
-                if verdict is not None and verdict.worst_row == row_name and verdict.status in ("warning", "error"):
-                    status, message = verdict.status, [f"{verdict.status}: {verdict.message}"]
-                fields.update({"Requires_grad Consistent": str(consistent), "Result": status,
-                               "Err_message": json.dumps(message)})
-        if verdict is not None and verdict.status in PRECISION and (node.input_data or node.output_data):
-            node.precision_index = PRECISION[verdict.status]
-            api = t_name.split(".")[1] if t_name.count(".") >= 1 else ""
-            if api in _EMPTY_APIS:  # uninitialised memory is never comparable
-                node.precision_index = 1 if report.mode == "md5" else 0
+        annotate(node, node.input_data, node.output_data, rows, verdicts.get(t_name), report.mode)
     _roll_up(target, ROOT, pairs)
     return pairs
+
+
+def annotate(node, input_data: dict, output_data: dict, rows: dict, verdict, mode: str) -> None:
+    """Put one matched target node's compare results on its data rows and colour it (in place).
+
+    Args:
+        node: the target :class:`~msprobe_ci.graph.builder.Node` (its ``precision_index`` is set).
+        input_data, output_data: its ``{row name: {field: str}}`` (the node's own, or a streaming writer's).
+        rows: ``{row name: RowResult}`` holding at least this node's rows.
+        verdict: its :class:`~msprobe_ci.compare.verdict.NodeResult`, or None.
+        mode: the compare mode (``md5`` colours uninitialised-memory APIs red, other modes green).
+    """
+    for data in (input_data, output_data):
+        for row_name, fields in data.items():
+            rr = rows.get(row_name)
+            if rr is None or rr.bench is None:
+                continue
+            fields.update({k: _text(v) for k, v in rr.metrics.items()})
+            consistent = rr.target.requires_grad == rr.bench.requires_grad or \
+                "N/A" in (rr.target.requires_grad, rr.bench.requires_grad)  # MindSpore records have none
+            status, message = "pass", []
+            if verdict is not None and verdict.worst_row == row_name and verdict.status in ("warning", "error"):
+                status, message = verdict.status, [f"{verdict.status}: {verdict.message}"]
+            fields.update({"Requires_grad Consistent": str(consistent), "Result": status,
+                           "Err_message": json.dumps(message)})
+    if verdict is not None and verdict.status in PRECISION and (input_data or output_data):
+        node.precision_index = PRECISION[verdict.status]
+        name = node.name
+        api = name.split(".")[1] if name.count(".") >= 1 else ""
+        if api in _EMPTY_APIS:  # uninitialised memory is never comparable
+            node.precision_index = 1 if mode == "md5" else 0
 
 
 def _roll_up(graph: Graph, name: str, pairs: dict[str, str]) -> None:

@@ -64,6 +64,117 @@ def out_path(out_dir: str, kind: str) -> str:
     return timestamped_path(out_dir, kind, ".vis.db")
 
 
+class VisDbWriter:
+    """A ``.vis.db`` written incrementally: nodes and stacks added in batches inside one transaction, indexes and
+    ``tb_config`` at :meth:`finish`, then renamed into place; :meth:`abort` (or an exception inside ``with``)
+    leaves nothing behind. Row tuples come from :func:`node_row`.
+
+    Raises:
+        MsprobeError: ``path`` exists, or its folder cannot be written.
+    """
+
+    BATCH = 5000
+
+    def __init__(self, path: str):
+        if os.path.exists(path) and os.path.getsize(path) > 0:  # an empty file is the name reserve() made ours
+            raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
+        self.path = path
+        self.tmp = temp_path(path)
+        try:
+            self.conn = sqlite3.connect(self.tmp, isolation_level=None)  # transactions are explicit below
+        except sqlite3.Error as exc:
+            raise MsprobeError(f"{path}: cannot create ({exc})") from None
+        self._nodes: list[tuple] = []
+        self._stacks: list[tuple] = []
+        try:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.execute("BEGIN")
+            for statement in _statements(SCHEMA):
+                self.conn.execute(statement)
+        except BaseException:
+            self.abort()
+            raise
+
+    def __enter__(self) -> "VisDbWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()
+
+    def add_node(self, row: tuple) -> None:
+        self._nodes.append(row)
+        if len(self._nodes) >= self.BATCH:
+            self._flush()
+
+    def add_stack(self, stack_id: str, stack_info: str) -> None:
+        self._stacks.append((stack_id, stack_info))
+
+    def update(self, column: str, values: list[tuple]) -> None:
+        """``UPDATE tb_nodes SET column = value WHERE id = node id`` for ``[(value, node id)]`` (rows added
+        earlier: a container's rolled-up colour, a communication node's peers)."""
+        if column not in ("precision_index", "matched_distributed"):
+            raise ValueError(column)
+        self._flush()
+        self.conn.executemany(f"UPDATE tb_nodes SET {column} = ? WHERE id = ?", values)
+
+    def _flush(self) -> None:
+        if self._nodes:
+            self.conn.executemany("INSERT INTO tb_nodes VALUES (" + ",".join("?" * 22) + ")", self._nodes)
+            self._nodes.clear()
+        if self._stacks:
+            self.conn.executemany("INSERT INTO tb_stack VALUES (?, ?)", self._stacks)
+            self._stacks.clear()
+
+    def finish(self, *, compare: bool, task: str, overflow_check: bool, micro_steps: int, ranks: list[int],
+               steps: list[int]) -> str:
+        """Write ``tb_config`` and the indexes, commit, and move the file into place; returns its path."""
+        try:
+            self._flush()
+            mode = TASKS.get(task, task)
+            self.conn.execute("INSERT OR IGNORE INTO tb_config VALUES (?,?,?,?,?,?,?,?,?)", (
+                "1", "compare" if compare else "build", mode if compare else "",
+                json.dumps(TOOL_TIPS.get(mode, {})) if compare else None, micro_steps, int(overflow_check),
+                json.dumps(NODE_COLORS) if compare else "null", json.dumps(sorted(set(ranks)) or [0]),
+                json.dumps(sorted(set(steps)) or [0])))
+            for statement in _statements(INDEXES):
+                self.conn.execute(statement)
+            self.conn.execute("COMMIT")
+            self.conn.close()
+            os.chmod(self.tmp, 0o644)
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.path
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (and its WAL files)."""
+        if hasattr(self, "conn"):
+            self.conn.close()
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(self.tmp + suffix):
+                os.unlink(self.tmp + suffix)
+
+
+_encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps(ensure_ascii=False) builds one per call
+
+
+def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, output_data: dict | None = None,
+             matched_link: list[str] | None = None) -> tuple:
+    """The ``tb_nodes`` row of ``node`` in graph ``g`` (``input_data``/``output_data``/``matched_link`` override
+    the node's own, for writers that do not keep them on the node)."""
+    text = _encode
+    return (f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type), node.parent or "",
+            json.dumps(node.children) if node.children else "", node.precision_index, node.overflow_level,
+            node.micro_step, json.dumps(node.matched_link if matched_link is None else matched_link), stack_id,
+            text(node.merge_info) if node.merge_info else "", json.dumps(node.matched_distributed), 0,
+            text(node.input_data if input_data is None else input_data),
+            text(node.output_data if output_data is None else output_data), g.data_source, g.dump_data_dir,
+            g.step, g.rank, int(node.name.startswith("Distributed")))
+
+
 def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str = "statistics",
                  overflow_check: bool = False) -> str:
     """Write ``graphs`` (every side, step and rank) to ``path``; returns ``path``.
@@ -79,60 +190,18 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
         MsprobeError: ``path`` exists, or its folder cannot be written.
     """
     graphs = list(graphs)
-    if os.path.exists(path) and os.path.getsize(path) > 0:  # an empty file is the name reserve() made ours
-        raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
-    tmp = temp_path(path)
-    try:
-        conn = sqlite3.connect(tmp, isolation_level=None)  # transactions are explicit below
-    except sqlite3.Error as exc:
-        raise MsprobeError(f"{path}: cannot create ({exc})") from None
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("BEGIN")
-        for statement in _statements(SCHEMA):
-            conn.execute(statement)
-        node_rows, stack_rows = [], []
-        text = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps(ensure_ascii=False) builds one
-        for g in graphs:                                     # per call
+    with VisDbWriter(path) as out:
+        for g in graphs:
             stacks: dict[str, str] = {}
             for node in g.post_order():
-                key = text(node.stack)
+                key = _encode(node.stack)
                 if key not in stacks:
                     stacks[key] = f"{g.graph_id}_{len(stacks)}"
-                    stack_rows.append((stacks[key], key))
-                node_rows.append((
-                    f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type),
-                    node.parent or "", json.dumps(node.children) if node.children else "",
-                    node.precision_index, node.overflow_level, node.micro_step,
-                    json.dumps(node.matched_link), stacks[key],
-                    text(node.merge_info) if node.merge_info else "",
-                    json.dumps(node.matched_distributed), 0,
-                    text(node.input_data), text(node.output_data), g.data_source,
-                    g.dump_data_dir, g.step, g.rank, int(node.name.startswith("Distributed"))))
-        conn.executemany("INSERT INTO tb_nodes VALUES (" + ",".join("?" * 22) + ")", node_rows)
-        conn.executemany("INSERT INTO tb_stack VALUES (?, ?)", stack_rows)
-        mode = TASKS.get(task, task)
-        conn.execute("INSERT OR IGNORE INTO tb_config VALUES (?,?,?,?,?,?,?,?,?)", (
-            "1", "compare" if compare else "build", mode if compare else "",
-            json.dumps(TOOL_TIPS.get(mode, {})) if compare else None,
-            max((g.micro_steps for g in graphs), default=1), int(overflow_check),
-            json.dumps(NODE_COLORS) if compare else "null",
-            json.dumps(sorted({g.rank for g in graphs}) or [0]),
-            json.dumps(sorted({g.step for g in graphs}) or [0])))
-        for statement in _statements(INDEXES):
-            conn.execute(statement)
-        conn.execute("COMMIT")
-        conn.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        conn.close()
-        for suffix in ("", "-wal", "-shm"):
-            if os.path.exists(tmp + suffix):
-                os.unlink(tmp + suffix)
-        raise
-    return path
+                    out.add_stack(stacks[key], key)
+                out.add_node(node_row(g, node, stacks[key]))
+        return out.finish(compare=compare, task=task, overflow_check=overflow_check,
+                          micro_steps=max((g.micro_steps for g in graphs), default=1),
+                          ranks=[g.rank for g in graphs], steps=[g.step for g in graphs])
 
 
 def _statements(script: str) -> list[str]:

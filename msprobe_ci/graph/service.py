@@ -8,6 +8,8 @@ target's and the bench's (step, rank) folders and needs at least one in common.
 
 from __future__ import annotations
 
+import os
+
 from .._perf import gc_paused
 from ..compare import compare_dumps
 from ..compare.engine import CompareReport
@@ -43,15 +45,37 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
     return [t_graph, g_graph]
 
 
+def _release(path: str) -> None:
+    """Give back the empty file reserved for a graph the streaming path did not write."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        os.remove(path)
+
+
 @gc_paused()
-def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bool = False, parallel=None) -> str:
+def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bool = False, parallel=None,
+                 stream: bool = True) -> str:
     """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path.
+
+    PyTorch dumps (not merged) are written while they stream (:func:`~msprobe_ci.graph.stream.stream_build_vis_db`,
+    memory bounded by the graph's structure); others, or ``stream=False``, are loaded whole.
 
     ``merge``: merge the TP/PP ranks of each step into one graph per data-parallel group, with the layout
     ``parallel`` (a :class:`~msprobe_ci.compare.merge.Parallel`; ``None``: inferred from the collectives). The
     graph's ``rank`` column is the group index; shards keep their per-rank shapes, there being no other side to
     tell the split dimension.
     """
+    if not merge and stream:
+        from ..compare.stream import NotStreamable
+        from .stream import stream_build_vis_db
+
+        path = out_path(out_dir, "build")
+        try:
+            return stream_build_vis_db(target, path, overflow=overflow)
+        except NotStreamable:
+            _release(path)
+        except BaseException:
+            _release(path)
+            raise
     graphs, comms = [], {}
     if merge:
         from ..compare.merge import merged_groups
@@ -69,8 +93,12 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bo
 @gc_paused()
 def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
                    thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None,
-                   mappings=None, parallel=None) -> str:
+                   mappings=None, parallel=None, stream: bool = True) -> str:
     """``compare_<ts>.vis.db`` of every (step, rank) the two sides share; returns its path.
+
+    PyTorch dumps without ``fuzzy``, ``mappings``, ``parallel`` or ``reports`` are compared and written while they
+    stream (:func:`~msprobe_ci.graph.stream.stream_compare_vis_db`: same file, memory bounded by the graphs'
+    structure); the rest, or ``stream=False``, are loaded whole.
 
     Args:
         target, golden: dump paths (see :func:`layout`).
@@ -84,6 +112,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         parallel: ``(target Parallel, bench Parallel)`` (either ``None``: inferred) merges each side's TP/PP ranks
             into one graph per data-parallel group (:func:`~msprobe_ci.compare.merge.merged_pairs`; the graphs'
             ``rank`` is the group index, ``reports`` keyed by (step, group)).
+        stream: False forces the in-memory path.
 
     Raises:
         MsprobeError: no (step, rank) in common, unreadable dumps, construct.json missing, dangling parents or
@@ -101,6 +130,18 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             mode = report.mode
             graphs += _compared(t.dump, g.dump, report, (step, i), overflow, fuzzy)
         return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
+    if stream and not fuzzy and mappings is None and not reports:
+        from ..compare.stream import NotStreamable
+        from .stream import stream_compare_vis_db
+
+        path = out_path(out_dir, "compare")
+        try:
+            return stream_compare_vis_db(target, golden, path, overflow=overflow, thresholds=thresholds)
+        except NotStreamable:
+            _release(path)
+        except BaseException:
+            _release(path)
+            raise
     t_layout, g_layout = layout(target), layout(golden)
     common = sorted(set(t_layout) & set(g_layout))
     if not common:

@@ -1,0 +1,213 @@
+"""Graphs of large dumps written while the dumps stream: memory bounded by the graph's structure, not its data.
+
+``msprobe-ci graph`` on PyTorch dumps (no ``-fm``, no mapping files, no rank merging) takes this path; the result is
+the same ``.vis.db`` the in-memory path (:mod:`msprobe_ci.graph.service`) writes, node for node (tested), except
+that stack ids are numbered in dump order rather than post-order. Per (step, rank):
+
+1. **skeleton**: the graph's structure (:func:`~msprobe_ci.graph.builder.build_graph`) from ``construct.json`` and
+   the entry *names* of dump.json (one pass of the C JSON parser, values dropped), for the target and the bench;
+   nodes are matched as the in-memory compare graph matches them (same name, same ancestors);
+2. **data**: the two dump.json files are compared entry by entry (:class:`~msprobe_ci.compare.stream.NodeStream`,
+   the streaming compare's verdicts); each target node's row is written to SQLite as soon as its verdict is known,
+   each bench node's as soon as its entry is read, in batches inside the one transaction;
+3. **the rest**: nodes without a dump entry (the root, API collections, modules without data) are written, the
+   containers' colours rolled up from everything inside them are set (``UPDATE`` by primary key), and after every
+   rank, communication nodes get their peers (``matched_distributed``).
+
+Node data never accumulate: what stays is one skeleton per side (names, parents, children, order) and, across
+ranks, the communication entries. Dumps this path does not take raise
+:class:`~msprobe_ci.compare.stream.NotStreamable` before anything is written, or abort the file (nothing left
+behind) when found mid-way (a ``NaN`` token); the caller then uses the in-memory path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..compare.stream import NodeStream, NotStreamable, _entries, _header, progress_bar, stream_files
+from ..dump.reader import Dump, layout, read_construct, read_stack
+from ..errors import MsprobeError
+from ..overflow import check_entry
+from .builder import API, COLLECTION, ROOT, _BWD_RE, Graph, _twin, build_graph, node_data, rows_data
+from .compare import _match_exact, _roll_up, annotate
+from .db import VisDbWriter, _encode, node_row
+from .distributed import link as link_distributed
+
+
+def _names(file: str) -> dict[str, None]:
+    """dump.json's entry names in file order (values parsed by yajl and dropped)."""
+    import ijson
+
+    out: dict[str, None] = {}
+    try:
+        with open(file, "rb") as fh:
+            for name, _ in ijson.kvitems(fh, "data", use_float=True):
+                out[name] = None
+    except ijson.JSONError as exc:
+        raise NotStreamable(f"{file}: {str(exc).splitlines()[0][:120]}") from None
+    return out
+
+
+def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> Graph:
+    folder = os.path.dirname(file)
+    dump = Dump(folder=folder, task=str(head.get("task", "statistics")), level=str(head.get("level", "")),
+                data=_names(file), construct=read_construct(folder))
+    return build_graph(dump, data_source=source, step=step, rank=rank)
+
+
+class _Side:
+    """Writes one graph's node rows as their data arrive, then the rest."""
+
+    def __init__(self, graph: Graph, stack: dict[str, list[str]], out: VisDbWriter, overflow: bool,
+                 matched: dict[str, str] | None, comm: dict):
+        self.g, self.stack, self.out, self.overflow = graph, stack, out, overflow
+        self.matched = matched or {}  # exact matching: same name, same ancestors on both sides
+        self.comm = comm              # Distributed entries, for cross-rank linking
+        self.stacks: dict[str, str] = {}
+        self.written: set[str] = set()
+
+    def _stack_id(self, name: str) -> str:
+        frames = self.stack.get(name)
+        if frames is None and _BWD_RE.search(name):
+            frames = self.stack.get(_twin(name, "backward", "forward"))
+        key = _encode(list(frames or []))
+        sid = self.stacks.get(key)
+        if sid is None:
+            sid = self.stacks[key] = f"{self.g.graph_id}_{len(self.stacks)}"
+            self.out.add_stack(sid, key)
+        return sid
+
+    def _link(self, name: str) -> list[str]:
+        """``matched_node_link``: the ancestors and the node itself (the same on both sides when matched)."""
+        return self.g.ancestors(name) + [name] if name in self.matched else []
+
+    def seen(self, name: str, entry: Any) -> None:
+        """Every entry as it is read: overflow level and communication entries."""
+        node = self.g.nodes.get(name)
+        if node is not None and self.overflow:
+            a = check_entry(name, entry)
+            node.overflow_level = a.level if a is not None else None
+        if name.startswith("Distributed."):
+            self.comm[name] = entry
+
+    def write(self, name: str, inputs: dict, outputs: dict) -> None:
+        node = self.g.nodes[name]
+        self.out.add_node(node_row(self.g, node, self._stack_id(name), inputs, outputs, self._link(name)))
+        self.written.add(name)
+
+    def entry(self, name: str, entry: Any) -> None:
+        """A node's entry (build graphs, the bench side): its rows as they are."""
+        self.seen(name, entry)
+        if name in self.g.nodes and name not in self.written:
+            self.write(name, *node_data(name, entry))
+
+    def rest(self) -> None:
+        """Every node not written yet, with no data."""
+        for node in self.g.post_order():
+            if node.name not in self.written:
+                self.write(node.name, {}, {})
+
+    def comm_graph(self) -> Graph:
+        """The communication nodes alone (what cross-rank linking reads and fills)."""
+        nodes = {n: node for n, node in self.g.nodes.items() if n.startswith("Distributed.")}
+        return Graph(nodes, self.g.data_source, self.g.step, self.g.rank, self.g.dump_data_dir)
+
+
+def _link_ranks(out: VisDbWriter, comm_graphs: list[Graph], comms: dict) -> None:
+    if len({g.rank for g in comm_graphs}) < 2:
+        return
+    link_distributed(comm_graphs, comms)
+    out.update("matched_distributed", [(json.dumps(node.matched_distributed), f"{g.graph_id}_{name}")
+                                       for g in comm_graphs for name, node in g.nodes.items()
+                                       if node.matched_distributed])
+
+
+def stream_compare_vis_db(target: str, golden: str, path: str, *, overflow: bool = False, thresholds=None,
+                          progress: bool | None = None) -> str:
+    """Write ``path`` (a ``.vis.db`` that does not exist, or the empty file reserved for it), the compare graph of
+    every (step, rank) the two dump paths share, streaming; returns ``path``.
+
+    Raises:
+        MsprobeError: no (step, rank) in common, bad dumps, construct.json missing, dangling parents or cycles.
+        NotStreamable: a dump this path does not take (nothing is left behind): use
+            :func:`~msprobe_ci.graph.service.compare_vis_db`'s in-memory path.
+    """
+    t_layout, g_layout = layout(target), layout(golden)
+    common = sorted(set(t_layout) & set(g_layout))
+    if not common:
+        raise MsprobeError(f"{target} and {golden} share no step/rank folder (target has {sorted(t_layout)}, "
+                           f"golden has {sorted(g_layout)})")
+    checked = [(key, stream_files(t_layout[key], g_layout[key])) for key in common]
+    comm_graphs: dict[str, list[Graph]] = {"NPU": [], "Bench": []}
+    comms: dict[str, dict] = {"NPU": {}, "Bench": {}}
+    micro, mode = 1, "statistics"
+    with VisDbWriter(path) as out:
+        for (step, rank), (files, heads) in checked:
+            tg = _skeleton(files[0], heads[0], "NPU", step, rank)
+            bg = _skeleton(files[1], heads[1], "Bench", step, rank)
+            pairs = _match_exact(tg, bg)
+            t_comm, b_comm = comms["NPU"].setdefault((step, rank), {}), comms["Bench"].setdefault((step, rank), {})
+            bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm)
+            side = _Side(tg, {}, out, overflow, pairs, t_comm)
+            bar = progress_bar(files[0], "graph", progress)
+            try:
+                nodes = NodeStream(files, heads, thresholds, bar=bar, on_target=side.seen, on_bench=bench.entry,
+                                   drain_bench=True)
+                side.stack = nodes.report.target_stack
+                mode = nodes.mode
+                for name, own, verdict in nodes:
+                    node = tg.nodes.get(name)
+                    if node is None or name in side.written:
+                        continue
+                    inputs, outputs = rows_data([rr.target for rr in own])
+                    if name in pairs and node.type != COLLECTION and name != ROOT:
+                        annotate(node, inputs, outputs, {rr.target.name: rr for rr in own}, verdict, mode)
+                    side.write(name, inputs, outputs)
+            finally:
+                if bar is not None:
+                    bar.close()
+            _roll_up(tg, ROOT, pairs)
+            out.update("precision_index", [(tg.nodes[n].precision_index, f"{tg.graph_id}_{n}")
+                                           for n in side.written if tg.nodes[n].type != API])
+            side.rest()
+            bench.rest()
+            micro = max(micro, tg.micro_steps, bg.micro_steps)
+            comm_graphs["NPU"].append(side.comm_graph())
+            comm_graphs["Bench"].append(bench.comm_graph())
+        for source in ("NPU", "Bench"):
+            _link_ranks(out, comm_graphs[source], comms[source])
+        return out.finish(compare=True, task=mode, overflow_check=overflow, micro_steps=micro,
+                          ranks=[r for _, r in common], steps=[s for s, _ in common])
+
+
+def stream_build_vis_db(target: str, path: str, *, overflow: bool = False) -> str:
+    """Write ``path``, the build graph of every (step, rank) under ``target``, streaming; returns ``path``.
+
+    Raises:
+        MsprobeError, NotStreamable: as :func:`stream_compare_vis_db`.
+    """
+    keys = sorted(layout(target).items())
+    heads = []
+    for _, folder in keys:
+        file = os.path.join(folder, "dump.json")
+        head = _header(file)
+        if str(head.get("framework") or "pytorch").lower() != "pytorch":
+            raise NotStreamable(f"{file}: framework {head.get('framework')!r}")
+        heads.append((file, head))
+    comm_graphs: list[Graph] = []
+    comms: dict = {}
+    micro = 1
+    with VisDbWriter(path) as out:
+        for ((step, rank), folder), (file, head) in zip(keys, heads):
+            g = _skeleton(file, head, "NPU", step, rank)
+            side = _Side(g, read_stack(folder), out, overflow, None, comms.setdefault((step, rank), {}))
+            for name, entry in _entries(file, head):
+                side.entry(name, entry)
+            side.rest()
+            micro = max(micro, g.micro_steps)
+            comm_graphs.append(side.comm_graph())
+        _link_ranks(out, comm_graphs, comms)
+        return out.finish(compare=False, task="statistics", overflow_check=overflow, micro_steps=micro,
+                          ranks=[r for (_, r), _ in keys], steps=[s for (s, _), _ in keys])
