@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from hypothesis import given, settings, strategies as st
 
 import _dist_workers
+from _files import vis_db_content
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -90,6 +91,12 @@ def test_graph_holds_every_rank_with_communication_nodes_linked(tmp_path):
 
     _tp(tmp_path / "o", fault_rank=1)
     db = compare_vis_db(str(tmp_path / "o" / "target"), str(tmp_path / "o" / "bench"), str(tmp_path / "g"))
+    # written while streaming (ranks linked after the last one): the in-memory graph, node for node
+    loaded = compare_vis_db(str(tmp_path / "o" / "target"), str(tmp_path / "o" / "bench"), str(tmp_path / "m"),
+                            stream=False)
+    assert vis_db_content(db) == vis_db_content(loaded)
+    assert vis_db_content(build_vis_db(str(tmp_path / "o" / "target"), str(tmp_path / "b1"))) == \
+        vis_db_content(build_vis_db(str(tmp_path / "o" / "target"), str(tmp_path / "b2"), stream=False))
     with closing(sqlite3.connect(db)) as c:
         assert c.execute("select rank_list from tb_config").fetchone()[0] == "[0, 1]"
         rows = {(src, rank): json.loads(md) for src, rank, md in c.execute(

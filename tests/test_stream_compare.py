@@ -1,6 +1,7 @@
-"""Streaming compare (msprobe-ci compare on one pair of PyTorch dumps): the same CSV and verdicts as the in-memory
-compare, entry by entry, on a captured GPT-2 with a forward and a backward fault; bad input mid-stream is one line;
-dumps it does not take (NaN tokens) go to the in-memory compare and leave no stray file."""
+"""Streaming compare and graph (msprobe-ci compare/graph on PyTorch dumps): the same CSV, verdicts and .vis.db as
+the in-memory paths, entry by entry, on a captured GPT-2 with a forward and a backward fault and on msprobe's own
+dumps; bad input mid-stream is one line; dumps they do not take (NaN tokens) go to the in-memory path and leave no
+stray file."""
 
 import csv
 import json
@@ -18,6 +19,8 @@ from msprobe_ci.compare.stream import NotStreamable, stream_compare
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.dump import load_dump
 from msprobe_ci.errors import MsprobeError
+
+from _files import vis_db_content
 
 transformers = pytest.importorskip("transformers")
 
@@ -106,3 +109,65 @@ def test_nan_tokens_go_to_the_in_memory_compare(fixtures_dir, tmp_path, capsys):
                "-o", str(tmp_path / "cli")])
     assert rc in (0, 1) and len(os.listdir(tmp_path / "cli")) == 1
     assert "36 nodes" in capsys.readouterr().out
+
+
+def _both_graphs(tmp_path, target, bench=None, **kw):
+    from msprobe_ci.graph import build_vis_db, compare_vis_db
+
+    out = []
+    for stream in (True, False):
+        folder = str(tmp_path / f"g{stream}{len(list(tmp_path.iterdir()))}")
+        if bench is None:
+            out.append(vis_db_content(build_vis_db(str(target), folder, stream=stream, **kw)))
+        else:
+            out.append(vis_db_content(compare_vis_db(str(target), str(bench), folder, stream=stream, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_streamed_graph_is_the_in_memory_graph(gpt2_pair, tmp_path, overflow):
+    """Node for node: data rows with metrics, verdict colours (the faulty layer_norm red, its containers red up
+    to the top), matched links, stacks, micro-steps; build graphs too."""
+    target, bench = gpt2_pair
+    streamed, loaded = _both_graphs(tmp_path, target, bench, overflow=overflow)
+    assert streamed == loaded
+    nodes = streamed[0]
+    assert nodes["NPU_0_0_Functional.layer_norm.3.forward"]["precision_index"] == 1
+    red = [n for n in nodes.values() if n["precision_index"] == 1 and n["node_type"] == "0"]
+    assert red, "containers of the failing API are coloured"
+    assert len({n["step"] for n in nodes.values()}) == 1 and len(nodes) > 400
+    built = _both_graphs(tmp_path, target)
+    assert built[0] == built[1]
+
+
+@pytest.mark.parametrize("kind", ["md5", "tensor", "statistics_2steps"])
+def test_streamed_graph_of_msprobe_dumps(fixtures_dir, tmp_path, kind):
+    tiny = fixtures_dir
+    streamed, loaded = _both_graphs(tmp_path, os.path.join(tiny, f"bf16_{kind}"), os.path.join(tiny, f"fp32_{kind}"))
+    assert streamed == loaded and streamed[0]
+
+
+def test_graph_of_nan_tokens_falls_back_and_leaves_one_file(fixtures_dir, tmp_path):
+    from msprobe_ci.graph import compare_vis_db
+    from msprobe_ci.graph.stream import stream_compare_vis_db
+
+    overflow, bench = os.path.join(fixtures_dir, "fp16_overflow_statistics"), os.path.join(fixtures_dir,
+                                                                                          "fp32_statistics")
+    (tmp_path / "s").mkdir()
+    with pytest.raises(NotStreamable):
+        stream_compare_vis_db(overflow, bench, str(tmp_path / "s" / "x.vis.db"))
+    assert not os.listdir(tmp_path / "s")
+    db = compare_vis_db(overflow, bench, str(tmp_path / "o"), overflow=True)
+    assert os.listdir(tmp_path / "o") == [os.path.basename(db)]
+
+
+def test_bad_entry_mid_stream_leaves_no_graph(gpt2_pair, tmp_path):
+    from msprobe_ci.graph import compare_vis_db
+
+    t, bench = _copy(gpt2_pair, tmp_path)
+    broken = json.loads((t / "dump.json").read_text())
+    broken["data"][list(broken["data"])[-3]]["input_args"] = [{"type": "torch.Tensor", "Max": "x"}]
+    (t / "dump.json").write_text(json.dumps(broken))
+    with pytest.raises(MsprobeError, match=r"^\S*dump.json: data\[.*\]\.input_args\[0\]"):
+        compare_vis_db(str(t), str(bench), str(tmp_path / "o"))
+    assert not os.listdir(tmp_path / "o")

@@ -45,6 +45,11 @@ def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, 
     return [t_graph, g_graph]
 
 
+def _renames(mappings) -> bool:
+    """Mapping files that rename PyTorch entries (``-dm``/``-lm``/``-cm``; ``-am`` only maps MindSpore APIs)."""
+    return mappings is not None and any(getattr(mappings, k, None) for k in ("data", "layer", "cell"))
+
+
 def _release(path: str) -> None:
     """Give back the empty file reserved for a graph the streaming path did not write."""
     if os.path.isfile(path) and os.path.getsize(path) == 0:
@@ -130,7 +135,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             mode = report.mode
             graphs += _compared(t.dump, g.dump, report, (step, i), overflow, fuzzy)
         return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
-    if stream and not fuzzy and mappings is None and not reports:
+    if stream and not fuzzy and not _renames(mappings) and not reports:
         from ..compare.stream import NotStreamable
         from .stream import stream_compare_vis_db
 
