@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..compare.rows import entry_rows
 from ..dump.reader import Dump
@@ -25,7 +25,7 @@ _PGRAD_RE = re.compile(r"^(?P<base>.+)\.parameters_grad(?:\.(?P<n>\d+))?$")
 _BWD_RE = re.compile(r"\.backward(\.|$)")
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     """One graph node.
 
@@ -40,9 +40,10 @@ class Node:
         order: post-order index within the graph.
         precision_index: ``None``, 0, 0.5 or 1 (compare graphs, target side).
         overflow_level: ``None`` or ``medium``/``high``/``critical``.
-        matched_link: ancestors + matched node (compare graphs), ``[]`` when unmatched.
-        matched_distributed: for a communication node of a multi-rank graph, its peers on the other ranks.
-        merge_info: how a TP/PP-merged node's data were merged (``parallel_merge_info``), ``[]`` otherwise.
+        matched_link: ancestors + matched node (compare graphs), empty when unmatched.
+        matched_distributed: for a communication node of a multi-rank graph, its peers on the other ranks, else
+            None.
+        merge_info: how a TP/PP-merged node's data were merged (``parallel_merge_info``), empty otherwise.
     """
 
     name: str
@@ -51,14 +52,14 @@ class Node:
     children: list[str] = field(default_factory=list)
     input_data: dict[str, dict] = field(default_factory=dict)
     output_data: dict[str, dict] = field(default_factory=dict)
-    stack: list[str] = field(default_factory=list)
+    stack: Sequence[str] = ()  # the empty defaults are shared immutables: a 1M-node graph holds 2M nodes
     micro_step: int = 0
     order: int = 0
     precision_index: float | None = None
     overflow_level: str | None = None
-    matched_link: list[str] = field(default_factory=list)
-    matched_distributed: dict = field(default_factory=dict)  # communication peers on other ranks (distributed.py)
-    merge_info: list[str] = field(default_factory=list)  # TP/PP merge notes (parallel_merge_info)
+    matched_link: Sequence[str] = ()
+    matched_distributed: dict | None = None  # communication peers on other ranks (distributed.py)
+    merge_info: Sequence[str] = ()  # TP/PP merge notes (parallel_merge_info)
 
 
 @dataclass
@@ -182,11 +183,14 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
         entry = dump.data.get(node.name)
         if entry is not None:
             node.input_data, node.output_data = node_data(node.name, entry)
-            node.merge_info = list(dump.merge_notes.get(node.name, ()))
+            notes = dump.merge_notes.get(node.name)
+            if notes:
+                node.merge_info = list(notes)
         frames = dump.stack.get(node.name)
         if frames is None and _BWD_RE.search(node.name):
             frames = dump.stack.get(_twin(node.name, "backward", "forward"))
-        node.stack = list(frames or [])
+        if frames:
+            node.stack = list(frames)
     _micro_steps(nodes)
     _post_order(nodes)
     data_dir = None

@@ -168,8 +168,8 @@ def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, outp
     text = _encode
     return (f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type), node.parent or "",
             json.dumps(node.children) if node.children else "", node.precision_index, node.overflow_level,
-            node.micro_step, json.dumps(node.matched_link if matched_link is None else matched_link), stack_id,
-            text(node.merge_info) if node.merge_info else "", json.dumps(node.matched_distributed), 0,
+            node.micro_step, json.dumps(list(node.matched_link if matched_link is None else matched_link)), stack_id,
+            text(node.merge_info) if node.merge_info else "", json.dumps(node.matched_distributed or {}), 0,
             text(node.input_data if input_data is None else input_data),
             text(node.output_data if output_data is None else output_data), g.data_source, g.dump_data_dir,
             g.step, g.rank, int(node.name.startswith("Distributed")))
@@ -194,7 +194,7 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
         for g in graphs:
             stacks: dict[str, str] = {}
             for node in g.post_order():
-                key = _encode(node.stack)
+                key = _encode(list(node.stack))
                 if key not in stacks:
                     stacks[key] = f"{g.graph_id}_{len(stacks)}"
                     out.add_stack(stacks[key], key)
