@@ -5,11 +5,13 @@ stray file."""
 
 import csv
 import json
+import math
 import os
 import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
@@ -171,3 +173,23 @@ def test_bad_entry_mid_stream_leaves_no_graph(gpt2_pair, tmp_path):
     with pytest.raises(MsprobeError, match=r"^\S*dump.json: data\[.*\]\.input_args\[0\]"):
         compare_vis_db(str(t), str(bench), str(tmp_path / "o"))
     assert not os.listdir(tmp_path / "o")
+
+
+_stat = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64), st.none(), st.integers(-5, 5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(t=st.tuples(_stat, _stat, _stat, _stat), b=st.tuples(_stat, _stat, _stat, _stat), numel=st.integers(1, 10**6))
+def test_statistics_fast_paths_match_the_general_rules(t, b, numel):
+    """The float fast paths of stat_diff and relative_error_stats give what the general (string-classifying) rules
+    give: the same values written as JSON text take the general path."""
+    from msprobe_ci.compare import metrics as M
+
+    def text(v):
+        return v if v is None else repr(float(v)) if isinstance(v, float) else str(v)
+
+    slow_t, slow_b = tuple(map(text, t)), tuple(map(text, b))
+    fast, slow = M.relative_error_stats(t, b, numel), M.relative_error_stats(slow_t, slow_b, numel)
+    assert fast == slow or (math.isnan(fast) and math.isnan(slow))
+    for x, y, sx, sy in zip(t, b, slow_t, slow_b):
+        assert M.stat_diff(x, y) == M.stat_diff(sx, sy)

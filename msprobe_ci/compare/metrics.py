@@ -178,9 +178,18 @@ def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int) -> float:
     exploding). Missing statistics are skipped; a non-finite target statistic where the bench is finite is
     ``inf``."""
     norm_b = b_stats[3]
-    rms = abs(float(norm_b)) / math.sqrt(max(numel, 1)) if _cls(norm_b) == "num" else 0.0
+    if type(norm_b) is float and math.isfinite(norm_b):
+        rms = abs(norm_b) / math.sqrt(max(numel, 1))
+    else:
+        rms = abs(float(norm_b)) / math.sqrt(max(numel, 1)) if _cls(norm_b) == "num" else 0.0
     worst = 0.0
     for t, b in zip(t_stats, b_stats):
+        if type(t) is float and type(b) is float and math.isfinite(t) and math.isfinite(b):
+            d = abs(t - b)  # the common case, without the classification below (same results)
+            if d != 0.0:
+                scale = max(abs(b), rms)
+                worst = max(worst, d / scale if scale > 0 else math.inf)
+            continue
         ct, cb = _cls(t), _cls(b)
         if ct == "na" or cb == "na" or ct == "other" or cb == "other":
             continue

@@ -9,12 +9,12 @@ Within an entry the order is inputs and kwargs, parameters, outputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One leaf of a dump entry.
 
@@ -30,10 +30,11 @@ class Row:
     entry: str
     side: str
     record: Any
+    is_tensor: bool = field(init=False, repr=False, compare=False)  # a tensor record (dtype and shape)
 
-    @property
-    def is_tensor(self) -> bool:
-        return isinstance(self.record, dict) and "dtype" in self.record and "shape" in self.record
+    def __post_init__(self) -> None:
+        r = self.record
+        self.is_tensor = isinstance(r, dict) and "dtype" in r and "shape" in r
 
     @property
     def dtype(self) -> str:
