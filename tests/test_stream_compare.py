@@ -193,3 +193,15 @@ def test_statistics_fast_paths_match_the_general_rules(t, b, numel):
     assert fast == slow or (math.isnan(fast) and math.isnan(slow))
     for x, y, sx, sy in zip(t, b, slow_t, slow_b):
         assert M.stat_diff(x, y) == M.stat_diff(sx, sy)
+
+
+def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):
+    """No entries, one module in construct.json: both paths draw the structure-only graph (the node stream, which
+    needs entries, hands it to the in-memory path)."""
+    for side in ("t", "b"):
+        (tmp_path / side).mkdir()
+        (tmp_path / side / "dump.json").write_text('{"task": "statistics", "level": "mix", "data": {}}')
+        (tmp_path / side / "construct.json").write_text('{"Module.a.A.forward.0": null}')
+    streamed, loaded = _both_graphs(tmp_path, tmp_path / "t", tmp_path / "b")
+    assert streamed == loaded and set(n["node_name"] for n in streamed[0].values()) == {
+        "DefaultModel", "Module.a.A.forward.0"}

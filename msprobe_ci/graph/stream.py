@@ -54,7 +54,10 @@ def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> Graph
     folder = os.path.dirname(file)
     dump = Dump(folder=folder, task=str(head.get("task", "statistics")), level=str(head.get("level", "")),
                 data=_names(file), construct=read_construct(folder))
-    return build_graph(dump, data_source=source, step=step, rank=rank)
+    graph = build_graph(dump, data_source=source, step=step, rank=rank)
+    if not dump.data:  # a structure-only graph: the in-memory path draws it (the node stream needs entries)
+        raise NotStreamable(f"{file}: no entries in data")
+    return graph
 
 
 class _Side:
