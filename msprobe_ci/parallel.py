@@ -4,7 +4,9 @@ torch.distributed is the engine: ranks are processes started by ``torch.multipro
 ``gloo`` on CPU (``nccl`` for CUDA, ``hccl`` for NPU targets), each on a free port of 127.0.0.1 chosen per check
 (so checks under pytest-xdist do not collide). Every rank runs the bench side, then the target side, through
 :func:`msprobe_ci.check.run_side` (isolation on the target), writing ``<check>/<side>/step0/rank<R>``. A rank that
-raises ends the check with that rank's error; a rank that hangs past ``timeout`` seconds is terminated and named.
+raises ends the check with that rank's error; a rank killed by a signal, with the tail of its stderr
+(``<check>/rank<R>.log``); a rank that hangs past ``timeout`` seconds is terminated and named. Ranks meet at a
+barrier before they leave, so none closes its connections while a peer still works.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
     from .check import run_side
     from .config import DumpConfig
 
+    _log_to(os.path.join(job.out, f"rank{rank}.log"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
     dist.init_process_group(job.backend, rank=rank, world_size=world)
     try:
@@ -70,8 +73,35 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
             if run.unapplied:
                 with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
                     fh.write("\n".join(run.unapplied))
+        # no rank leaves while a peer still works: a rank whose peer closed its gloo connections mid-run aborts
+        # (gloo's IoException "Connection closed by peer" is thrown in its I/O thread: SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _log_to(path: str) -> None:
+    """Send this process's stderr (Python's and native code's, e.g. a C++ ``terminate`` message) to ``path``
+    (``<check>/rank<R>.log``) instead of the terminal: its tail goes into the error when the rank dies by a
+    signal, where a spawned process leaves no Python traceback."""
+    import sys
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _log_tail(path: str, lines: int = 6) -> str:
+    """The last ``lines`` non-empty lines of a rank's log, joined by `` | `` (empty when there is none)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()[-20000:]
+    except OSError:
+        return ""
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " | ".join(kept[-lines:])
 
 
 def run_ranks(job: RankJob, world: int, timeout: float) -> None:
@@ -100,7 +130,10 @@ def run_ranks(job: RankJob, world: int, timeout: float) -> None:
         last = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
         raise MsprobeError(f"check_parallel: rank {exc.error_index} raised: {last[-1] if last else exc}") from None
     except mp.ProcessExitedException as exc:
-        raise MsprobeError(f"check_parallel: rank {exc.error_index} exited with code {exc.exit_code}") from None
+        log = os.path.join(job.out, f"rank{exc.error_index}.log")
+        tail = _log_tail(log)
+        raise MsprobeError(f"check_parallel: rank {exc.error_index} exited with code {exc.exit_code}"
+                           + (f"; its log ({log}) ends: {tail}" if tail else "")) from None
     finally:
         for p in ctx.processes:
             if p.is_alive():

@@ -3,6 +3,7 @@ layout, one rank folder per rank, and the first divergence over ranks naming the
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -152,6 +153,14 @@ def build_raises(rank, world):
     return Shard(rank, world)
 
 
+def build_aborts(rank, world):
+    if rank == 1:
+        import os
+        os.write(2, b"shard 1: native crash\\n")
+        os.abort()
+    return Shard(rank, world)
+
+
 def build_hangs(rank, world):
     if rank == 1:
         time.sleep(120)
@@ -177,6 +186,10 @@ def test_rank_raises(msprobe):
     msprobe.check_parallel(build_raises, X, world_size=2)
 
 
+def test_rank_aborts(msprobe):
+    msprobe.check_parallel(build_aborts, X, world_size=2)
+
+
 def test_rank_hangs(msprobe):
     msprobe.check_parallel(build_hangs, X, world_size=2, timeout=10)
 
@@ -192,8 +205,10 @@ def test_check_parallel_names_ranks(pytester):
                                       "rank: 1}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
                                            "--msprobe-junitxml=j.xml", "-n", "2")
-    result.assert_outcomes(passed=1, failed=4)
+    result.assert_outcomes(passed=1, failed=5)
     out = result.stdout.str()
+    assert re.search(r"check_parallel: rank 1 exited with code -6; its log \(\S+rank1\.log\) ends: "
+                     r"shard 1: native crash", out), out
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
     assert "check_parallel: rank 1 raised: ValueError: shard 1 has no weights" in out
     assert "check_parallel: rank(s) [0, 1] still running after 10 s (hung in a collective?); terminated" in out
