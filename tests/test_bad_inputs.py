@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 import torch
 
 from msprobe_ci import MsprobeError
@@ -250,3 +251,99 @@ def test_rank_merge_flags_give_one_line_errors(fixtures_dir, tmp_path, args, mes
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert re.search(message, run.stderr), run.stderr
     assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")
+
+
+# --------------------------------------------------------------------------- the schema's fast path
+_SCALAR = st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=3)
+_ENTRY_KEYS = ["input_args", "input_kwargs", "input", "output", "parameters", "extra"]
+_NAMES = st.sampled_from(["Functional.x.0.forward", "Module.m.Linear.forward.0"])
+
+
+def _tensor():
+    from msprobe_ci.dump.reader import _TENSOR_TYPES, _dtypes
+
+    stat = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
+    return st.fixed_dictionaries(
+        {"type": st.sampled_from(sorted(_TENSOR_TYPES)), "dtype": st.sampled_from(sorted(_dtypes())),
+         "shape": st.lists(st.integers(0, 4), max_size=3)},
+        optional={"Max": stat, "Min": stat, "Mean": stat, "Norm": stat,
+                  "requires_grad": st.booleans() | st.none() | st.text(max_size=3),
+                  "data_name": st.just("Functional.x.0.forward.input.0.pt"), "md5": st.text(max_size=3),
+                  "extra": _SCALAR})
+
+
+def _valid_docs():
+    """Parsed dump.json documents of many shapes, all valid under the schema."""
+    keys = st.sampled_from(["value", "a", "0", "dtype"])
+    leaf = _SCALAR | _tensor() | st.fixed_dictionaries({"type": st.sampled_from(["int", "torch.Size", "slice"]),
+                                                        "value": _SCALAR | st.lists(_SCALAR, max_size=2)})
+    value = st.recursive(leaf, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(keys, kids, max_size=3),
+                         max_leaves=10)
+    entry = st.fixed_dictionaries({}, optional={
+        "input_args": st.lists(value, max_size=3), "input_kwargs": st.dictionaries(keys, value, max_size=2),
+        "output": st.lists(value, max_size=2) | st.dictionaries(st.sampled_from(["logits", "0"]), value, max_size=2),
+        "parameters": st.dictionaries(keys, value, max_size=2), "extra": value})
+    header = st.text(max_size=3)
+    return st.fixed_dictionaries({"data": st.dictionaries(_NAMES, entry, min_size=1, max_size=2)},
+                                 optional={"task": header, "level": header, "framework": header,
+                                           "dump_data_dir": header | st.none()})
+
+
+# what a broken or hostile writer puts in one place: wrong JSON types, negative sizes, records that lie
+_JUNK = (_SCALAR | st.integers(-3, -1) | st.just("") | st.sampled_from(["torch.float128", "torch.Tensor"])
+         | st.lists(_SCALAR, max_size=2) | st.dictionaries(st.sampled_from(["type", "dtype", "shape", "Max"]), _SCALAR,
+                                                            max_size=3))
+
+
+def _slots(node, parent=None):
+    """Every (container, key, the container's own key) of a parsed JSON document."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield node, k, parent
+        yield from _slots(v, k)
+
+
+_FIELDS = {"data", "output", "input_args", "input_kwargs", "parameters", "type", "dtype", "shape", "Max", "Norm",
+           "requires_grad", "data_name", "md5", "value", "task", "dump_data_dir"}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_valid_docs())
+def test_schema_fast_path_takes_valid_dumps(doc):
+    """Valid documents of every shape pass both the compiled schema and the fast path (so the fast path is used)."""
+    from msprobe_ci.dump.reader import _surely_valid, _validator
+
+    _validator()(doc)
+    assert _surely_valid(doc)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_valid_docs(), data=st.data())
+def test_schema_fast_path_accepts_only_what_the_schema_accepts(doc, data):
+    """``_surely_valid`` lets a dump skip the compiled schema: a valid document with one value replaced by junk
+    (anywhere: header, entry, record field, shape item) is accepted by the fast path only if the schema accepts it."""
+    import fastjsonschema
+
+    from msprobe_ci.dump.reader import _surely_valid, _validator
+
+    slots = list(_slots(doc))
+    fields = [s for s in slots if s[1] in _FIELDS or s[2] == "shape"]  # half the draws: a named field
+    container, key, _ = data.draw(st.sampled_from(fields) if fields and data.draw(st.booleans())
+                                  else st.sampled_from(slots))
+    container[key] = data.draw(_JUNK)
+    if _surely_valid(doc):
+        try:
+            _validator()(doc)
+        except fastjsonschema.JsonSchemaValueException as exc:
+            pytest.fail(f"fast path accepted what the schema rejects: {exc.message}")
+
+
+def test_schema_fast_path_takes_real_dumps(fixtures_dir):
+    """msprobe's own dumps (PyTorch and MindSpore, statistics and tensor) go through the fast path."""
+    from msprobe_ci.dump.reader import _surely_valid
+
+    files = [os.path.join(root, "dump.json") for root, _, names in os.walk(fixtures_dir) if "dump.json" in names]
+    assert len(files) >= 4
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            assert _surely_valid(json.load(fh)), f
