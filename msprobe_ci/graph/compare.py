@@ -122,7 +122,7 @@ def annotate(node, input_data: dict, output_data: dict, rows: dict, verdict, mod
             if verdict is not None and verdict.worst_row == row_name and verdict.status in ("warning", "error"):
                 status, message = verdict.status, [f"{verdict.status}: {verdict.message}"]
             fields.update({"Requires_grad Consistent": str(consistent), "Result": status,
-                           "Err_message": json.dumps(message)})
+                           "Err_message": json.dumps(message) if message else "[]"})
     if verdict is not None and verdict.status in PRECISION and (input_data or output_data):
         node.precision_index = PRECISION[verdict.status]
         name = node.name

@@ -159,6 +159,7 @@ class VisDbWriter:
 
 
 _encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps(ensure_ascii=False) builds one per call
+_ascii = json.JSONEncoder().encode  # json.dumps's own output, without its per-call argument handling
 
 
 def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, output_data: dict | None = None,
@@ -166,10 +167,12 @@ def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, outp
     """The ``tb_nodes`` row of ``node`` in graph ``g`` (``input_data``/``output_data``/``matched_link`` override
     the node's own, for writers that do not keep them on the node)."""
     text = _encode
+    link = node.matched_link if matched_link is None else matched_link
     return (f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type), node.parent or "",
-            json.dumps(node.children) if node.children else "", node.precision_index, node.overflow_level,
-            node.micro_step, json.dumps(list(node.matched_link if matched_link is None else matched_link)), stack_id,
-            text(node.merge_info) if node.merge_info else "", json.dumps(node.matched_distributed or {}), 0,
+            _ascii(node.children) if node.children else "", node.precision_index, node.overflow_level,
+            node.micro_step, _ascii(list(link)) if link else "[]", stack_id,
+            text(node.merge_info) if node.merge_info else "",
+            _ascii(node.matched_distributed) if node.matched_distributed else "{}", 0,
             text(node.input_data if input_data is None else input_data),
             text(node.output_data if output_data is None else output_data), g.data_source, g.dump_data_dir,
             g.step, g.rank, int(node.name.startswith("Distributed")))
