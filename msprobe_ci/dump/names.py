@@ -10,6 +10,7 @@ Names are data read from dumps: nothing here resolves them to code.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -57,14 +58,18 @@ class NodeName:
         return f"{self.base}.{direction}.{self.call or 0}"
 
 
+_MODULE_STARTS = tuple(p + "." for p in MODULE_PREFIXES)
+
+
+@functools.lru_cache(maxsize=4096)  # a streaming compare parses each name two or three times in a row
 def parse(name: str, any_prefix: bool = False) -> NodeName | None:
     """Parse a node name; ``None`` for anything else. ``any_prefix``: accept API prefixes outside
     :data:`API_PREFIXES` (msprobe's replay tolerates them and skips them by name later)."""
-    m = _PGRAD.match(name)
+    m = _PGRAD.match(name) if "parameters_grad" in name else None  # the regexes only when they can match
     if m:
         n = m.group("n")
         return NodeName("parameters_grad", name.split(".", 1)[0], m.group("base"), "", int(n) if n else None, "")
-    m = _MODULE.match(name)
+    m = _MODULE.match(name) if name.startswith(_MODULE_STARTS) else None
     if m:
         return NodeName("module", name.split(".", 1)[0], m.group("base"), "", int(m.group("n")), m.group("dir"))
     m = (_ANY_API if any_prefix else _API).match(name)
