@@ -145,12 +145,17 @@ def _read_json(path: str) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dump.schema.json"),
+              encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@functools.lru_cache(maxsize=1)
 def _validator():
     import fastjsonschema
 
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dump.schema.json"),
-              encoding="utf-8") as fh:
-        return fastjsonschema.compile(json.load(fh))
+    return fastjsonschema.compile(_schema())
 
 
 def _where(name: str, entries: dict) -> str:
@@ -213,9 +218,7 @@ _MAX_FAST_DEPTH = 48
 
 @functools.lru_cache(maxsize=1)
 def _dtypes() -> frozenset:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dump.schema.json"),
-              encoding="utf-8") as fh:
-        return frozenset(json.load(fh)["definitions"]["dtype"]["enum"])
+    return frozenset(_schema()["definitions"]["dtype"]["enum"])
 
 
 def _surely_valid(raw: Any) -> bool:

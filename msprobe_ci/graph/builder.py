@@ -186,9 +186,7 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
             notes = dump.merge_notes.get(node.name)
             if notes:
                 node.merge_info = list(notes)
-        frames = dump.stack.get(node.name)
-        if frames is None and _BWD_RE.search(node.name):
-            frames = dump.stack.get(_twin(node.name, "backward", "forward"))
+        frames = node_frames(dump.stack, node.name)
         if frames:
             node.stack = list(frames)
     _micro_steps(nodes)
@@ -257,6 +255,15 @@ def _post_order(nodes: dict[str, Node]) -> None:
             continue
         stack.append((name, True))
         stack.extend((c, False) for c in reversed(nodes[name].children))
+
+
+def node_frames(stack: dict, name: str):
+    """A node's call stack from ``{entry name: frames}``: its own, else (a backward call, which msprobe records no
+    stack for) its forward twin's; None when neither has one."""
+    frames = stack.get(name)
+    if frames is None and _BWD_RE.search(name):
+        frames = stack.get(_twin(name, "backward", "forward"))
+    return frames
 
 
 # --------------------------------------------------------------------------------------------- node data rows

@@ -50,10 +50,20 @@ def _renames(mappings) -> bool:
     return mappings is not None and any(getattr(mappings, k, None) for k in ("data", "layer", "cell"))
 
 
-def _release(path: str) -> None:
-    """Give back the empty file reserved for a graph the streaming path did not write."""
-    if os.path.isfile(path) and os.path.getsize(path) == 0:
-        os.remove(path)
+def _streamed(write, out_dir: str, kind: str) -> str | None:
+    """``write(path)`` on a newly reserved ``<kind>_<ts>.vis.db``: its path, or None when the dumps need the
+    in-memory path (:class:`~msprobe_ci.compare.stream.NotStreamable`). Either way, or on an error, a reserved
+    file left empty is given back."""
+    from ..compare.stream import NotStreamable
+
+    path = out_path(out_dir, kind)
+    try:
+        return write(path)
+    except NotStreamable:
+        return None
+    finally:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            os.remove(path)
 
 
 @gc_paused()
@@ -70,17 +80,11 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bo
     tell the split dimension.
     """
     if not merge and stream:
-        from ..compare.stream import NotStreamable
         from .stream import stream_build_vis_db
 
-        path = out_path(out_dir, "build")
-        try:
-            return stream_build_vis_db(target, path, overflow=overflow)
-        except NotStreamable:
-            _release(path)
-        except BaseException:
-            _release(path)
-            raise
+        done = _streamed(lambda path: stream_build_vis_db(target, path, overflow=overflow), out_dir, "build")
+        if done is not None:
+            return done
     graphs, comms = [], {}
     if merge:
         from ..compare.merge import merged_groups
@@ -136,17 +140,12 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             graphs += _compared(t.dump, g.dump, report, (step, i), overflow, fuzzy)
         return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
     if stream and not fuzzy and not _renames(mappings) and not reports:
-        from ..compare.stream import NotStreamable
         from .stream import stream_compare_vis_db
 
-        path = out_path(out_dir, "compare")
-        try:
-            return stream_compare_vis_db(target, golden, path, overflow=overflow, thresholds=thresholds)
-        except NotStreamable:
-            _release(path)
-        except BaseException:
-            _release(path)
-            raise
+        done = _streamed(lambda path: stream_compare_vis_db(target, golden, path, overflow=overflow,
+                                                            thresholds=thresholds), out_dir, "compare")
+        if done is not None:
+            return done
     t_layout, g_layout = layout(target), layout(golden)
     common = sorted(set(t_layout) & set(g_layout))
     if not common:

@@ -30,7 +30,7 @@ from ..compare.stream import NodeStream, NotStreamable, _entries, _header, progr
 from ..dump.reader import Dump, layout, read_construct, read_stack
 from ..errors import MsprobeError
 from ..overflow import check_entry
-from .builder import API, COLLECTION, ROOT, _BWD_RE, Graph, _twin, build_graph, node_data, rows_data
+from .builder import API, COLLECTION, ROOT, Graph, build_graph, node_data, node_frames, rows_data
 from .compare import _match_exact, _roll_up, annotate
 from .db import VisDbWriter, _encode, node_row
 from .distributed import link as link_distributed
@@ -72,10 +72,7 @@ class _Side:
         self.written: set[str] = set()
 
     def _stack_id(self, name: str) -> str:
-        frames = self.stack.get(name)
-        if frames is None and _BWD_RE.search(name):
-            frames = self.stack.get(_twin(name, "backward", "forward"))
-        key = _encode(list(frames or []))
+        key = _encode(list(node_frames(self.stack, name) or []))
         sid = self.stacks.get(key)
         if sid is None:
             sid = self.stacks[key] = f"{self.g.graph_id}_{len(self.stacks)}"
