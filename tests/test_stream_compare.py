@@ -195,6 +195,45 @@ def test_statistics_fast_paths_match_the_general_rules(t, b, numel):
         assert M.stat_diff(x, y) == M.stat_diff(sx, sy)
 
 
+@settings(max_examples=300, deadline=None)
+@given(t=st.tuples(_stat, _stat, _stat, _stat), b=st.tuples(_stat, _stat, _stat, _stat), numel=st.integers(1, 10**6),
+       near=st.booleans())
+def test_one_pass_statistics_are_the_two_functions(t, b, numel, near):
+    """stats_pair (msprobe's eight columns and our relative error in one pass) gives exactly stats_metrics and
+    relative_error_stats, finite floats (its own loop) or not (the two functions); ``near`` makes the bench a
+    float rounding of the target, the common case."""
+    from msprobe_ci.compare import metrics as M
+
+    if near:
+        b = tuple(float(torch.tensor(float(v), dtype=torch.bfloat16)) if isinstance(v, float) and math.isfinite(v)
+                  else v for v in t)
+    cols, err = M.stats_pair(t, b, numel)
+    want = M.relative_error_stats(t, b, numel)
+    assert cols == M.stats_metrics(t, b)
+    assert [type(v) for v in cols.values()] == [type(v) for v in M.stats_metrics(t, b).values()]
+    assert err == want or (math.isnan(err) and math.isnan(want))
+
+
+_cell = st.one_of(st.text(), st.text(alphabet=',"\r\n ab\x00\u2028'), st.floats(), st.integers(), st.booleans(),
+                  st.none(), st.builds(lambda s: type("S", (str,), {"__str__": lambda self: "x"})(s), st.text(',"x')),
+                  st.builds(lambda v: type("F", (float,), {"__str__": lambda self: "a,b"})(v), st.floats()),
+                  st.builds(lambda v: type("I", (int,), {"__str__": lambda self: '"'})(v), st.integers()))
+
+
+@settings(max_examples=500, deadline=None)
+@given(row=st.lists(_cell, min_size=1, max_size=8))
+def test_csv_record_is_what_the_csv_writer_writes(row):
+    """The compare CSV's record builder gives csv.writer's bytes for every kind of cell (quoting, floats by repr,
+    None empty, a lone empty cell quoted, str subclasses)."""
+    import io
+
+    from msprobe_ci.compare.engine import csv_record
+
+    fh = io.StringIO()
+    csv.writer(fh).writerow(row)
+    assert csv_record(row) == fh.getvalue()
+
+
 def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):
     """No entries, one module in construct.json: both paths draw the structure-only graph (the node stream, which
     needs entries, hands it to the in-memory path)."""

@@ -86,6 +86,33 @@ def stats_metrics(t_stats: tuple, b_stats: tuple) -> dict[str, Any]:
     return out
 
 
+def stats_pair(t_stats: tuple, b_stats: tuple, numel: int) -> tuple[dict[str, Any], float]:
+    """:func:`stats_metrics` and :func:`relative_error_stats` of one pair in one pass (the same results; the
+    common case of eight finite floats skips the per-value classification)."""
+    t0, t1, t2, t3 = t_stats
+    b0, b1, b2, b3 = b_stats
+    if not (type(t0) is float and type(t1) is float and type(t2) is float and type(t3) is float
+            and type(b0) is float and type(b1) is float and type(b2) is float and type(b3) is float
+            and math.isfinite(t0 + t1 + t2 + t3 + b0 + b1 + b2 + b3)):
+        return stats_metrics(t_stats, b_stats), relative_error_stats(t_stats, b_stats, numel)
+    rms = abs(b3) / math.sqrt(max(numel, 1))
+    out: dict[str, Any] = {}
+    worst = 0.0
+    for dc, rc, t, b in (("Max diff", "MaxRelativeErr", t0, b0), ("Min diff", "MinRelativeErr", t1, b1),
+                         ("Mean diff", "MeanRelativeErr", t2, b2), ("L2norm diff", "NormRelativeErr", t3, b3)):
+        if t == b and math.copysign(1.0, t) == math.copysign(1.0, b):
+            out[dc] = out[rc] = 0
+            continue
+        diff = t - b
+        out[dc] = diff
+        out[rc] = "inf" if b == 0 else f"{abs(diff / b) * 100}%"
+        d = abs(diff)
+        if d != 0.0:
+            scale = max(abs(b), rms)
+            worst = max(worst, d / scale if scale > 0 else math.inf)
+    return out, worst
+
+
 def to_array(tensor) -> np.ndarray:
     """msprobe's reader: detach, bf16/fp8 → float32, numpy, squeeze. Complex tensors are compared as complex:
     their (real, imaginary) pairs (``torch.view_as_real``, a trailing axis of 2), never cast to real."""

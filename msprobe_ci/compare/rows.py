@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..dtypes import is_floating
+
 
 
 @dataclass(slots=True)
@@ -24,53 +26,50 @@ class Row:
         side: ``input`` or ``output`` (parameters and parameter gradients count as inputs of a forward
             entry / outputs of a parameters_grad entry).
         record: the raw record (``None`` for a null slot).
+        is_tensor: a tensor record (dtype and shape).
+        dtype: msprobe's dtype cell: the dump's dtype string, ``<class 'int'>`` for a scalar, ``N/A`` for a null
+            slot.
+        shape: msprobe's shape cell (``[2, 16]``; ``[]`` for a scalar, ``N/A`` for a null slot).
+        requires_grad: ``True``/``False`` as written in the dump, else ``N/A``.
+
+    The cells are computed once, on construction: the compare, the verdict and the CSV row each read them.
     """
 
     name: str
     entry: str
     side: str
     record: Any
-    is_tensor: bool = field(init=False, repr=False, compare=False)  # a tensor record (dtype and shape)
+    is_tensor: bool = field(init=False, repr=False, compare=False)
+    dtype: str = field(init=False, repr=False, compare=False)
+    shape: str = field(init=False, repr=False, compare=False)
+    requires_grad: str = field(init=False, repr=False, compare=False)
+    _stats: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         r = self.record
-        self.is_tensor = isinstance(r, dict) and "dtype" in r and "shape" in r
-
-    @property
-    def dtype(self) -> str:
-        r = self.record
         if r is None:
-            return "N/A"
+            self.is_tensor = False
+            self.dtype = self.shape = self.requires_grad = "N/A"
+            self._stats = (None, None, None, None)
+            return
+        self.is_tensor = isinstance(r, dict) and "dtype" in r and "shape" in r
         if self.is_tensor:
-            return str(r["dtype"])
+            self.dtype = str(r["dtype"])
+            self.shape = str(list(r["shape"]))
+            self.requires_grad = str(r["requires_grad"]) if "requires_grad" in r else "N/A"
+            self._stats = (r.get("Max"), r.get("Min"), r.get("Mean"), r.get("Norm"))
+            return
         typ = str(r.get("type"))
-        if typ == "mindspore.dtype":  # msprobe shows the Python type of the value (a dtype name string)
-            return "<class 'str'>"
-        return f"<class '{typ}'>"
-
-    @property
-    def shape(self) -> str:
-        if self.record is None:
-            return "N/A"
-        if self.is_tensor:
-            return str(list(self.record["shape"]))
-        return "[]"
-
-    @property
-    def requires_grad(self) -> str:
-        if self.is_tensor and "requires_grad" in self.record:
-            return str(self.record["requires_grad"])
-        return "N/A"
+        # msprobe shows the Python type of the value (a MindSpore dtype is a name string)
+        self.dtype = "<class 'str'>" if typ == "mindspore.dtype" else f"<class '{typ}'>"
+        self.shape = "[]"
+        self.requires_grad = "N/A"
+        v = r.get("value")
+        self._stats = (v, v, v, v)
 
     def stats(self) -> tuple[Any, Any, Any, Any]:
         """(Max, Min, Mean, Norm); scalars repeat their value, null slots give ``None``."""
-        r = self.record
-        if r is None:
-            return (None, None, None, None)
-        if self.is_tensor:
-            return (r.get("Max"), r.get("Min"), r.get("Mean"), r.get("Norm"))
-        v = r.get("value")
-        return (v, v, v, v)
+        return self._stats
 
     @property
     def data_name(self) -> str:
@@ -179,8 +178,6 @@ def fuzzy_name(name: str) -> str:
 
 
 def _dtype_compatible(a: Row, b: Row) -> bool:
-    from ..dtypes import is_floating
-
     return a.dtype == b.dtype or (is_floating(a.dtype) and is_floating(b.dtype))
 
 

@@ -20,7 +20,6 @@ syntax error, which the in-memory reader then reports).
 
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -333,8 +332,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         path = timestamped_path(out_dir, prefix, ".csv")
         result = StreamResult(csv=path, mode=nodes.mode)
         with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(report.columns())
+            writer = engine.RowWriter(fh, report)
             for name, own, node in nodes:
                 result.counts[node.status] += 1
                 result.nodes += 1
@@ -342,7 +340,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
                     result.first_divergence = node
                 done: set[str] = set()
                 for rr in own:
-                    writer.writerow(report._csv_row(rr, node, done))
+                    writer.write(rr, node, done)
     except BaseException:
         if path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
             os.remove(path)  # the name reserved for this CSV: nothing was written
