@@ -5,7 +5,7 @@ PrecisionDebugger (mix level, statistics, forward and backward; fp32 bench, bf16
 entries of transformer block ``h.0`` (found through the names and construct.json) are repeated as blocks
 ``h.0 .. h.N-1`` with renamed modules and API call counters renumbered in execution order (forward blocks in
 order, backward blocks in reverse, as a real N-layer model dumps them), so names, counters, construct.json and
-stack.json stay consistent. Values are the template's (every block judges alike).
+stack.json stay consistent; the files are written as msprobe writes them (``indent=1``). Values are the template's (every block judges alike).
 
     python benchmarks/scale.py [--entries 10000 30000 100000] [--tools ours,msprobe] [--graph]
 
@@ -124,7 +124,7 @@ def deepen(src: str, dst: str, layers: int) -> int:
     dump["data"] = new_data
     for fname, obj in (("dump.json", dump), ("construct.json", new_construct), ("stack.json", new_stack)):
         with open(os.path.join(dst, fname), "w", encoding="utf-8") as fh:
-            json.dump(obj, fh)
+            json.dump(obj, fh, indent=1)  # the layout msprobe writes
     return len(new_data)
 
 

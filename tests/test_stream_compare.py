@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
@@ -232,6 +232,105 @@ def test_csv_record_is_what_the_csv_writer_writes(row):
     fh = io.StringIO()
     csv.writer(fh).writerow(row)
     assert csv_record(row) == fh.getvalue()
+
+
+_json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | \
+    st.text(alphabet='ab,:{}[]"\\\n ', max_size=8)
+_json_value = st.recursive(_json_leaf, lambda kids: st.lists(kids, max_size=3) |
+                           st.dictionaries(st.text(alphabet='ab "\n', max_size=3), kids, max_size=3), max_leaves=12)
+
+
+def _layouts(head: dict, items: list, after: dict) -> dict[str, str]:
+    """One dump.json as msprobe (indent=1), msprobe-ci (one entry a line), compact and indent=2 write it;
+    ``items`` may repeat a name (written twice, as a hostile file would), ``after`` adds keys after data."""
+    from msprobe_ci.dump.writer import dump_json_text
+
+    class Pairs(dict):  # the encoders write what items() gives, repeated names included
+        def items(self):
+            return iter(list(items))
+
+    data = Pairs(items)
+    out = {"line": dump_json_text(head, data) if items else dump_json_text(head, {})}
+    for kind, indent in (("indent1", 1), ("compact", None), ("indent2", 2)):
+        out[kind] = json.dumps({**head, "data": data}, indent=indent)
+    if after:
+        out = {k: v.rstrip()[:-1] + ", " + json.dumps(after)[1:] for k, v in out.items()}
+    # a header object whose keys sit where entries would; an entry line whose comma is missing (invalid JSON)
+    out["nested"] = out["compact"].replace('"level": ', '"meta": {\n  "k": 1,\n  "j": 2}, "level": ', 1)
+    out["nocomma"] = out["line"].replace(',\n  "', '\n  "', 1)
+    return out
+
+
+class _Obj(list):
+    """A JSON object as its (key, value) pairs."""
+
+
+def _plain(v):
+    if isinstance(v, _Obj):
+        return {k: _plain(x) for k, x in v}
+    return [_plain(x) for x in v] if isinstance(v, list) else v
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(names=st.lists(st.sampled_from(["A.x.0.forward", "B.y.1.backward", 'C."q".0', "D\n", "E.z"]), max_size=7),
+       values=st.lists(_json_value, min_size=7, max_size=7), after=st.sampled_from([{}, {"extra": 1}]),
+       sizes=st.sampled_from([(8, 16), (64, 64), (1 << 16, 1 << 20)]))
+def test_chunked_reading_gives_what_ijson_gives(tmp_path_factory, names, values, after, sizes):
+    """dump.json's data read in orjson chunks (cut before lines that look like entries) gives the (name, entry) pairs
+    in order, whatever the layout, chunk size or content: strings holding braces, quotes and newlines, repeated
+    names, integers past 64 bits, keys after data. Where yajl refuses the file (an integer past int64), it is
+    NotStreamable or the values Python's json reads."""
+    from unittest import mock
+
+    import ijson
+
+    from msprobe_ci.compare import stream
+
+    folder = tmp_path_factory.mktemp("chunks")
+    items = list(zip(names, values))
+    for kind, text in _layouts({"task": "statistics", "level": "mix"}, items, after).items():
+        path = folder / f"{kind}.json"
+        path.write_text(text)
+        try:
+            doc = json.loads(text, object_pairs_hook=_Obj)
+            want = [(k, _plain(v)) for k, v in dict(doc)["data"]]  # data's pairs as written, repeats kept
+        except json.JSONDecodeError:
+            want = None
+        try:
+            with open(path, "rb") as fh:
+                yajl = list(ijson.kvitems(fh, "data", use_float=True))
+        except ijson.JSONError:
+            yajl = None
+        with mock.patch.object(stream, "_CHUNK", sizes[0]), mock.patch.object(stream, "_BLOCK", sizes[1]):
+            try:
+                got = list(stream._items(str(path)))
+            except stream.NotStreamable:
+                got = None
+        if want is None:
+            assert got is None, kind
+        elif yajl is not None:
+            assert got == yajl == want, kind
+        else:
+            assert got is None or got == want, kind
+
+
+def test_chunked_reading_takes_both_layouts(tmp_path):
+    """msprobe's indent=1 dump.json and msprobe-ci's one-entry-a-line one are read by orjson chunks to the end (the
+    fast path is taken, not only correct)."""
+    from msprobe_ci.compare.stream import _chunked_items, _items
+
+    items = [(f"Functional.relu.{i}.forward", {"input_args": [{"type": "int", "value": i}], "output": [None]})
+             for i in range(3000)]
+    for kind in ("line", "indent1"):
+        path = tmp_path / f"{kind}.json"
+        path.write_text(_layouts({"task": "statistics"}, items, {})[kind])
+        with open(path, "rb") as fh:
+            assert list(_chunked_items(fh)) == items, kind
+    # a missing comma between two entries is a syntax error, even where the first entry would parse alone
+    bad = tmp_path / "nocomma.json"
+    bad.write_text(_layouts({"task": "statistics"}, [("A.x.0.forward", 12), ("B.y.0.forward", 3)], {})["nocomma"])
+    with pytest.raises(NotStreamable):
+        list(_items(str(bad)))
 
 
 def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):

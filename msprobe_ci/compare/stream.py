@@ -1,7 +1,8 @@
 """Streaming compare: two large PyTorch dumps compared entry by entry, memory bounded by what is still unmatched.
 
 ``msprobe-ci compare`` on one target/bench pair of PyTorch dumps (no ``-fm``, no mapping files, no msprobe-ci
-isolation records) reads both dump.json files incrementally with ``ijson`` (its C backend, yajl2), pairs target
+isolation records) reads both dump.json files incrementally (:func:`_items`: ``orjson`` on chunks of whole entries
+where the layout allows, else ``ijson``'s C backend, yajl2), pairs target
 and bench entries as they come (dumps of the same model list them in the same execution order; a bench entry not
 yet needed waits in a window, and is dropped once matched), judges each node with the same rules as the in-memory
 compare (:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run:
@@ -21,8 +22,9 @@ syntax error, which the in-memory reader then reports).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 from ..dump.reader import read_stack, validate_dump_json
 from ..errors import MsprobeError
@@ -72,18 +74,101 @@ def _header(path: str) -> dict:
     raise NotStreamable(f"{path}: no 'data' after the header")
 
 
-def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
-    """``(name, entry)`` of dump.json's ``data`` in file order, each validated; duplicate names are errors."""
+_ENTRY_LINE = re.compile(rb'\n  "')  # an entry's first line in msprobe's indent=1 layout and in msprobe-ci's
+_DATA_END = re.compile(rb'\s*}\s*}\s*$')  # data's and the document's closing braces
+_BLOCK = 1 << 20   # bytes read at a time
+_CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
+
+
+def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool | None]:
+    """``(name, entry)`` of ``data``, parsed by ``orjson`` a chunk of whole entries at a time; returns True after
+    the last entry, None at the first chunk it cannot vouch for (the caller reads on with ijson).
+
+    Chunks are cut before lines that look like an entry's first line (``\\n  "``: JSON strings cannot hold a
+    raw newline, so a newline is whitespace between tokens). A cut is trusted only when it proves itself: the
+    text before the first entry, closed with ``}}``, must parse as a header whose last key is ``data`` (empty);
+    each chunk, wrapped in ``{}``, must parse as an object with one key per cut inside it, and end in ``,``
+    before the next cut (or in data's and the document's closing braces at the end of the file). A chunk that
+    starts after a complete member and parses as complete members ends after one, so every cut is at an entry
+    boundary. Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, ``NaN`` or
+    anything orjson refuses ends this path where it stands."""
+    import orjson
+
+    buf = fh.read(_BLOCK)
+    eof = len(buf) < _BLOCK
+    first = _ENTRY_LINE.search(buf)
+    if first is None:
+        return
+    try:
+        head = orjson.loads(buf[:first.start()] + b"}}")
+    except orjson.JSONDecodeError:
+        return
+    if not isinstance(head, dict) or list(head)[-1:] != ["data"] or head["data"] != {}:
+        return
+    pos, offset = first.start(), 0  # pos: the current entry's start in buf; offset: buf's start in the file
+    while True:
+        cuts = []
+        for m in _ENTRY_LINE.finditer(buf, pos + 1):
+            cuts.append(m.start())
+            if m.start() - pos >= _CHUNK:
+                break
+        if (not cuts or cuts[-1] - pos < _CHUNK) and not eof:
+            more = fh.read(_BLOCK)
+            eof = len(more) < _BLOCK
+            buf, offset, pos = buf[pos:] + more, offset + pos, 0
+            continue
+        if cuts:
+            body = buf[pos:cuts[-1]].rstrip()
+            if not body.endswith(b","):
+                return
+            body, entries = body[:-1], len(cuts)
+        else:
+            tail = _DATA_END.search(buf, pos)
+            if tail is None:
+                return
+            body, entries = buf[pos:tail.start()], 1
+        try:
+            items = orjson.loads(b"{" + body + b"}")
+        except orjson.JSONDecodeError:
+            return
+        if len(items) != entries:
+            return
+        yield from items.items()
+        if not cuts:
+            return True
+        pos = cuts[-1]
+        if progress is not None:
+            progress.update(offset + pos - progress.n)
+
+
+def _items(path: str, progress=None) -> Iterator[tuple[str, Any]]:
+    """``(name, entry)`` of dump.json's ``data`` in file order: :func:`_chunked_items` while it can, then
+    ``ijson`` (its C backend, yajl2) from the first entry it did not give (the same values either way).
+
+    Raises:
+        NotStreamable: JSON yajl rejects (``NaN``/``Infinity``, a syntax error: the in-memory reader decides).
+        MsprobeError: JSON nested too deeply to be a dump.
+    """
     import ijson
 
-    seen: set[str] = set()
-    tensors = str(head.get("task", "statistics")) == "tensor"  # data_name opens files only in tensor dumps
+    done = 0
     with open(path, "rb") as fh:
+        chunks = _chunked_items(fh, progress)
+        while True:
+            try:
+                item = next(chunks)
+            except StopIteration as stop:
+                if stop.value:  # read to data's end
+                    return
+                break
+            done += 1
+            yield item
+        fh.seek(0)
         it = ijson.kvitems(fh, "data", use_float=True)
         n = 0
         while True:
             try:
-                name, entry = next(it)
+                item = next(it)
             except StopIteration:
                 break
             except ijson.JSONError as exc:
@@ -92,17 +177,26 @@ def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
                 raise NotStreamable(f"{path}: {str(exc).splitlines()[0][:120]}") from None
             except RecursionError:
                 raise MsprobeError(f"{path}: JSON nested too deeply to be a dump") from None
-            if name in seen:
-                raise MsprobeError(f"{path}: duplicate key {name!r} in one JSON object (the first value would be "
-                                   "silently dropped)")
-            seen.add(name)
-            validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
             n += 1
-            if progress is not None and n % 2000 == 0:
-                progress.update(fh.tell() - progress.n)
-            yield name, entry
-        if progress is not None:
-            progress.update(max(0, os.path.getsize(path) - progress.n))
+            if n > done:
+                if progress is not None and n % 2000 == 0:
+                    progress.update(fh.tell() - progress.n)
+                yield item
+
+
+def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
+    """``(name, entry)`` of dump.json's ``data`` in file order, each validated; duplicate names are errors."""
+    seen: set[str] = set()
+    tensors = str(head.get("task", "statistics")) == "tensor"  # data_name opens files only in tensor dumps
+    for name, entry in _items(path, progress):
+        if name in seen:
+            raise MsprobeError(f"{path}: duplicate key {name!r} in one JSON object (the first value would be "
+                               "silently dropped)")
+        seen.add(name)
+        validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
+        yield name, entry
+    if progress is not None:
+        progress.update(max(0, os.path.getsize(path) - progress.n))
 
 
 _API_PREFIXES = ("Functional.", "Torch.", "Tensor.", "Aten.", "Distributed.", "NPU.", "VF.", "MindSpeed.")

@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-from ..compare.stream import NodeStream, NotStreamable, _entries, _header, progress_bar, stream_files
+from ..compare.stream import NodeStream, NotStreamable, _entries, _header, _items, progress_bar, stream_files
 from ..dump.reader import Dump, layout, read_construct, read_stack
 from ..errors import MsprobeError
 from ..overflow import check_entry
@@ -37,17 +37,8 @@ from .distributed import link as link_distributed
 
 
 def _names(file: str) -> dict[str, None]:
-    """dump.json's entry names in file order (values parsed by yajl and dropped)."""
-    import ijson
-
-    out: dict[str, None] = {}
-    try:
-        with open(file, "rb") as fh:
-            for name, _ in ijson.kvitems(fh, "data", use_float=True):
-                out[name] = None
-    except ijson.JSONError as exc:
-        raise NotStreamable(f"{file}: {str(exc).splitlines()[0][:120]}") from None
-    return out
+    """dump.json's entry names in file order (values parsed and dropped)."""
+    return {name: None for name, _ in _items(file)}
 
 
 def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> Graph:
@@ -69,14 +60,20 @@ class _Side:
         self.matched = matched or {}  # exact matching: same name, same ancestors on both sides
         self.comm = comm              # Distributed entries, for cross-rank linking
         self.stacks: dict[str, str] = {}
+        self._by_frames: dict[int, tuple[Any, str]] = {}  # id(frames list) -> (the list, its stack id)
         self.written: set[str] = set()
 
     def _stack_id(self, name: str) -> str:
-        key = _encode(list(node_frames(self.stack, name) or []))
+        frames = node_frames(self.stack, name)
+        known = self._by_frames.get(id(frames))  # stack.json's groups share one frames list: encoded once each
+        if known is not None and known[0] is frames:
+            return known[1]
+        key = _encode(list(frames or []))
         sid = self.stacks.get(key)
         if sid is None:
             sid = self.stacks[key] = f"{self.g.graph_id}_{len(self.stacks)}"
             self.out.add_stack(sid, key)
+        self._by_frames[id(frames)] = (frames, sid)
         return sid
 
     def _link(self, name: str) -> list[str]:
