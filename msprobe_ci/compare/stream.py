@@ -257,7 +257,8 @@ class NodeStream:
     holding the mode, thresholds and the target's stack, for CSV rows) are known on construction; iterating yields
     ``(entry name, [RowResult], NodeResult)`` for every target entry, with the drift rule's propagation already
     applied (a later error explained by its inputs' error is a warning ``propagated from`` the first). Callbacks:
-    ``on_target(name, entry)`` and ``on_bench(name, entry)`` see every entry as it is read (validated);
+    ``on_target(name, entry)`` and ``on_bench(name, entry, rows)`` see every entry as it is read (validated; ``rows``
+    its :func:`~msprobe_ci.compare.rows.entry_rows`);
     ``drain_bench`` reads the bench to its end after the target's last entry (so ``on_bench`` sees every bench
     entry, matched or not).
 
@@ -308,9 +309,10 @@ class NodeStream:
             except StopIteration:
                 self._bench_done = True
                 break
+            rows = entry_rows(name, entry)
             if self._on_bench is not None:
-                self._on_bench(name, entry)
-            window[backward_key(name, self._b_seen)] = (name, entry)
+                self._on_bench(name, entry, rows)
+            window[backward_key(name, self._b_seen)] = (name, entry, rows)
         return window.pop(key, None)
 
     def __iter__(self) -> Iterator[tuple[str, list, Any]]:
@@ -325,9 +327,8 @@ class NodeStream:
         def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
             b_rows = {}
             if bench_item is not None:
-                b_name, b_entry = bench_item
-                b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r
-                          for r in entry_rows(b_name, b_entry)}
+                b_name, _, rows = bench_item
+                b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r for r in rows}
             own = []
             for t in entry_rows(name, entry):
                 tk = key + t.name[len(name):] if t.name.startswith(name) else t.name

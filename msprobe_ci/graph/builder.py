@@ -284,8 +284,12 @@ def row_fields(record: Any) -> dict[str, str]:
         if record.get("Max") is None and "md5" not in record:
             return {"value": "null"}
         g = record.get
+        mx, mn, mean, norm = g("Max"), g("Min"), g("Mean"), g("Norm")
         out = {"type": _text(g("type")), "dtype": _text(g("dtype")), "shape": _text(g("shape")),
-               "Max": _text(g("Max")), "Min": _text(g("Min")), "Mean": _text(g("Mean")), "Norm": _text(g("Norm")),
+               # statistics are floats but for integer tensors, md5 dumps and hand-made files
+               "Max": str(mx) if type(mx) is float else _text(mx), "Min": str(mn) if type(mn) is float else _text(mn),
+               "Mean": str(mean) if type(mean) is float else _text(mean),
+               "Norm": str(norm) if type(norm) is float else _text(norm),
                "requires_grad": _text(g("requires_grad")), "data_name": _text(g("data_name") or "-1")}
         if "md5" in record:
             out["md5"] = _text(record["md5"])

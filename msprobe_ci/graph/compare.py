@@ -115,7 +115,7 @@ def annotate(node, input_data: dict, output_data: dict, rows: dict, verdict, mod
             rr = rows.get(row_name)
             if rr is None or rr.bench is None:
                 continue
-            fields.update({k: _text(v) for k, v in rr.metrics.items()})
+            fields.update({k: str(v) if type(v) is float else _text(v) for k, v in rr.metrics.items()})
             consistent = rr.target.requires_grad == rr.bench.requires_grad or \
                 "N/A" in (rr.target.requires_grad, rr.bench.requires_grad)  # MindSpore records have none
             status, message = "pass", []
@@ -161,8 +161,9 @@ def _text(v) -> str:
         return "null"
     if type(v) is not str:
         return str(v)
-    s = v
-    m = _DECIMAL.match(s) if len(s) > 8 else None
-    if m and len(m.group(1).split(".")[1]) > 6:
-        s = f"{float(m.group(1)):.6f}{m.group(2)}"
-    return s
+    if len(v) <= 8:
+        return v
+    m = _DECIMAL.match(v)
+    if m and len(m.group(1)) - m.group(1).index(".") > 7:  # more than 6 decimals
+        return f"{float(m.group(1)):.6f}{m.group(2)}"
+    return v

@@ -94,11 +94,12 @@ class _Side:
         self.out.add_node(node_row(self.g, node, self._stack_id(name), inputs, outputs, self._link(name)))
         self.written.add(name)
 
-    def entry(self, name: str, entry: Any) -> None:
-        """A node's entry (build graphs, the bench side): its rows as they are."""
+    def entry(self, name: str, entry: Any, rows: list | None = None) -> None:
+        """A node's entry (build graphs, the bench side): its rows as they are (``rows``: its
+        :func:`~msprobe_ci.compare.rows.entry_rows`, when the caller has them)."""
         self.seen(name, entry)
         if name in self.g.nodes and name not in self.written:
-            self.write(name, *node_data(name, entry))
+            self.write(name, *(node_data(name, entry) if rows is None else rows_data(rows)))
 
     def rest(self) -> None:
         """Every node not written yet, with no data."""
