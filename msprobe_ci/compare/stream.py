@@ -76,6 +76,11 @@ def _header(path: str) -> dict:
 
 _ENTRY_LINE = re.compile(rb'\n  "')  # an entry's first line in msprobe's indent=1 layout and in msprobe-ci's
 _DATA_END = re.compile(rb'\s*}\s*}\s*$')  # data's and the document's closing braces
+# orjson reads an integer past 64 bits as a float where json and ijson keep (or refuse) it: a chunk holding a
+# 19-digit integer token (digits after a space, comma, colon, bracket or minus) goes to ijson instead
+_INT_MAP = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord(" ") if chr(c) in " \t\n\r,:[-" else ord("x")
+                 for c in range(256))
+_LONG_INT = b" " + b"0" * 19
 _BLOCK = 1 << 20   # bytes read at a time
 _CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
 
@@ -90,8 +95,8 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
     each chunk, wrapped in ``{}``, must parse as an object with one key per cut inside it, and end in ``,``
     before the next cut (or in data's and the document's closing braces at the end of the file). A chunk that
     starts after a complete member and parses as complete members ends after one, so every cut is at an entry
-    boundary. Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, ``NaN`` or
-    anything orjson refuses ends this path where it stands."""
+    boundary. Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, ``NaN``, an
+    integer of 19 digits or more, or anything orjson refuses ends this path where it stands."""
     import orjson
 
     buf = fh.read(_BLOCK)
@@ -127,6 +132,8 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
             if tail is None:
                 return
             body, entries = buf[pos:tail.start()], 1
+        if _LONG_INT in body.translate(_INT_MAP):
+            return
         try:
             items = orjson.loads(b"{" + body + b"}")
         except orjson.JSONDecodeError:

@@ -1,9 +1,9 @@
 """The ``.vis.db`` SQLite file tb-graph-ascend opens (``shared/spec/compare-overflow-visualization.md`` §3.5, §4).
 
 Tables ``tb_nodes``, ``tb_stack``, ``tb_config`` and indexes ``index1``…``index7`` exactly as msprobe creates
-them. The file is written under a temporary name in the output folder, in one transaction with WAL journaling,
-indexes created after the inserts, then renamed into place and made not group/other-writable (the viewer refuses
-such files): an error leaves no partial ``.vis.db`` behind.
+them. The file is written under a temporary name in the output folder, in one transaction without a journal,
+indexes created after the inserts, switched to WAL journaling (as msprobe's files are), then renamed into place
+and made not group/other-writable (the viewer refuses such files): an error leaves no partial ``.vis.db`` behind.
 """
 
 from __future__ import annotations
@@ -87,8 +87,12 @@ class VisDbWriter:
         self._nodes: list[tuple] = []
         self._stacks: list[tuple] = []
         try:
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=NORMAL")
+            # a new file that is renamed into place only when complete (deleted otherwise) needs no journal; a WAL
+            # would take every page of the one big transaction (6 GB at 1M entries), and the index builds and the
+            # final checkpoint would read them back through it. WAL is set once the file is complete, as msprobe
+            # leaves its files (the viewer opens them in WAL mode).
+            self.conn.execute("PRAGMA journal_mode=OFF")
+            self.conn.execute("PRAGMA synchronous=OFF")
             self.conn.execute("BEGIN")
             for statement in _statements(SCHEMA):
                 self.conn.execute(statement)
@@ -141,6 +145,7 @@ class VisDbWriter:
             for statement in _statements(INDEXES):
                 self.conn.execute(statement)
             self.conn.execute("COMMIT")
+            self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.close()
             os.chmod(self.tmp, 0o644)
             os.replace(self.tmp, self.path)
