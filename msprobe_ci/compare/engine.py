@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump import names
+from ..dtypes import finite_max
 from ..dump.reader import Dump
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write
@@ -328,7 +329,7 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) ->
         return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
     if t.shape != b.shape and not _transposed(t, b):
         return RowResult(t, b, M.stats_metrics(t.stats(), b.stats()), math.inf)
-    cols, err = M.stats_pair(t.stats(), b.stats(), t.numel)
+    cols, err = M.stats_pair(t.stats(), b.stats(), t.numel, finite_max(t.dtype))
     return RowResult(t, b, cols, err)
 
 

@@ -86,15 +86,16 @@ def stats_metrics(t_stats: tuple, b_stats: tuple) -> dict[str, Any]:
     return out
 
 
-def stats_pair(t_stats: tuple, b_stats: tuple, numel: int) -> tuple[dict[str, Any], float]:
+def stats_pair(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None = None) -> tuple[dict[str, Any], float]:
     """:func:`stats_metrics` and :func:`relative_error_stats` of one pair in one pass (the same results; the
-    common case of eight finite floats skips the per-value classification)."""
+    common case of eight finite floats within the target's range skips the per-value classification)."""
     t0, t1, t2, t3 = t_stats
     b0, b1, b2, b3 = b_stats
     if not (type(t0) is float and type(t1) is float and type(t2) is float and type(t3) is float
             and type(b0) is float and type(b1) is float and type(b2) is float and type(b3) is float
-            and math.isfinite(t0 + t1 + t2 + t3 + b0 + b1 + b2 + b3)):
-        return stats_metrics(t_stats, b_stats), relative_error_stats(t_stats, b_stats, numel)
+            and math.isfinite(t0 + t1 + t2 + t3 + b0 + b1 + b2 + b3)
+            and (t_max is None or -t_max <= b1 and b0 <= t_max)):
+        return stats_metrics(t_stats, b_stats), relative_error_stats(t_stats, b_stats, numel, t_max)
     rms = abs(b3) / math.sqrt(max(numel, 1))
     out: dict[str, Any] = {}
     worst = 0.0
@@ -199,11 +200,21 @@ def relative_error_arrays(n: np.ndarray, b: np.ndarray) -> float:
     return diff / scale if scale > 0 else math.inf
 
 
-def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int) -> float:
+def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None = None) -> float:
     """Statistics-mode stand-in for the relative error: the worst of Max, Min, Mean and Norm, each measured
     against ``max(|bench statistic|, bench RMS)`` (RMS = Norm/√numel keeps near-zero Means and Mins from
     exploding). Missing statistics are skipped; a non-finite target statistic where the bench is finite is
-    ``inf``."""
+    ``inf``.
+
+    ``t_max`` is the target dtype's largest finite value (``torch.finfo(dtype).max``; :mod:`msprobe_ci.dtypes`).
+    Where the bench holds values beyond it (its Max above ``t_max`` or its Min below ``-t_max``, as an
+    attention mask filled with ``finfo(float32).min`` does against one filled with ``finfo(float16).min``), the
+    target cannot hold them: it stores ``±t_max`` or rounds them to ``±inf``. Max and Min are then compared with
+    both sides clamped to ``[-t_max, t_max]``, and Mean and Norm, which add up the values the target cannot hold
+    (and overflow to ``inf`` on the bench), are not compared."""
+    if t_max is not None and _beyond(b_stats, t_max):
+        t_stats = (_clamp(t_stats[0], t_max), _clamp(t_stats[1], t_max), None, None)
+        b_stats = (_clamp(b_stats[0], t_max), _clamp(b_stats[1], t_max), None, None)
     norm_b = b_stats[3]
     if type(norm_b) is float and math.isfinite(norm_b):
         rms = abs(norm_b) / math.sqrt(max(numel, 1))
@@ -231,3 +242,26 @@ def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int) -> float:
         scale = max(abs(b), rms)
         worst = max(worst, d / scale if scale > 0 else math.inf)
     return worst
+
+
+def _number(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _beyond(b_stats: tuple, t_max: float) -> bool:
+    """The bench's Max is above ``t_max`` or its Min below ``-t_max`` (infinities included)."""
+    hi, lo = _number(b_stats[0]), _number(b_stats[1])
+    return (hi is not None and hi > t_max) or (lo is not None and lo < -t_max)
+
+
+def _clamp(v: Any, t_max: float) -> Any:
+    """A statistic clamped to ``[-t_max, t_max]`` (infinities too; NaN and non-numbers as they are)."""
+    x = _number(v)
+    if x is None or math.isnan(x):
+        return v
+    return max(-t_max, min(t_max, x))

@@ -17,7 +17,8 @@ The rule (per node = one dump entry: an API or module call, forward or backward,
     error    if r_out >  error_factor · budget
 
 Relative error: ``‖t − b‖₂ / ‖b‖₂`` on real tensors (task ``tensor``); with statistics only, the worst of
-Max/Min/Mean/Norm against ``max(|bench stat|, RMS)`` (:func:`~msprobe_ci.compare.metrics.relative_error_stats`).
+Max/Min/Mean/Norm against ``max(|bench stat|, RMS)`` (:func:`~msprobe_ci.compare.metrics.relative_error_stats`;
+bench values beyond the target dtype's range: Max and Min clamped to it, Mean and Norm left out).
 
 Why: a bf16 target against an fp32 bench differs by bf16 rounding of every tensor (relative L2 about u/2), and an
 op passes on what its own inputs already carried, so downstream nodes of a fault are not blamed (msprobe marks
