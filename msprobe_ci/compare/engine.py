@@ -51,7 +51,7 @@ class CompareReport:
     seconds: dict[str, float] = field(default_factory=dict)  # node -> seconds its isolated verdict took
     frameworks: tuple[str, str] = ("pytorch", "pytorch")  # (target, bench), from dump.json
     entry_pairs: dict[str, str] = field(default_factory=dict)  # target entry -> bench entry (matched rows)
-    _stack_cells: dict[int, str] = field(default_factory=dict, repr=False, compare=False)  # id(frames) -> cell
+    _stack_cells: dict[int, tuple] = field(default_factory=dict, repr=False, compare=False)  # id -> (frames, cell)
 
     @property
     def first_divergence(self) -> CompareResult | None:
@@ -143,9 +143,13 @@ class CompareReport:
             stack_done.add(t.entry)
             frames = self.target_stack.get(t.entry)
             if frames:
-                stack = self._stack_cells.get(id(frames))
-                if stack is None:  # stack.json groups entries that share a call stack: one cell per group
-                    stack = self._stack_cells[id(frames)] = str(list(frames))
+                # stack.json groups the entries that share a stack: one cell per group, quoted for the CSV once
+                known = self._stack_cells.get(id(frames))
+                if known is None or known[0] is not frames:
+                    cell = str(list(frames))
+                    known = (frames, _Quoted(_quoted(cell)) if _NEEDS_QUOTES(cell) else cell)
+                    self._stack_cells[id(frames)] = known
+                stack = known[1]
         row.append(stack)
         if mode == "tensor":
             row.append(str([t.data_name, b.data_name if b else "-1"]))
@@ -162,8 +166,12 @@ def csv_record(row: list[Any]) -> str:
     property test holds it equal to :mod:`csv`'s output. A :class:`_Quoted` cell is written as it is."""
     if len(row) == 1 and row[0] in ("", None):
         return '""\r\n'
-    return ",".join([(('"' + v.replace('"', '""') + '"') if _NEEDS_QUOTES(v) else v) if v.__class__ is str
+    return ",".join([_quoted(v) if v.__class__ is str and _NEEDS_QUOTES(v) else v if v.__class__ is str
                      else repr(v) if v.__class__ is float else _cell(v) for v in row]) + "\r\n"
+
+
+def _quoted(s: str) -> str:
+    return '"' + s.replace('"', '""') + '"'
 
 
 def _cell(v: Any) -> str:
@@ -172,31 +180,20 @@ def _cell(v: Any) -> str:
     if v.__class__ is _Quoted:
         return str.__str__(v)
     s = str.__str__(v) if isinstance(v, str) else str(v)
-    return '"' + s.replace('"', '""') + '"' if _NEEDS_QUOTES(s) else s
+    return _quoted(s) if _NEEDS_QUOTES(s) else s
 
 
 class RowWriter:
     """Writes a report's header, then one CSV record per :class:`RowResult` (msprobe's columns; the bytes
-    ``csv.writer`` writes, see :func:`csv_record`). The call-stack cell (kilobytes, shared by every entry of one
-    stack.json group) is quoted once per group."""
+    ``csv.writer`` writes, see :func:`csv_record`)."""
 
     def __init__(self, fh, report: CompareReport):
         self._fh, self._report = fh, report
-        columns = report.columns()
-        self._at = columns.index("NPU_Stack_Info")
-        self._quoted: dict[int, tuple[str, str]] = {}  # id(cell) -> (cell, its quoted form)
-        fh.write(csv_record(columns))
+        fh.write(csv_record(report.columns()))
 
     def write(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> None:
         """One record; ``stack_done`` holds the entries whose stack was written (msprobe writes it once)."""
-        row = self._report._csv_row(rr, node, stack_done)
-        cell = row[self._at]
-        if len(cell) > 256 and cell.__class__ is str and _NEEDS_QUOTES(cell):
-            known = self._quoted.get(id(cell))
-            if known is None or known[0] is not cell:
-                known = self._quoted[id(cell)] = (cell, '"' + cell.replace('"', '""') + '"')
-            row[self._at] = _Quoted(known[1])
-        self._fh.write(csv_record(row))
+        self._fh.write(csv_record(self._report._csv_row(rr, node, stack_done)))
 
 
 class _Quoted(str):
@@ -329,8 +326,8 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) ->
         return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
     if t.shape != b.shape and not _transposed(t, b):
         return RowResult(t, b, M.stats_metrics(t.stats(), b.stats()), math.inf)
-    cols, err = M.stats_pair(t.stats(), b.stats(), t.numel, finite_max(t.dtype))
-    return RowResult(t, b, cols, err)
+    ts, bs = t.stats(), b.stats()
+    return RowResult(t, b, M.stats_metrics(ts, bs), M.relative_error_stats(ts, bs, t.numel, finite_max(t.dtype)))
 
 
 def _transposed(t: Row, b: Row) -> bool:
