@@ -13,7 +13,10 @@ Faults: for each run, forward and backward APIs picked early, mid and late in th
 * API testcases failing besides the injected one (goal 0; enclosing modules roll up and are not counted);
 * isolation overhead (target side with vs without isolation, same run).
 
-    python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--quick]
+With ``--no-isolation`` the target is judged by the drift rule alone (``msprobe-ci compare`` on two plain dumps);
+models ``neox,phi3,qwen2,mistral,gemma`` are stock decoder configs.
+
+    python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--no-isolation]
 """
 
 from __future__ import annotations
@@ -79,6 +82,32 @@ def _t5(seed):
     return T5ForConditionalGeneration(cfg).eval()
 
 
+def _decoder(kind, seed):
+    """GPT-NeoX, Phi-3, Qwen2, Mistral, Gemma from their stock configs (2 layers, hidden 64, eager attention)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                  vocab_size=256, max_position_embeddings=64)
+    if kind == "neox":
+        cfg = transformers.GPTNeoXConfig(**common)
+        cls = transformers.GPTNeoXForCausalLM
+    elif kind == "phi3":
+        cfg = transformers.Phi3Config(num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=1, **common)
+        cls = transformers.Phi3ForCausalLM
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(num_key_value_heads=2, **common)
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(num_key_value_heads=2, **common)
+        cls = transformers.MistralForCausalLM
+    else:
+        cfg = transformers.GemmaConfig(num_key_value_heads=2, head_dim=16, **common)
+        cls = transformers.GemmaForCausalLM
+    cfg._attn_implementation = "eager"
+    return cls(cfg).eval()
+
+
 class CNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -114,6 +143,8 @@ def case(name, seed):
         return _bert(seed), ({"input_ids": ids, "attention_mask": mask, "labels": ids},), lambda o: o.loss
     if name == "t5":
         return _t5(seed), ({"input_ids": ids, "labels": _tokens(seed + 1, 8)},), lambda o: o.loss
+    if name in ("neox", "phi3", "qwen2", "mistral", "gemma"):
+        return _decoder(name, seed), ({"input_ids": ids, "labels": ids},), lambda o: o.loss
     if name == "cnn":
         x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(seed))
         return _cnn(seed), (x,), lambda o: o.float().pow(2).mean()
@@ -131,10 +162,12 @@ LEVEL = "mix"
 TASK = "statistics"
 COMPILE = False
 FORWARD_ONLY = False
+ISOLATE = True
 ISOLATOR: dict = {}
 
 
-def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=True, bench_folder=None, level=None):
+def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None, bench_folder=None, level=None):
+    isolate = ISOLATE if isolate is None else isolate
     tmp = tempfile.mkdtemp(prefix="gateq-")
     if FORWARD_ONLY:
         loss_fn = None
@@ -210,12 +243,15 @@ def main():
                     help="same-dtype bench of the standards: the bench device's kernel (here: the target's own, "
                          "so benchmark ratios are 1 unless perturbed) or the fp64 oracle correctly rounded to the "
                          "target dtype, the most accurate kernel the dtype allows (stress test, full oracle cost)")
+    ap.add_argument("--no-isolation", action="store_true",
+                    help="judge two plain dumps (the drift rule of `msprobe-ci compare`), no isolation records")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    global LEVEL, TASK, COMPILE, FORWARD_ONLY
+    global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE
     ISOLATOR.update(bench_kernel=args.bench_kernel)
     LEVEL = "L0" if args.compile else args.level
     TASK, COMPILE, FORWARD_ONLY = args.task, args.compile, args.forward_only
+    ISOLATE = not args.no_isolation
     torch.set_num_threads(1)
     stats = defaultdict(lambda: defaultdict(float))
     failures = []
@@ -226,8 +262,9 @@ def main():
                 model, inputs, loss_fn = case(mname, 100 + seed)
                 s = stats[dname]
                 report, cases, tdump, t_iso, _ = _one(model, inputs, loss_fn, bench_dtype, target_dtype, ())
-                _, _, _, t_plain, _ = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (), isolate=False)
-                s["overhead_sum"] += t_iso / t_plain
+                if ISOLATE:
+                    _, _, _, t_plain, _ = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (), isolate=False)
+                    s["overhead_sum"] += t_iso / t_plain
                 s["benign"] += 1
                 errors = [n.name for n in report.nodes if n.status == "error"]
                 bad_model = [c["name"] for c in cases if c["status"] == "error"]

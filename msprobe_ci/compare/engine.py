@@ -270,7 +270,11 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
     by_entry: dict[str, list[RowResult]] = {}
     for rr in rows:
         by_entry.setdefault(rr.target.entry, []).append(rr)
-    nodes = [_judge_node(name, by_entry.get(name, []), by_entry, mode, th) for name in target.data]
+    nodes, floor = [], 0.0
+    for name in target.data:
+        own = by_entry.get(name, [])
+        floor = carried_roundoff(own, floor)
+        nodes.append(_judge_node(name, own, by_entry, mode, th, floor))
     entry_pairs: dict[str, str] = {}
     for t, b in pairs:
         if b is not None:
@@ -346,8 +350,24 @@ def _scalar_err(tv: Any, bv: Any) -> float:
     return abs(t - b) / max(abs(b), 1e-12)
 
 
+def carried_roundoff(own: list[RowResult], floor: float) -> float:
+    """The coarsest unit roundoff among the matched rows seen so far in the target's dump order: ``floor`` and
+    ``own``'s target and bench dtypes.
+
+    Data rounded once to a dtype carries that dtype's error into everything computed from it, even after an
+    upcast (an fp32 RMSNorm reduction of fp16 activations). Statistics cannot show it: averaged over a whole tensor,
+    per-element rounding cancels, so an input's Mean/Norm error understates what each reduced row carries. The node
+    rule therefore uses at least this roundoff (see :mod:`msprobe_ci.compare.verdict`)."""
+    for r in own:
+        if r.bench is not None:
+            u = unit_roundoff(r.target.dtype, r.bench.dtype)
+            if u > floor:
+                floor = u
+    return floor
+
+
 def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowResult]], mode: str,
-                th: Thresholds) -> CompareResult:
+                th: Thresholds, floor: float = 0.0) -> CompareResult:
     outputs = [r for r in own if r.target.side == "output" and r.bench is not None]
     inputs = [r for r in own if r.target.side == "input" and r.bench is not None]
     for twin in _twin_entries(name):
@@ -361,24 +381,137 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
     errs = sorted((r.error for r in inputs if not math.isnan(r.error)), reverse=True)
     # bilinear ops (mul, matmul, linear) add the errors of their two operands; a backward node combines the
     # incoming gradient with the saved operands of its forward twin, so three
-    r_in = sum(errs[:3] if ".backward" in name or ".parameters_grad" in name else errs[:2])
-    worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
+    gradient = ".backward" in name or ".parameters_grad" in name
+    r_in = sum(errs[:3] if gradient else errs[:2])
     api = _api_name(name)
     if api in POWER_APIS and ".forward" in name:
         r_in *= max(1.0, _exponent(api, own))
-    if api in LIPSCHITZ_APIS:
+    kappa = 1.0
+    if gradient:
+        incoming, saved = _gradient_operands(name, own, by_entry)
+        if api in ROUTING_APIS and saved:
+            r_in = max(r_in, routing_error(max(o[0] for o in saved)))
+        scatter = api in SCATTER_APIS or ".Embedding." in name
+        worst, kappa = max(((r, cancellation(_operand(r), incoming, saved, scatter)) for r in outputs),
+                           key=lambda rk: (rk[0].error / rk[1] if not math.isnan(rk[0].error) else -1.0))
+    else:
+        worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
+    if api in LIPSCHITZ_APIS and not gradient:  # a property of the forward function, not of its gradient
         r_in = max(r_in, _absolute_input_error(inputs, worst))
     dtypes = []
     for r in outputs:
         dtypes += [r.target.dtype, r.bench.dtype if r.bench else ""]
-    return judge(name, worst.error, r_in, unit_roundoff(*dtypes), th, worst.target.name, worst.metrics,
-                 statistics=mode == "statistics")
+    u = max(unit_roundoff(*dtypes), floor)
+    if name.startswith("Module.") and ".parameters_grad" not in name:
+        r_in += u  # a module's parameters are inputs its entry does not show: they carry at least their rounding
+    return judge(name, worst.error, r_in, u, th, worst.target.name, worst.metrics,
+                 statistics=mode == "statistics", condition=kappa)
+
+
+def _operand(r: RowResult) -> tuple[float, float, int, tuple] | None:
+    """``(error, bench L2 norm, numel, shape)`` of a matched tensor row with a finite, non-zero bench norm."""
+    b = r.bench
+    if b is None or not b.is_tensor or math.isnan(r.error) or math.isinf(r.error):
+        return None
+    norm = _norm(b)
+    if not norm or math.isinf(norm) or math.isnan(norm):
+        return None
+    shape = getattr(b, "dims", None)
+    if shape is None:
+        shape = tuple(b.record.get("shape") or ())
+    return (r.error, norm, b.numel, shape)
+
+
+def _gradient_operands(name: str, own: list[RowResult], by_entry: dict[str, list[RowResult]]):
+    """The incoming gradients of a backward or parameters_grad node (the backward call's own inputs; the module's
+    backward inputs for parameters_grad) and the saved forward operands (the forward twin's inputs)."""
+    incoming = [r for r in own if r.target.side == "input"] if ".backward" in name else []
+    saved = []
+    for twin in _twin_entries(name):
+        for r in by_entry.get(twin, []):
+            if r.target.side != "input":
+                continue
+            (incoming if ".backward" in twin else saved).append(r)
+    return ([o for o in map(_operand, incoming) if o is not None], [o for o in map(_operand, saved) if o is not None])
+
+
+def cancellation(out: tuple | None, incoming: list[tuple], saved: list[tuple], scatter: bool = False) -> float:
+    """How much a gradient output's relative error may exceed its operands' (>= 1), from L2 norms and shapes.
+
+    A gradient is a sum: a bias or broadcast operand's gradient sums the incoming gradient ``g`` (times the other
+    operand ``x``) over the broadcast axes; a weight gradient contracts ``g`` with a saved input over K tokens.
+    Rounding errors of the terms add up like a random walk, ``‖δ‖ ≈ r · sqrt(Σ term²)``, whatever the terms add up
+    to; where they cancel (a bias feeding a normalization or a softmax sums to zero by symmetry) the result is
+    small and its relative error large. Estimated ``sqrt(Σ term²)``: reduction ``‖g‖·rms(x)`` (x: a saved operand
+    of g's size, or ones), contraction over K ``‖g‖·‖x‖/√K`` (K a dimension of both, ``K² = numel(g)·numel(x) /
+    numel(out)``). The factor is the largest estimate over the output's norm, and 1 for uncorrelated terms.
+
+    Args:
+        out: ``(error, bench norm, numel, shape)`` of the output row (None: no estimate, 1).
+        incoming: the same tuples for the incoming gradients; saved: for the forward operands.
+        scatter: an embedding's weight gradient, a scatter-add: each incoming element lands in one output row,
+            so ``sqrt(Σ term²) = ‖g‖`` whatever the sizes.
+    """
+    if out is None:
+        return 1.0
+    _, n_out, size_out, dims_out = out
+    kappa = 1.0
+    free = sorted(d for d in dims_out if d != 1)
+    for _, n_g, size_g, dims_g in incoming:
+        if scatter:
+            kappa = max(kappa, n_g / n_out)
+        if size_out < size_g and size_g % size_out == 0 and _sub_multiset(free, dims_g):
+            kappa = max(kappa, n_g / n_out)  # x = ones
+            for _, n_x, size_x, _ in saved:
+                if size_x == size_g:
+                    kappa = max(kappa, n_g * n_x / math.sqrt(size_x) / n_out)
+        if size_out != size_g:
+            for _, n_x, size_x, dims_x in saved:
+                k2 = size_g * size_x // size_out if size_out else 0
+                k = math.isqrt(k2)
+                if k >= 2 and k * k == k2 and k2 * size_out == size_g * size_x and k in dims_g and k in dims_x:
+                    kappa = max(kappa, n_g * n_x / math.sqrt(k) / n_out)
+    return kappa
+
+
+def _sub_multiset(small: list[int], dims: tuple) -> bool:
+    pool = [d for d in dims if d != 1]
+    for d in small:
+        if d not in pool:
+            return False
+        pool.remove(d)
+    return True
 
 
 # Elementwise APIs with |f'(x)| <= ~1.1: their absolute output error is bounded by the absolute input error, so
 # relative error may grow where |x| >> |f(x)| (sin/cos of large angles, as in rotary embeddings).
 LIPSCHITZ_APIS = frozenset({"sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "leaky_relu", "elu",
                             "hardtanh", "softsign", "atan", "erf", "clamp", "abs"})
+
+
+# Piecewise APIs whose backward routes the gradient by a comparison made in the forward (relu's sign, max-pool's
+# argmax, clamp's bounds): an input error that moves a value across the decision point moves a whole gradient
+# element, not a rounding of it (routing_error).
+ROUTING_APIS = frozenset({"relu", "relu6", "hardtanh", "threshold", "clamp", "clip", "max_pool1d", "max_pool2d",
+                          "max_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "max",
+                          "min", "amax", "amin", "maximum", "minimum", "abs", "hardswish", "hardsigmoid",
+                          "leaky_relu", "prelu", "rrelu", "topk", "sort", "median"})
+
+# APIs whose backward is a scatter-add of the incoming gradient into a weight (cancellation(scatter=True))
+SCATTER_APIS = frozenset({"embedding", "embedding_bag", "index_select", "gather"})
+
+
+def routing_error(r_fwd: float) -> float:
+    """The relative L2 error a routing API's gradient may carry when its forward input carried ``r_fwd``.
+
+    Values within ``r_fwd·rms`` of a decision point (a ReLU's 0, a max-pool window's runner-up) may land on the
+    other side: a fraction about ``r_fwd`` of the elements, each moving a whole gradient element, so the relative
+    L2 error is about ``sqrt(2·r_fwd)`` (the square root of the moved fraction, over the half of the elements that
+    carry a gradient). Rounding (relative, sign-keeping) never moves a value across 0 by itself; accumulated error
+    does."""
+    if math.isnan(r_fwd) or r_fwd <= 0:
+        return 0.0
+    return math.sqrt(2.0 * r_fwd)
 
 
 # x**p multiplies a relative error by |p| (its condition number)

@@ -210,16 +210,31 @@ _API_PREFIXES = ("Functional.", "Torch.", "Tensor.", "Aten.", "Distributed.", "N
 
 
 class _TwinBench:
-    """What a twin's row keeps of its bench record: its L2 norm (``stats()[3]``)."""
+    """What a twin's row keeps of its bench record: its L2 norm (``stats()[3]``), size and shape."""
 
-    __slots__ = ("norm",)
+    __slots__ = ("norm", "numel", "dims")
     is_tensor = True
 
-    def __init__(self, norm: float):
-        self.norm = norm
+    def __init__(self, norm: float, numel: int, dims: tuple):
+        self.norm, self.numel, self.dims = norm, numel, dims
 
     def stats(self):
         return (None, None, None, self.norm)
+
+
+class _TwinTarget:
+    """What a twin's row keeps of its target record: its side (input/output)."""
+
+    __slots__ = ("side",)
+
+    def __init__(self, side: str):
+        self.side = side
+
+
+def _twin_row(r) -> tuple:
+    b = r.bench
+    dims = tuple(b.record.get("shape") or ()) if b.is_tensor else ()
+    return (r.error, engine._norm(b), r.target.side, b.numel, dims)
 
 
 def _first_tensor_md5(entry: Any) -> bool | None:
@@ -330,6 +345,7 @@ class NodeStream:
         queue: list[list] = []             # [name, own rows, node or None, twin names awaited], in dump order
         head = 0
         first_error: str | None = None
+        floor = 0.0                        # the coarsest roundoff seen so far (engine.carried_roundoff)
 
         def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
             b_rows = {}
@@ -347,9 +363,10 @@ class NodeStream:
 
         def node_of(slot: list) -> None:
             name, own = slot[0], slot[1]
-            by_entry = {tw: [engine.RowResult(None, _TwinBench(norm), {}, err) for err, norm in twins[tw]]
+            by_entry = {tw: [engine.RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err)
+                             for err, norm, side, numel, dims in twins[tw]]
                         for tw in engine._twin_entries(name) if tw in twins}
-            slot[2] = engine._judge_node(name, own, by_entry, mode, th)
+            slot[2] = engine._judge_node(name, own, by_entry, mode, th, slot[4])
             if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
                 for tw in by_entry:  # an API's forward twin serves its one backward call only
                     twins.pop(tw, None)
@@ -357,15 +374,17 @@ class NodeStream:
         def add(name: str, key: str, entry: Any, bench_item) -> None:
             if self._on_target is not None:
                 self._on_target(name, entry)
+            nonlocal floor
             own = rows_of(name, key, entry, bench_item)
+            floor = engine.carried_roundoff(own, floor)
             p = parse(name, any_prefix=True)
             awaited = [tw for tw in engine._twin_entries(name) if tw not in twins]
-            slot = [name, own, None, awaited]
+            slot = [name, own, None, awaited, floor]
             queue.append(slot)
             if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
                 node_of(slot)
             if p is not None and (p.direction == "forward" or p.kind == "module"):
-                twins[name] = tuple((r.error, engine._norm(r.bench)) for r in own if r.bench is not None)
+                twins[name] = tuple(_twin_row(r) for r in own if r.bench is not None)
                 for waiting in queue[head:]:
                     if waiting[2] is None and name in waiting[3]:
                         waiting[3].remove(name)

@@ -9,9 +9,17 @@ The rule (per node = one dump entry: an API or module call, forward or backward,
              inputs and backward inputs. Bilinear ops (mul, matmul, linear) add the errors of their operands.
              x**p multiplies it by |p|; for 1-Lipschitz elementwise APIs (sin, cos, tanh, gelu, silu ...) it is
              at least ``r_in · ‖in‖/‖out‖`` (their absolute error cannot grow).
+             A module's parameters are inputs its entry does not show: a module node adds u to r_in.
+             A routing API's backward (relu, max-pool, clamp ...: the gradient goes where a forward comparison
+             sent it) is allowed at least ``sqrt(2 · r_fwd)`` (engine.routing_error).
     u      = unit roundoff of the coarser of the two output dtypes (bf16 2^-8, fp16 2^-11, fp32 2^-24,
-             fp64 2^-53; integers and bool 0)
-    budget = round_factor · u + propagation · r_in (· statistics_slack without tensors) + rel_floor
+             fp64 2^-53; integers and bool 0), and at least the coarsest dtype seen so far in the target's dump
+             order (engine.carried_roundoff: an fp32 reduction of fp16 data carries fp16 error, which whole-tensor
+             statistics of its input average away)
+    kappa  = for a gradient (backward, parameters_grad) output, its cancellation factor (engine.cancellation):
+             the random-walk size of the summed terms over the result's norm, >= 1 (a bias gradient that is zero
+             by symmetry holds only the rounding noise of its terms)
+    budget = kappa · (round_factor · u + propagation · r_in (· statistics_slack without tensors)) + rel_floor
     pass     if r_out <= budget
     warning  if budget < r_out <= error_factor · budget
     error    if r_out >  error_factor · budget
@@ -140,10 +148,12 @@ def unit_roundoff(*dtypes: str) -> float:
 
 
 def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_row: str = "",
-          metrics: Mapping[str, Any] | None = None, statistics: bool = False) -> CompareResult:
-    """Apply the node rule to measured errors (``statistics``: the errors come from statistics only)."""
+          metrics: Mapping[str, Any] | None = None, statistics: bool = False,
+          condition: float = 1.0) -> CompareResult:
+    """Apply the node rule to measured errors (``statistics``: the errors come from statistics only;
+    ``condition``: a gradient's cancellation factor, >= 1, multiplying its rounding and propagation terms)."""
     prop = th.propagation * (th.statistics_slack if statistics else 1.0)
-    budget = th.round_factor * u + prop * r_in + th.rel_floor
+    budget = condition * (th.round_factor * u + prop * r_in) + th.rel_floor
     limit = th.error_factor * budget
     if math.isnan(r_out):
         r_out = math.inf
@@ -153,9 +163,11 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
         status = "warning"
     else:
         status = "error"
+    terms = f"{th.round_factor:g}*u {u:.3g} + {prop:g}*input error {_fmt(r_in)}"
+    if condition != 1.0:
+        terms = f"cancellation {condition:.3g} x ({terms})"
     msg = (f"{name}: RelativeErr {_fmt(r_out)} at {worst_row or 'output'} vs threshold {_fmt(limit)} "
-           f"(= {th.error_factor:g} x ({th.round_factor:g}*u {u:.3g} + {prop:g}*input error "
-           f"{_fmt(r_in)} + rel_floor {th.rel_floor:g}))")
+           f"(= {th.error_factor:g} x ({terms} + rel_floor {th.rel_floor:g}))")
     return CompareResult(name=name, status=status, value=r_out, threshold=limit, budget=budget, input_error=r_in,
                          worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg,
                          roundoff=u)

@@ -1,0 +1,114 @@
+"""Drift rule (two plain dumps, no isolation) on stock decoder configs: upcast reductions, gradients that sum."""
+
+import math
+
+import pytest
+import torch
+
+from msprobe_ci.capture import CaptureSession
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.compare import compare_dumps
+from msprobe_ci.compare.engine import cancellation, routing_error
+from msprobe_ci.compare.stream import stream_compare
+from msprobe_ci.config import DumpConfig
+from msprobe_ci.dump import load_dump
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+              max_position_embeddings=64, num_key_value_heads=2)
+
+
+def _dumps(tmp_path, kind, seed, dtype, faults=(), backward=False, stream=False):
+    folders = {}
+    for side, d, fl in (("bench", torch.float32, ()), ("target", dtype, faults)):
+        torch.manual_seed(seed)
+        if kind == "qwen2":
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+        else:
+            model = transformers.Phi3ForCausalLM(transformers.Phi3Config(pad_token_id=0, eos_token_id=1,
+                                                                          bos_token_id=1, **COMMON))
+        model = model.to(d)
+        ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+        cs = CaptureSession(DumpConfig(dump_path=str(tmp_path / side), level="mix", task="statistics"), faults=fl)
+        cs.start(model)
+        out = model(input_ids=ids, labels=ids if backward else None)
+        if backward:
+            out.loss.backward()
+        cs.stop()
+        cs.close()
+        folders[side] = str(tmp_path / side / "step0" / "rank")
+    report = compare_dumps(load_dump(folders["target"]), load_dump(folders["bench"]))
+    if stream:
+        return report, stream_compare(folders["target"], folders["bench"], str(tmp_path / "out"))
+    return report
+
+
+def test_upcast_reduction_is_judged_at_the_precision_its_data_carries(tmp_path):
+    # RMSNorm's mean runs in fp32 on fp16 activations: its rows carry fp16 rounding, which whole-tensor
+    # statistics of its input average away; judged at fp32's roundoff it was a false error
+    report = _dumps(tmp_path, "phi3", 0, torch.float16)
+    assert report.first_divergence is None, report.first_divergence.message
+    mean = next(n for n in report.nodes if n.name.startswith("Tensor.mean."))
+    assert mean.roundoff == pytest.approx(2.0 ** -11)
+
+
+def test_fault_after_an_upcast_reduction_is_blamed_on_its_api(tmp_path):
+    # before: the first divergence was Tensor.mean.1 (a layer-0 RMSNorm reduction), the faulty SiLU downstream
+    report = _dumps(tmp_path, "qwen2", 5, torch.float16, (Fault("Functional.silu", call=1, value=1.03),))
+    assert report.first_divergence is not None
+    assert report.first_divergence.name == "Functional.silu.1.forward"
+
+
+def test_zero_by_symmetry_gradient_is_not_an_error(tmp_path):
+    # a bias feeding BatchNorm has a gradient that is zero in exact arithmetic: both sides hold rounding noise of
+    # the incoming gradient's size, so its own relative error means nothing; a fault on that gradient still shows
+    def run(side, dtype, faults):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 4)).to(dtype).train()
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        cs = CaptureSession(DumpConfig(dump_path=str(tmp_path / side), level="mix", task="statistics"),
+                            faults=faults)
+        cs.start(model)
+        model(x).float().pow(2).mean().backward()
+        cs.stop()
+        cs.close()
+        return load_dump(str(tmp_path / side / "step0" / "rank"))
+
+    bench = run("bench", torch.float32, ())
+    report = compare_dumps(run("target", torch.bfloat16, ()), bench)
+    grad = next(n for n in report.nodes if n.name.startswith("Functional.linear.0.backward"))
+    assert grad.status != "error", grad.message
+    assert "cancellation" in grad.message
+    faulty = compare_dumps(run("faulty", torch.bfloat16, (Fault("Torch.tanh", call=0, direction="backward",
+                                                                value=1.2),)), bench)
+    assert faulty.first_divergence is not None and faulty.first_divergence.name == "Torch.tanh.0.backward"
+
+
+def test_cancellation_factor():
+    g = (0.0, 8.0, 64 * 32, (64, 32))           # incoming gradient [64, 32], norm 8
+    x = (0.0, 16.0, 64 * 16, (64, 16))          # saved input [64, 16]
+    assert cancellation((0.0, 8.0, 32, (32,)), [g], []) == 1.0             # a bias sum as large as its terms: 1
+    assert cancellation((0.0, 1e-6, 32, (32,)), [g], []) == pytest.approx(8e6)  # a bias sum that cancels
+    # weight gradient [32, 16] = g^T x over K = 64 tokens: sqrt(sum of term^2) = 8 * 16 / 8
+    assert cancellation((0.0, 1.0, 32 * 16, (32, 16)), [g], [x]) == pytest.approx(16.0)
+    assert cancellation((0.0, 100.0, 32 * 16, (32, 16)), [g], [x]) == 1.0
+    assert cancellation(None, [g], [x]) == 1.0
+    # same sizes and no contraction dimension: an elementwise gradient gets no factor
+    assert cancellation((0.0, 1e-3, 64 * 32, (64, 32)), [g], [(0.0, 1.0, 64 * 32, (64, 32))]) == 1.0
+
+
+def test_routing_error():
+    assert routing_error(0.0) == 0.0 and routing_error(math.nan) == 0.0
+    assert routing_error(0.005) == pytest.approx(0.1)
+
+
+def test_both_paths_give_the_same_verdicts_forward_and_backward(tmp_path):
+    # the streaming compare keeps only a twin's (error, norm, side, numel, shape): the same floor and factors
+    report, streamed = _dumps(tmp_path, "qwen2", 3, torch.bfloat16, (Fault("Functional.linear", call=4, value=1.05),),
+                              backward=True, stream=True)
+    assert report.first_divergence is not None and report.first_divergence.name == "Functional.linear.4.forward"
+    assert streamed.first_divergence.name == report.first_divergence.name
+    assert streamed.first_divergence.message == report.first_divergence.message
+    assert streamed.counts == report.counts()
