@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -360,14 +361,21 @@ def carried_roundoff(own: list[RowResult], floor: float) -> float:
     rule therefore uses at least this roundoff (see :mod:`msprobe_ci.compare.verdict`)."""
     for r in own:
         if r.bench is not None:
-            u = unit_roundoff(r.target.dtype, r.bench.dtype)
+            u = max(_dtype_roundoff(r.target.dtype), _dtype_roundoff(r.bench.dtype))
             if u > floor:
                 floor = u
     return floor
 
 
+@functools.lru_cache(maxsize=256)
+def _dtype_roundoff(dtype: str) -> float:
+    return unit_roundoff(dtype)
+
+
 def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowResult]], mode: str,
-                th: Thresholds, floor: float = 0.0) -> CompareResult:
+                th: Thresholds, floor: float) -> CompareResult:
+    """One node's verdict. ``floor``: :func:`carried_roundoff` up to and including this node's rows (it covers
+    the output dtypes, so it is the node's u)."""
     outputs = [r for r in own if r.target.side == "output" and r.bench is not None]
     inputs = [r for r in own if r.target.side == "input" and r.bench is not None]
     for twin in _twin_entries(name):
@@ -398,17 +406,14 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
         worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
     if api in LIPSCHITZ_APIS and not gradient:  # a property of the forward function, not of its gradient
         r_in = max(r_in, _absolute_input_error(inputs, worst))
-    dtypes = []
-    for r in outputs:
-        dtypes += [r.target.dtype, r.bench.dtype if r.bench else ""]
-    u = max(unit_roundoff(*dtypes), floor)
+    u = floor
     if name.startswith("Module.") and ".parameters_grad" not in name:
         r_in += u  # a module's parameters are inputs its entry does not show: they carry at least their rounding
     return judge(name, worst.error, r_in, u, th, worst.target.name, worst.metrics,
                  statistics=mode == "statistics", condition=kappa)
 
 
-def _operand(r: RowResult) -> tuple[float, float, int, tuple] | None:
+def _operand(r: RowResult) -> tuple[float, float, int, list] | None:
     """``(error, bench L2 norm, numel, shape)`` of a matched tensor row with a finite, non-zero bench norm."""
     b = r.bench
     if b is None or not b.is_tensor or math.isnan(r.error) or math.isinf(r.error):
@@ -416,10 +421,7 @@ def _operand(r: RowResult) -> tuple[float, float, int, tuple] | None:
     norm = _norm(b)
     if not norm or math.isinf(norm) or math.isnan(norm):
         return None
-    shape = getattr(b, "dims", None)
-    if shape is None:
-        shape = tuple(b.record.get("shape") or ())
-    return (r.error, norm, b.numel, shape)
+    return (r.error, norm, b.numel, b.dims)
 
 
 def _gradient_operands(name: str, own: list[RowResult], by_entry: dict[str, list[RowResult]]):

@@ -85,6 +85,11 @@ class Row:
         return "N/A" if r is None else _scalar_crc(r.get("value"))
 
     @property
+    def dims(self) -> list:
+        """The tensor's shape as the dump lists it (``[]`` for scalars and non-tensors)."""
+        return (self.record["shape"] or []) if self.is_tensor else []
+
+    @property
     def numel(self) -> int:
         if self.is_tensor:
             return math.prod(self.record["shape"]) if self.record["shape"] else 1

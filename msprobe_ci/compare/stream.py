@@ -215,7 +215,7 @@ class _TwinBench:
     __slots__ = ("norm", "numel", "dims")
     is_tensor = True
 
-    def __init__(self, norm: float, numel: int, dims: tuple):
+    def __init__(self, norm: float, numel: int, dims: list):
         self.norm, self.numel, self.dims = norm, numel, dims
 
     def stats(self):
@@ -233,8 +233,7 @@ class _TwinTarget:
 
 def _twin_row(r) -> tuple:
     b = r.bench
-    dims = tuple(b.record.get("shape") or ()) if b.is_tensor else ()
-    return (r.error, engine._norm(b), r.target.side, b.numel, dims)
+    return (r.error, engine._norm(b), r.target.side, b.numel, b.dims)
 
 
 def _first_tensor_md5(entry: Any) -> bool | None:
