@@ -202,6 +202,17 @@ class Isolator:
             except TypeError:
                 pass
 
+    def alias(self, new: torch.Tensor, old: torch.Tensor) -> None:
+        """``new`` holds ``old``'s values (a module hook's copy of an input or output): the same provenance, a
+        computed tensor or the same source."""
+        if self.is_produced(old):
+            self.mark_produced(new)
+            return
+        try:
+            self._sources[id(new)] = (weakref.ref(new), self._source_id(old))
+        except TypeError:
+            pass
+
     def propagate(self, args: tuple, kwargs: dict, out: Any) -> None:
         """For calls that are not judged (views, indexing, dtype casts, factories): their outputs are computed,
         not sources. Sources are what enters from outside: parameters, buffers, the model's inputs."""

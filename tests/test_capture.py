@@ -155,3 +155,78 @@ def test_step_ranges_parse():
     from msprobe_ci.config import parse_int_ranges
 
     assert parse_int_ranges(["0-2", 5], "step") == (0, 1, 2, 5)
+
+
+class _InPlaceCNN(torch.nn.Module):
+    """nn.ReLU(inplace=True) modules and an in-place residual add on a module's output (torchvision style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(h))
+        out += h
+        return self.fc(self.relu(out).mean((2, 3)))
+
+
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(3)
+    cfg = FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    cfg._attn_implementation = "eager"
+    return FalconForCausalLM(cfg).eval()
+
+
+def _loss_and_grads(model, loss_of, dbg=None):
+    """The loss and every parameter gradient of one forward+backward (captured when ``dbg`` is given); the
+    model's state (BatchNorm running statistics) is put back afterwards."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.zero_grad(set_to_none=True)
+    if dbg is not None:
+        dbg.start(model)
+    loss = loss_of(model)
+    loss.backward()
+    if dbg is not None:
+        dbg.stop()
+        dbg.step()
+    model.load_state_dict(state)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["falcon", "cnn"])
+def test_in_place_ops_on_module_inputs_and_outputs(kind, tmp_path):
+    """Falcon's ``mlp_output += attention_output`` and ``nn.ReLU(inplace=True)`` modify a hooked module's output
+    or input in place, which torch forbids on the views its full backward hooks make. Captured forward+backward at
+    mix level, the run gives the loss and every parameter gradient bit for bit as without capture, and each
+    module's backward is recorded."""
+    if kind == "falcon":
+        model = _falcon()
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+        def loss_of(m):
+            return m(input_ids=ids, labels=ids).loss
+        node = "Module.transformer.h.0.mlp.FalconMLP.backward.0"
+    else:
+        torch.manual_seed(5)
+        model = _InPlaceCNN().train()
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+
+        def loss_of(m):
+            return m(x).pow(2).mean()
+        node = "Module.relu.ReLU.backward.1"
+
+    loss0, grads0 = _loss_and_grads(model, loss_of)
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "dump"), level="mix", task="statistics")
+    loss1, grads1 = _loss_and_grads(model, loss_of, dbg)
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[k], grads1[k]) for k in grads0)
+    data = _read_json(tmp_path / "dump" / "step0" / "rank" / "dump.json")["data"]
+    rec = data[node]
+    assert rec["input"] and rec["output"], rec
+    assert sum(k.startswith("Module.") and ".backward." in k for k in data) >= 6

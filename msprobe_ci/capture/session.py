@@ -8,8 +8,8 @@ Names, counters and the JSON layout follow msprobe 26.2.0 (``shared/spec/dump-fo
 * API forward/backward: ``{Prefix}.{api}.{n}.forward`` / ``.backward``; one counter per ``{Prefix}.{api}.``,
   read before the call and incremented after it; only the outermost API call is seen (the mode is off while it
   runs the call), so ``F.layer_norm`` calling ``torch.layer_norm`` yields one record.
-* Module: ``Module.{path}.{Class}.forward.{n}`` / ``.backward.{n}`` (the backward reuses the index of the forward
-  call it belongs to, matched last-in-first-out); the root model itself is not hooked.
+* Module: ``Module.{path}.{Class}.forward.{n}`` / ``.backward.{n}`` (the backward has the index of the forward
+  call it belongs to: each call sets up its own backward hook); the root model itself is not hooked.
 * Parameter gradients: ``Module.{path}.{Class}.parameters_grad.{k}`` = ``{param: [record]}`` in hook order.
 * Backward entries swap sides: ``input`` = gradients w.r.t. the forward outputs, ``output`` = gradients the node
   produces (w.r.t. its forward inputs; module backward lists only inputs that required grad).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
@@ -128,10 +127,7 @@ class CaptureSession:
         self.builder = RecordBuilder(self.config.summary_mode)
         self._fwd_stack: list[str] = []
         self._bwd_stack: list[str] = []
-        self._fwd_calls: dict[int, list[int]] = {}
-        self._pending_fwd: dict[int, list[tuple[str, dict | None]]] = {}
-        self._pending_bwd: dict[int, list[tuple[str, list | None]]] = {}
-        self._iso_calls: dict[int, list] = {}  # module isolation calls awaiting their backward (LIFO)
+        self._pending_fwd: dict[int, list[_ModuleCall]] = {}
         self._pgrad: dict[str, list] = {}
         self._in_scope = not self.config.scope
         self._scope_done = False
@@ -565,13 +561,6 @@ class CaptureSession:
     def _hook_model(self, model: torch.nn.Module, root_prefix: str) -> None:
         if id(model) in self._hooked:
             return
-        # torch warns when a full backward hook fires for a module whose inputs need no grad (the first layer);
-        # that is expected here and the record is still right.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                                "respect to module outputs", category=UserWarning)
-        # modules returning dicts (transformers ModelOutput) get no backward record, as in msprobe
-        warnings.filterwarnings("ignore", message="For backward hooks to be called, module output should be a "
-                                "Tensor or a tuple of Tensors", category=UserWarning)
         handles = []
         for path, mod in model.named_modules():
             if mod is model or path.startswith(self.opaque_prefixes):
@@ -582,8 +571,7 @@ class CaptureSession:
             handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
             handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True, always_call=True))
             if self._bwd:
-                handles.append(mod.register_full_backward_pre_hook(self._bwd_pre_hook(base)))
-                handles.append(mod.register_full_backward_hook(self._bwd_hook(base)))
+                # the module's backward hooks are set per call by the forward hooks (see _module_io)
                 for pname, p in mod.named_parameters(recurse=False):
                     if p.requires_grad:
                         handles.append(p.register_post_accumulate_grad_hook(self._pgrad_hook(base, pname)))
@@ -591,6 +579,7 @@ class CaptureSession:
 
     def _fwd_pre_hook(self, base: str, whole: bool = False):
         key = f"{base}.forward."
+        bkey = f"{base}.backward."
 
         def hook(module, args, kwargs):
             if not self.running or self._busy:
@@ -601,7 +590,6 @@ class CaptureSession:
             if self.with_construct:
                 self.construct[name] = self._fwd_stack[-1] if self._fwd_stack else None
             self._fwd_stack.append(name)
-            self._fwd_calls.setdefault(id(module), []).append(n)
             entry = None
             if self._keep(name):
                 entry = {"input_args": [], "input_kwargs": {}}
@@ -625,9 +613,48 @@ class CaptureSession:
                     mcall = self.isolator.module_before(name, module, args, kwargs, input_sources=self.api_level)
                 finally:
                     self._busy = False
-            self._pending_fwd.setdefault(id(module), []).append((name, entry, mcall))
-            return None
+            call = _ModuleCall(name, entry, mcall)
+            new_args = None
+            if self._bwd and torch.is_grad_enabled():
+                call.bwd_name, call.n_in = f"{bkey}{n}", len(args)
+                new_args = self._module_io(call, args, inputs=True)
+            self._pending_fwd.setdefault(id(module), []).append(call)
+            return None if new_args is None else (new_args, kwargs)
         return hook
+
+    def _module_io(self, call: "_ModuleCall", value: Any, inputs: bool) -> Any:
+        """Route a module call's positional inputs (or its outputs) through one :class:`_Alias` node, whose
+        backward hooks see the gradients w.r.t. them: what ``register_full_backward_hook`` does, but with aliases
+        where torch makes views. Returns the new args (outputs), or None when no tensor in them requires grad.
+
+        Only a top-level tensor or tuple of tensors is followed (torch's rule; a ``ModelOutput`` dict gets no
+        backward record, as in msprobe)."""
+        single = isinstance(value, torch.Tensor)
+        if not single and not isinstance(value, tuple):
+            return None
+        items = [value] if single else list(value)
+        idx = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad]
+        if not idx:
+            return None
+        self._busy = True
+        try:
+            new = _Alias.apply(*(items[i] for i in idx))
+        finally:
+            self._busy = False
+        for i, t in zip(idx, new):
+            if self.isolator is not None:
+                self.isolator.alias(t, items[i])
+            items[i] = t
+        node = new[0].grad_fn
+        if inputs:
+            call.in_idx, call.n_in = idx, len(items)
+            node.register_hook(self._bwd_hook(call))
+        else:
+            call.out_idx, call.n_out = idx, len(items)
+            node.register_prehook(self._bwd_pre_hook(call))
+        if single:
+            return items[0]
+        return tuple(items) if type(value) is tuple else type(value)(*items)
 
     def _fwd_hook(self, base: str):
         def hook(module, args, kwargs, output):
@@ -636,7 +663,8 @@ class CaptureSession:
             pending = self._pending_fwd.get(id(module))
             if not pending:
                 return None
-            name, entry, mcall = pending.pop()
+            call = pending.pop()
+            name, entry, mcall = call.name, call.entry, call.mcall
             if self._fwd_stack and self._fwd_stack[-1] == name:
                 self._fwd_stack.pop()
             if self.isolator is not None:
@@ -646,79 +674,89 @@ class CaptureSession:
                 finally:
                     self._busy = False
                 self.isolator.mark_produced(output)
-                if mcall is not None and self._bwd:
-                    self._iso_calls.setdefault(id(module), []).append(mcall)
-            if entry is None or not self.running:
-                return None
-            self._busy = True
-            try:
-                files = self._tensor_file(name)
-                entry["output"] = self._encode_output(output, f"{name}.output" if files else None) \
-                    if self._fwd_out else []
-                entry["parameters"] = {
-                    pname: self.builder.value(p, f"{name}.parameters.{pname}" if files else None)
-                    for pname, p in module.named_parameters(recurse=False)} if self._fwd_out else {}
-                self.data.pop(name, None)
-                self.data[name] = entry
-            finally:
-                self._busy = False
-            return None
-        return hook
-
-    def _bwd_pre_hook(self, base: str):
-        def hook(module, grad_output):
-            if not self.running or self._busy:
-                return None
-            calls = self._fwd_calls.get(id(module))
-            n = calls.pop() if calls else 0
-            name = f"{base}.backward.{n}"
-            if self.with_construct:
-                self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
-            self._bwd_stack.append(name)
-            recs = None
-            if self._keep(name):
+            if entry is not None and self.running:
                 self._busy = True
                 try:
                     files = self._tensor_file(name)
-                    recs = [self.builder.value(g, f"{name}.input.{i}" if files else None)
-                            for i, g in enumerate(grad_output)] if self._bwd_in else []
+                    entry["output"] = self._encode_output(output, f"{name}.output" if files else None) \
+                        if self._fwd_out else []
+                    entry["parameters"] = {
+                        pname: self.builder.value(p, f"{name}.parameters.{pname}" if files else None)
+                        for pname, p in module.named_parameters(recurse=False)} if self._fwd_out else {}
+                    self.data.pop(name, None)
+                    self.data[name] = entry
                 finally:
                     self._busy = False
-            self._pending_bwd.setdefault(id(module), []).append((name, recs))
+            if not call.bwd_name:
+                return None
+            return self._module_io(call, output, inputs=False)
+        return hook
+
+    def _bwd_pre_hook(self, call: "_ModuleCall"):
+        """Gradients w.r.t. a module call's outputs arrived: the backward entry begins (its ``input``)."""
+        def hook(grad_outputs):
+            grads = [None] * call.n_out
+            for i, g in zip(call.out_idx, grad_outputs):
+                grads[i] = g
+            call.grad_out = tuple(grads)
+            if self.running and not self._busy:
+                name = call.bwd_name
+                if self.with_construct:
+                    self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
+                self._bwd_stack.append(name)
+                call.bwd_recs = False  # the backward began; a list once recorded
+                if self._keep(name):
+                    self._busy = True
+                    try:
+                        files = self._tensor_file(name)
+                        call.bwd_recs = [self.builder.value(g, f"{name}.input.{i}" if files else None)
+                                         for i, g in enumerate(call.grad_out)] if self._bwd_in else []
+                    finally:
+                        self._busy = False
+            if call.in_idx is None:  # no input requires grad: the module's backward ends here
+                self._bwd_done(call, (None,) * call.n_in)
             return None
         return hook
 
-    def _bwd_hook(self, base: str):
-        def hook(module, grad_input, grad_output):
-            pending = self._pending_bwd.get(id(module))
-            if not pending:
-                return None
-            name, recs = pending.pop()
-            if name in self._bwd_stack:
-                self._bwd_stack.remove(name)
-            calls = self._iso_calls.get(id(module))
-            if self.isolator is not None and calls:
-                mcall = calls.pop()
-                self._busy = True
-                try:
-                    self.isolator.module_backward(mcall, name, grad_input, grad_output)
-                finally:
-                    self._busy = False
-            if recs is None or not self.running:
-                return None
-            self._busy = True
-            try:
-                files = self._tensor_file(name)
-                grads = [g for g in grad_input if g is not None]
-                self.data[name] = {
-                    "input": recs,
-                    "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
-                               for i, g in enumerate(grads)] if self._bwd_out else [],
-                }
-            finally:
-                self._busy = False
+    def _bwd_hook(self, call: "_ModuleCall"):
+        """Gradients w.r.t. a module call's inputs are computed: the backward entry ends (its ``output``)."""
+        def hook(grad_inputs, _grad_outputs):
+            grads = [None] * call.n_in
+            for i, g in zip(call.in_idx, grad_inputs):
+                grads[i] = g
+            self._bwd_done(call, tuple(grads))
             return None
         return hook
+
+    def _bwd_done(self, call: "_ModuleCall", grad_input: tuple) -> None:
+        grad_output, call.grad_out = call.grad_out, None
+        if grad_output is None:  # gradient reached the inputs but not through the outputs (double backward)
+            return
+        name = call.bwd_name
+        if self.isolator is not None and call.mcall is not None:
+            self._busy = True
+            try:
+                self.isolator.module_backward(call.mcall, name, grad_input, grad_output)
+            finally:
+                self._busy = False
+        recs, call.bwd_recs = call.bwd_recs, None
+        if recs is None:
+            return
+        if name in self._bwd_stack:
+            self._bwd_stack.remove(name)
+        if recs is False or not self.running:
+            return
+        self._busy = True
+        try:
+            files = self._tensor_file(name)
+            grads = [g for g in grad_input if g is not None]
+            self.data[name] = {
+                "input": recs,
+                "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
+                           for i, g in enumerate(grads)] if self._bwd_out else [],
+            }
+        finally:
+            self._busy = False
 
     def _pgrad_hook(self, base: str, pname: str):
         key = f"{base}.parameters_grad"
@@ -743,6 +781,43 @@ class CaptureSession:
             finally:
                 self._busy = False
         return hook
+
+
+class _Alias(torch.autograd.Function):
+    """Identity whose outputs share storage and version counter with its inputs (``detach``) but are not autograd
+    views: in-place ops on them are allowed and behave as on the tensors they alias (saved-tensor checks
+    included), where the views of ``register_full_backward_hook`` forbid them ("Output 0 of BackwardHookFunction
+    is a view and is being modified inplace": Falcon's ``mlp_output += attention_output``, ResNet's
+    ``out += identity``, ``nn.ReLU(inplace=True)``). No copy is made; gradients pass unchanged.
+
+    One difference from the uncaptured run remains, where torch's own hooks raise instead: after an in-place op on
+    an alias, a *different* reference to the same tensor used later in the graph does not carry that op's
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+class _ModuleCall:
+    """One forward call of a hooked module: its dump name, entry, isolation call and backward-hook state."""
+
+    __slots__ = ("name", "entry", "mcall", "bwd_name", "bwd_recs", "in_idx", "n_in", "out_idx", "n_out",
+                 "grad_out")
+
+    def __init__(self, name: str, entry: dict | None, mcall: Any):
+        self.name, self.entry, self.mcall = name, entry, mcall
+        self.bwd_name = ""  # set when the call's backward is hooked
+        self.bwd_recs: list | bool | None = None  # None: backward not begun; False: begun, not recorded
+        self.in_idx: list[int] | None = None  # positional args routed through the input alias node
+        self.n_in = 0
+        self.out_idx: list[int] = []
+        self.n_out = 0
+        self.grad_out: tuple | None = None
 
 
 def _first_grad_fn(value: Any):
