@@ -142,10 +142,14 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     Default tolerance: 16 x the unit roundoff of the coarsest dtype involved (the outputs' and ``cast_u``, the
     dtype the models were cast to), at least 1e-5 (an end-to-end
     budget: each layer adds about one rounding of the target dtype; isolation judges the layers themselves).
+    The error is relative to ``max(‖bench‖₂, √numel · smallest normal)`` of the outputs' coarser dtype: outputs
+    below that dtype's normal range (a random-init MobileNetV2 whose fp32 logits are 1e-26, 0 in fp16) are
+    judged by their absolute rounding, as :func:`msprobe_ci.compare.metrics.relative_error_arrays` does.
     """
     import torch
 
     from .compare.verdict import unit_roundoff
+    from .dtypes import smallest_normal
 
     if not bench or not target:
         return []
@@ -159,6 +163,7 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
         t64, b64 = t.to(torch.float64), b.to(torch.float64)
         finite = torch.isfinite(t64) & torch.isfinite(b64)
         denom = float(torch.linalg.vector_norm(b64[finite])) if bool(finite.any()) else 0.0
+        denom = max(denom, math.sqrt(int(finite.sum())) * smallest_normal(str(t.dtype), str(b.dtype)))
         diff = float(torch.linalg.vector_norm((t64 - b64)[finite])) if bool(finite.any()) else 0.0
         err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
         if not torch.equal(torch.isfinite(t64), torch.isfinite(b64)):

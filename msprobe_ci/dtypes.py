@@ -26,6 +26,8 @@ class DType:
         roundoff: unit roundoff u (2^-p).
         aliases: other spellings accepted on input (``bfloat16``, ``torch.half`` ...).
         finite_max: the largest finite value (``torch.finfo(dtype).max``: fp16 65504).
+        smallest_normal: ``torch.finfo(dtype).smallest_normal`` (fp16 2^-14). Below it values are subnormal and
+            one rounding errs by up to ``u · smallest_normal`` absolute (half the subnormal spacing), not ``u·|x|``.
     """
 
     short: str
@@ -34,6 +36,7 @@ class DType:
     roundoff: float
     aliases: tuple[str, ...] = ()
     finite_max: float = float("inf")
+    smallest_normal: float = 0.0
 
     @property
     def torch(self):
@@ -45,12 +48,13 @@ class DType:
 
 TABLE: tuple[DType, ...] = (
     DType("fp64", "torch.float64", "Float64", 2.0 ** -53, ("float64", "double", "torch.double"),
-          1.7976931348623157e308),
-    DType("fp32", "torch.float32", "Float32", 2.0 ** -24, ("float32", "float", "torch.float"), 3.4028234663852886e38),
-    DType("fp16", "torch.float16", "Float16", 2.0 ** -11, ("float16", "half", "torch.half"), 65504.0),
-    DType("bf16", "torch.bfloat16", "BFloat16", 2.0 ** -8, ("bfloat16",), 3.3895313892515355e38),
-    DType("fp8_e4m3", "torch.float8_e4m3fn", "Float8E4M3", 2.0 ** -4, ("float8_e4m3fn",), 448.0),
-    DType("fp8_e5m2", "torch.float8_e5m2", "Float8E5M2", 2.0 ** -3, ("float8_e5m2",), 57344.0),
+          1.7976931348623157e308, 2.0 ** -1022),
+    DType("fp32", "torch.float32", "Float32", 2.0 ** -24, ("float32", "float", "torch.float"), 3.4028234663852886e38,
+          2.0 ** -126),
+    DType("fp16", "torch.float16", "Float16", 2.0 ** -11, ("float16", "half", "torch.half"), 65504.0, 2.0 ** -14),
+    DType("bf16", "torch.bfloat16", "BFloat16", 2.0 ** -8, ("bfloat16",), 3.3895313892515355e38, 2.0 ** -126),
+    DType("fp8_e4m3", "torch.float8_e4m3fn", "Float8E4M3", 2.0 ** -4, ("float8_e4m3fn",), 448.0, 2.0 ** -6),
+    DType("fp8_e5m2", "torch.float8_e5m2", "Float8E5M2", 2.0 ** -3, ("float8_e5m2",), 57344.0, 2.0 ** -14),
 )
 OPTION_NAMES = ("fp64", "fp32", "fp16", "bf16")  # what --msprobe-*-dtype accepts
 _INDEX: dict[str, DType] = {}
@@ -110,6 +114,11 @@ def finite_max(value: Any) -> float | None:
     """The largest finite value of a floating dtype of the table (any spelling); None for other dtypes."""
     d = lookup(value)
     return d.finite_max if d is not None else None
+
+
+def smallest_normal(*dtypes: Any) -> float:
+    """The largest ``smallest_normal`` among ``dtypes`` (the coarsest underflow; 0 for none of the table's)."""
+    return max((d.smallest_normal for d in map(lookup, dtypes) if d is not None), default=0.0)
 
 
 def is_floating(value: Any) -> bool:

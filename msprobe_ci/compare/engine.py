@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump import names
-from ..dtypes import finite_max
+from ..dtypes import finite_max, smallest_normal
 from ..dump.reader import Dump
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write
@@ -266,8 +266,10 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
     pairs = match_rows(target.data, bench.data, fuzzy=fuzzy, cross=cross,
                        data_map=getattr(mappings, "data", None) or None)
     rows: list[RowResult] = []
+    reach = math.inf
     for t, b in pairs:
-        rows.append(_compare_row(t, b, mode, target, bench))
+        reach = carried_range(t, b, reach)
+        rows.append(_compare_row(t, b, mode, target, bench, reach))
     by_entry: dict[str, list[RowResult]] = {}
     for rr in rows:
         by_entry.setdefault(rr.target.entry, []).append(rr)
@@ -306,7 +308,9 @@ def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResu
     return out
 
 
-def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) -> RowResult:
+def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump, reach: float = math.inf) -> RowResult:
+    """One row's metrics and relative error. ``reach``: :func:`carried_range` up to this row (statistics are
+    compared within the smaller of it and the target dtype's range)."""
     if b is None:
         return RowResult(t, None, {}, math.nan)
     if t.record is None or b.record is None:
@@ -328,11 +332,40 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump) ->
         if _transposed(t, b):  # PyTorch's linear hands back dW transposed; paired by shape across frameworks
             bn = bn.T
         cols = M.tensor_metrics(tn, bn)
-        return RowResult(t, b, cols, M.relative_error_arrays(tn, bn))
+        return RowResult(t, b, cols, M.relative_error_arrays(tn, bn, _tiny(t.dtype, b.dtype)))
     if t.shape != b.shape and not _transposed(t, b):
         return RowResult(t, b, M.stats_metrics(t.stats(), b.stats()), math.inf)
     ts, bs = t.stats(), b.stats()
-    return RowResult(t, b, M.stats_metrics(ts, bs), M.relative_error_stats(ts, bs, t.numel, finite_max(t.dtype)))
+    t_max = _dtype_max(t.dtype)
+    if reach < t_max:
+        t_max = reach
+    return RowResult(t, b, M.stats_metrics(ts, bs), M.relative_error_stats(ts, bs, t.numel, t_max,
+                                                                            _tiny(t.dtype, b.dtype)))
+
+
+def carried_range(t: Row, b: Row | None, reach: float) -> float:
+    """The smallest finite range (``finfo.max``) among the dtypes of the matched rows seen so far in the target's
+    dump order: ``reach`` and this pair's.
+
+    What the target once held in a narrow dtype stays within that range after an upcast, while the bench's
+    values need not: GPT-J adds its fp16 attention mask (``finfo(float16).min``) to fp32 scores, where the fp32
+    bench adds ``finfo(float32).min`` and overflows to ``-inf``. Both mean "masked"; beyond the carried range
+    statistics compare clamped (:func:`msprobe_ci.compare.metrics.relative_error_stats`)."""
+    if b is None:
+        return reach
+    m = min(_dtype_max(t.dtype), _dtype_max(b.dtype))
+    return m if m < reach else reach
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_max(dtype: str) -> float:
+    m = finite_max(dtype)
+    return math.inf if m is None else m
+
+
+@functools.lru_cache(maxsize=256)
+def _tiny(t_dtype: str, b_dtype: str) -> float:
+    return smallest_normal(t_dtype, b_dtype)
 
 
 def _transposed(t: Row, b: Row) -> bool:

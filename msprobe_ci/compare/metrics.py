@@ -151,8 +151,11 @@ def tensor_metrics(n: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def relative_error_arrays(n: np.ndarray, b: np.ndarray) -> float:
-    """``‖target − bench‖₂ / ‖bench‖₂`` in float64; NaN/Inf at identical positions ignored, else ``inf``."""
+def relative_error_arrays(n: np.ndarray, b: np.ndarray, tiny: float = 0.0) -> float:
+    """``‖target − bench‖₂ / max(‖bench‖₂, √numel · tiny)`` in float64; NaN/Inf at identical positions ignored,
+    else ``inf``. ``tiny``: the coarser dtype's smallest normal (:func:`msprobe_ci.dtypes.smallest_normal`), so
+    data in the subnormal range, where one rounding errs by ``u · tiny`` absolute, does not read as a large
+    relative error (default 0: plain relative error)."""
     if n.shape != b.shape:
         return math.inf
     n64 = n.astype(np.float64).reshape(-1)
@@ -166,38 +169,53 @@ def relative_error_arrays(n: np.ndarray, b: np.ndarray) -> float:
             return math.inf
         n64, b64 = n64[~n_bad], b64[~b_bad]
     diff = float(np.linalg.norm(n64 - b64))
-    scale = float(np.linalg.norm(b64))
+    scale = max(float(np.linalg.norm(b64)), math.sqrt(n64.size) * tiny)
     if diff == 0.0:
         return 0.0
     return diff / scale if scale > 0 else math.inf
 
 
-def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None = None) -> float:
+def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None = None,
+                         tiny: float = 0.0) -> float:
     """Statistics-mode stand-in for the relative error: the worst of Max, Min, Mean and Norm, each measured
     against ``max(|bench statistic|, bench RMS)`` (RMS = Norm/√numel keeps near-zero Means and Mins from
     exploding). Missing statistics are skipped; a non-finite target statistic where the bench is finite is
     ``inf``.
 
-    ``t_max`` is the target dtype's largest finite value (``torch.finfo(dtype).max``; :mod:`msprobe_ci.dtypes`).
-    Where the bench holds values beyond it (its Max above ``t_max`` or its Min below ``-t_max``, as an
-    attention mask filled with ``finfo(float32).min`` does against one filled with ``finfo(float16).min``), the
-    target cannot hold them: it stores ``±t_max`` or rounds them to ``±inf``. Max and Min are then compared with
-    both sides clamped to ``[-t_max, t_max]``, and Mean and Norm, which add up the values the target cannot hold
-    (and overflow to ``inf`` on the bench), are not compared."""
+    ``t_max`` is the largest finite value the target could hold (``torch.finfo(dtype).max`` of its dtype, or of a
+    narrower one its data went through: :func:`msprobe_ci.compare.engine.carried_range`). Where the bench holds
+    values beyond it (its Max above ``t_max`` or its Min below ``-t_max``, as an attention mask filled with
+    ``finfo(float32).min`` does against one filled with ``finfo(float16).min``), the target cannot hold them: it
+    stores ``±t_max``, rounds them to ``±inf``, or holds its own sentinel, scaled as the bench's was (CodeGen
+    divides masked scores by √d: -65504/4 against -8.5e37). That statistic is then not compared, and neither are
+    Mean and Norm, which add up the values the target cannot hold (and overflow to ``inf`` on the bench); the
+    statistic on the other side, within range, is.
+
+    ``tiny`` is the coarser dtype's smallest normal (:func:`msprobe_ci.dtypes.smallest_normal`; fp16 2^-14).
+    Below it one rounding errs by up to ``u · tiny`` absolute (gradual underflow), so Max, Min and Mean are
+    measured against at least ``tiny`` and Norm against at least ``√numel · tiny``: fp16 data of 1e-6 (a
+    ConvNeXt layer scale) rounds by 1%, which is the dtype's rounding, not a 1% error (default 0)."""
     if t_max is not None and _beyond(b_stats, t_max):
-        t_stats = (_clamp(t_stats[0], t_max), _clamp(t_stats[1], t_max), None, None)
-        b_stats = (_clamp(b_stats[0], t_max), _clamp(b_stats[1], t_max), None, None)
+        hi, lo = _number(b_stats[0]), _number(b_stats[1])
+        keep_hi = hi is None or hi <= t_max
+        keep_lo = lo is None or lo >= -t_max
+        t_stats = (t_stats[0] if keep_hi else None, t_stats[1] if keep_lo else None, None, None)
+        b_stats = (b_stats[0] if keep_hi else None, b_stats[1] if keep_lo else None, None, None)
     norm_b = b_stats[3]
     if type(norm_b) is float and math.isfinite(norm_b):
         rms = abs(norm_b) / math.sqrt(max(numel, 1))
     else:
         rms = abs(float(norm_b)) / math.sqrt(max(numel, 1)) if _cls(norm_b) == "num" else 0.0
+    if rms < tiny:
+        rms = tiny  # for Norm, max(|Norm|, rms) with rms >= tiny is compared below with √numel·tiny
+    norm_floor = tiny * math.sqrt(max(numel, 1))
     worst = 0.0
-    for t, b in zip(t_stats, b_stats):
+    last = len(t_stats) - 1
+    for i, (t, b) in enumerate(zip(t_stats, b_stats)):
         if type(t) is float and type(b) is float and math.isfinite(t) and math.isfinite(b):
             d = abs(t - b)  # the common case, without the classification below (same results)
             if d != 0.0:
-                scale = max(abs(b), rms)
+                scale = max(abs(b), rms, norm_floor) if i == last else max(abs(b), rms)
                 worst = max(worst, d / scale if scale > 0 else math.inf)
             continue
         ct, cb = _cls(t), _cls(b)
@@ -211,7 +229,7 @@ def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: floa
         d = abs(t - b)
         if d == 0.0:
             continue
-        scale = max(abs(b), rms)
+        scale = max(abs(b), rms, norm_floor) if i == last else max(abs(b), rms)
         worst = max(worst, d / scale if scale > 0 else math.inf)
     return worst
 
@@ -232,11 +250,3 @@ def _beyond(b_stats: tuple, t_max: float) -> bool:
         return hi > t_max or lo < -t_max
     hi, lo = _number(hi), _number(lo)
     return (hi is not None and hi > t_max) or (lo is not None and lo < -t_max)
-
-
-def _clamp(v: Any, t_max: float) -> Any:
-    """A statistic clamped to ``[-t_max, t_max]`` (infinities too; NaN and non-numbers as they are)."""
-    x = _number(v)
-    if x is None or math.isnan(x):
-        return v
-    return max(-t_max, min(t_max, x))

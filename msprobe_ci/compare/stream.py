@@ -21,6 +21,7 @@ syntax error, which the in-memory reader then reports).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -345,6 +346,7 @@ class NodeStream:
         head = 0
         first_error: str | None = None
         floor = 0.0                        # the coarsest roundoff seen so far (engine.carried_roundoff)
+        reach = math.inf                   # the narrowest range seen so far (engine.carried_range)
 
         def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
             b_rows = {}
@@ -352,12 +354,14 @@ class NodeStream:
                 b_name, _, rows = bench_item
                 b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r for r in rows}
             own = []
+            nonlocal reach
             for t in entry_rows(name, entry):
                 tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
                 b = b_rows.get(tk)
                 if b is not None and not _dtype_compatible(t, b):
                     b = None
-                own.append(engine._compare_row(t, b, mode, t_dump, b_dump))
+                reach = engine.carried_range(t, b, reach)
+                own.append(engine._compare_row(t, b, mode, t_dump, b_dump, reach))
             return own
 
         def node_of(slot: list) -> None:

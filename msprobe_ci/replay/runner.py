@@ -226,6 +226,8 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         std_name = "benchmark"
     std = make_standard(std_name, t.dtype, short, **(thresholds or {}).get(std_name, {}))
     oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+    if oracle is not None and t.is_floating_point():
+        oracle = saturate(oracle, t.dtype)
     if std_name == "benchmark" and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b):
         # the target is bit-identical to the same-dtype bench: its error against the oracle *is* the bench's
         # error, so every ratio of the standard is exactly 1 (<= every level's threshold)
@@ -246,6 +248,22 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         if std_name == "ulp" and floor is not None:
             return std(t, b, oracle, floor=floor)
         return std(t, b, oracle)
+
+
+def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle with its values beyond ``dtype``'s finite range made ±inf, as correct rounding to ``dtype``
+    gives (IEEE round to nearest: ``|x| >= max + ulp(max)/2`` overflows). A target that returns inf there (an
+    fp32 ``finfo.min`` mask plus a bf16 one in GPT-Neo's attention) computed the right value, not an overflow
+    error. Returns ``oracle`` itself when nothing lies beyond the range (one ``amax`` pass); shape and dtype
+    are kept."""
+    if oracle.dtype == dtype or oracle.numel() == 0 or not dtype.is_floating_point:
+        return oracle
+    peak = float(oracle.detach().abs().amax())
+    if peak <= torch.finfo(dtype).max:  # a NaN peak goes on: other elements may still overflow
+        return oracle
+    rounded = oracle.detach().to(dtype)
+    over = torch.isinf(rounded) & torch.isfinite(oracle)
+    return torch.where(over, rounded.to(oracle.dtype), oracle) if bool(over.any()) else oracle
 
 
 # matmul-family APIs: which tensor argument's last dimension is contracted

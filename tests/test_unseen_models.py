@@ -1,0 +1,115 @@
+"""Stock transformers architectures outside the tuned set: benign bf16/fp16 runs pass, a fault is still named.
+
+Each case failed for a cause that was not the model's: an fp64 oracle beyond the target dtype's range (GPT-Neo's
+masked fp32 scores, where the target's correctly rounded result is -inf), fp16 subnormal data (ConvNeXt's 1e-6
+layer scale), fp16 outputs below the normal range (a random-init MobileNetV2's 1e-26 logits), and masks filled
+with each dtype's own ``finfo.min`` (GPT-J, CodeGen: an fp16 mask added to fp32 scores, -inf on the fp32 bench).
+"""
+
+import os
+
+import pytest
+import torch
+
+from msprobe_ci.backends import Backend
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.check import judge, model_cases, run_side
+from msprobe_ci.compare.verdict import unit_roundoff
+from msprobe_ci.config import DumpConfig
+from msprobe_ci.isolate import Isolator
+from msprobe_ci.replay.runner import saturate
+
+transformers = pytest.importorskip("transformers")
+
+
+def _ids(seed, n=16):
+    return torch.randint(3, 256, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _causal(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "gpt_neo":
+        cfg = transformers.GPTNeoConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                                        attention_types=[[["global", "local"], 1]], max_position_embeddings=64)
+    elif kind == "gptj":
+        cfg = transformers.GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64)
+    else:
+        cfg = transformers.CodeGenConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                         n_positions=64, n_ctx=64)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(seed)
+    return model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+
+
+def _vision(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "convnext":
+        cfg = transformers.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=2)
+    else:
+        cfg = transformers.MobileNetV2Config(num_labels=2, depth_multiplier=0.35)
+    model = transformers.AutoModelForImageClassification.from_config(cfg).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return model, ({"pixel_values": x, "labels": torch.tensor([0, 1])},), lambda o: o.loss
+
+
+def _check(tmp_path, case, target_dtype, faults=(), isolate=True):
+    """The ``msprobe.check`` pipeline (fp32 bench, target isolated or not, forward+backward): (report, model
+    cases)."""
+    model, inputs, loss_fn = case
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", target_dtype)
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
+    t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
+                 faults=tuple(faults), isolator=Isolator(backward=True) if isolate else None)
+    cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+    report, _, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
+    return report, model_cases(b.outputs, t.outputs, None, cast_u)
+
+
+def _errors(report, cases):
+    return [n.message for n in report.nodes if n.status == "error"] + \
+        [c["message"] for c in cases if c["status"] == "error"]
+
+
+@pytest.mark.parametrize("name, build, dtype, fault, expected", [
+    ("gpt_neo", lambda s: _causal("gpt_neo", s), "bf16", Fault("Functional.softmax", 1, "forward", "scale", 1.05),
+     "Functional.softmax.1.forward"),
+    ("convnext", lambda s: _vision("convnext", s), "fp16", Fault("Functional.conv2d", 2, "forward", "scale", 1.05),
+     "Functional.conv2d.2.forward"),
+    ("mobilenet_v2", lambda s: _vision("mobilenet_v2", s), "fp16",
+     Fault("Functional.conv2d", 1, "forward", "scale", 1.05), "Functional.conv2d.1.forward"),
+])
+def test_isolated_gate_on_unseen_architectures(tmp_path, name, build, dtype, fault, expected):
+    for seed in (0, 1):
+        report, cases = _check(tmp_path / f"benign{seed}", build(seed), dtype)
+        assert not _errors(report, cases), (name, seed, _errors(report, cases)[:3])
+    report, _ = _check(tmp_path / "fault", build(0), dtype, faults=[fault])
+    assert report.first_divergence is not None and report.first_divergence.name == expected, \
+        report.first_divergence and report.first_divergence.message
+
+
+@pytest.mark.parametrize("kind", ["gptj", "codegen"])
+def test_drift_rule_masks_filled_with_each_dtypes_min(tmp_path, kind):
+    # the fp16 target adds finfo(float16).min to fp32 scores; the fp32 bench adds finfo(float32).min and
+    # overflows to -inf: both mean "masked", and a 5% softmax fault after them is still the first error
+    report, cases = _check(tmp_path / "benign", _causal(kind, 0), "fp16", isolate=False)
+    forward_errors = [n.message for n in report.nodes if n.status == "error" and ".forward" in n.name]
+    assert not forward_errors, forward_errors[:3]
+    report, _ = _check(tmp_path / "fault", _causal(kind, 0), "fp16", isolate=False,
+                       faults=[Fault("Functional.softmax", 1, "forward", "scale", 1.05)])
+    assert report.first_divergence is not None and report.first_divergence.name == "Functional.softmax.1.forward", \
+        report.first_divergence and report.first_divergence.message
+
+
+def test_oracle_beyond_the_dtype_range_rounds_to_inf():
+    big = torch.finfo(torch.float32).max
+    o = torch.tensor([2.0 * big, -1.5 * big, big, 1.0, float("nan")], dtype=torch.float64)
+    s = saturate(o, torch.float32)
+    assert s[0] == float("inf") and s[1] == float("-inf")
+    assert s[2] == big and s[3] == 1.0 and torch.isnan(s[4])  # in range (and NaN): as it was
+    within = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    assert saturate(within, torch.bfloat16) is within  # nothing beyond: no copy
+    # fp16: 65520 is max + ulp/2 (ties to even: inf), 65519 rounds to the max
+    assert saturate(torch.tensor([65520.0, 65519.0], dtype=torch.float64), torch.float16).tolist() == \
+        [float("inf"), 65519.0]
