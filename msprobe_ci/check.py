@@ -109,7 +109,7 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
     records = load_isolation(target_folder) if isolate else None
     if records is not None:
         apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff,
-                        source_factor=source_factor)
+                        source_factor=source_factor, bench_stack=bench_dump.stack)
     return report, target_dump, bench_dump
 
 

@@ -251,11 +251,11 @@ def _compare(args) -> int:
         if streamed is not None:
             return streamed
     for t, g, rank, key in pairs:
-        target = load_dump(t)
-        report = compare_dumps(target, load_dump(g), fuzzy=args.fuzzy_match, mappings=mappings)
+        target, bench = load_dump(t), load_dump(g)
+        report = compare_dumps(target, bench, fuzzy=args.fuzzy_match, mappings=mappings)
         records = load_isolation(target.folder)
         if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
-            apply_isolation(report, records, target.construct)
+            apply_isolation(report, records, target.construct, bench_stack=bench.stack)
         path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
         first = report.first_divergence
         lines.append(_summary_line(path, len(report.nodes), report.counts(), first, report.isolated))

@@ -387,7 +387,7 @@ class Isolator:
         if call is None:
             return
         from .checkers import make_standard
-        from .replay.runner import judge_pair
+        from .replay.runner import _LINEAR_REDUCTIONS, accumulation_scale, judge_pair
 
         stem = f"{call.name}.output"
         targets = _flat_outputs(out, stem)
@@ -410,12 +410,18 @@ class Isolator:
         else:
             bench = dict(_flat_outputs(orig if self.same_device else call.bench_out, stem))
         results = []
+        scale = None
+        if call.short in _LINEAR_REDUCTIONS and call.inputs is not None and len(targets) == 1:
+            try:
+                scale = accumulation_scale(call.short, call.func, *call.inputs)
+            except Exception:  # noqa: BLE001 - msprobe's unit scale then
+                scale = None
         for row, t in targets:
             b = bench.get(row)
             if isinstance(b, torch.Tensor) and isinstance(t, torch.Tensor) and b.device != t.device:
                 b = b.to(t.device)
             o = oracles.get(row)
-            res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds)
+            res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale)
             if res.standard == "ulp" and res.status == "error" and call.inputs is not None and len(targets) == 1:
                 # only when it matters: the accumulation allowance costs one more pass over |inputs|
                 res = self._with_floor(call, res, t, b, o)

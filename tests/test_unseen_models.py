@@ -113,3 +113,37 @@ def test_oracle_beyond_the_dtype_range_rounds_to_inf():
     # fp16: 65520 is max + ulp/2 (ties to even: inf), 65519 rounds to the max
     assert saturate(torch.tensor([65520.0, 65519.0], dtype=torch.float64), torch.float16).tolist() == \
         [float("inf"), 65519.0]
+
+
+def _t5(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForSeq2SeqLM.from_config(cfg).eval()
+    return model, ({"input_ids": _ids(seed), "labels": _ids(seed + 1, 8)},), lambda o: o.loss
+
+
+def test_dtype_dependent_code_paths_are_not_compared_as_one_call(tmp_path):
+    # T5 clamps fp16 activations only (torch.where(..., finfo(float16).max - 1000, finfo(float16).max)): the
+    # target's Torch.where.1 is that clamp, the fp32 bench's is another call; their call sites differ, so the
+    # clamp's scalar constants are not judged against the other call's
+    report, cases = _check(tmp_path, _t5(0), "fp16")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+
+
+def test_mean_of_small_values_is_judged_at_its_terms_scale(tmp_path):
+    # Gemma2's RMSNorm means x^2 of activations ~3e-3 (values ~1e-5): msprobe's accumulative standard judges
+    # values below 1 by absolute error (2^-11 in fp32) and passed a 5% fault; in units of mean(|x|) it fails
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                    vocab_size=256, max_position_embeddings=64, num_key_value_heads=2, head_dim=16)
+    cfg._attn_implementation = "eager"
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    ids = _ids(0)
+    case = (model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss)
+    report, cases = _check(tmp_path / "benign", case, "bf16")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    report, _ = _check(tmp_path / "fault", case, "bf16", faults=[Fault("Tensor.mean", 7, "forward", "scale", 1.05)])
+    assert report.first_divergence is not None and report.first_divergence.name == "Tensor.mean.7.forward", \
+        report.first_divergence and report.first_divergence.message

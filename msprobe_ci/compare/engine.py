@@ -331,9 +331,11 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump, re
         bn = M.to_array(bench.load_tensor(b.data_name, b.record.get("shape")))
         if _transposed(t, b):  # PyTorch's linear hands back dW transposed; paired by shape across frameworks
             bn = bn.T
+        elif _regrouped(t, b):
+            bn = bn.reshape(tn.shape)
         cols = M.tensor_metrics(tn, bn)
         return RowResult(t, b, cols, M.relative_error_arrays(tn, bn, _tiny(t.dtype, b.dtype)))
-    if t.shape != b.shape and not _transposed(t, b):
+    if t.shape != b.shape and not _transposed(t, b) and not _regrouped(t, b):
         return RowResult(t, b, M.stats_metrics(t.stats(), b.stats()), math.inf)
     ts, bs = t.stats(), b.stats()
     t_max = _dtype_max(t.dtype)
@@ -366,6 +368,14 @@ def _dtype_max(dtype: str) -> float:
 @functools.lru_cache(maxsize=256)
 def _tiny(t_dtype: str, b_dtype: str) -> float:
     return smallest_normal(t_dtype, b_dtype)
+
+
+def _regrouped(t: Row, b: Row) -> bool:
+    """A backward row of the same size in another shape. An API's backward record is the gradient its last
+    autograd node hands back (msprobe records it so), and which node ends a composite API can depend on the dtype:
+    CPU ``scaled_dot_product_attention`` in fp16 ends in a cast of a ``[2, 4, 16, 8]`` gradient, in fp32 in a view
+    of an ``[8, 16, 8]`` one. Same values: statistics do not depend on the shape, tensors compare flattened."""
+    return ".backward" in t.entry and t.numel == b.numel and t.shape != b.shape
 
 
 def _transposed(t: Row, b: Row) -> bool:
@@ -478,8 +488,9 @@ def cancellation(out: tuple | None, incoming: list[tuple], saved: list[tuple], s
     Rounding errors of the terms add up like a random walk, ``‖δ‖ ≈ r · sqrt(Σ term²)``, whatever the terms add up
     to; where they cancel (a bias feeding a normalization or a softmax sums to zero by symmetry) the result is
     small and its relative error large. Estimated ``sqrt(Σ term²)``: reduction ``‖g‖·rms(x)`` (x: a saved operand
-    of g's size, or ones), contraction over K ``‖g‖·‖x‖/√K`` (K a dimension of both, ``K² = numel(g)·numel(x) /
-    numel(out)``). The factor is the largest estimate over the output's norm, and 1 for uncorrelated terms.
+    of g's size, or ones), contraction over K ``‖g‖·‖x‖/√K`` (K a dimension of both, or the product of their
+    leading dimensions, which a linear layer's weight gradient flattens; ``K² = numel(g)·numel(x) / numel(out)``).
+    The factor is the largest estimate over the output's norm, and 1 for uncorrelated terms.
 
     Args:
         out: ``(error, bench norm, numel, shape)`` of the output row (None: no estimate, 1).
@@ -504,9 +515,20 @@ def cancellation(out: tuple | None, incoming: list[tuple], saved: list[tuple], s
             for _, n_x, size_x, dims_x in saved:
                 k2 = size_g * size_x // size_out if size_out else 0
                 k = math.isqrt(k2)
-                if k >= 2 and k * k == k2 and k2 * size_out == size_g * size_x and k in dims_g and k in dims_x:
+                if k >= 2 and k * k == k2 and k2 * size_out == size_g * size_x and _contracted(k, dims_g) \
+                        and _contracted(k, dims_x):
                     kappa = max(kappa, n_g * n_x / math.sqrt(k) / n_out)
     return kappa
+
+
+def _contracted(k: int, dims: tuple) -> bool:
+    """``k`` is a dimension of ``dims`` or the product of all but its last (the rows a linear layer flattens)."""
+    if k in dims:
+        return True
+    lead = 1
+    for d in dims[:-1]:
+        lead *= d
+    return len(dims) > 2 and lead == k
 
 
 def _sub_multiset(small: list[int], dims: tuple) -> bool:

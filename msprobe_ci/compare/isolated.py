@@ -27,6 +27,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
+from ..dtypes import finite_max
 from ..dump import names
 from ..errors import MsprobeError
 from .verdict import CompareResult, unit_roundoff
@@ -65,7 +66,10 @@ def _finfo_constants() -> set[float]:
     return _FINFO_CONSTANTS
 
 
-def _scalar_differs(t: Any, b: Any, tol: float) -> bool:
+def _scalar_differs(t: Any, b: Any, tol: float, t_max: float = math.inf) -> bool:
+    """Scalars differ beyond ``tol`` (relative). Not a difference: each side's own dtype constant, and a bench
+    value beyond ``t_max`` (the narrowest range of the target's data) against a target value of the same sign,
+    which is the most the target could hold (T5 clamps fp16 activations at ``finfo(float16).max - 1000``)."""
     if t == b:
         return False
     if isinstance(t, bool) or isinstance(b, bool) or not isinstance(t, (int, float)) or \
@@ -77,11 +81,25 @@ def _scalar_differs(t: Any, b: Any, tol: float) -> bool:
     consts = _finfo_constants()
     if t in consts and b in consts and math.copysign(1, t) == math.copysign(1, b):
         return False  # a dtype's own constant (finfo(dtype).min as a mask value) on each side
+    if abs(b) > t_max >= abs(t) and math.copysign(1, t) == math.copysign(1, b):
+        return False
     return abs(t - b) > tol * max(abs(b), 1e-30)
 
 
+def _call_site(frames: list | None) -> str | None:
+    """The innermost frame of a stack entry as ``file basename:line:function`` (paths differ across machines);
+    None when unknown."""
+    if not frames or not isinstance(frames[0], str):
+        return None
+    head = frames[0].split("\n", 1)[0].strip().rstrip(",")
+    parts = [p.strip() for p in head.split(", ")]
+    if len(parts) < 3 or not parts[0].startswith("File "):
+        return None
+    return f"{os.path.basename(parts[0][5:])}:{parts[1]}:{parts[2]}"
+
+
 def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any] | None = None,
-                    source_factor: float = 4.0, cast_roundoff: float = 0.0):
+                    source_factor: float = 4.0, cast_roundoff: float = 0.0, bench_stack: dict | None = None):
     """Replace the report's node verdicts by the isolated ones (see the module docstring); in place.
 
     Args:
@@ -91,12 +109,18 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         source_factor: sources may differ by ``source_factor × u`` (default 4).
         cast_roundoff: unit roundoff of the dtypes the sides' models and inputs were cast to (a bf16 target's
             buffers are bf16 even where the model later upcasts them): ``u`` is at least this.
+        bench_stack: the bench's stack.json (``{entry: [frames]}``). Where a node's innermost frame differs from
+            the target's (``report.target_stack``), the two calls of that name are different calls (code that
+            branches on the dtype, as T5's fp16-only clamp, shifts the call counters) and its sources are not
+            compared.
 
     Returns:
         The same report, ``report.isolated`` set to ``True``.
     """
     construct = construct or {}
     rows_by_name = {rr.target.name: rr for rr in report.rows}
+    t_max = min((finite_max(rr.target.dtype) or math.inf for rr in report.rows if rr.target.is_tensor),
+                default=math.inf)
     seen_sources: set[str] = set()
     new_nodes: list[CompareResult] = []
     failing_api: dict[str, str] = {}
@@ -111,8 +135,10 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         if rec is None or not (names.is_api(node.name) or names.is_module(node.name)):
             new_nodes.append(node)
             continue
-        src = _judge_sources(node.name, rec.get("sources") or {}, rows_by_name, seen_sources, source_factor,
-                             cast_roundoff)
+        src = None
+        if rec.get("sources") and _same_call(node.name, report, bench_stack):
+            src = _judge_sources(node.name, rec["sources"], rows_by_name, seen_sources, source_factor,
+                                 cast_roundoff, t_max)
         if src is not None:
             new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source",
                                                        **({"rank": rec["rank"]} if "rank" in rec else {}))))
@@ -205,8 +231,18 @@ def _seconds(isolation: dict[str, dict], construct: dict[str, Any]) -> dict[str,
     return out
 
 
+def _same_call(name: str, report, bench_stack: dict | None) -> bool:
+    """The bench's call of this name was made where the target's was (True when either stack is unknown)."""
+    if not bench_stack:
+        return True
+    bench_name = (getattr(report, "entry_pairs", None) or {}).get(name, name)
+    t_site = _call_site((getattr(report, "target_stack", None) or {}).get(name))
+    b_site = _call_site(bench_stack.get(bench_name))
+    return t_site is None or b_site is None or t_site == b_site
+
+
 def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor: float,
-                   cast_u: float = 0.0) -> CompareResult | None:
+                   cast_u: float = 0.0, t_max: float = math.inf) -> CompareResult | None:
     for row_name, info in sources.items():
         sid = str(info.get("id"))
         if sid in seen:
@@ -228,7 +264,7 @@ def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor:
                 detail = f"RelativeErr {_fmt(err)} > {_fmt(tol)} (= {factor:g} x u {u:.3g}, dtype conversion)"
         elif not t.is_tensor and not b.is_tensor and t.record is not None and b.record is not None:
             tv, bv = t.record.get("value"), b.record.get("value")
-            bad = _scalar_differs(tv, bv, tol)
+            bad = _scalar_differs(tv, bv, tol, t_max)
             detail = f"value {tv!r} vs bench {bv!r}"
         else:
             continue
