@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
@@ -273,6 +273,77 @@ def test_csv_record_is_what_the_csv_writer_writes(row):
     fh = io.StringIO()
     csv.writer(fh).writerow(row)
     assert csv_record(row) == fh.getvalue()
+
+
+@settings(max_examples=400, deadline=None)
+@given(t=st.tuples(_stat, _stat, _stat, _stat), b=st.tuples(_stat, _stat, _stat, _stat), numel=st.integers(0, 10**6),
+       near=st.booleans(), t_max=st.sampled_from([math.inf, 65504.0, 448.0, 1.0]),
+       tiny=st.sampled_from([0.0, 2.0 ** -14, 1.1754943508222875e-38, 1.0]))
+@example(t=(1.0, 1.0, 1.0, 0.5), b=(1.0, 1.0, 1.0, 0.25), numel=100, near=False, t_max=math.inf, tiny=1.0)  # Norm floor
+@example(t=(0.0, -0.0, 1e308, 1.0), b=(-0.0, 0.0, -1e308, 1.0), numel=4, near=False, t_max=math.inf, tiny=0.0)
+def test_stats_pair_is_the_two_rules(t, b, numel, near, t_max, tiny):
+    """The one-pass statistics row (columns and relative error together) gives what stats_metrics and
+    relative_error_stats give, column by column and in the same order (``near``: the bench a bf16 rounding of the
+    target, the common row; -0.0, subnormals, overflowing differences and values beyond the range included)."""
+    from msprobe_ci.compare import metrics as M
+
+    if near:
+        b = tuple(float(torch.tensor(float(v), dtype=torch.bfloat16)) if isinstance(v, float) and math.isfinite(v)
+                  else v for v in t)
+    cols, err = M.stats_pair(t, b, numel, t_max, tiny)
+    want = M.relative_error_stats(t, b, numel, t_max, tiny)
+    assert repr(list(cols.items())) == repr(list(M.stats_metrics(t, b).items()))
+    assert err == want or (math.isnan(err) and math.isnan(want))
+
+
+_finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), st.integers(-2**63, 2**64 - 1),
+                    st.sampled_from([0.0, -0.0, 1e-05, 0.0001, 1e16, 1e-7, 5e-324, 2.5e-07, -0.00012, 123456789.0]),
+                    st.floats(min_value=-1e-3, max_value=1e-3))
+
+
+@settings(max_examples=500, deadline=None)
+@given(values=st.lists(st.one_of(_finite, st.none(), st.booleans(), st.floats(), st.integers(-2**80, 2**80),
+                                 st.text(max_size=3)), min_size=1, max_size=16))
+def test_number_cells_are_what_str_writes(values):
+    """The CSV's numeric cells formatted at once give ``str`` of each value (a float's repr: ``1e-05`` and
+    ``2.5e-07``, not orjson's ``0.00001`` and ``2.5e-7``), or None where a value is not a finite number."""
+    from msprobe_ci.compare.engine import number_cells
+
+    got = number_cells(tuple(values))
+    finite = all(type(v) in (int, float) and (type(v) is int or math.isfinite(v)) for v in values)
+    if finite and all(-2**63 <= v < 2**64 for v in values if type(v) is int):
+        assert got == ",".join(map(str, values))
+    else:
+        assert got is None or got == ",".join(map(str, values))
+
+
+def test_csv_line_is_the_csv_row(gpt2_pair, fixtures_dir):
+    """The compare CSV's one-line record of a statistics row is the cell-by-cell record, on every row of real
+    compares (bf16 against fp32 with a forward and a backward fault: error and propagated rows; msprobe's own
+    dumps; md5 and tensor modes) and on rows whose cells need quoting or are not numbers."""
+    from msprobe_ci.compare.engine import csv_record
+
+    pairs = [gpt2_pair] + [(os.path.join(fixtures_dir, f"bf16_{m}", "step0", "proc0"),
+                            os.path.join(fixtures_dir, f"fp32_{m}", "step0", "proc0"))
+                           for m in ("statistics", "md5", "tensor")]
+    pairs.append((os.path.join(fixtures_dir, "fp16_overflow_statistics", "step0", "proc0"), pairs[1][1]))
+    checked = 0
+    for target, bench in pairs:
+        t_dump, b_dump = load_dump(str(target)), load_dump(str(bench))
+        odd = [r for e in t_dump.data.values() if isinstance(e, dict) for r in e.get("output") or []
+               if isinstance(r, dict) and "Max" in r][:6]
+        for rec, (key, value) in zip(odd, [("Max", "1,5"), ("Min", 'a"b'), ("Mean", math.nan), ("Norm", True),
+                                           ("requires_grad", 'x"y'), ("Max", 10**30)]):
+            rec[key] = value
+        report = compare_dumps(t_dump, b_dump)
+        verdicts = {n.name: n for n in report.nodes}
+        fast_done, slow_done = set(), set()
+        for rr in report.rows:
+            node = verdicts.get(rr.target.entry)
+            assert report._csv_line(rr, node, fast_done) == csv_record(report._csv_row(rr, node, slow_done))
+            checked += 1
+        assert fast_done == slow_done
+    assert checked > 500
 
 
 _json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | \

@@ -5,9 +5,12 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from ..dump import names
 from ..dtypes import finite_max, smallest_normal
@@ -103,10 +106,63 @@ class CompareReport:
         verdicts = {n.name: n for n in self.nodes}
         stack_done: set[str] = set()
         with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
-            w = RowWriter(fh, self)
-            for rr in self.rows:
-                w.write(rr, verdicts.get(rr.target.entry), stack_done)
+            with RowWriter(fh, self) as w:
+                for rr in self.rows:
+                    w.write(rr, verdicts.get(rr.target.entry), stack_done)
         return path
+
+    def _csv_line(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> str:
+        """The CSV record of one row: ``csv_record(self._csv_row(...))``, built without a cell-by-cell pass for
+        the common row (statistics, both sides tensor records; a test holds the two equal on every row of real
+        compares). Its numeric cells (metrics and statistics: numbers, ``None``, or this module's own words such
+        as ``N/A`` and ``12.5%``) are joined by ``str`` (``repr`` for a float, as :mod:`csv` writes them) and
+        checked for a delimiter or quote before they are trusted; names, dtypes and requires_grad likewise."""
+        t, b = rr.target, rr.bench
+        if self.mode != "statistics" or b is None or not t.is_tensor or not b.is_tensor:
+            return csv_record(self._csv_row(rr, node, stack_done))
+        metrics = _stat_cells(rr.metrics)
+        if None in metrics:
+            return csv_record(self._csv_row(rr, node, stack_done))
+        stats = number_cells((*t._stats, *b._stats))
+        if stats is None:
+            stats = ",".join(map(str, (*t._stats, *b._stats)))
+        nums = ",".join(map(str, metrics)) + "," + stats
+        words = ",".join((t.name, b.name, t.dtype, b.dtype, t.requires_grad, b.requires_grad))
+        if nums.count(",") != 15 or words.count(",") != 5 or _NEEDS_QUOTES_BUT_COMMA(nums) or \
+                _NEEDS_QUOTES_BUT_COMMA(words):
+            return csv_record(self._csv_row(rr, node, stack_done))
+        ts, bs = t.shape, b.shape
+        if "," in ts:
+            ts = '"' + ts + '"'  # str(list of ints): a comma, never a quote
+        if "," in bs:
+            bs = '"' + bs + '"'
+        if node is not None and t.side == "output" and node.status in ("warning", "error") and \
+                node.worst_row == t.name:
+            consistent = t.requires_grad == b.requires_grad or "N/A" in (t.requires_grad, b.requires_grad)
+            tail = f"{consistent},{node.status},{_quoted(json.dumps([f'{node.status}: {node.message}']))}"
+        else:
+            consistent = t.requires_grad == b.requires_grad or t.requires_grad == "N/A" or b.requires_grad == "N/A"
+            tail = "True,pass,[]" if consistent else "False,pass,[]"
+        stack = self._stack_cell(t.entry, stack_done)  # checked, or quoted, when it was cached
+        return f"{t.name},{b.name},{t.dtype},{b.dtype},{ts},{bs},{t.requires_grad},{b.requires_grad},{nums}," \
+               f"{tail},{stack}\r\n"
+
+    def _stack_cell(self, entry: str, stack_done: set[str]) -> str:
+        """The NPU_Stack_Info cell of an entry's first row (``N/A`` on the others, and without a stack): the
+        stack once per stack.json group, a :class:`_Quoted` cell when it needs quotes."""
+        if entry in stack_done:
+            return "N/A"
+        stack_done.add(entry)
+        frames = self.target_stack.get(entry)
+        if not frames:
+            return "N/A"
+        # stack.json groups the entries that share a stack: one cell per group, quoted for the CSV once
+        known = self._stack_cells.get(id(frames))
+        if known is None or known[0] is not frames:
+            cell = str(list(frames))
+            known = (frames, _Quoted(_quoted(cell)) if _NEEDS_QUOTES(cell) else cell)
+            self._stack_cells[id(frames)] = known
+        return known[1]
 
     def _csv_row(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
         t, b = rr.target, rr.bench
@@ -139,25 +195,14 @@ class CompareReport:
                 row += [str(consistent), node.status, json.dumps([f"{node.status}: {node.message}"])]
             else:
                 row += [str(consistent), "pass", "[]"]
-        stack = na
-        if t.entry not in stack_done:
-            stack_done.add(t.entry)
-            frames = self.target_stack.get(t.entry)
-            if frames:
-                # stack.json groups the entries that share a stack: one cell per group, quoted for the CSV once
-                known = self._stack_cells.get(id(frames))
-                if known is None or known[0] is not frames:
-                    cell = str(list(frames))
-                    known = (frames, _Quoted(_quoted(cell)) if _NEEDS_QUOTES(cell) else cell)
-                    self._stack_cells[id(frames)] = known
-                stack = known[1]
-        row.append(stack)
+        row.append(self._stack_cell(t.entry, stack_done))
         if mode == "tensor":
             row.append(str([t.data_name, b.data_name if b else "-1"]))
         return row
 
 
 _NEEDS_QUOTES = re.compile(r'[,"\r\n]').search
+_NEEDS_QUOTES_BUT_COMMA = re.compile(r'["\r\n]').search
 
 
 def csv_record(row: list[Any]) -> str:
@@ -169,6 +214,36 @@ def csv_record(row: list[Any]) -> str:
         return '""\r\n'
     return ",".join([_quoted(v) if v.__class__ is str and _NEEDS_QUOTES(v) else v if v.__class__ is str
                      else repr(v) if v.__class__ is float else _cell(v) for v in row]) + "\r\n"
+
+
+def number_cells(values: tuple) -> str | None:
+    """``",".join(map(str, values))`` for finite floats and ints (what :func:`csv_record` writes for them: a
+    float's ``repr``, the shortest text that reads back as the same float), formatted by ``orjson`` (several
+    times faster than ``repr`` one value at a time) and brought to ``repr``'s notation: ``orjson`` writes
+    ``0.00001`` and ``2.5e-7`` where ``repr`` writes ``1e-05`` and ``2.5e-07``, the same digits. None when a
+    value is anything else (``None``, a bool, a string, ``nan``/``inf``, an integer past 64 bits): the caller
+    formats those cell by cell. A property test holds it equal to ``str``."""
+    try:
+        s = orjson.dumps(values).decode()
+    except TypeError:
+        return None
+    if "null" in s or "true" in s or "false" in s or '"' in s:  # nan, inf, None; a bool; a string
+        return None
+    s = s[1:-1]
+    if "e-" in s:
+        s = _SHORT_EXPONENT(r"e-0\1", s)
+    if "0.0000" in s:
+        s = _FIXED_SMALL(_scientific, s)
+    return s
+
+
+_SHORT_EXPONENT = re.compile(r"e-(\d)(?!\d)").sub
+_FIXED_SMALL = re.compile(r"(?<![\d.e])(-?)0\.0000(0*)(\d)(\d*)").sub
+
+
+def _scientific(m: re.Match) -> str:
+    sign, zeros, lead, rest = m.groups()  # 0.0000123 -> 1.23e-05 (repr's notation below 1e-4)
+    return f"{sign}{lead}.{rest}e-{len(zeros) + 5:02d}" if rest else f"{sign}{lead}e-{len(zeros) + 5:02d}"
 
 
 def _quoted(s: str) -> str:
@@ -186,15 +261,36 @@ def _cell(v: Any) -> str:
 
 class RowWriter:
     """Writes a report's header, then one CSV record per :class:`RowResult` (msprobe's columns; the bytes
-    ``csv.writer`` writes, see :func:`csv_record`)."""
+    ``csv.writer`` writes, see :func:`csv_record`), handed to the file :data:`_WRITE_BATCH` records at a time
+    (:meth:`flush` writes the rest; ``with RowWriter(...)`` flushes on a clean exit)."""
 
     def __init__(self, fh, report: CompareReport):
         self._fh, self._report = fh, report
+        self._buf: list[str] = []
         fh.write(csv_record(report.columns()))
 
     def write(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> None:
         """One record; ``stack_done`` holds the entries whose stack was written (msprobe writes it once)."""
-        self._fh.write(csv_record(self._report._csv_row(rr, node, stack_done)))
+        buf = self._buf
+        buf.append(self._report._csv_line(rr, node, stack_done))
+        if len(buf) >= _WRITE_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the records held so far to the file."""
+        if self._buf:
+            self._fh.write("".join(self._buf))
+            self._buf.clear()
+
+    def __enter__(self) -> RowWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.flush()
+
+
+_WRITE_BATCH = 512
 
 
 class _Quoted(str):
@@ -204,6 +300,7 @@ class _Quoted(str):
 
 
 _STAT_COLUMNS = M.STAT_DIFF_COLUMNS + M.STAT_REL_COLUMNS
+_stat_cells = operator.itemgetter(*_STAT_COLUMNS)
 _NO_BENCH = json.dumps(["warning: No bench data matched."])
 
 
@@ -341,8 +438,8 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump, re
     t_max = _dtype_max(t.dtype)
     if reach < t_max:
         t_max = reach
-    return RowResult(t, b, M.stats_metrics(ts, bs), M.relative_error_stats(ts, bs, t.numel, t_max,
-                                                                            _tiny(t.dtype, b.dtype)))
+    cols, err = M.stats_pair(ts, bs, t.numel, t_max, _tiny(t.dtype, b.dtype))
+    return RowResult(t, b, cols, err)
 
 
 def carried_range(t: Row, b: Row | None, reach: float) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..dtypes import is_floating
 
@@ -102,20 +102,22 @@ def _scalar_crc(value: Any) -> str:
     return f"{zlib.crc32(str(value).encode()):08x}"
 
 
-def _leaves(value: Any, name: str, entry: str, side: str) -> Iterator[Row]:
+def _leaves(rows: list[Row], value: Any, name: str, entry: str, side: str) -> None:
+    """Append the rows of one slot (a record, a null, or a list/dict of them) to ``rows``, depth first."""
     if value is None:
-        yield Row(name, entry, side, None)
-    elif isinstance(value, dict) and ("type" in value or "dtype" in value):
-        if "data_name" in value and value.get("data_name"):
-            dn = str(value["data_name"])
-            name = dn[:-3] if dn.endswith(".pt") else dn[:-4] if dn.endswith(".npy") else dn
-        yield Row(name, entry, side, value)
+        rows.append(Row(name, entry, side, None))
     elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _leaves(v, f"{name}.{k}", entry, side)
+        if "type" in value or "dtype" in value:
+            if "data_name" in value and value.get("data_name"):
+                dn = str(value["data_name"])
+                name = dn[:-3] if dn.endswith(".pt") else dn[:-4] if dn.endswith(".npy") else dn
+            rows.append(Row(name, entry, side, value))
+        else:
+            for k, v in value.items():
+                _leaves(rows, v, f"{name}.{k}", entry, side)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            yield from _leaves(v, f"{name}.{i}", entry, side)
+            _leaves(rows, v, f"{name}.{i}", entry, side)
 
 
 def entry_rows(key: str, entry: Any) -> list[Row]:
@@ -126,27 +128,27 @@ def entry_rows(key: str, entry: Any) -> list[Row]:
     if ".parameters_grad" in key:
         for pname, recs in entry.items():
             if isinstance(recs, list) and len(recs) == 1:
-                rows.extend(_leaves(recs[0], f"{key}.{pname}", key, "output"))
+                _leaves(rows, recs[0], f"{key}.{pname}", key, "output")
             else:
-                rows.extend(_leaves(recs, f"{key}.{pname}", key, "output"))
+                _leaves(rows, recs, f"{key}.{pname}", key, "output")
         return rows
     if "input_args" in entry or "input_kwargs" in entry or "parameters" in entry:
         for i, v in enumerate(entry.get("input_args") or []):
-            rows.extend(_leaves(v, f"{key}.input.{i}", key, "input"))
+            _leaves(rows, v, f"{key}.input.{i}", key, "input")
         for k, v in (entry.get("input_kwargs") or {}).items():
-            rows.extend(_leaves(v, f"{key}.input.{k}", key, "input"))
+            _leaves(rows, v, f"{key}.input.{k}", key, "input")
         for k, v in (entry.get("parameters") or {}).items():
-            rows.extend(_leaves(v, f"{key}.parameters.{k}", key, "input"))
+            _leaves(rows, v, f"{key}.parameters.{k}", key, "input")
     else:
         for i, v in enumerate(entry.get("input") or []):
-            rows.extend(_leaves(v, f"{key}.input.{i}", key, "input"))
+            _leaves(rows, v, f"{key}.input.{i}", key, "input")
     out = entry.get("output")
     if isinstance(out, dict) and not ("type" in out or "dtype" in out):
         for k, v in out.items():
-            rows.extend(_leaves(v, f"{key}.output.{k}", key, "output"))
+            _leaves(rows, v, f"{key}.output.{k}", key, "output")
     else:
         for i, v in enumerate(out or []):
-            rows.extend(_leaves(v, f"{key}.output.{i}", key, "output"))
+            _leaves(rows, v, f"{key}.output.{i}", key, "output")
     return rows
 
 
@@ -154,6 +156,8 @@ def backward_key(key: str, seen: dict[str, int]) -> str:
     """The compare key of one entry name in dump order: a backward API/module call gets the ordinal of that
     backward call of the same API/module (``seen`` counts them; msprobe's rule, so recomputation does not break
     matching); any other name is itself."""
+    if "backward" not in key:  # the common forward name, without the parser
+        return key
     from ..dump.names import parse
 
     p = parse(key, any_prefix=True)

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Iterator
 
-from ..dump.reader import read_stack, validate_dump_json
+from ..dump.reader import entry_surely_valid, read_stack, validate_dump_json
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write
@@ -196,12 +196,17 @@ def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
     """``(name, entry)`` of dump.json's ``data`` in file order, each validated; duplicate names are errors."""
     seen: set[str] = set()
     tensors = str(head.get("task", "statistics")) == "tensor"  # data_name opens files only in tensor dumps
+    head_checked = False
     for name, entry in _items(path, progress):
         if name in seen:
             raise MsprobeError(f"{path}: duplicate key {name!r} in one JSON object (the first value would be "
                                "silently dropped)")
         seen.add(name)
-        validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
+        # the whole check (header included) on the first entry; after it, the schema only where the entry alone
+        # is not surely valid (it words the error)
+        if tensors or not head_checked or not entry_surely_valid(entry):
+            validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
+            head_checked = True
         yield name, entry
     if progress is not None:
         progress.update(max(0, os.path.getsize(path) - progress.n))
@@ -456,15 +461,15 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         path = timestamped_path(out_dir, prefix, ".csv")
         result = StreamResult(csv=path, mode=nodes.mode)
         with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
-            writer = engine.RowWriter(fh, report)
-            for name, own, node in nodes:
-                result.counts[node.status] += 1
-                result.nodes += 1
-                if node.status == "error" and result.first_divergence is None:
-                    result.first_divergence = node
-                done: set[str] = set()
-                for rr in own:
-                    writer.write(rr, node, done)
+            with engine.RowWriter(fh, report) as writer:
+                for name, own, node in nodes:
+                    result.counts[node.status] += 1
+                    result.nodes += 1
+                    if node.status == "error" and result.first_divergence is None:
+                        result.first_divergence = node
+                    done: set[str] = set()
+                    for rr in own:
+                        writer.write(rr, node, done)
     except BaseException:
         if path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
             os.remove(path)  # the name reserved for this CSV: nothing was written

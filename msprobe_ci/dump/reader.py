@@ -236,25 +236,32 @@ def _surely_valid(raw: Any) -> bool:
     data = raw.get("data")
     if type(data) is not dict:
         return False
-    dtypes = _dtypes()
     for entry in data.values():
-        if type(entry) is not dict:
+        if not entry_surely_valid(entry):
             return False
-        for key, v in entry.items():
-            if key in _ENTRY_LISTS:
-                if type(v) is not list:
-                    return False
-            elif key in _ENTRY_MAPS:
-                if type(v) is not dict:
-                    return False
-            elif key == "output":
-                if type(v) is dict:
-                    if "type" in v:
-                        return False
-                elif type(v) is not list:
-                    return False
-            if not _value_ok(v, dtypes, 0):
+    return True
+
+
+def entry_surely_valid(entry: Any) -> bool:
+    """:func:`_surely_valid` for one entry of ``data`` (the header aside): True only when the schema accepts it."""
+    if type(entry) is not dict:
+        return False
+    dtypes = _dtypes()
+    for key, v in entry.items():
+        if key in _ENTRY_LISTS:
+            if type(v) is not list:
                 return False
+        elif key in _ENTRY_MAPS:
+            if type(v) is not dict:
+                return False
+        elif key == "output":
+            if type(v) is dict:
+                if "type" in v:
+                    return False
+            elif type(v) is not list:
+                return False
+        if not _value_ok(v, dtypes, 0):
+            return False
     return True
 
 
@@ -265,7 +272,13 @@ def _value_ok(v: Any, dtypes: frozenset, depth: int) -> bool:
     if depth > _MAX_FAST_DEPTH:
         return False
     if t is list:
-        return all(_value_ok(x, dtypes, depth + 1) for x in v)
+        for x in v:
+            if type(x) is dict and type(x.get("type")) is str and x["type"] in _TENSOR_TYPES:
+                if not _tensor_ok(x, dtypes):  # the common leaf, without a call to this function
+                    return False
+            elif not _value_ok(x, dtypes, depth + 1):
+                return False
+        return True
     if t is not dict:
         return False
     if "type" in v:
@@ -274,7 +287,10 @@ def _value_ok(v: Any, dtypes: frozenset, depth: int) -> bool:
             if typ in _TENSOR_TYPES:
                 return _tensor_ok(v, dtypes)
             return "value" not in v or _value_ok(v["value"], dtypes, depth + 1)  # other keys are free
-    return all(_value_ok(x, dtypes, depth + 1) for x in v.values())
+    for x in v.values():
+        if not _value_ok(x, dtypes, depth + 1):
+            return False
+    return True
 
 
 def _tensor_ok(v: dict, dtypes: frozenset) -> bool:

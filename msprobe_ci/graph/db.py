@@ -13,6 +13,8 @@ import os
 import sqlite3
 from typing import Iterable
 
+import orjson
+
 from ..dump.writer import timestamped_path
 from ..outputs import temp_path
 from ..errors import MsprobeError
@@ -167,16 +169,26 @@ _encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps
 _ascii = json.JSONEncoder().encode  # json.dumps's own output, without its per-call argument handling
 
 
+def _data_text(data: dict) -> str:
+    """A node's ``input_data``/``output_data`` as JSON text: ``orjson`` (compact, UTF-8, several times faster
+    than :mod:`json` on the string-valued rows every node holds), :func:`_encode` where orjson refuses (a key
+    that is not a string, an integer past 64 bits). Raises ``TypeError`` on values that are not JSON."""
+    try:
+        return orjson.dumps(data).decode()
+    except TypeError:
+        return _encode(data)
+
+
 def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, output_data: dict | None = None,
              matched_link: list[str] | None = None) -> tuple:
     """The ``tb_nodes`` row of ``node`` in graph ``g`` (``input_data``/``output_data``/``matched_link`` override
     the node's own, for writers that do not keep them on the node)."""
-    text = _encode
+    text = _data_text
     link = node.matched_link if matched_link is None else matched_link
     return (f"{g.graph_id}_{node.name}", g.graph_id, node.order, node.name, str(node.type), node.parent or "",
             _ascii(node.children) if node.children else "", node.precision_index, node.overflow_level,
             node.micro_step, _ascii(list(link)) if link else "[]", stack_id,
-            text(node.merge_info) if node.merge_info else "",
+            _encode(node.merge_info) if node.merge_info else "",
             _ascii(node.matched_distributed) if node.matched_distributed else "{}", 0,
             text(node.input_data if input_data is None else input_data),
             text(node.output_data if output_data is None else output_data), g.data_source, g.dump_data_dir,
