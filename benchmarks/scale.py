@@ -7,15 +7,19 @@ entries of transformer block ``h.0`` (found through the names and construct.json
 order, backward blocks in reverse, as a real N-layer model dumps them), so names, counters, construct.json and
 stack.json stay consistent; the files are written as msprobe writes them (``indent=1``). Values are the template's (every block judges alike).
 
-    python benchmarks/scale.py [--entries 10000 30000 100000] [--tools ours,msprobe] [--graph]
+    python benchmarks/scale.py [--entries 10000 30000 100000] [--tools ours,msprobe] [--graph] [--repeat 3]
 
-Prints, per size: entries, dump.json size, and for each tool the wall seconds and peak resident memory of the
-command a user types (a fresh process, via /usr/bin/time), plus the ratio msprobe / msprobe-ci.
+Prints, per size: entries, dump.json size, and for each tool the wall seconds, CPU seconds (user + system) and
+peak resident memory of the command a user types (a fresh process, via /usr/bin/time; with ``--repeat`` the
+fastest of the runs, the tools taking turns), plus the ratios msprobe / msprobe-ci of wall and of CPU time. Both
+tools start from compiled bytecode, as installed packages do (msprobe-ci's is compiled first: an editable install
+under ``PYTHONDONTWRITEBYTECODE`` would otherwise compile every module at every start).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import re
@@ -128,23 +132,40 @@ def deepen(src: str, dst: str, layers: int) -> int:
     return len(new_data)
 
 
-def timed(cmd: list[str], out: str) -> tuple[float, float]:
-    """(wall seconds, peak RSS in MB) of ``cmd`` as a fresh process (GNU time's %e and %M); ``out`` must hold a
-    result file afterwards (a tool that failed is reported, never timed)."""
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def timed(cmd: list[str], out: str) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS in MB) of ``cmd`` as a fresh process (GNU time's %e, %U + %S, %M);
+    ``out`` must hold a result file afterwards (a tool that failed is reported, never timed)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", tf.name, *cmd], capture_output=True, text=True)
+        proc = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", tf.name, *cmd], capture_output=True,
+                              text=True, env=_ENV)
         if not any(f.endswith((".csv", ".db")) for f in os.listdir(out)):
             raise SystemExit(f"{' '.join(cmd)} wrote no result ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
-        wall, rss = tf.read().split()[-2:]
-    return float(wall), float(rss) / 1024
+        wall, user, system, rss = tf.read().split()[-4:]
+    return float(wall), float(user) + float(system), float(rss) / 1024
 
 
-def run(cmd: list[str], folder: str) -> tuple[float, float]:
+def run(cmd: list[str], folder: str) -> tuple[float, float, float]:
     out = tempfile.mkdtemp(dir=folder)
     try:
         return timed([*cmd, "-o", out], out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def best(runs: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """The fastest wall and CPU time and the largest peak memory of repeated runs."""
+    return min(r[0] for r in runs), min(r[1] for r in runs), max(r[2] for r in runs)
+
+
+def cell(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:>6.1f} s {r[1]:>6.1f} cpu {r[2]:>5.0f} MB"
+
+
+def ratio(theirs: tuple, ours: tuple) -> str:
+    return f"{theirs[0] / ours[0]:4.1f}x/{theirs[1] / ours[1]:4.1f}x"
 
 
 def main() -> None:
@@ -153,7 +174,11 @@ def main() -> None:
     ap.add_argument("--tools", default="ours,msprobe", help="comma list: ours, msprobe")
     ap.add_argument("--graph", action="store_true", help="also time graph build+compare")
     ap.add_argument("--keep", help="keep the dumps under this folder")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per tool and size, the tools taking turns")
     args = ap.parse_args()
+    import msprobe_ci
+
+    compileall.compile_dir(os.path.dirname(msprobe_ci.__file__), quiet=1)
     root = args.keep or tempfile.mkdtemp(prefix="msprobe-ci-scale-")
     bindir = os.path.dirname(sys.executable)
     ours = os.path.join(bindir, "msprobe-ci")
@@ -163,10 +188,11 @@ def main() -> None:
         per_layer = sum(1 for v in [_layer(n, json.load(open(os.path.join(target0, "construct.json"))))
                                     for n in json.load(fh)["data"]] if v == 0)
     print(f"template: GPT-2 2 layers, mix statistics fwd+bwd, {per_layer} entries per block; torch CPU, "
-          f"{os.cpu_count()} cores")
-    head = f"{'entries':>9} {'dump MB':>8} | {'msprobe-ci compare':>20} | {'msprobe compare':>20} | ratio"
+          f"{os.cpu_count()} cores; best of {args.repeat}; ratios msprobe / msprobe-ci in wall/CPU time")
+    w = len(cell((0, 0, 0)))
+    head = f"{'entries':>9} {'dump MB':>8} | {'msprobe-ci compare':>{w}} | {'msprobe compare':>{w}} | {'ratio':>11}"
     if args.graph:
-        head += f" | {'msprobe-ci graph':>20} | {'msprobe graph_visualize':>23} | ratio"
+        head += f" | {'msprobe-ci graph':>{w}} | {'msprobe graph_visualize':>{w}} | {'ratio':>11}"
     print(head)
     for n in args.entries:
         layers = max(1, round(n / per_layer))
@@ -181,19 +207,23 @@ def main() -> None:
         mb = os.path.getsize(os.path.join(t, "dump.json")) / 2 ** 20
         line = f"{entries:>9} {mb:>8.1f}"
         t, b = os.path.dirname(t), os.path.dirname(b)  # step folders: what both tools take
-        o = run([ours, "compare", "-tp", t, "-gp", b], folder)
-        line += f" | {o[0]:>7.1f} s {o[1]:>7.0f} MB"
+        jobs = [("o", [ours, "compare", "-tp", t, "-gp", b])]
         if theirs:
-            m = run([theirs, "compare", "-tp", t, "-gp", b], folder)
-            line += f" | {m[0]:>7.1f} s {m[1]:>7.0f} MB | {m[0] / o[0]:4.1f}x"
-        else:
-            line += f" | {'-':>20} |    -"
+            jobs.append(("m", [theirs, "compare", "-tp", t, "-gp", b]))
         if args.graph:
-            g = run([ours, "graph", "-tp", t, "-gp", b], folder)
-            line += f" | {g[0]:>7.1f} s {g[1]:>7.0f} MB"
+            jobs.append(("g", [ours, "graph", "-tp", t, "-gp", b]))
             if theirs:
-                mg = run([theirs, "graph_visualize", "-tp", t, "-gp", b], folder)
-                line += f" | {mg[0]:>10.1f} s {mg[1]:>7.0f} MB | {mg[0] / g[0]:4.1f}x"
+                jobs.append(("mg", [theirs, "graph_visualize", "-tp", t, "-gp", b]))
+        runs: dict[str, list] = {k: [] for k, _ in jobs}
+        for _ in range(args.repeat):
+            for k, cmd in jobs:
+                runs[k].append(run(cmd, folder))
+        r = {k: best(v) for k, v in runs.items()}
+        line += f" | {cell(r['o'])}"
+        line += f" | {cell(r['m'])} | {ratio(r['m'], r['o'])}" if theirs else f" | {'-':>{w}} | {'-':>11}"
+        if args.graph:
+            line += f" | {cell(r['g'])}"
+            line += f" | {cell(r['mg'])} | {ratio(r['mg'], r['g'])}" if theirs else f" | {'-':>{w}} | {'-':>11}"
         print(line, flush=True)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)

@@ -43,6 +43,19 @@ def _version() -> str:
         return "unknown"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the installed version, looked up only when asked (importlib.metadata costs 30 ms at every
+    start otherwise)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show program's version number and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {_version()}", file=sys.stdout)  # where argparse's own version action prints it
+        parser.exit()
+
+
 def _workers(text: str) -> int:
     try:
         n = int(text)
@@ -132,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
                                 "find overflow, build graphs for tb-graph-ascend, replay APIs alone.",
                                 epilog="Exit status: 0 clean, 1 accuracy error / overflow / nothing judged, 2 bad "
                                 "input. Run 'msprobe-ci <command> -h' for a command's options and an example.")
-    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:

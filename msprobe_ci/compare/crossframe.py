@@ -27,8 +27,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from ..dump import names
 from ..errors import MsprobeError
 
@@ -38,6 +36,8 @@ _TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "minds
 @functools.lru_cache(maxsize=1)
 def table() -> dict[str, Any]:
     """The packaged MindSpore → PyTorch table (``prefixes``, ``apis``, ``parameters``)."""
+    import yaml  # imported where a YAML file is read: a PyTorch compare without mapping files never loads it
+
     with open(_TABLE, encoding="utf-8") as fh:
         doc = yaml.safe_load(fh)
     return {"prefixes": dict(doc.get("prefixes") or {}), "apis": dict(doc.get("apis") or {}),
@@ -100,6 +100,8 @@ class Mappings:
         def read(path: str | None, flag: str) -> dict:
             if not path:
                 return {}
+            import yaml
+
             try:
                 with open(path, encoding="utf-8") as fh:
                     doc = yaml.safe_load(fh)

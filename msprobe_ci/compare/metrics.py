@@ -12,9 +12,10 @@ Besides msprobe's columns every pair also gets :func:`relative_error`, the singl
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 NA, NAN_STR, UNSUPPORTED = "N/A", "Nan", "unsupported"
 STAT_DIFF_COLUMNS = ("Max diff", "Min diff", "Mean diff", "L2norm diff")
@@ -130,6 +131,7 @@ def stats_pair(t_stats: tuple, b_stats: tuple, numel: int, t_max: float, tiny: f
 def to_array(tensor) -> np.ndarray:
     """msprobe's reader: detach, bf16/fp8 → float32, numpy, squeeze. Complex tensors are compared as complex:
     their (real, imaginary) pairs (``torch.view_as_real``, a trailing axis of 2), never cast to real."""
+    import numpy as np  # the tensor path only: a statistics compare does not load numpy
     import torch
 
     t = tensor.detach().cpu()
@@ -142,6 +144,8 @@ def to_array(tensor) -> np.ndarray:
 
 def tensor_metrics(n: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     """The six real-data columns for one pair of arrays (already squeezed)."""
+    import numpy as np  # the tensor path only: a statistics compare does not load numpy
+
     if n.size == 0 or b.size == 0:
         return {c: UNSUPPORTED for c in TENSOR_COLUMNS}
     if n.shape != b.shape:
@@ -197,6 +201,8 @@ def relative_error_arrays(n: np.ndarray, b: np.ndarray, tiny: float = 0.0) -> fl
     else ``inf``. ``tiny``: the coarser dtype's smallest normal (:func:`msprobe_ci.dtypes.smallest_normal`), so
     data in the subnormal range, where one rounding errs by ``u · tiny`` absolute, does not read as a large
     relative error (default 0: plain relative error)."""
+    import numpy as np  # the tensor path only: a statistics compare does not load numpy
+
     if n.shape != b.shape:
         return math.inf
     n64 = n.astype(np.float64).reshape(-1)
