@@ -316,17 +316,18 @@ def _mode(target: Dump, bench: Dump) -> str:
     return "statistics"
 
 
-def _twin_entries(name: str) -> list[str]:
+@functools.lru_cache(maxsize=4096)  # asked three or four times per node in a row
+def _twin_entries(name: str) -> tuple[str, ...]:
     """Entries whose rows a node computes from, besides its own inputs (:mod:`msprobe_ci.dump.names`): a
     backward call's forward twin; a parameters_grad entry's module forward and backward calls."""
     node = names.parse(name, any_prefix=True)
     if node is None:
-        return []
+        return ()
     if node.kind in ("api", "module") and node.direction == "backward":
-        return [node.twin("forward")]
+        return (node.twin("forward"),)
     if node.kind == "parameters_grad" and node.call is not None:
-        return [node.twin("forward"), node.twin("backward")]
-    return []
+        return (node.twin("forward"), node.twin("backward"))
+    return ()
 
 
 def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,

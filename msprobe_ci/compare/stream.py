@@ -357,11 +357,15 @@ class NodeStream:
             b_rows = {}
             if bench_item is not None:
                 b_name, _, rows = bench_item
-                b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r for r in rows}
+                if b_name == key:  # named as the target's key (a forward call): rows need no renaming
+                    b_rows = {r.name: r for r in rows}
+                else:
+                    b_rows = {key + r.name[len(b_name):] if r.name.startswith(b_name) else r.name: r for r in rows}
             own = []
             nonlocal reach
+            same = name == key
             for t in entry_rows(name, entry):
-                tk = key + t.name[len(name):] if t.name.startswith(name) else t.name
+                tk = t.name if same else key + t.name[len(name):] if t.name.startswith(name) else t.name
                 b = b_rows.get(tk)
                 if b is not None and not _dtype_compatible(t, b):
                     b = None
