@@ -52,7 +52,7 @@ class _VersionAction(argparse.Action):
                          help=help or "show program's version number and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog} {_version()}", file=sys.stdout)  # where argparse's own version action prints it
+        print(f"{parser.prog} {_version()}")  # stdout, where argparse's own version action prints it
         parser.exit()
 
 

@@ -136,12 +136,11 @@ class CompareReport:
             ts = '"' + ts + '"'  # str(list of ints): a comma, never a quote
         if "," in bs:
             bs = '"' + bs + '"'
+        consistent = t.requires_grad == b.requires_grad or t.requires_grad == "N/A" or b.requires_grad == "N/A"
         if node is not None and t.side == "output" and node.status in ("warning", "error") and \
                 node.worst_row == t.name:
-            consistent = t.requires_grad == b.requires_grad or "N/A" in (t.requires_grad, b.requires_grad)
             tail = f"{consistent},{node.status},{_quoted(json.dumps([f'{node.status}: {node.message}']))}"
         else:
-            consistent = t.requires_grad == b.requires_grad or t.requires_grad == "N/A" or b.requires_grad == "N/A"
             tail = "True,pass,[]" if consistent else "False,pass,[]"
         stack = self._stack_cell(t.entry, stack_done)  # checked, or quoted, when it was cached
         return f"{t.name},{b.name},{t.dtype},{b.dtype},{ts},{bs},{t.requires_grad},{b.requires_grad},{nums}," \

@@ -8,7 +8,6 @@ Within an entry the order is inputs and kwargs, parameters, outputs.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,12 +187,7 @@ def fuzzy_name(name: str) -> str:
 
 
 def _dtype_compatible(a: Row, b: Row) -> bool:
-    return a.dtype == b.dtype or _both_floating(a.dtype, b.dtype)
-
-
-@functools.lru_cache(maxsize=1024)  # a bf16 target against an fp32 bench asks it on every row
-def _both_floating(a: str, b: str) -> bool:
-    return is_floating(a) and is_floating(b)
+    return a.dtype == b.dtype or (is_floating(a.dtype) and is_floating(b.dtype))
 
 
 def match_rows(target: dict[str, Any], bench: dict[str, Any], fuzzy: bool = False, cross: Any = None,

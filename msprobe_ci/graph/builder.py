@@ -292,7 +292,7 @@ def row_fields(record: Any) -> dict[str, str]:
         if cells is not None:
             s_mx, s_mn, s_mean, s_norm = cells.split(",")
         else:
-            s_mx, s_mn, s_mean, s_norm = (str(v) if type(v) is float else _text(v) for v in (mx, mn, mean, norm))
+            s_mx, s_mn, s_mean, s_norm = map(_text, (mx, mn, mean, norm))
         out = {"type": _text(g("type")), "dtype": _text(g("dtype")), "shape": _text(g("shape")),
                "Max": s_mx, "Min": s_mn, "Mean": s_mean, "Norm": s_norm,
                "requires_grad": _text(g("requires_grad")), "data_name": _text(g("data_name") or "-1")}

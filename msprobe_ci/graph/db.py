@@ -172,7 +172,9 @@ _ascii = json.JSONEncoder().encode  # json.dumps's own output, without its per-c
 def _data_text(data: dict) -> str:
     """A node's ``input_data``/``output_data`` as JSON text: ``orjson`` (compact, UTF-8, several times faster
     than :mod:`json` on the string-valued rows every node holds), :func:`_encode` where orjson refuses (a key
-    that is not a string, an integer past 64 bits). Raises ``TypeError`` on values that are not JSON."""
+    that is not a string, an integer past 64 bits). Every value row_fields and annotate put there is a string (a
+    float would be written ``null`` for NaN where :mod:`json` writes ``NaN``). Raises ``TypeError`` on values that
+    are not JSON."""
     try:
         return orjson.dumps(data).decode()
     except TypeError:
