@@ -281,6 +281,8 @@ def test_csv_record_is_what_the_csv_writer_writes(row):
        tiny=st.sampled_from([0.0, 2.0 ** -14, 1.1754943508222875e-38, 1.0]))
 @example(t=(1.0, 1.0, 1.0, 0.5), b=(1.0, 1.0, 1.0, 0.25), numel=100, near=False, t_max=math.inf, tiny=1.0)  # Norm floor
 @example(t=(0.0, -0.0, 1e308, 1.0), b=(-0.0, 0.0, -1e308, 1.0), numel=4, near=False, t_max=math.inf, tiny=0.0)
+@example(t=(1e30, 1.0000123e-3, 2.5, 1.0), b=(1e-300, 1e-3, 2.5 + 2.5e-9, 1.0 + 1e-7), numel=4, near=False,
+         t_max=math.inf, tiny=0.0)  # a ratio overflowing to inf; percentages in 1e-5..1e-4 and below 1e-5
 def test_stats_pair_is_the_two_rules(t, b, numel, near, t_max, tiny):
     """The one-pass statistics row (columns and relative error together) gives what stats_metrics and
     relative_error_stats give, column by column and in the same order (``near``: the bench a bf16 rounding of the
@@ -297,7 +299,8 @@ def test_stats_pair_is_the_two_rules(t, b, numel, near, t_max, tiny):
 
 
 _finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), st.integers(-2**63, 2**64 - 1),
-                    st.sampled_from([0.0, -0.0, 1e-05, 0.0001, 1e16, 1e-7, 5e-324, 2.5e-07, -0.00012, 123456789.0]),
+                    st.sampled_from([0.0, -0.0, 1e-05, 0.0001, 1e16, 1e-7, 5e-324, 2.5e-07, -0.00012, 123456789.0,
+                                     -1.23e-05, 9.999999999999999e-05, 10.00001, -1e-06, 1.5e-10, 1e-100]),
                     st.floats(min_value=-1e-3, max_value=1e-3))
 
 
