@@ -122,10 +122,14 @@ class CompareReport:
         metrics = _stat_cells(rr.metrics)
         if None in metrics:
             return csv_record(self._csv_row(rr, node, stack_done))
-        stats = number_cells((*t._stats, *b._stats))
-        if stats is None:
-            stats = ",".join(map(str, (*t._stats, *b._stats)))
-        nums = ",".join(map(str, metrics)) + "," + stats
+        # the four differences and the eight statistics formatted at once; the relative errors are text already
+        cells = number_cells((*metrics[:4], *t._stats, *b._stats))
+        if cells is not None:
+            d0, d1, d2, d3, stats = cells.split(",", 4)
+            r0, r1, r2, r3 = metrics[4:]
+            nums = f"{d0},{d1},{d2},{d3},{r0},{r1},{r2},{r3},{stats}"
+        else:
+            nums = ",".join(map(str, (*metrics, *t._stats, *b._stats)))
         words = ",".join((t.name, b.name, t.dtype, b.dtype, t.requires_grad, b.requires_grad))
         if nums.count(",") != 15 or words.count(",") != 5 or _NEEDS_QUOTES_BUT_COMMA(nums) or \
                 _NEEDS_QUOTES_BUT_COMMA(words):
