@@ -229,3 +229,36 @@ def test_error_four_levels_down_is_red_all_the_way_up(tmp_path):
         node = rows[node][1]
     assert len(chain) >= 4, chain  # API, LayerNorm, inner Sequential ... up to the top-level box
     assert all(rows[n][0] == 1 for n in chain), {n: rows[n][0] for n in chain}
+
+
+def test_node_data_text_rounds_decimals_as_msprobe():
+    """Node-data text: a decimal string (optionally a percentage) with more than 6 decimals is rounded to 6, as
+    msprobe's ``^(\\d+\\.\\d+)(%?)$`` rule does; everything else is kept (string methods, checked against the regex
+    on random text, float reprs and percentages)."""
+    import re
+
+    from hypothesis import given, settings, strategies as st
+
+    from msprobe_ci.graph.compare import _text
+
+    rule = re.compile(r"^(\d+\.\d+)(%?)$")
+
+    def reference(v):
+        if v is None:
+            return "null"
+        if type(v) is not str:
+            return str(v)
+        m = rule.match(v) if len(v) > 8 else None
+        if m and len(m.group(1)) - m.group(1).index(".") > 7:
+            return f"{float(m.group(1)):.6f}{m.group(2)}"
+        return v
+
+    @settings(max_examples=3000, deadline=None)
+    @given(st.one_of(st.text(alphabet="0123456789.%\n-e ٣²x", max_size=14), st.floats().map(lambda f: f"{f}%"),
+                     st.floats().map(repr), st.floats(), st.none(), st.integers()))
+    def check(v):
+        assert _text(v) == reference(v)
+
+    check()
+    assert _text("0.1379868487607486%") == "0.137987%"
+    assert _text("12.5%") == "12.5%" and _text("1.5e-07%") == "1.5e-07%"

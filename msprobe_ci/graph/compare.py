@@ -19,6 +19,7 @@ import re
 from collections import defaultdict
 
 from ..compare.engine import CompareReport
+from ..compare.metrics import number_cells
 from ..compare.rows import fuzzy_name
 from .builder import API, COLLECTION, ROOT, Graph
 
@@ -115,7 +116,7 @@ def annotate(node, input_data: dict, output_data: dict, rows: dict, verdict, mod
             rr = rows.get(row_name)
             if rr is None or rr.bench is None:
                 continue
-            fields.update({k: str(v) if type(v) is float else _text(v) for k, v in rr.metrics.items()})
+            fields.update(_metric_texts(rr.metrics))
             consistent = rr.target.requires_grad == rr.bench.requires_grad or \
                 "N/A" in (rr.target.requires_grad, rr.bench.requires_grad)  # MindSpore records have none
             status, message = "pass", []
@@ -155,15 +156,40 @@ def _roll_up(graph: Graph, name: str, pairs: dict[str, str]) -> None:
 _DECIMAL = re.compile(r"^(\d+\.\d+)(%?)$")
 
 
+def _metric_texts(metrics: dict) -> dict[str, str]:
+    """A row's metrics as node-data text: floats as ``str`` writes them, everything else by :func:`_text`; a
+    statistics row's four differences formatted at once (:func:`~msprobe_ci.compare.metrics.number_cells`)."""
+    if len(metrics) == 8 and tuple(metrics) == _STATS_KEYS:
+        d0, r0, d1, r1, d2, r2, d3, r3 = metrics.values()
+        cells = number_cells((d0, d1, d2, d3))
+        if cells is not None:
+            d0, d1, d2, d3 = cells.split(",")
+            return {"Max diff": d0, "MaxRelativeErr": _text(r0), "Min diff": d1, "MinRelativeErr": _text(r1),
+                    "Mean diff": d2, "MeanRelativeErr": _text(r2), "L2norm diff": d3,
+                    "NormRelativeErr": _text(r3)}
+    return {k: str(v) if type(v) is float else _text(v) for k, v in metrics.items()}
+
+
+_STATS_KEYS = ("Max diff", "MaxRelativeErr", "Min diff", "MinRelativeErr", "Mean diff", "MeanRelativeErr",
+               "L2norm diff", "NormRelativeErr")
+
+
 def _text(v) -> str:
-    """msprobe's node-data formatting: decimal strings with more than 6 decimals are rounded to 6."""
+    """msprobe's node-data formatting: decimal strings (``12.3456789``, ``0.1234567%``) with more than 6 decimals
+    are rounded to 6 (what ``^(\\d+\\.\\d+)(%?)$`` matches, checked by string methods)."""
     if v is None:
         return "null"
     if type(v) is not str:
         return str(v)
     if len(v) <= 8:
         return v
-    m = _DECIMAL.match(v)
-    if m and len(m.group(1)) - m.group(1).index(".") > 7:  # more than 6 decimals
-        return f"{float(m.group(1)):.6f}{m.group(2)}"
+    if v[-1] == "\n":  # where the regex's $ matches before a final newline
+        m = _DECIMAL.match(v)
+        if m and len(m.group(1)) - m.group(1).index(".") > 7:
+            return f"{float(m.group(1)):.6f}{m.group(2)}"
+        return v
+    num = v[:-1] if v[-1] == "%" else v
+    i = num.find(".")
+    if i > 0 and len(num) - i > 7 and num[:i].isdecimal() and num[i + 1:].isdecimal():  # more than 6 decimals
+        return f"{float(num):.6f}{v[len(num):]}"
     return v
