@@ -277,8 +277,9 @@ def _text(v: Any) -> str:
     return str(v).replace("'", "")
 
 
-def row_fields(record: Any) -> dict[str, str]:
-    """One data row as msprobe writes it into ``input_data``/``output_data`` (every value a string)."""
+def row_fields(record: Any, row: Any = None) -> dict[str, str]:
+    """One data row as msprobe writes it into ``input_data``/``output_data`` (every value a string). ``row``: the
+    record's :class:`~msprobe_ci.compare.rows.Row`, whose dtype and shape text are reused when it has them."""
     if not isinstance(record, dict):
         return {"value": "null"}
     if record.get("type") in ("torch.Tensor", "mindspore.Tensor") or "dtype" in record and "shape" in record:
@@ -293,9 +294,20 @@ def row_fields(record: Any) -> dict[str, str]:
             s_mx, s_mn, s_mean, s_norm = cells.split(",")
         else:
             s_mx, s_mn, s_mean, s_norm = map(_text, (mx, mn, mean, norm))
-        out = {"type": _text(g("type")), "dtype": _text(g("dtype")), "shape": _text(g("shape")),
+        dtype, shape = g("dtype"), g("shape")
+        if row is not None and row.is_tensor and type(dtype) is str and type(shape) is list:
+            dtype, shape = row.dtype, row.shape  # str(dtype), str(list(shape)): computed once, by the Row
+            if "'" in dtype:
+                dtype = dtype.replace("'", "")
+            if "'" in shape:
+                shape = shape.replace("'", "")
+        else:
+            dtype, shape = _text(dtype), _text(shape)
+        rg = g("requires_grad")
+        out = {"type": _text(g("type")), "dtype": dtype, "shape": shape,
                "Max": s_mx, "Min": s_mn, "Mean": s_mean, "Norm": s_norm,
-               "requires_grad": _text(g("requires_grad")), "data_name": _text(g("data_name") or "-1")}
+               "requires_grad": str(rg) if type(rg) is bool else _text(rg),
+               "data_name": _text(g("data_name") or "-1")}
         if "md5" in record:
             out["md5"] = _text(record["md5"])
         return out
@@ -321,5 +333,5 @@ def rows_data(rows) -> tuple[dict[str, dict], dict[str, dict]]:
     outputs: dict[str, dict] = {}
     for row in rows:
         target = outputs if ".output." in row.name and ".input." not in row.name else inputs
-        target[row.name] = row_fields(row.record)
+        target[row.name] = row_fields(row.record, row)
     return inputs, outputs
