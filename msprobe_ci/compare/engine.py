@@ -9,7 +9,6 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from ..dump import names
 from ..dtypes import finite_max, smallest_normal
 from ..dump.reader import Dump

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..compare.engine import number_cells
+from ..compare.metrics import number_cells
 from ..compare.rows import entry_rows
 from ..dump.reader import Dump
 from ..errors import MsprobeError
@@ -279,7 +279,7 @@ def _text(v: Any) -> str:
 
 def row_fields(record: Any, row: Any = None) -> dict[str, str]:
     """One data row as msprobe writes it into ``input_data``/``output_data`` (every value a string). ``row``: the
-    record's :class:`~msprobe_ci.compare.rows.Row`, whose dtype and shape text are reused when it has them."""
+    record's :class:`~msprobe_ci.compare.rows.Row`, whose shape text is reused when it has one."""
     if not isinstance(record, dict):
         return {"value": "null"}
     if record.get("type") in ("torch.Tensor", "mindspore.Tensor") or "dtype" in record and "shape" in record:
@@ -294,20 +294,16 @@ def row_fields(record: Any, row: Any = None) -> dict[str, str]:
             s_mx, s_mn, s_mean, s_norm = cells.split(",")
         else:
             s_mx, s_mn, s_mean, s_norm = map(_text, (mx, mn, mean, norm))
-        dtype, shape = g("dtype"), g("shape")
-        if row is not None and row.is_tensor and type(dtype) is str and type(shape) is list:
-            dtype, shape = row.dtype, row.shape  # str(dtype), str(list(shape)): computed once, by the Row
-            if "'" in dtype:
-                dtype = dtype.replace("'", "")
+        shape = g("shape")
+        if row is not None and row.is_tensor and type(shape) is list:
+            shape = row.shape  # str(list(shape)), computed once by the Row
             if "'" in shape:
                 shape = shape.replace("'", "")
         else:
-            dtype, shape = _text(dtype), _text(shape)
-        rg = g("requires_grad")
-        out = {"type": _text(g("type")), "dtype": dtype, "shape": shape,
+            shape = _text(shape)
+        out = {"type": _text(g("type")), "dtype": _text(g("dtype")), "shape": shape,
                "Max": s_mx, "Min": s_mn, "Mean": s_mean, "Norm": s_norm,
-               "requires_grad": str(rg) if type(rg) is bool else _text(rg),
-               "data_name": _text(g("data_name") or "-1")}
+               "requires_grad": _text(g("requires_grad")), "data_name": _text(g("data_name") or "-1")}
         if "md5" in record:
             out["md5"] = _text(record["md5"])
         return out
