@@ -377,12 +377,11 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
 
 
 def unapplied_faults(faults: tuple, capture, compiled: bool = False) -> tuple[str, ...]:
-    """One line per fault meant for this rank that never perturbed anything in ``capture``."""
+    """One line per fault meant for this rank that never fired in ``capture``, or fired and changed no value
+    (:class:`~msprobe_ci.capture.inject.FaultLog`)."""
     why = ("it ran inside a torch.compile region, where APIs cannot be reached" if compiled
            else "no such call ran on the target")
-    return tuple(f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction}) was never applied: "
-                 f"{why}" for i, f in enumerate(faults)
-                 if i not in capture.faults_applied and f.on_rank(capture.fault_rank))
+    return capture.fault_log.unapplied(capture.fault_rank, why)
 
 
 def grad_similarity(bench: dict, target: dict) -> list[dict]:

@@ -620,8 +620,8 @@ class Isolator:
             if faults:
                 new = tuple(grads)
                 for f, n in faults:
-                    new = f.apply(new, n)
-                self.on_fault_applied([f for f, _ in faults])
+                    before, new = new, f.apply(new, n)
+                    self.on_fault_applied(f, before, new)
             try:
                 self._judge_backward(call, name, list(new) if new is not None else grads, grads)
             except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
@@ -633,7 +633,7 @@ class Isolator:
             return new
         return prehook
 
-    def on_fault_applied(self, faults) -> None:  # replaced by the capture session
+    def on_fault_applied(self, fault, before, after) -> None:  # replaced by the capture session's FaultLog.record
         pass
 
     def _judge_backward(self, call: _Call, name: str, targets: list, pre_fault: list) -> None:

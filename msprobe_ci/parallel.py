@@ -197,14 +197,14 @@ def merged_where(node, ranks: list[int]) -> str:
 
 
 def unapplied_faults_on_ranks(faults, world: int, check_dir: str) -> list[str]:
-    """Faults that fired on none of the ranks they target (each rank lists its never-applied faults in
-    ``unapplied.rank<R>.txt``)."""
+    """Faults that changed a value on none of the ranks they target (each rank lists its faults that never fired
+    or changed nothing in ``unapplied.rank<R>.txt``)."""
     out = []
     for f in faults:
         ranks = [r for r in range(world) if f.on_rank(r)]
         files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
         if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _text(p) for p in files):
-            out.append(f"fault {f.api} was never applied on rank(s) {ranks}")
+            out.append(f"fault {f.api} never fired or changed no value on rank(s) {ranks}")
     return out
 
 

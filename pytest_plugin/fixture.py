@@ -267,8 +267,7 @@ class MsprobeFixture:
                   ("msprobe.csv", csv_path)]
         inject = st["inject"] or self.session.inject_path
         if unapplied:
-            pytest.fail(f"msprobe: {inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
-                        f"gate (fix its api/call/step). Artifacts: {check_dir}", pytrace=False)
+            _fail_unapplied(inject, unapplied, check_dir)
         if errors:
             name, rec = errors[0]
             more = "".join(f"\n  {v['message']}" for _, v in errors[1:5])
@@ -297,9 +296,7 @@ class MsprobeFixture:
         if stored is not None:
             props += [("msprobe.baseline", row["baseline"]), ("msprobe.baseline_bytes", stored.bytes)]
         if unapplied:
-            pytest.fail(f"msprobe: {inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
-                        f"gate (fix its api/call/step)" + (f" (+{len(unapplied) - 1} more)" if len(unapplied) > 1
-                                                           else "") + f". Artifacts: {check_dir}", pytrace=False)
+            _fail_unapplied(inject, unapplied, check_dir)
         if first is not None:
             replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live {target_flag}"
                           + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
@@ -382,8 +379,7 @@ class MsprobeFixture:
             row.update(outcome.summary(), unapplied=[], step=steps[i], **extra[i])
             props.append((RESULT_PROPERTY, _publish(row)))
         if unapplied:
-            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires proves nothing about the "
-                        f"gate. Artifacts: {c.dir}", pytrace=False)
+            _fail_unapplied(c.inject, unapplied, c.dir)
         for i, outcome in enumerate(outcomes):
             if outcome.first_divergence is not None:
                 msg = _failure_message(outcome.report, os.path.join(c.dir, f"step{steps[i]}"), outcome.target_dump,
@@ -484,8 +480,7 @@ class MsprobeFixture:
             props.append(("msprobe.graph", graph))
         unapplied = unapplied_faults_on_ranks(faults, world_size, check_dir)
         if unapplied:
-            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
-                        f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+            _fail_unapplied(c.inject, unapplied, check_dir)
         cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
         if cross.first is not None:
             lines = [f"msprobe: {cross.headline}"]
@@ -551,8 +546,7 @@ class MsprobeFixture:
             props.append(("msprobe.graph", graph))
         unapplied = unapplied_faults_on_ranks(c.faults, world, check_dir)
         if unapplied:
-            pytest.fail(f"msprobe: {c.inject}: {unapplied[0]}; a fault that never fires "
-                        f"proves nothing about the gate. Artifacts: {check_dir}", pytrace=False)
+            _fail_unapplied(c.inject, unapplied, check_dir)
         for step, i, merged, outcome in results:
             first = outcome.first_divergence
             if first is None:
@@ -925,6 +919,14 @@ def _isolator(c: _Check, backward: bool):
 
     return Isolator(standards=dict(c.st["api_standards"] or {}), thresholds=dict(c.st["api_thresholds"] or {}),
                     target_device=c.target.torch_device, backward=backward)
+
+
+def _fail_unapplied(inject: str | None, unapplied: list, artifacts: str) -> None:
+    """Fail the test for injected faults that never fired or changed no value: such a check proves nothing about
+    the gate, whatever its verdict."""
+    more = f" (+{len(unapplied) - 1} more)" if len(unapplied) > 1 else ""
+    pytest.fail(f"msprobe: {inject}: {unapplied[0]}{more}; a fault that never fires or changes no value proves "
+                f"nothing about the gate (fix its api/call/step/value). Artifacts: {artifacts}", pytrace=False)
 
 
 def _fail_overflow_or_api(outcome, where: str, artifacts: str) -> None:

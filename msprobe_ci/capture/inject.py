@@ -15,6 +15,9 @@ File format (YAML, loaded with ``yaml.safe_load``)::
 * ``rank``: apply only on that rank of a multi-rank run (absent or ``null``: every rank).
 
 The perturbed value is what the caller receives *and* what capture records, exactly as a buggy kernel would.
+A fault that fires but changes no element (a 1% scale on fp16 gradients that live in the subnormal range, where
+the step between neighbouring values is far above 1%) is reported like one that never fired: neither proves
+anything about the gate (:class:`FaultLog`).
 """
 
 from __future__ import annotations
@@ -135,3 +138,75 @@ def load_faults(path: str | os.PathLike) -> tuple[Fault, ...]:
 
 def select(faults: Iterable[Fault], api: str) -> tuple[Fault, ...]:
     return tuple(f for f in faults if f.api == api)
+
+
+def _floating(value: Any) -> list:
+    """The floating tensors in ``value`` (nested tuples/lists), in order: what :meth:`Fault.apply` perturbs."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return [t for v in value for t in _floating(v)]
+    return []
+
+
+class FaultLog:
+    """Which of a run's faults fired, and whether any of them changed a value.
+
+    Args:
+        faults: the run's faults (indices into it name them).
+
+    ``fired``: indices of faults applied at least once. ``changed``: of those, the ones that changed at least one
+    element (``after != before``; NaN where both are NaN counts as unchanged). ``touched``: per fired fault the
+    largest finite ``|x|`` it was applied to and that tensor's dtype (for the message when nothing changed).
+    """
+
+    def __init__(self, faults: Iterable[Fault]):
+        self.faults = tuple(faults)
+        self.fired: set[int] = set()
+        self.changed: set[int] = set()
+        self.touched: dict[int, tuple[float, str]] = {}
+
+    def apply(self, fault: Fault, value: Any, call: int) -> Any:
+        """``fault.apply(value, call)``, logged."""
+        out = fault.apply(value, call)
+        self.record(fault, value, out)
+        return out
+
+    def record(self, fault: Fault, before: Any, after: Any) -> None:
+        """Log that ``fault`` turned ``before`` into ``after`` (the same nesting of tensors)."""
+        import torch
+
+        i = self.faults.index(fault)
+        self.fired.add(i)
+        if i in self.changed:
+            return
+        for b, a in zip(_floating(before), _floating(after)):
+            if b.numel() == 0:
+                continue
+            with torch.no_grad():
+                b, a = b.detach(), a.detach()
+                if bool(((a != b) & ~(a.isnan() & b.isnan())).any()):
+                    self.changed.add(i)
+                    self.touched.pop(i, None)
+                    return
+                peak = float(torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).amax())
+            if peak >= self.touched.get(i, (-1.0, ""))[0]:
+                self.touched[i] = (peak, str(b.dtype))
+
+    def unapplied(self, rank: int | None, why: str) -> tuple[str, ...]:
+        """One line per fault meant for ``rank`` that never fired (``why``: the reason to give) or fired and
+        changed nothing."""
+        out = []
+        for i, f in enumerate(self.faults):
+            if not f.on_rank(rank) or i in self.changed:
+                continue
+            what = f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction})"
+            if i not in self.fired:
+                out.append(f"{what} was never applied: {why}")
+                continue
+            peak, dtype = self.touched.get(i, (0.0, "its dtype"))
+            out.append(f"{what} fired but changed no value: {f.perturb} {f.value:g} is below the resolution of "
+                       f"{dtype} at the values it touched (largest |x| {peak:.3g})")
+        return tuple(out)

@@ -30,7 +30,7 @@ from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
 from . import naming
-from .inject import Fault
+from .inject import Fault, FaultLog
 from .records import RecordBuilder
 
 if TYPE_CHECKING:
@@ -87,13 +87,13 @@ class CaptureSession:
         config.validate()
         self.isolator = isolator
         self.free_bench = free_bench
-        if isolator is not None:
-            isolator.on_fault_applied = self._faults_applied
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
         self.config = config
         self.faults = tuple(faults)
         self._fault_apis = {f.api for f in self.faults}
-        self.faults_applied: set[int] = set()  # indices into ``faults`` that perturbed at least one value
+        self.fault_log = FaultLog(self.faults)  # which faults fired, and which changed a value
+        if isolator is not None:
+            isolator.on_fault_applied = self.fault_log.record
         self.rank = rank
         self.current_step = 0
         self.running = False
@@ -137,10 +137,6 @@ class CaptureSession:
             self.isolator.reset()
         if getattr(self, "free_bench", None) is not None:
             self.free_bench.reset()
-
-    def _faults_applied(self, faults) -> None:
-        for f in faults:
-            self.faults_applied.add(self.faults.index(f))
 
     @property
     def step_enabled(self) -> bool:
@@ -395,8 +391,7 @@ class CaptureSession:
                 self._busy = False
         out = orig = func(*args, **kwargs)
         for f in fwd_faults:
-            out = f.apply(out, n)
-            self.faults_applied.add(self.faults.index(f))
+            out = self.fault_log.apply(f, out, n)
         self.api_counts[key] = n + 1
         if pending is not None:
             self._busy = True
@@ -537,8 +532,7 @@ class CaptureSession:
             if faults:
                 new = tuple(grad_inputs)
                 for f in faults:
-                    new = f.apply(new, call)
-                    self.faults_applied.add(self.faults.index(f))
+                    new = self.fault_log.apply(f, new, call)
                 grad_inputs = new
             if record and self.running and not self._busy:
                 self._busy = True
