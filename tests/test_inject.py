@@ -48,6 +48,15 @@ def test_nan_elements_are_not_a_change_and_unfired_faults_keep_their_reason():
     assert log.unapplied(3, "-")[1:] == (lines[1].replace("no such call ran on the target", "-"),)
 
 
+def test_a_fault_on_an_integer_output_found_nothing_to_perturb():
+    fault = Fault("Torch.argmax", 0, "forward", "scale", 2.0)
+    log = FaultLog([fault])
+    idx = torch.tensor([3, 1])
+    assert log.apply(fault, (idx, torch.empty(0)), 0)[0] is idx
+    assert log.unapplied(None, "-") == ("fault Torch.argmax call 0 (forward) fired but found no floating-point "
+                                        "value to perturb",)
+
+
 @pytest.mark.parametrize("perturb,value", [("scale", 1.0 + 2.0 ** -30), ("noise", 1e-12)])
 def test_perturbations_below_fp32_resolution_are_reported(perturb, value):
     fault = Fault("Functional.gelu", 0, "forward", perturb, value)

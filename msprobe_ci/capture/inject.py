@@ -206,7 +206,10 @@ class FaultLog:
             if i not in self.fired:
                 out.append(f"{what} was never applied: {why}")
                 continue
-            peak, dtype = self.touched.get(i, (0.0, "its dtype"))
+            if i not in self.touched:  # an integer, bool or empty output: nothing it could perturb
+                out.append(f"{what} fired but found no floating-point value to perturb")
+                continue
+            peak, dtype = self.touched[i]
             out.append(f"{what} fired but changed no value: {f.perturb} {f.value:g} is below the resolution of "
                        f"{dtype} at the values it touched (largest |x| {peak:.3g})")
         return tuple(out)
