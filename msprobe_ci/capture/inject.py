@@ -141,7 +141,8 @@ def select(faults: Iterable[Fault], api: str) -> tuple[Fault, ...]:
 
 
 def _floating(value: Any) -> list:
-    """The floating tensors in ``value`` (nested tuples/lists), in order: what :meth:`Fault.apply` perturbs."""
+    """The floating tensors in ``value`` (nested tuples/lists), in order: exactly what :meth:`Fault.apply`
+    perturbs (not ``isolate._tensors``, which also opens dicts and named tuples that a fault leaves alone)."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -158,8 +159,9 @@ class FaultLog:
         faults: the run's faults (indices into it name them).
 
     ``fired``: indices of faults applied at least once. ``changed``: of those, the ones that changed at least one
-    element (``after != before``; NaN where both are NaN counts as unchanged). ``touched``: per fired fault the
-    largest finite ``|x|`` it was applied to and that tensor's dtype (for the message when nothing changed).
+    element (``after != before``; NaN where both are NaN counts as unchanged). ``touched``: per fired fault that
+    has not changed anything yet, the largest finite ``|x|`` it was applied to and that tensor's dtype (for the
+    message when nothing changed).
     """
 
     def __init__(self, faults: Iterable[Fault]):
@@ -185,13 +187,11 @@ class FaultLog:
         for b, a in zip(_floating(before), _floating(after)):
             if b.numel() == 0:
                 continue
-            with torch.no_grad():
-                b, a = b.detach(), a.detach()
-                if bool(((a != b) & ~(a.isnan() & b.isnan())).any()):
-                    self.changed.add(i)
-                    self.touched.pop(i, None)
-                    return
-                peak = float(torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).amax())
+            b, a = b.detach(), a.detach()
+            if bool(((a != b) & ~(a.isnan() & b.isnan())).any()):
+                self.changed.add(i)
+                return
+            peak = float(torch.nan_to_num(b.abs(), nan=0.0, posinf=0.0).amax())
             if peak >= self.touched.get(i, (-1.0, ""))[0]:
                 self.touched[i] = (peak, str(b.dtype))
 
