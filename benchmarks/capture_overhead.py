@@ -1,7 +1,8 @@
 """Capture overhead: no capture vs msprobe-ci (mix, statistics), with isolation (every API also judged on its
-own inputs against an fp64 oracle, forward and backward; "isolated" skips the oracle where the CPU target's own
-kernel is the same-dtype bench, "isolated-full" pays what a device target pays) and msprobe's PrecisionDebugger,
-interleaved.
+own inputs against an fp64 oracle, forward and backward; "isolated" with the `device` bench kernel, which on a CPU
+target recomputes the target's own kernel, so a call bit-identical to it needs no error budget; "isolated-upcast"
+with a foreign bench, where every benchmark-standard call is also sized by its perturbed runs, as on a device
+target) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
@@ -75,11 +76,11 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
         dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
-    elif mode in ("isolated", "isolated-full"):
+    elif mode in ("isolated", "isolated-upcast"):
         from msprobe_ci.capture import CaptureSession
         from msprobe_ci.config import DumpConfig
         from msprobe_ci.isolate import Isolator
-        iso = Isolator(reuse_identical=mode == "isolated")
+        iso = Isolator(bench_kernel="device" if mode == "isolated" else "upcast")
         dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=iso)
     elif mode == "msprobe":
         from msprobe.pytorch import PrecisionDebugger
@@ -181,9 +182,9 @@ def main():
         return
     try:
         import msprobe  # noqa: F401
-        modes = ["none", "msprobe-ci", "isolated", "isolated-full", "msprobe"]
+        modes = ["none", "msprobe-ci", "isolated", "isolated-upcast", "msprobe"]
     except ImportError:
-        modes = ["none", "msprobe-ci", "isolated", "isolated-full"]
+        modes = ["none", "msprobe-ci", "isolated", "isolated-upcast"]
     results = {m: [] for m in modes}
     recs, captured = {}, {}
     for _ in range(args.rounds):

@@ -120,7 +120,7 @@ def main() -> None:
                                                       capture=CaptureSession(cfg())),
                 "train: capture + isolation": lambda: train_steps(
                     build(args.layers, args.hidden), batches,
-                    capture=CaptureSession(cfg(), isolator=Isolator(backward=True, reuse_identical=False))),
+                    capture=CaptureSession(cfg(), isolator=Isolator(backward=True, bench_kernel="upcast"))),
                 "train: monitor": lambda: train_steps(build(args.layers, args.hidden), batches,
                                                       monitor=TrainerMon(tempfile.mkdtemp(dir=tmp), plot=False)),
                 "decode: no capture": lambda: decode_steps(build(args.layers, args.hidden).eval(), prompt,
@@ -129,7 +129,7 @@ def main() -> None:
                                                         capture=CaptureSession(cfg())),
                 "decode: capture + isolation": lambda: decode_steps(
                     build(args.layers, args.hidden).eval(), prompt, args.steps,
-                    capture=CaptureSession(cfg(), isolator=Isolator(backward=False, reuse_identical=False))),
+                    capture=CaptureSession(cfg(), isolator=Isolator(backward=False, bench_kernel="upcast"))),
                 "forward: no capture": lambda: forward_ms(build(args.layers, args.hidden).eval(), batches[0]),
                 "forward: free benchmark": lambda: forward_ms(
                     build(args.layers, args.hidden).eval(), batches[0],

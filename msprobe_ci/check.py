@@ -246,7 +246,8 @@ class CheckOutcome:
 def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
              thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
              graph_dir: str | None = None, api_standards: dict | None = None,
-             api_thresholds: dict | None = None, mappings=None, source_factor: float = 4.0) -> CheckOutcome:
+             api_thresholds: dict | None = None, mappings=None, source_factor: float = 4.0,
+             bench_kernel: str = "device") -> CheckOutcome:
     """Judge one check from its two sides: compare (isolated verdicts), CSV, graph, model-level testcases,
     overflow, and the per-API pre-check of a tensor dump.
 
@@ -259,6 +260,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         source_factor: how far sources (parameters, buffers, inputs, state) may differ from the bench, in units
             of u (default 4); ``inf`` after the first training step, where weights and optimizer state have
             legitimately trained apart.
+        bench_kernel: the bench kernel of the per-API pre-check of a tensor dump (:mod:`msprobe_ci.kernels`).
 
     Raises:
         MsprobeError: unreadable or incompatible dumps.
@@ -287,7 +289,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         from .replay import ApiReplayer
 
         replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
-                               thresholds=dict(api_thresholds or {}))
+                               thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
         api_checks = [replayer.check(n) for n in replayer.api_names()]
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
                         tuple(api_checks), tuple(notes))

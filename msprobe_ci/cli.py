@@ -4,7 +4,7 @@
     msprobe-ci overflow -i STEP_OR_RANK_DIR_OR_ROOT [-o OUT]
     msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
     msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
-    msprobe-ci api-check -api_info DUMP [-o OUT] [--junitxml PATH] [-n WORKERS] [--live]
+    msprobe-ci api-check -api_info DUMP [-o OUT] [--junitxml PATH] [-n WORKERS] [--live] [--bench-kernel K]
 
 Paths are dump.json files, rank folders, step folders or dump roots (``step<N>`` folders); compare pairs folders
 by (step, rank). Exit status: 0 when no node is an error (compare, api-check) / no NaN-Inf (overflow), 1
@@ -19,6 +19,7 @@ import os
 import sys
 
 from ._perf import gc_paused
+from .config import BENCH_KERNELS
 from .errors import MsprobeError
 
 
@@ -188,6 +189,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--junitxml", default=None, help="also write a JUnit XML file (one testcase per API call)")
     a.add_argument("-n", "--num_workers", type=_workers, default=1, help="worker processes (default 1)")
     a.add_argument("--live", action="store_true", help="re-run the target side on CPU (statistics dumps)")
+    a.add_argument("--bench-kernel", choices=BENCH_KERNELS, default="device",
+                   help="the same-dtype bench of the benchmark standard: device (the API on CPU in the dumped "
+                        "dtypes, default), upcast (one precision up, rounded once), rounded (fp64, correctly "
+                        "rounded), decomposed (core-ATen decompositions, oneDNN off)")
     v = command("view", "start TensorBoard with tb-graph-ascend's plugin only, on a folder of .vis.db",
                 "Start TensorBoard with only tb-graph-ascend's graph plugin (plain 'tensorboard' refuses to start "
                 "when mindstudio-probe is also installed: both register 'graph_ascend'). Stop it with Ctrl-C.")
@@ -373,12 +378,12 @@ def _graph(args) -> int:
     return 0
 
 
-def _check_chunk(job: tuple[str, list[str], bool]) -> list:
+def _check_chunk(job: tuple[str, list[str], bool, str]) -> list:
     from .dump.reader import load_dump
     from .replay.runner import ApiReplayer
 
-    path, names, live = job
-    replayer = ApiReplayer(load_dump(path), live=live)
+    path, names, live, kernel = job
+    replayer = ApiReplayer(load_dump(path), live=live, bench_kernel=kernel)
     return [replayer.check(n) for n in names]
 
 
@@ -432,13 +437,13 @@ def _api_check_folders(folders: list[str], args) -> list:
     from .replay.runner import ApiReplayer
 
     workers = args.num_workers
-    jobs: list[tuple[int, tuple[str, list[str], bool]]] = []
+    jobs: list[tuple[int, tuple[str, list[str], bool, str]]] = []
     names_by_folder = []
     for i, folder in enumerate(folders):
         names = ApiReplayer(load_dump(folder), live=args.live).api_names()
         names_by_folder.append(names)
         chunks = [names] if workers == 1 else [names[k::workers] for k in range(workers)]
-        jobs += [(i, (folder, c, args.live)) for c in chunks if c]
+        jobs += [(i, (folder, c, args.live, args.bench_kernel)) for c in chunks if c]
     if workers == 1:
         parts = [_check_chunk(job) for _, job in jobs]
     else:

@@ -30,6 +30,11 @@ class PrecisionDebugger:
         dump_path: overrides ``dump_path``.
         level: overrides ``level`` (``L0``, ``L1``, ``mix``).
         step: overrides ``step`` (list of ints / ``"a-b"`` ranges).
+        isolate: also judge every captured API call on its own inputs while the model runs (not in msprobe;
+            default ``False``): ``isolation.json`` is written beside each ``dump.json``, and ``msprobe-ci compare``
+            of this dump against a bench dump uses those verdicts (:mod:`msprobe_ci.isolate`).
+        bench_kernel: with ``isolate``, the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`;
+            default ``device``: the API on the CPU in the model's dtypes).
 
     Raises:
         MsprobeError: invalid configuration (one line naming the field), or at ``start()`` a dump folder that
@@ -37,11 +42,17 @@ class PrecisionDebugger:
     """
 
     def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
-                 dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None):
+                 dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None,
+                 isolate: bool = False, bench_kernel: str = "device"):
         from .capture import CaptureSession
 
         self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)
-        self.session = CaptureSession(self.config)
+        isolator = None
+        if isolate:
+            from .isolate import Isolator
+
+            isolator = Isolator(bench_kernel=bench_kernel)
+        self.session = CaptureSession(self.config, isolator=isolator)
 
     def start(self, model: Any = None, token_range: Any = None) -> None:
         """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix.

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from .replay.runner import _cast
+from . import kernels
+from .kernels import cast as _cast
 from .replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
 
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
@@ -121,36 +122,40 @@ class _Call:
     name: str
     short: str
     direction_ok: bool = True
-    oracle_in: list = field(default_factory=list)   # fp64 leaves that need grad, by tap position
+    oracle_in: list = field(default_factory=list)   # oracle leaves that need grad, by tap position
     oracle_out: Any = None
     bench_in: list = field(default_factory=list)
     bench_out: Any = None
+    bench_round: bool = False  # the bench is a higher-precision result, rounded to the target's dtype when judged
     taps: int = 0
     grad_out: dict = field(default_factory=dict)
     out_tensors: list = field(default_factory=list)
     dropout: tuple | None = None
     func: Any = None
-    inputs: tuple | None = None  # (args, kwargs) until the forward is judged
+    inputs: tuple | None = None  # the target's (args, kwargs), for the error budget, until the call is judged
+    versions: tuple = ()  # the inputs' version counters at the call: an input written since is not the call's
 
 
 class Isolator:
     """Per-step isolation state of one target capture.
 
+    The judge sees tensors only: the target's output (and the gradients it hands back), the oracle and the
+    same-dtype bench, each computed from the target's own inputs; never the fault plan. Work is skipped only where
+    the data proves it needless (a target bit-identical to the bench needs no error budget).
+
     Args:
         standards: ``{API fnmatch pattern: standard}`` overrides (as the pre-check's).
         thresholds: ``{standard: {threshold: value}}`` overrides.
         target_device: torch device string of the target (``cpu``, ``npu:0``).
-        bench_device: where the same-dtype bench runs (default ``cpu``); equal device types reuse the target's
-            own pre-fault result.
-        backward: also isolate the backward pass (keeps the fp64 oracle graphs until backward).
-        reuse_identical: on the bench device itself, skip the oracle where the standard only compares the target
-            with its same-dtype bench (benchmark ratios of unperturbed calls, every gradient): the target's kernel
-            is that bench, so every ratio is exactly 1 (default ``True``; ``False`` measures the full cost a
-            device target pays).
-        bench_kernel: ``device`` (default): the same-dtype bench is the API on the bench device; ``rounded``: it
-            is the oracle correctly rounded to the target's dtype, the most accurate kernel that dtype allows
-            (a stress test of the standards on a CPU-only machine, where the bench device would be the target's
-            own kernel; used by ``benchmarks/gate_quality.py``).
+        bench_device: where the same-dtype bench runs (default ``cpu``).
+        backward: also isolate the backward pass (keeps the oracle and bench graphs until backward).
+        bench_kernel: which kernel is the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`):
+            ``device`` (default), ``upcast``, ``rounded``, ``decomposed``.
+        budget_draws: perturbed runs that size a benchmark-standard call's error budget
+            (:func:`msprobe_ci.kernels.forward_scale`; default 3); 0 judges relative to ``|oracle|`` alone.
+
+    Raises:
+        MsprobeError: an unknown bench kernel.
 
     Attributes:
         results: ``{node name: record}``; a record holds ``status`` (pass/warning/error/skip), ``standard``,
@@ -159,20 +164,15 @@ class Isolator:
     """
 
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
-                 bench_device: str = "cpu", backward: bool = True, reuse_identical: bool = True,
-                 bench_kernel: str = "device"):
+                 bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",
+                 budget_draws: int = kernels.DRAWS):
         self.standards = dict(standards or {})
         self.thresholds = {k: dict(v) for k, v in (thresholds or {}).items()}
         self.target_device = str(target_device)
         self.bench_device = str(bench_device)
-        if bench_kernel not in ("device", "rounded"):
-            raise ValueError(f"bench_kernel: expected 'device' or 'rounded', got {bench_kernel!r}")
-        self.rounded_bench = bench_kernel == "rounded"
-        # a rounded-oracle bench is never the target's own kernel: judge as for a device target
-        self.same_device = (self.target_device.split(":")[0] == self.bench_device.split(":")[0]
-                            and not self.rounded_bench)
+        self.bench_kernel = kernels.check_bench_kernel(bench_kernel)
         self.backward = backward
-        self.reuse_identical = reuse_identical
+        self.budget_draws = int(budget_draws)
         self.faults_at_tap: dict[str, list] = {}
         self.reset()
 
@@ -251,12 +251,8 @@ class Isolator:
     def skip(self, name: str, reason: str) -> None:
         self.results[name] = {"status": "skip", "message": reason}
 
-    def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict, fwd_fault: bool = False,
-               bwd_fault: bool = False):
-        """Prepare the isolation of one call: sources, the oracle (and bench) on copies of the inputs, taps.
-
-        Args:
-            fwd_fault, bwd_fault: an injected fault will perturb this call's output / its input gradients.
+    def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
+        """Prepare the isolation of one call: sources, the oracle and the bench on copies of the inputs, taps.
 
         Returns:
             ``(call or None, args, kwargs)``: the arguments to call the target with (tapped where gradients are
@@ -281,75 +277,68 @@ class Isolator:
             self.skip(bwd_name, reason)
             self.results[name]["sources"] = fwd_sources
             return None, args, kwargs
-        call = _Call(name, short, func=func, inputs=(tuple(args), dict(kwargs)))
+        call = _Call(name, short, func=func)
         self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
         if short in _DROPOUT:
             p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
             call.dropout = (float(p), bool(training))
+            call.inputs = (tuple(args), dict(kwargs))
             return call, args, kwargs
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
-                     any(t.requires_grad and (t.is_floating_point() or t.is_complex())
-                         for t in _tensors(args) + _tensors(kw)))
+                     any(kernels._needs_grad(t) for t in _tensors(args) + _tensors(kw)))
         from .checkers import standard_for
 
-        std_guess = standard_for(short, "torch.float32", self.standards)
-        exact_only = self.same_device and std_guess == "binary"
-        # On the bench device itself the target's kernel *is* the same-dtype bench: where a standard only
-        # compares the two (benchmark ratios, bit-exactness), an unperturbed call passes with every ratio 1,
-        # exactly, and the oracle would change nothing. Gradients are all judged that way.
-        lazy = self.same_device and self.reuse_identical
-        skip_oracle = exact_only or (lazy and std_guess == "benchmark" and not fwd_fault)
-        tap = want_grad and (not lazy or bwd_fault)
-        if want_grad and not tap:
-            self.results[bwd_name] = {
-                "status": "pass", "standard": "benchmark", "metric": "identical", "value": 1.0, "threshold": 1.0,
-                "row": f"{bwd_name}.output.0", "sources": {},
-                "message": "benchmark pass: on the bench device the target's gradients are the same-dtype bench's "
-                           "own and nothing was injected: every ratio 1"}
-        want_grad = tap
-        if not skip_oracle:
+        # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
+        # the others, and for every gradient
+        need_oracle = want_grad or standard_for(short, "torch.float32", self.standards) != "binary"
+        if need_oracle:
+            dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
             try:
-                call.oracle_in, call.oracle_out = self._reference(func, args, kw, _oracle_dtype(args, kw), "cpu",
-                                                                  want_grad)
+                call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
-                    call.oracle_in, call.oracle_out = self._reference(func, args, kw, torch.float32, "cpu",
-                                                                      want_grad)
+                    dtype = torch.float32
+                    call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
                     return None, args, kwargs
-            if not self.same_device and not self.rounded_bench:
-                try:
-                    call.bench_in, call.bench_out = self._reference(func, args, kw, None, self.bench_device,
-                                                                    want_grad)
-                except Exception as exc:  # noqa: BLE001
-                    self.results[name].update(message=f"same-dtype bench failed on {self.bench_device}: "
-                                                      f"{type(exc).__name__}")
-                    return None, args, kwargs
+        try:
+            self._bench(call, func, args, kw, want_grad)
+        except Exception as exc:  # noqa: BLE001
+            self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
+                                              f"{self.bench_device}: {type(exc).__name__}")
+            return None, args, kwargs
+        call.inputs = (tuple(args), dict(kw))
+        call.versions = tuple(t._version for t in _tensors(args) + _tensors(kw))
         if want_grad:
             args, kwargs = self._tap(call, bwd_name, args, kwargs)
         return call, args, kwargs
 
-    def _reference(self, func, args, kwargs, dtype, device, grad: bool):
-        leaves: list = []
-        copy = _copier(dtype, device)
-
-        def conv(t: torch.Tensor) -> torch.Tensor:
-            x = copy(t)
-            if grad and t.requires_grad and (x.is_floating_point() or x.is_complex()):
-                x.requires_grad_(True)
-                leaves.append(x)
-            return x
-        a = _cast(tuple(args), conv)
-        k = {key: _cast(v, conv) for key, v in kwargs.items()}
-        if dtype is not None and isinstance(k.get("dtype"), torch.dtype) and k["dtype"].is_floating_point:
-            k["dtype"] = dtype
-        with torch.set_grad_enabled(grad):
-            out = func(*a, **k)
-        return leaves, out
+    def _bench(self, call: _Call, func, args: tuple, kw: dict, grad: bool) -> None:
+        """The same-dtype bench of one call, by :attr:`bench_kernel` (:mod:`msprobe_ci.kernels`)."""
+        kernel = self.bench_kernel
+        if kernel in ("upcast", "rounded"):
+            call.bench_round = True
+            up = kernels.upcast_dtype(_tensors(args) + _tensors(kw)) if kernel == "upcast" else torch.float64
+            oracle_leaves = [x for x in call.oracle_in if x is not None]
+            if call.oracle_out is not None and all(x.dtype == up for x in _tensors(call.oracle_out)
+                                                   if x.is_floating_point()) and \
+                    all(x.dtype == up for x in oracle_leaves if x.is_floating_point()):
+                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out  # the oracle is that computation
+                return
+            device = "cpu" if kernel == "rounded" else self.bench_device
+            try:
+                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad)
+            except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
+                if call.oracle_out is None:
+                    raise
+                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out
+            return
+        context = kernels.decomposed if kernel == "decomposed" else None
+        call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
 
     def _tap(self, call: _Call, bwd_name: str, args: tuple, kwargs: dict):
         from torch.nn.modules._functions import BackwardHookFunction
@@ -381,8 +370,8 @@ class Isolator:
             node.register_prehook(self._tap_hook(call, bwd_name))
         return args, kwargs
 
-    def after(self, call: _Call | None, out: Any, orig: Any) -> None:
-        """Judge the target's output ``out`` (``orig``: before any injected fault) and arm the backward hooks."""
+    def after(self, call: _Call | None, out: Any) -> None:
+        """Judge the target's output ``out`` and arm the backward hooks."""
         self.mark_produced(out)
         if call is None:
             return
@@ -393,22 +382,20 @@ class Isolator:
         targets = _flat_outputs(out, stem)
         if call.dropout is not None:
             p, training = call.dropout
+            args, kwargs = call.inputs
+            call.inputs = None
+            x = args[0] if args else kwargs.get("input")
             results = []
-            pre_fault = dict(_flat_outputs(orig, stem))
             for row, t in targets:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
                     results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
-                elif isinstance(t, torch.Tensor):
-                    b = pre_fault.get(row)
-                    results.append((row, judge_pair("identity", t, b, None, False, self.standards,
+                elif isinstance(t, torch.Tensor):  # dropout off: the output is its input
+                    results.append((row, judge_pair("identity", t, x, None, False, self.standards,
                                                     self.thresholds)))
             self._store(call.name, results)
             return
         oracles = dict(_flat_outputs(call.oracle_out, stem)) if call.oracle_out is not None else {}
-        if self.rounded_bench:
-            bench = {row: _round_like(oracles.get(row), t) for row, t in targets}
-        else:
-            bench = dict(_flat_outputs(orig if self.same_device else call.bench_out, stem))
+        bench = dict(_flat_outputs(call.bench_out, stem))
         results = []
         scale = None
         if call.short in _LINEAR_REDUCTIONS and call.inputs is not None and len(targets) == 1:
@@ -416,24 +403,54 @@ class Isolator:
                 scale = accumulation_scale(call.short, call.func, *call.inputs)
             except Exception:  # noqa: BLE001 - msprobe's unit scale then
                 scale = None
-        for row, t in targets:
+        budget = self._forward_budget(call, stem, len(targets))
+        for i, (row, t) in enumerate(targets):
             b = bench.get(row)
+            if call.bench_round:
+                b = kernels.round_to(b, t)
             if isinstance(b, torch.Tensor) and isinstance(t, torch.Tensor) and b.device != t.device:
                 b = b.to(t.device)
             o = oracles.get(row)
-            res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale)
+            res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale,
+                             terms=budget(i))
             if res.standard == "ulp" and res.status == "error" and call.inputs is not None and len(targets) == 1:
                 # only when it matters: the accumulation allowance costs one more pass over |inputs|
                 res = self._with_floor(call, res, t, b, o)
             results.append((row, res))
-        call.inputs = None
+        if not call.taps:
+            call.inputs = None
         self._store(call.name, results, oracles)
         if call.taps:
             call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
             for i, t in enumerate(call.out_tensors):
                 t.register_hook(self._grad_out_hook(call, i))
-        if call.oracle_out is not None and not call.taps:
-            call.oracle_out = None  # nothing will read the graph
+        if not call.taps:
+            call.oracle_out = call.bench_out = None  # nothing will read the graphs
+
+    def _unchanged(self, call: _Call) -> bool:
+        """Whether the call's inputs still hold the values it was called with (no in-place write since)."""
+        return call.inputs is not None and \
+            tuple(t._version for t in _tensors(call.inputs[0]) + _tensors(call.inputs[1])) == call.versions
+
+    def _forward_budget(self, call: _Call, stem: str, n: int):
+        """``budget(i)``: the error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), computed
+        on first use, once per call: only a benchmark-standard row that is not bit-identical to its bench asks."""
+        cache: list = []
+
+        def budget(i: int):
+            if not self.budget_draws or call.inputs is None or is_inplace(call.short):
+                return None
+            if not cache:
+                try:
+                    if not self._unchanged(call):
+                        raise RuntimeError("inputs written since the call")
+                    cache.extend(kernels.forward_scale(call.func, call.inputs[0], call.inputs[1],
+                                                       lambda v: [x for _, x in _flat_outputs(v, stem)],
+                                                       self.budget_draws))
+                except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone, msprobe's own rule
+                    cache.extend([None] * n)
+            return cache[i] if i < len(cache) else None
+        return budget
 
     def _with_floor(self, call: _Call, res, t, b, o):
         from .replay.runner import accumulation_floor, judge_pair
@@ -506,27 +523,47 @@ class Isolator:
                                               "mode inside)")
             return None
         wrapper = _EagerForward(module)
-        dtype = _oracle_dtype(tuple(args) + tuple(state.values()), kwargs)
+        dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))
         grad = self.backward and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point() for a in args)
+        call = _ModuleCall(name, wrapper, state, tuple(args), dict(kwargs))
         try:
-            oracle = self._module_run(wrapper, state, args, kwargs, dtype, "cpu", grad)
-            bench = self._module_run(wrapper, state, args, kwargs, None, self.bench_device, grad)
+            call.oracle = self._module_run(call, dtype, "cpu", grad)
+            kernel = self.bench_kernel
+            if kernel in ("upcast", "rounded"):
+                call.bench_round = True
+                up = dtype if kernel == "upcast" else torch.float64
+                call.bench = call.oracle if up == dtype else self._module_run(call, up, "cpu", grad)
+            else:
+                call.bench = self._module_run(call, None, self.bench_device, grad,
+                                              kernels.decomposed if kernel == "decomposed" else None)
         except Exception as exc:  # noqa: BLE001 - unjudgeable module, the user's run goes on
             self.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
                                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
             return None
-        return name, oracle, bench
+        call.versions = tuple(t._version for t in _tensors(call.args) + list(state.values()) + _tensors(call.kwargs))
+        return call
 
     @staticmethod
-    def _module_run(wrapper, state: dict, args, kwargs, dtype, device, grad: bool = False):
+    def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None):
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
-        inputs a full backward hook reports gradients for), in order, ``None`` for the others."""
-        conv = _copier(dtype, device)
-        st = {f"module.{k}": conv(v) for k, v in state.items()}
+        inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
+        ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
+        import contextlib
+
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            x = t.detach()
+            if dtype is not None and t.is_floating_point():
+                x = x.to(device=device, dtype=dtype, copy=True)
+            elif dtype is not None and t.is_complex():
+                x = x.to(device=device, dtype=torch.complex128, copy=True)
+            else:
+                x = x.to(device=device, copy=True)
+            return kernels.jitter(x, *perturb) if perturb is not None else x
+        st = {f"module.{k}": conv(v) for k, v in call.state.items()}
         leaves: list = []
         a = []
-        for v in args:
+        for v in call.args:
             c = _copy_obj(v, conv)
             if isinstance(v, torch.Tensor):
                 if grad and v.requires_grad and c.is_floating_point():
@@ -535,10 +572,41 @@ class Isolator:
                 else:
                     leaves.append(None)
             a.append(c)
-        k = {key: _copy_obj(v, conv) for key, v in kwargs.items()}
-        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(grad):  # the user's random stream stays
-            out = torch.func.functional_call(wrapper, st, tuple(a), k, strict=False)
+        k = {key: _copy_obj(v, conv) for key, v in call.kwargs.items()}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if context is not None:
+                stack.enter_context(context())
+            if perturb is not None:
+                stack.enter_context(kernels.Perturb(*perturb))
+            out = torch.func.functional_call(call.wrapper, st, tuple(a), k, strict=False)
         return leaves, out
+
+    def _module_scale(self, call: "_ModuleCall", grad_output: list | None = None) -> list:
+        """The error scale (:mod:`msprobe_ci.kernels`) of a module's output tensors, or with ``grad_output`` of the
+        gradients it hands to its positional inputs: the module re-run in fp64 with its inputs, state and every
+        intermediate jittered. Empty when the inputs were written since the call or the runs fail."""
+        if not self.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
+                                          _tensors(call.kwargs)) != call.versions:
+            return []
+        eta = kernels._eta(torch.float64)
+        gen = torch.Generator().manual_seed(0x30D)
+        grad = grad_output is not None
+
+        def one(perturb):
+            leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb)
+            if grad:
+                return self._module_vjp(out, leaves, grad_output, perturb)
+            return _tensors(out)
+        try:
+            base = one(None)
+            draws = [one((eta, gen)) for _ in range(self.budget_draws)]
+        except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
+            return []
+        diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
+                  b.detach().to(torch.float64) for x, b in zip(d, base)] for d in draws]
+        return kernels._rms(diffs, eta)
 
     def module_after(self, call, output: Any) -> None:
         """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""
@@ -546,17 +614,25 @@ class Isolator:
             return
         from .replay.runner import judge_pair
 
-        name, (_, oracle), (_, bench) = call
+        name = call.name
         stem = f"{name}.output"
-        t_list, b_list, o_list = _tensors(output), _tensors(bench), _tensors(oracle)
+        t_list, b_list, o_list = _tensors(output), _tensors(call.bench[1]), _tensors(call.oracle[1])
         if not (len(t_list) == len(b_list) == len(o_list)):
             self.results[name].update(message=f"module output structure differs on re-run ({len(t_list)} vs "
                                               f"{len(o_list)} tensors)")
             return
+        scales: list = []
+
+        def budget(i: int):
+            if not scales:
+                scales.extend(self._module_scale(call) or [None] * len(t_list))
+            return scales[i] if i < len(scales) else None
         results = []
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
+            if call.bench_round:
+                b = kernels.round_to(b, t)
             results.append((f"{stem}.{i}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), False, self.standards,
-                                                      self.thresholds)))
+                                                      self.thresholds, terms=lambda i=i: budget(i))))
         self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
@@ -566,22 +642,32 @@ class Isolator:
             return
         from .replay.runner import judge_pair
 
-        _, (o_leaves, o_out), (b_leaves, b_out) = call
+        (o_leaves, o_out), (b_leaves, b_out) = call.oracle, call.bench
         self._clock[name] = time.perf_counter()
         try:
             gout = [g for g in grad_output]
             results = []
             oracle = self._module_vjp(o_out, o_leaves, gout)
-            bench = self._module_vjp(b_out, b_leaves, gout)
+            context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+            bench = oracle if b_leaves is o_leaves else self._module_vjp(b_out, b_leaves, gout, context=context)
+            scales: list = []
+
+            def budget(i: int):
+                if not scales:
+                    scales.extend(self._module_scale(call, gout) or [None] * len(grad_input))
+                return scales[i] if i < len(scales) else None
             k = 0
             for i, t in enumerate(grad_input):
                 if t is None:
                     continue
                 o = oracle[i] if i < len(oracle) else None
                 b = bench[i] if i < len(bench) else None
+                if call.bench_round:
+                    b = kernels.round_to(b, t)
                 if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
                     results.append((f"{name}.output.{k}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), True,
-                                                                     self.standards, self.thresholds)))
+                                                                     self.standards, self.thresholds,
+                                                                     terms=lambda i=i: budget(i))))
                 k += 1
             if results:
                 self._store(name, results)
@@ -589,17 +675,27 @@ class Isolator:
                 self.skip(name, "no input gradient to judge")
         except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
             self.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
+        finally:
+            call.oracle = call.bench = None
 
     @staticmethod
-    def _module_vjp(out: Any, leaves: list, grad_output: list) -> list:
+    def _module_vjp(out: Any, leaves: list, grad_output: list, perturb=None, context=None) -> list:
+        import contextlib
+
         outs = [t for t in _tensors(out)]
         pairs = [(t, g) for t, g in zip(outs, grad_output) if g is not None and t.requires_grad]
         pos = [j for j, x in enumerate(leaves) if x is not None]
         if not pairs or not pos:
             return [None] * len(leaves)
-        got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos],
-                                  [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs],
-                                  allow_unused=True)
+        grads = [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs]
+        if perturb is not None:
+            grads = [kernels.jitter(g, *perturb) for g in grads]
+        with contextlib.ExitStack() as stack:
+            if context is not None:
+                stack.enter_context(context())
+            if perturb is not None:
+                stack.enter_context(kernels.Perturb(*perturb))
+            got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos], grads, allow_unused=True)
         res: list = [None] * len(leaves)
         for j, g in zip(pos, got):
             res[j] = g
@@ -615,45 +711,42 @@ class Isolator:
         def prehook(grad_outputs):
             self._clock[name] = time.perf_counter()
             faults = self.faults_at_tap.get(name, [])
-            grads = list(grad_outputs)
+            grads = tuple(grad_outputs)
             new = None
-            if faults:
-                new = tuple(grads)
+            if faults:  # the injector stands for a faulty backward kernel: it writes the gradients the API hands on
+                new = grads
                 for f, n in faults:
                     before, new = new, f.apply(new, n)
                     self.on_fault_applied(f, before, new)
             try:
-                self._judge_backward(call, name, list(new) if new is not None else grads, grads)
+                self._judge_backward(call, name, list(new if new is not None else grads))
             except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
                 self.results[name] = {"status": "skip", "message": f"backward isolation failed: "
                                                                    f"{type(exc).__name__}: {exc}"[:200]}
             finally:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
                 call.out_tensors = []
+                call.inputs = None
             return new
         return prehook
 
     def on_fault_applied(self, fault, before, after) -> None:  # replaced by the capture session's FaultLog.record
         pass
 
-    def _judge_backward(self, call: _Call, name: str, targets: list, pre_fault: list) -> None:
+    def _judge_backward(self, call: _Call, name: str, targets: list) -> None:
+        """Judge the gradients an API hands to its inputs (``targets``, by tap position) against the oracle's and
+        the bench's vector-Jacobian products for the same incoming gradients."""
         from .replay.runner import judge_pair
 
         stem = f"{name}.output"
-        if call.oracle_out is None:  # bit-exact APIs on a same-device target: the bench is the pre-fault gradient
-            results = [(f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), None, True, self.standards,
-                                                  self.thresholds))
-                       for i, (t, b) in enumerate(zip(targets, pre_fault)) if t is not None]
-            self._store(name, results)
-            return
         if not call.grad_out:
             self.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
             return
-        oracle = self._vjp(call.oracle_out, call.oracle_in, call, torch.float64)
-        if self.rounded_bench:
-            bench = [_round_like(o, t) for o, t in zip(oracle, targets)]
-        else:
-            bench = pre_fault if self.same_device else self._vjp(call.bench_out, call.bench_in, call, None)
+        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out)
+        context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+        bench = oracle if call.bench_in is call.oracle_in else \
+            kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context)
+        budget = self._backward_budget(call, len(targets))
         results, refs = [], {}
         for i, t in enumerate(targets):
             if t is None:
@@ -664,40 +757,58 @@ class Isolator:
                 continue
             if o is None:
                 o = torch.zeros(t.shape, dtype=torch.float64)
+            if call.bench_round:
+                b = kernels.round_to(b, t)
             results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
-                                                      self.thresholds)))
+                                                      self.thresholds, terms=budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
             self._store(name, results, refs)
 
-    def _vjp(self, outs: Any, leaves: list, call: _Call, dtype) -> list:
-        ref_outs = [t for t in _tensors(outs) if t.requires_grad]
-        grads = []
-        keep = []
-        for i, t in enumerate(ref_outs):
-            g = call.grad_out.get(i)
-            if g is None:
-                continue
-            keep.append(t)
-            grads.append(g.detach().to(device=t.device, dtype=t.dtype))
-        leaf_pos = [j for j, x in enumerate(leaves) if x is not None]
-        if not keep or not leaf_pos:
-            return [None] * len(leaves)
-        got = torch.autograd.grad(keep, [leaves[j] for j in leaf_pos], grads, allow_unused=True)
-        out: list = [None] * len(leaves)
-        for j, g in zip(leaf_pos, got):
-            out[j] = g
-        return out
+    def _backward_budget(self, call: _Call, n: int):
+        """``budget(i)``: the error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`),
+        computed on first use, once per call."""
+        cache: list = []
+
+        def budget(i: int):
+            if not self.budget_draws or call.inputs is None:
+                return None
+            if not cache:
+                try:
+                    if not self._unchanged(call):
+                        raise RuntimeError("inputs written since the call")
+                    cache.extend(kernels.backward_scale(call.func, call.inputs[0], call.inputs[1], call.grad_out,
+                                                        self.budget_draws))
+                except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
+                    cache.extend([None] * n)
+            return cache[i] if i < len(cache) else None
+        return budget
 
     # ------------------------------------------------------------------ output
     def as_json(self) -> dict:
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
-                "nodes": self.results}
+                "bench_kernel": self.bench_kernel, "nodes": self.results}
 
 
 _HALF = (torch.float16, torch.bfloat16)
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
                     torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+@dataclass
+class _ModuleCall:
+    """A whole-isolated module call: its eager wrapper, the state and inputs it was called with, the oracle's and
+    the bench's ``(leaves, output)``."""
+
+    name: str
+    wrapper: Any
+    state: dict
+    args: tuple
+    kwargs: dict
+    oracle: Any = None
+    bench: Any = None
+    bench_round: bool = False
+    versions: tuple = ()
 
 
 class _EagerForward(torch.nn.Module):
@@ -710,35 +821,6 @@ class _EagerForward(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return type(self.module).forward(self.module, *args, **kwargs)
-
-
-def _oracle_dtype(args: Any, kwargs: dict) -> torch.dtype:
-    """msprobe's PRECISION_MAPPING: fp16/bf16-only inputs → fp32 (2^16 times finer than bf16, 2^13 than fp16),
-    anything with fp32/fp64 → fp64."""
-    floats = [t.dtype for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
-    if floats and all(d in _HALF for d in floats):
-        return torch.float32
-    return torch.float64
-
-
-def _copier(dtype, device):
-    """A detached copy of a tensor on ``device``: floating ones in ``dtype`` (complex ones in complex128) when it
-    is given, others as they are."""
-    def conv(t: torch.Tensor) -> torch.Tensor:
-        x = t.detach()
-        if dtype is not None and t.is_floating_point():
-            return x.to(device=device, dtype=dtype, copy=True)
-        if dtype is not None and t.is_complex():
-            return x.to(device=device, dtype=torch.complex128, copy=True)
-        return x.to(device=device, copy=True)
-    return conv
-
-
-def _round_like(ref: Any, like: Any) -> Any:
-    """``ref`` correctly rounded to ``like``'s dtype (round to nearest even, as torch casts)."""
-    if isinstance(ref, torch.Tensor) and isinstance(like, torch.Tensor) and like.is_floating_point():
-        return ref.detach().to(like.dtype)
-    return ref
 
 
 def _cpu(v: Any) -> Any:

@@ -39,6 +39,7 @@ class RankJob:
     thresholds: dict
     port: int
     backend: str
+    bench_kernel: str = "device"
 
 
 def free_port() -> int:
@@ -66,7 +67,8 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
                 from .isolate import Isolator
 
                 isolator = Isolator(standards=dict(job.standards), thresholds=dict(job.thresholds),
-                                    target_device=backend.torch_device, backward=job.loss_fn is not None)
+                                    target_device=backend.torch_device, backward=job.loss_fn is not None,
+                                    bench_kernel=job.bench_kernel)
             cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
             run = run_side(job.build(rank, world), job.inputs, job.loss_fn, backend, cfg,
                            faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator)

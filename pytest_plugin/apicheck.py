@@ -66,8 +66,13 @@ class ApiDumpFile(pytest.File):
                 device = backend.torch_device
             except MsprobeError as exc:
                 raise self.CollectError(f"msprobe: --msprobe-api-live on --msprobe-target: {exc}") from None
+        from ..kernels import default_bench_kernel
+
+        kernel = session.bench_kernel or default_bench_kernel("cpu", device, session.target if session.api_live
+                                                              else "cpu")
         self.replayer = ApiReplayer(dump, live=session.api_live, standards=session.api_standards,
-                                    thresholds=session.api_thresholds, faults=session.faults, target_device=device)
+                                    thresholds=session.api_thresholds, faults=session.faults, target_device=device,
+                                    bench_kernel=kernel)
         for name in self.replayer.api_names():
             yield ApiItem.from_parent(self, name=name)
 

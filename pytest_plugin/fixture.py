@@ -18,7 +18,7 @@ from .session import RESULT_PROPERTY, ProbeSession
 _NO_MODEL = object()  # _begin() without a model to check
 
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
+                 "compile", "isolate", "bench_kernel", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
                  "api_thresholds", "free_benchmark", "monitor")
 
 
@@ -48,6 +48,7 @@ class MsprobeFixture:
         merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                   "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
+                  "bench_kernel": s.bench_kernel,
                   "output_rtol": s.output_rtol,
                   "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark,
                   "monitor": s.monitor}
@@ -121,6 +122,7 @@ class MsprobeFixture:
                                                                            "error_factor", "rel_floor", "atol")})
             faults = load_faults(st["inject"]) if st["inject"] else session.faults
             isolate = _isolate_flag(st["isolate"])
+            st["bench_kernel"] = _bench_kernel(st, bench, target)
             output_rtol = None if st["output_rtol"] is None else _positive(st["output_rtol"], "output_rtol")
             base_dir = session.test_dir(self.request.node.nodeid) if self.checks == 0 else self._base_dir
         except MsprobeError as exc:
@@ -144,6 +146,10 @@ class MsprobeFixture:
             regions = []
         row = {"test": nodeid, "index": index, "dir": check_dir, "bench": bench.label, "target": target.label,
                "level": level, "notes": notes}
+        if isolate:
+            row["bench_kernel"] = st["bench_kernel"]
+            if st["bench_kernel"] != "device":
+                notes.append(f"isolated APIs judged against the '{st['bench_kernel']}' bench kernel")
         if st["free_benchmark"]:
             return self._free_check(model, inputs, loss_fn, st, target, row, faults, regions)
 
@@ -192,13 +198,7 @@ class MsprobeFixture:
         for side, backend, side_faults in sides:
             isolator = None
             if side == "target" and isolate:
-                from ..isolate import Isolator
-
-                isolator = Isolator(standards=dict(st["api_standards"] or {}),
-                                    thresholds=dict(st["api_thresholds"] or {}),
-                                    target_device=backend.torch_device,
-                                    bench_device=bench.torch_device if _available(bench) else "cpu",
-                                    backward=loss_fn is not None)
+                isolator = _make_isolator(st, bench, backend, loss_fn is not None)
             runs[side] = self._run_side(
                 model, inputs, loss_fn, backend, self._capture_config(task, level, os.path.join(check_dir, side)),
                 side_faults, int(st["seed"]), regions, eval_mode, isolator)
@@ -211,7 +211,8 @@ class MsprobeFixture:
                 fuzzy=bool(st["fuzzy"]), thresholds=thresholds, isolate=isolate,
                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)), output_rtol=output_rtol,
                 graph_dir=None if session.no_graph else session.graph_dir(nodeid, index),
-                api_standards=st["api_standards"], api_thresholds=st["api_thresholds"])
+                api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
+                bench_kernel=_bench_kernel(st, bench, target))
         except MsprobeError as exc:
             hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
             raise pytest.fail.Exception(f"msprobe: {exc}{hint}", pytrace=False) from None
@@ -338,6 +339,7 @@ class MsprobeFixture:
             target = Backend.from_options(st["target"], st["target_dtype"])
             faults = load_faults(st["inject"]) if st["inject"] else self.session.faults
             isolate = _isolate_flag(st["isolate"])
+            st["bench_kernel"] = _bench_kernel(st, bench, target)
             base_dir = self.session.test_dir(nodeid) if self.checks == 0 else self._base_dir
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
@@ -359,7 +361,7 @@ class MsprobeFixture:
             steps = list(range(len(bench_folders))) if steps is None else steps
             return [evaluate(b, SideRun(t), os.path.join(c.dir, f"step{steps[i]}"), level=c.st["level"],
                              isolate=c.isolate, api_standards=c.st["api_standards"],
-                             api_thresholds=c.st["api_thresholds"],
+                             api_thresholds=c.st["api_thresholds"], bench_kernel=_bench_kernel(c.st, c.bench, c.target),
                              cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)),
                              source_factor=4.0 if steps[i] == 0 else math.inf)
                     for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
@@ -451,7 +453,8 @@ class MsprobeFixture:
                       sides=(("bench", st["bench"], st["bench_dtype"]), ("target", st["target"], st["target_dtype"])),
                       level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
                       isolate=c.isolate, standards=dict(st["api_standards"] or {}),
-                      thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend)
+                      thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend,
+                      bench_kernel=_bench_kernel(st, c.bench, c.target))
         if merged:
             return self._check_merged(c, job, world_size, bench_world_size, tp, pp, float(timeout))
         outcomes = {}
@@ -461,7 +464,8 @@ class MsprobeFixture:
                 folder = {side: os.path.join(check_dir, side, "step0", f"rank{rank}") for side in ("bench", "target")}
                 outcomes[rank] = evaluate(folder["bench"], SideRun(folder["target"]), os.path.join(check_dir,
                                           f"rank{rank}"), level=level, isolate=job.isolate,
-                                          api_standards=st["api_standards"], api_thresholds=st["api_thresholds"])
+                                          api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
+                                          bench_kernel=job.bench_kernel)
             graph = None
             if not session.no_graph:
                 graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
@@ -913,12 +917,25 @@ class _Check:
 
 def _isolator(c: _Check, backward: bool):
     """The target side's Isolator (``None`` with isolation off)."""
-    if not c.isolate:
-        return None
+    return _make_isolator(c.st, c.bench, c.target, backward) if c.isolate else None
+
+
+def _bench_kernel(st: dict, bench, target) -> str:
+    """The bench kernel of a check: the option, or :func:`msprobe_ci.kernels.default_bench_kernel`."""
+    from ..kernels import check_bench_kernel, default_bench_kernel
+
+    if st.get("bench_kernel"):
+        return check_bench_kernel(st["bench_kernel"])
+    return default_bench_kernel(bench.torch_device if _available(bench) else "cpu", target.torch_device,
+                                target.device)
+
+
+def _make_isolator(st: dict, bench, target, backward: bool):
     from ..isolate import Isolator
 
-    return Isolator(standards=dict(c.st["api_standards"] or {}), thresholds=dict(c.st["api_thresholds"] or {}),
-                    target_device=c.target.torch_device, backward=backward)
+    return Isolator(standards=dict(st["api_standards"] or {}), thresholds=dict(st["api_thresholds"] or {}),
+                    target_device=target.torch_device, bench_device=bench.torch_device if _available(bench) else "cpu",
+                    backward=backward, bench_kernel=_bench_kernel(st, bench, target))
 
 
 def _fail_unapplied(inject: str | None, unapplied: list, artifacts: str) -> None:

@@ -21,10 +21,11 @@ LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
-REQUIRE_DEVICE = "--msprobe-require-device"
+REQUIRE_DEVICE, BENCH_KERNEL = "--msprobe-require-device", "--msprobe-bench-kernel"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 FREE_BENCHMARK, MONITOR = "--msprobe-free-benchmark", "--msprobe-monitor"
 
+from ..config import BENCH_KERNELS as _KERNELS  # noqa: E402 - torch-free
 from ..dtypes import OPTION_NAMES as _DTYPES  # noqa: E402 - torch-free
 
 
@@ -71,6 +72,7 @@ OPTIONS = [
     (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
     (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
     (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
+    (BENCH_KERNEL, "msprobe_bench_kernel", _choice(_KERNELS), None, "KERNEL", "the same-dtype bench the benchmark standard compares each isolated API with: 'device' (the bench device's kernels), 'upcast' (one precision up, rounded once: a GPU-like kernel), 'rounded' (fp64, correctly rounded), 'decomposed' (core-ATen decompositions with oneDNN off: other real CPU kernels). Default: 'device', or 'upcast' where the target runs on the bench device's own kernels while named as an accelerator (the stand-in npu)."),
     (OUTPUT_RTOL, "msprobe_output_rtol", _float, None, "RTOL", "model-level testcase: the relative L2 error of the final outputs (and loss) that fails a check (default: 16 x the coarser dtype's unit roundoff, at least 1e-5)."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
@@ -116,7 +118,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
-                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, output_rtol, round_factor, propagation, "
+                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, bench_kernel, output_rtol, round_factor, "
+                            "propagation, "
                             "error_factor, rel_floor, api_standards, api_thresholds, free_benchmark)")
     session = ProbeSession(config)
     config.stash[session_key] = session

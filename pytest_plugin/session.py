@@ -28,6 +28,7 @@ class ProbeSession:
 
     def __init__(self, config: pytest.Config):
         from ..backends import parse_device
+        from ..config import BENCH_KERNELS
         from ..dtypes import OPTION_NAMES
         from ..errors import MsprobeError
 
@@ -64,6 +65,10 @@ class ProbeSession:
         self.isolate = _opt(config, "msprobe_isolate") or "on"
         if self.isolate not in ("on", "off"):
             raise pytest.UsageError(f"msprobe: ini msprobe_isolate: expected on or off, got {self.isolate!r}")
+        self.bench_kernel = _opt(config, "msprobe_bench_kernel")
+        if self.bench_kernel not in (None, *BENCH_KERNELS):
+            raise pytest.UsageError(f"msprobe: ini msprobe_bench_kernel: expected one of {', '.join(BENCH_KERNELS)}, "
+                                    f"got {self.bench_kernel!r}")
         rtol = _opt(config, "msprobe_output_rtol")
         try:
             self.output_rtol = float(rtol) if rtol is not None else None

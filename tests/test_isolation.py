@@ -66,7 +66,7 @@ def test_benign_half_precision_target_passes(tmp_path, llama, dtype):
 
 
 @pytest.mark.parametrize("fault, node", [
-    (Fault("Functional.silu", 1, "forward", "scale", 1.01), "Functional.silu.1.forward"),
+    (Fault("Functional.silu", 1, "forward", "scale", 1.02), "Functional.silu.1.forward"),
     (Fault("Functional.linear", 5, "forward", "scale", 1.02), "Functional.linear.5.forward"),
     (Fault("Functional.linear", 2, "backward", "scale", 1.02), "Functional.linear.2.backward"),
     (Fault("Tensor.__mul__", 4, "forward", "noise", 0.02), "Tensor.__mul__.4.forward"),

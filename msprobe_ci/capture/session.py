@@ -383,10 +383,7 @@ class CaptureSession:
         if iso is not None:
             self._busy = True
             try:
-                call, args, kwargs = iso.before(
-                    fwd_name, prefix, api, func, args, kwargs,
-                    fwd_fault=any(f.matches(api_id, n, "forward", self.current_step) for f in faults),
-                    bwd_fault=any(f.matches(api_id, n, "backward", self.current_step) for f in faults))
+                call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
             finally:
                 self._busy = False
         out = orig = func(*args, **kwargs)
@@ -402,7 +399,7 @@ class CaptureSession:
         if iso is not None:
             self._busy = True
             try:
-                iso.after(call, out, orig)
+                iso.after(call, out)
             finally:
                 self._busy = False
         elif self.isolator is not None:
