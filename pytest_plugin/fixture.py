@@ -148,8 +148,6 @@ class MsprobeFixture:
                "level": level, "notes": notes}
         if isolate:
             row["bench_kernel"] = st["bench_kernel"]
-            if st["bench_kernel"] != "device":
-                notes.append(f"isolated APIs judged against the '{st['bench_kernel']}' bench kernel")
         if st["free_benchmark"]:
             return self._free_check(model, inputs, loss_fn, st, target, row, faults, regions)
 
@@ -377,6 +375,7 @@ class MsprobeFixture:
         for i, outcome in enumerate(outcomes):
             row = {"test": c.nodeid, "index": f"{c.index} step{steps[i]}", "dir": os.path.join(c.dir, f"step{steps[i]}"),
                    "bench": c.bench.label, "target": c.target.label, "level": c.st["level"],
+                   "bench_kernel": c.st["bench_kernel"] if c.isolate else None,
                    "notes": list(outcome.notes) + (list(first_notes) if i == 0 else [])}
             row.update(outcome.summary(), unapplied=[], step=steps[i], **extra[i])
             props.append((RESULT_PROPERTY, _publish(row)))
@@ -477,7 +476,8 @@ class MsprobeFixture:
         for rank, outcome in outcomes.items():
             row = {"test": nodeid, "index": f"{index} rank{rank}", "dir": os.path.join(check_dir, f"rank{rank}"),
                    "bench": f"{bench.label} x{world_size}", "target": f"{target.label} x{world_size}",
-                   "level": level, "notes": list(outcome.notes)}
+                   "level": level, "bench_kernel": job.bench_kernel if job.isolate else None,
+                   "notes": list(outcome.notes)}
             row.update(outcome.summary(), unapplied=[])
             props.append((RESULT_PROPERTY, _publish(row)))
         if graph:
@@ -543,7 +543,8 @@ class MsprobeFixture:
             row = {"test": c.nodeid, "index": f"{c.index} group{i}", "dir": os.path.join(check_dir,
                                                                                         f"step{step}_group{i}"),
                    "bench": f"{c.bench.label} x{bench_world}", "target": f"{c.target.label} x{world}",
-                   "level": st["level"], "notes": list(outcome.notes)}
+                   "level": st["level"], "bench_kernel": st["bench_kernel"] if c.isolate else None,
+                   "notes": list(outcome.notes)}
             row.update(outcome.summary(), unapplied=[])
             props.append((RESULT_PROPERTY, _publish(row)))
         if graph:

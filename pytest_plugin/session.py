@@ -244,7 +244,8 @@ class ProbeSession:
             if r.get("isolated"):
                 n_iso = sum(1 for n in r["nodes"] if n.get("standard"))
                 n_skip = sum(1 for n in r["nodes"] if n.get("metric") == "isolation")
-                tr.write_line(f"    isolation: {n_iso} API calls judged on their own inputs, {n_skip} not "
+                kernel = f" (bench kernel: {r['bench_kernel']})" if r.get("bench_kernel") else ""
+                tr.write_line(f"    isolation: {n_iso} API calls judged on their own inputs{kernel}, {n_skip} not "
                               "judgeable (named in the CSV/JUnit); verdicts above are isolated, drift is context")
             for m in r.get("model") or ():
                 tr.write_line(f"    {m['name']}: {m['status']} (relative L2 error {float(m['value']):.3g}, "

@@ -24,6 +24,26 @@ def test_bf16_target_passes(suite):
     assert "test_model.py" in stack and "_pytest" not in stack and "pluggy" not in stack  # user frames only
 
 
+@pytest.mark.parametrize("kernel", ["rounded", "decomposed"])
+def test_bench_kernel_option_and_marker(suite, kernel):
+    """--msprobe-bench-kernel picks the bench the isolated verdicts are judged against; the injected fault is
+    named against it too; a marker's bench_kernel wins over the command line."""
+    result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", f"--msprobe-bench-kernel={kernel}",
+                                        "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*isolation: * API calls judged on their own inputs (bench kernel: {kernel})*"])
+    result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", f"--msprobe-bench-kernel={kernel}",
+                                        "--msprobe-inject", "faults.yaml", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at Functional.layer_norm.0.forward*"])
+    suite.makepyfile(test_marker=MODEL_TEST.replace("def test_net(msprobe):",
+                                                    "import pytest\n@pytest.mark.msprobe(bench_kernel='upcast')\n"
+                                                    "def test_net(msprobe):"))
+    result = suite.runpytest_subprocess("test_marker.py", "--msprobe-target-dtype=bf16",
+                                        f"--msprobe-bench-kernel={kernel}", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*(bench kernel: upcast)*"])
+
+
 def test_injected_fault_fails_naming_the_api(suite):
     result = suite.runpytest_subprocess("--msprobe-target-dtype=bf16", "--msprobe-inject", "faults.yaml",
                                         "-p", "no:cacheprovider")
@@ -93,6 +113,8 @@ def test_marker_and_per_call_options_win(suite):
     (["--msprobe-target=cpu:1"], "*--msprobe-target: device 'cpu:1': the CPU has no index 1 (write cpu)*"),
     (["--msprobe-target-dtype=fp8"], "*--msprobe-target-dtype: expected one of fp64, fp32, fp16, bf16, got 'fp8'*"),
     (["--msprobe-inject", "missing.yaml"], "*msprobe: missing.yaml: fault file not found*"),
+    (["--msprobe-bench-kernel=gpu"], "*--msprobe-bench-kernel: expected one of device, upcast, rounded, decomposed, "
+                                     "got 'gpu'*"),
 ])
 def test_bad_options(suite, args, message):
     result = suite.runpytest_subprocess(*args, "-p", "no:cacheprovider")

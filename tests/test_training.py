@@ -54,12 +54,14 @@ def test_generate_with_a_faulty_silu_at_decode_step_2(msprobe):
 """
 
 
-def test_benign_bf16_loops_pass_and_a_step_2_fault_is_named(pytester):
+@pytest.mark.parametrize("kernel", ["device", "rounded"])
+def test_benign_bf16_loops_pass_and_a_step_2_fault_is_named(pytester, kernel):
+    """Both loops, against the target's own kernel and against the correctly rounded bench."""
     pytester.makepyfile(test_train=TRAIN)
     pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
                                       "step: 2}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
-                                           "--msprobe-junitxml=j.xml")
+                                           "--msprobe-junitxml=j.xml", f"--msprobe-bench-kernel={kernel}")
     result.assert_outcomes(passed=2, failed=2)
     junit = (pytester.path / "j.xml").read_text()
     for step in range(3):

@@ -1,0 +1,165 @@
+"""Bench kernels and error budgets (msprobe_ci.kernels), and the benchmark standard measured against them."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from msprobe_ci import kernels
+from msprobe_ci.config import BENCH_KERNELS
+from msprobe_ci.errors import MsprobeError
+from msprobe_ci.replay.runner import _outputs, judge_pair
+
+U_BF16 = 2.0 ** -8
+
+
+def _rows(v):
+    return [x for _, x in _outputs(v, "o")]
+
+
+def test_bench_kernel_names_and_defaults():
+    assert kernels.BENCH_KERNELS == BENCH_KERNELS == ("device", "upcast", "rounded", "decomposed")
+    with pytest.raises(MsprobeError, match=r"^bench kernel 'exact': expected one of device, upcast, rounded, "
+                                           r"decomposed$"):
+        kernels.check_bench_kernel("exact")
+    assert kernels.default_bench_kernel("cpu", "cpu") == "device"
+    assert kernels.default_bench_kernel("cuda:0", "npu:0") == "device"  # a GPU bench is already foreign
+    assert kernels.default_bench_kernel("cpu", "cpu", "npu:0") == "upcast"  # the stand-in npu runs on the cpu
+
+
+def test_decomposed_kernel_is_other_real_kernels():
+    """The decomposed kernel changes the last bits where the target's own CPU kernel is fused (a bf16 attention,
+    an fp32 convolution with oneDNN off, an fp32 softmax) and restores oneDNN afterwards."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 32, generator=g).bfloat16() for _ in range(3))
+    img, w = torch.randn(2, 8, 12, 12, generator=g), torch.randn(16, 8, 3, 3, generator=g)
+    x = torch.randn(64, 64, generator=g)
+    was = torch._C._get_mkldnn_enabled()
+    for fn in (lambda: F.scaled_dot_product_attention(q, k, v), lambda: F.conv2d(img, w, padding=1),
+               lambda: F.softmax(x, -1)):
+        own = fn()
+        with kernels.decomposed():
+            other = fn()
+        assert not torch.equal(own, other)
+        assert torch.allclose(own.float(), other.float(), rtol=2e-2, atol=2e-2)
+    assert torch._C._get_mkldnn_enabled() == was
+
+
+def test_reference_copies_and_leaves():
+    x = torch.randn(3, 4, requires_grad=True)
+    m = torch.ones(3, 4)
+    leaves, out, (a, _) = kernels.reference(torch.mul, (x, m), {}, torch.float64, "cpu", True)
+    assert len(leaves) == 1 and leaves[0].dtype == torch.float64 and leaves[0] is not x
+    assert out.dtype == torch.float64 and out.requires_grad and a[1].dtype == torch.float64
+    got = kernels.vjp(out, leaves, {0: torch.full((3, 4), 2.0)})
+    assert torch.equal(got[0], torch.full((3, 4), 2.0, dtype=torch.float64))
+    assert kernels.round_to(out, x).dtype == torch.float32
+
+
+def test_forward_scale_of_a_dot_product_is_the_random_walk_of_its_terms():
+    """A K-term dot product with every term rounded once: scale ~ sqrt(sum (a_k b_k)^2), far above a cancelled
+    result and never far below the random walk (the row floor keeps every element at >= half its row's RMS)."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 256, generator=g).double(), torch.randn(256, 8, generator=g).double()
+    (s,) = kernels.forward_scale(torch.matmul, (a, b), {}, _rows, draws=16)
+    walk = (a.square() @ b.square()).sqrt()
+    ratio = s / walk
+    assert 0.7 < float(ratio.median()) < 2.5
+    assert float(ratio.min()) > 0.3
+    # a result that cancels to a tenth of its terms still has its terms' scale
+    res = (a @ b).abs()
+    assert bool((s[res < 0.1 * walk] > 3 * res[res < 0.1 * walk]).all())
+
+
+def test_backward_scale_of_a_broadcast_product():
+    """mul's weight gradient sums the products g*h over the batch: its scale is their random walk."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(32, generator=g).requires_grad_(True)
+    h = torch.randn(64, 32, generator=g)
+    up = torch.randn(64, 32, generator=g)
+    scales = kernels.backward_scale(torch.mul, (w, h), {}, {0: up}, draws=16)
+    walk = ((up * h).square().sum(0)).sqrt().double()
+    assert scales[0].shape == (32,)
+    assert 0.7 < float((scales[0] / walk).median()) < 3
+
+
+def test_budget_passes_a_cancelling_sum_a_typical_kernel_rounds_and_fails_a_two_percent_fault():
+    """Weight gradient of a broadcast multiply in bf16 (the products rounded to bf16, then summed): against the
+    correctly rounded bench it fails without a budget (relative to the tiny cancelled sums) and passes with one;
+    a 2% fault on it fails with the budget."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(256, 512, generator=g).bfloat16()
+    up = torch.randn(256, 512, generator=g).bfloat16()
+    target = (up * h).sum(0)  # bf16 products, then an fp32-accumulated sum rounded to bf16
+    oracle = (up.double() * h.double()).sum(0)
+    bench = oracle.to(torch.bfloat16)
+    w = torch.randn(512, generator=g).bfloat16().requires_grad_(True)
+    (s,) = [x for x in kernels.backward_scale(torch.mul, (w, h), {}, {0: up}, draws=6) if x is not None]
+    plain = judge_pair("mul", target, bench, oracle, True)
+    budgeted = judge_pair("mul", target, bench, oracle, True, terms=s)
+    assert plain.status == "error" and budgeted.status == "pass", (plain.message, budgeted.message)
+    faulty = (target.double() * 1.02).to(torch.bfloat16)
+    res = judge_pair("mul", faulty, bench, oracle, True, terms=s)
+    assert res.status == "error" and res.passing["mean_rel_err"] > 2, res.message  # mean ratio past L0
+    # the budget is asked for lazily: never when the target is bit-identical to the bench
+    asked = []
+    same = judge_pair("mul", bench, bench, oracle, True, terms=lambda: asked.append(1))
+    assert same.status == "pass" and "not recomputed" in same.message and asked == []
+
+
+def test_rmse_floor_follows_the_data_scale():
+    """A scalar loss of 5.5 whose bench happens to be exact: the RMSE floor is one rounding of 5.5, not 2^-8."""
+    oracle = torch.tensor([5.5 + 2 ** -12], dtype=torch.float64)
+    bench = torch.tensor([5.5], dtype=torch.bfloat16)  # the correctly rounded loss
+    ok = torch.tensor([5.5 + 2 ** -5], dtype=torch.bfloat16)  # one bf16 ulp above it: 1.45 u relative
+    res = judge_pair("cross_entropy", ok, bench, oracle)
+    assert res.status == "pass" and 1.2 < res.passing["rmse"] < 1.6, res.message  # ratio to one rounding of 5.5
+    bad = torch.tensor([5.5 * 1.02], dtype=torch.bfloat16)
+    assert judge_pair("cross_entropy", bad, bench, oracle).status == "error"
+
+
+def test_gradients_of_exact_apis_are_judged_by_the_benchmark_at_l0():
+    # an embedding's gradient adds up every use of a row: not bit-exact across kernels
+    t = torch.tensor([1.0, 2.0 + 2 ** -6], dtype=torch.bfloat16)  # one ulp off in the second element
+    b = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    o = torch.tensor([1.0, 2.0 + 2 ** -9], dtype=torch.float64)
+    fwd = judge_pair("embedding", t, b, o, False)
+    bwd = judge_pair("embedding", t, b, o, True)
+    assert fwd.standard == "binary" and fwd.status == "error"
+    assert bwd.standard == "benchmark" and bwd.thresholds["max_rel_err"] == 10  # L0, whatever the forward's level
+    lnb = judge_pair("layer_norm", t, b, o, True)
+    assert lnb.thresholds["max_rel_err"] == 10
+
+
+@pytest.mark.parametrize("kernel", BENCH_KERNELS)
+def test_replayer_bench_kernels(kernel):
+    """The per-API replay takes the same kernels: a benign bf16 softmax and layer_norm pass, a 2% fault fails."""
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.dump.reader import Dump
+    from msprobe_ci.replay.runner import ApiReplayer
+
+    dump = Dump(folder=".", data={}, task="tensor", level="L1", framework="pytorch")
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(8, 64, generator=g) * 3).bfloat16()
+    w, b = torch.randn(64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    rep = ApiReplayer(dump, live=True, bench_kernel=kernel)
+    for name, args in (("Functional.softmax.0.forward", [x, -1]), ("Functional.layer_norm.0.forward",
+                                                                    [x, (64,), w, b])):
+        res = rep.check_inputs(name, args, {})
+        assert res.status == "pass", (kernel, name, res.message)
+    faulty = ApiReplayer(dump, live=True, bench_kernel=kernel,
+                         faults=(Fault("Functional.layer_norm", 0, "forward", "scale", 1.02),))
+    assert faulty.check_inputs("Functional.layer_norm.0.forward", [x, (64,), w, b], {}).status == "error"
+
+
+def test_perturb_leaves_copies_views_and_in_place_ops_alone():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with kernels.Perturb(1e-3, g):
+        v = x.view(16)
+        c = x.clone()
+        y = x + 0
+    assert v.data_ptr() == x.data_ptr() and torch.equal(c, x)
+    assert not torch.equal(y, x) and torch.allclose(y, x, rtol=2e-3)
+    assert math.isclose(float(((y - x) / x).abs().max()), 1e-3, rel_tol=1e-6)
