@@ -4,17 +4,20 @@ msprobe's online_dispatch idea at API level, with the per-API standards of :mod:
 recorded API call on the target side,
 
 1. the **oracle** is the same function on CPU with every floating input upcast: fp16/bf16-only calls to fp32,
-   anything else to fp64 (msprobe's ``PRECISION_MAPPING``; fp32 where no fp64 kernel exists), computed *before* the target call on copies (so in-place APIs and BatchNorm running statistics are
-   never touched twice);
-2. the **same-dtype bench** is the function in the target's dtypes on the bench device. When the target runs on
-   the bench device itself (a CPU target), that reference implementation *is* the call the target just made, so
-   its result (before any injected fault) is reused instead of being recomputed;
+   anything else to fp64 (msprobe's ``PRECISION_MAPPING``; fp32 where no fp64 kernel exists), computed *before*
+   the target call on copies (so in-place APIs and BatchNorm running statistics are never touched twice);
+2. the **same-dtype bench** is computed on its own copies of the inputs by the chosen bench kernel
+   (:mod:`msprobe_ci.kernels`: the bench device's kernel, one precision up, correctly rounded, or other real CPU
+   kernels), never taken from the target's own result: the judge reads tensors, not the fault plan;
 3. every output is judged by :func:`msprobe_ci.replay.runner.judge_pair` (the pre-check's registry, thresholds and
-   user overrides: one rule for pre-check and isolation);
+   user overrides: one rule for pre-check and isolation); a benchmark-standard output that is not bit-identical to
+   its bench is judged against the error scale its dtype and arithmetic allow
+   (:func:`msprobe_ci.kernels.forward_scale`), computed only then;
 4. **backward**: the API's tensor inputs that require grad pass through an identity autograd node (a *tap*, torch's
    own ``BackwardHookFunction``, as module full-backward hooks use), so the gradients the API produces w.r.t. its
-   inputs are seen exactly; the gradients arriving at its outputs are taken by tensor hooks; the oracle's saved
-   fp64 graph gives the reference vector-Jacobian product for those same upstream gradients.
+   inputs are seen exactly; the gradients arriving at its outputs are taken by tensor hooks; the oracle's and the
+   bench's saved graphs give the reference vector-Jacobian products for those same upstream gradients (and
+   :func:`msprobe_ci.kernels.backward_scale` their budget, when the target differs from the bench).
 
 Only metrics are kept (no tensors), so isolation works with the statistics task, against a recorded baseline and
 on a runner whose only other device is a CPU. What cannot be judged gets a named skip: random ops (dropout is
@@ -26,9 +29,10 @@ calls whose oracle fails on CPU.
 non-tensor arguments (scalars, shapes). Isolation alone cannot see a wrong weight, because the API is right for
 the inputs it was given.
 
-Cost: one fp64 forward per API on CPU (kept as a graph until backward when gradients are captured), the
-checkers' NumPy passes, and nothing for APIs judged bit-exact on a same-device target (their bench is the call
-itself). Memory: the fp64 oracle graphs live until the backward pass consumes them.
+Cost: one oracle forward per API on CPU and one bench forward (kept as graphs until backward when gradients are
+captured), the checkers' NumPy passes, and for a call that differs from its bench the budget's perturbed fp64 runs
+(:data:`msprobe_ci.kernels.DRAWS` + 1). Memory: the oracle and bench graphs live until the backward pass consumes
+them.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ def is_inplace(short: str) -> bool:
     if short.startswith("__") and short.endswith("__"):
         return short.startswith("__i") and short not in ("__index__", "__int__", "__invert__")
     return short.endswith("_")
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
@@ -526,7 +534,9 @@ class Isolator:
         dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))
         grad = self.backward and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point() for a in args)
-        call = _ModuleCall(name, wrapper, state, tuple(args), dict(kwargs))
+        # the inputs' structure is snapshot (tensors by reference, the containers and objects that hold them
+        # copied): a KV cache the target's own forward appends to stays as this call saw it, for the budget's runs
+        call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same))
         try:
             call.oracle = self._module_run(call, dtype, "cpu", grad)
             kernel = self.bench_kernel

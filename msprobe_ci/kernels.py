@@ -255,8 +255,6 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
             stack.enter_context(context())
         if perturb is not None:
             stack.enter_context(Perturb(*perturb))
-            if DECOMPOSE:
-                stack.enter_context(Decomposed())
         out = func(*a, **k)
     return leaves, out, (a, k)
 
@@ -283,8 +281,6 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None) -> 
             stack.enter_context(context())
         if perturb is not None:
             stack.enter_context(Perturb(*perturb))
-            if DECOMPOSE:
-                stack.enter_context(Decomposed())
         got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=True)
     out: list = [None] * len(leaves)
     for j, g in zip(pos, got):
@@ -304,8 +300,6 @@ def round_to(ref: Any, like: Any) -> Any:
 # ---------------------------------------------------------------------------------------------------- budgets
 _ETA = {torch.float64: 2.0 ** -20, torch.float32: 2.0 ** -10}
 DRAWS = 4
-import os as _os
-DECOMPOSE = bool(int(_os.environ.get("MSP_DECOMPOSE", "0")))
 
 
 def _eta(dtype: torch.dtype) -> float:
