@@ -1,8 +1,8 @@
 """Capture overhead: no capture vs msprobe-ci (mix, statistics), with isolation (every API also judged on its
-own inputs against an fp64 oracle, forward and backward; "isolated" with the `device` bench kernel, which on a CPU
-target recomputes the target's own kernel, so a call bit-identical to it needs no error budget; "isolated-upcast"
-with a foreign bench, where every benchmark-standard call is also sized by its perturbed runs, as on a device
-target) and msprobe's PrecisionDebugger, interleaved.
+own inputs against an fp64 oracle, forward and backward, once per bench kernel: "isolated-device" recomputes the
+CPU target's own kernel, so a call bit-identical to it needs no error budget; "isolated-upcast", "-rounded" and
+"-decomposed" are foreign benches, where a call that differs from its bench is also sized by its perturbed runs,
+as on a device target) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
@@ -59,6 +59,7 @@ class Net(torch.nn.Module):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ISOLATED = ["isolated-device", "isolated-upcast", "isolated-rounded", "isolated-decomposed"]
 
 
 def _setup(size, dtype="fp32"):
@@ -76,11 +77,11 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
         dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
-    elif mode in ("isolated", "isolated-upcast"):
+    elif mode.startswith("isolated-"):
         from msprobe_ci.capture import CaptureSession
         from msprobe_ci.config import DumpConfig
         from msprobe_ci.isolate import Isolator
-        iso = Isolator(bench_kernel="device" if mode == "isolated" else "upcast")
+        iso = Isolator(bench_kernel=mode.split("-", 1)[1])
         dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=iso)
     elif mode == "msprobe":
         from msprobe.pytorch import PrecisionDebugger
@@ -182,9 +183,9 @@ def main():
         return
     try:
         import msprobe  # noqa: F401
-        modes = ["none", "msprobe-ci", "isolated", "isolated-upcast", "msprobe"]
+        modes = ["none", "msprobe-ci", *ISOLATED, "msprobe"]
     except ImportError:
-        modes = ["none", "msprobe-ci", "isolated", "isolated-upcast"]
+        modes = ["none", "msprobe-ci", *ISOLATED]
     results = {m: [] for m in modes}
     recs, captured = {}, {}
     for _ in range(args.rounds):
@@ -206,7 +207,7 @@ def main():
     for m in modes:
         med = statistics.median(results[m])
         per = (med - base) / recs[m] if recs.get(m) else float("nan")
-        print(f"{m:>11}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
+        print(f"{m:>19}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
               f"{per:6.3f} ms/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
                                          if m.startswith("isolated") else ""))
 

@@ -6,7 +6,9 @@ isolated, compare, isolated verdicts, model-level outputs) on models built from 
 several seeds, targets bf16 / fp16 against an fp32 bench and fp32 against an fp64 bench.
 
 Faults: for each run, forward and backward APIs picked early, mid and late in the target's own dump, scaled by
-1.01/1.02/1.05 (bf16, fp16) or 1.005/1.01 (fp32), plus a noise fault. Printed per target dtype:
+1.02/1.05 (bf16, fp16) or 1.01/1.02 (fp32), plus a 2% noise fault. The bench kernel (``--bench-kernel``,
+:mod:`msprobe_ci.kernels`) is the same-dtype bench isolation compares with; ``all`` runs each in turn. Printed per
+bench kernel and target dtype:
 
 * benign runs that fail (goal 0);
 * faults detected (any error) and localized exactly (the first divergence is the injected node);
@@ -16,7 +18,8 @@ Faults: for each run, forward and backward APIs picked early, mid and late in th
 With ``--no-isolation`` the target is judged by the drift rule alone (``msprobe-ci compare`` on two plain dumps);
 models ``neox,phi3,qwen2,mistral,gemma`` are stock decoder configs.
 
-    python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--no-isolation]
+    python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--bench-kernel all]
+                                      [--no-isolation]
 """
 
 from __future__ import annotations
@@ -240,10 +243,11 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="target through torch.compile per block (captured at L0 on both sides, as msprobe.check); "
                          "benign runs only")
-    ap.add_argument("--bench-kernel", default="device", choices=BENCH_KERNELS,
+    ap.add_argument("--bench-kernel", default="device", choices=BENCH_KERNELS + ("all",),
                     help="same-dtype bench of the standards (msprobe_ci.kernels): the bench device's kernel (here "
                          "the target's own, recomputed), the API one precision up rounded once, the fp64 result "
-                         "correctly rounded, or the API through core-ATen decompositions with oneDNN off")
+                         "correctly rounded, or the API through PyTorch's decompositions with oneDNN off; 'all': "
+                         "each in turn, a row per kernel")
     ap.add_argument("--budget-draws", type=int, default=None,
                     help="perturbed runs per benchmark-standard call that size its error budget (default: the "
                          "Isolator's)")
@@ -252,15 +256,36 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE
-    ISOLATOR.update(bench_kernel=args.bench_kernel)
     if args.budget_draws is not None:
         ISOLATOR.update(budget_draws=args.budget_draws)
     LEVEL = "L0" if args.compile else args.level
     TASK, COMPILE, FORWARD_ONLY = args.task, args.compile, args.forward_only
     ISOLATE = not args.no_isolation
     torch.set_num_threads(1)
+    kernels = BENCH_KERNELS if args.bench_kernel == "all" else (args.bench_kernel,)
+    rows, failures = [], []
+    for kernel in kernels:
+        ISOLATOR.update(bench_kernel=kernel)
+        stats = _measure(args, failures, kernel)
+        rows += [(kernel, dname, s) for dname, s in stats.items()]
+    print(f"level {LEVEL}, task {TASK}" + (", compiled target" if COMPILE else "")
+          + (", forward only" if FORWARD_ONLY else ", forward+backward") + f", models {args.models}, "
+          f"{args.seeds} seed(s)")
+    print(f"{'bench kernel':<13} {'target':<22} {'benign':>6} {'false fails':>11} {'faults':>6} {'detected':>9} "
+          f"{'exact':>9} {'other API fails':>15} {'isolation overhead':>18}")
+    for kernel, dname, s in rows:
+        bench_dtype, target_dtype, _ = DTYPES[dname]
+        f = max(s["faults"], 1)
+        print(f"{kernel:<13} {target_dtype + ' vs ' + bench_dtype + ' bench':<22} {int(s['benign']):>6} "
+              f"{int(s['false_fail']):>11} {int(s['faults']):>6} {s['detected'] / f:>8.1%} {s['exact'] / f:>8.1%} "
+              f"{int(s['other_api_fails']):>15} {s['overhead_sum'] / max(s['benign'], 1):>17.2f}x")
+    for line in failures:
+        print("  " + line)
+
+
+def _measure(args, failures: list, kernel: str) -> dict:
+    """One bench kernel over every dtype, model and seed: ``{dtype: counts}``; failures appended as lines."""
     stats = defaultdict(lambda: defaultdict(float))
-    failures = []
     for dname in args.dtypes.split(","):
         bench_dtype, target_dtype, scales = DTYPES[dname]
         for mname in args.models.split(","):
@@ -276,7 +301,7 @@ def main():
                 bad_model = [c["name"] for c in cases if c["status"] == "error"]
                 if errors or bad_model:
                     s["false_fail"] += 1
-                    failures.append(f"benign {dname} {mname} seed {seed}: {errors[:3]} {bad_model}")
+                    failures.append(f"{kernel}: benign {dname} {mname} seed {seed}: {errors[:3]} {bad_model}")
                 # faults are picked from an API-level dump; at L0 the expected node is the innermost module
                 # around the faulty call (forward or backward), its enclosing modules may fail too
                 ref = tdump if LEVEL != "L0" else _one(model, inputs, loss_fn, bench_dtype, target_dtype, (),
@@ -300,7 +325,7 @@ def main():
                     if first is not None and first.name == expected:
                         s["exact"] += 1
                     else:
-                        failures.append(f"fault {dname} {mname} seed {seed} {fault.api}.{fault.call} "
+                        failures.append(f"{kernel}: fault {dname} {mname} seed {seed} {fault.api}.{fault.call} "
                                         f"{fault.direction} {fault.perturb} {fault.value}: first "
                                         f"{first.name if first is not None else None}")
                     if LEVEL == "L0":  # modules enclosing the faulty one (forward and backward) may fail
@@ -315,18 +340,7 @@ def main():
                     s["other_api_fails"] += len(others)
                     if others and args.verbose:
                         failures.append(f"  others for {node}: {others[:4]}")
-    print(f"level {LEVEL}, task {TASK}, bench kernel {args.bench_kernel}" + (", compiled target" if COMPILE else "")
-          + (", forward only" if FORWARD_ONLY else ", forward+backward"))
-    print(f"{'target':<22} {'benign':>6} {'false fails':>11} {'faults':>6} {'detected':>9} {'exact':>9} "
-          f"{'other API fails':>15} {'isolation overhead':>18}")
-    for dname, s in stats.items():
-        bench_dtype, target_dtype, _ = DTYPES[dname]
-        f = max(s["faults"], 1)
-        print(f"{target_dtype + ' vs ' + bench_dtype + ' bench':<22} {int(s['benign']):>6} {int(s['false_fail']):>11} "
-              f"{int(s['faults']):>6} {s['detected'] / f:>8.1%} {s['exact'] / f:>8.1%} "
-              f"{int(s['other_api_fails']):>15} {s['overhead_sum'] / max(s['benign'], 1):>17.2f}x")
-    for line in failures:
-        print("  " + line)
+    return stats
 
 
 if __name__ == "__main__":

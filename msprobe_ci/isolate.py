@@ -600,7 +600,8 @@ class Isolator:
         if not self.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
                                           _tensors(call.kwargs)) != call.versions:
             return []
-        eta = kernels._eta(torch.float64)
+        eta = kernels._eta(torch.float64, kernels.target_roundoff(_tensors(call.args) + list(call.state.values())
+                                                                  + _tensors(call.kwargs)))
         gen = torch.Generator().manual_seed(0x30D)
         grad = grad_output is not None
 

@@ -33,9 +33,10 @@ cancellation hits a GPU bench and an NPU target differently), and they would mak
 strictest judge of all. The *scale* of an element is the random-walk size of the rounding a kernel of the target
 dtype may commit on the way to it: the API is run in fp64 with every floating input and every intermediate ATen
 result (forward, and the backward's own, with the incoming gradient) multiplied by ``1 + eta * xi`` (``xi`` random
-signs, ``eta`` small), and ``scale = rms over draws of (perturbed - unperturbed) / eta``: the first-order error of
-a kernel that rounds its inputs' first use and holds every intermediate in a dtype of unit roundoff 1, in units of
-that roundoff. That is what the target dtype allows: accumulation over its terms (a sum's scale is the random walk
+signs, ``eta`` the target dtype's unit roundoff), and ``scale = rms over draws of (perturbed - unperturbed) / eta``:
+the error of a kernel that rounds its inputs' first use and holds every intermediate in the target dtype, in units
+of its roundoff (a ReLU or max-pool whose input lies within a rounding of its kink moves whole elements, and that
+shows too). That is what the target dtype allows: accumulation over its terms (a sum's scale is the random walk
 of its terms, ``sqrt(sum t_j^2)``), intermediates held in the target dtype (the log-probabilities of a cross
 entropy, the ``P`` of an attention), and the condition of the reduction. A fault of 2% is a fault at every
 element where the scale does not exceed the element, which is where the arithmetic does not cancel.
@@ -298,12 +299,21 @@ def round_to(ref: Any, like: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- budgets
-_ETA = {torch.float64: 2.0 ** -20, torch.float32: 2.0 ** -10}
 DRAWS = 4
+_UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53}
 
 
-def _eta(dtype: torch.dtype) -> float:
-    return _ETA.get(dtype, 2.0 ** -10)
+def target_roundoff(tensors: list) -> float:
+    """The unit roundoff of the coarsest floating dtype among ``tensors`` (fp32's when there is none)."""
+    return max((_UNIT.get(t.dtype, 2.0 ** -24) for t in tensors if t.is_floating_point()), default=2.0 ** -24)
+
+
+def _eta(run_dtype: torch.dtype, unit: float = 2.0 ** -24) -> float:
+    """The jitter of the budget's runs: the target dtype's own unit roundoff ``unit``, so that what rounding at
+    that size moves beyond first order (a ReLU or max-pool whose input lies within a rounding of its kink) shows
+    too; at least 2^-30 in fp64 and 2^-10 in fp32 (where the run has no fp64 kernel), far above the run's own
+    rounding."""
+    return max(unit, 2.0 ** -30 if run_dtype == torch.float64 else 2.0 ** -10)
 
 
 ROW_FLOOR = 0.5
@@ -346,7 +356,7 @@ def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, 
     except (RuntimeError, TypeError, NotImplementedError):
         dtype = torch.float32
         _, base, _ = reference(func, args, kwargs, dtype, "cpu", False)
-    eta = _eta(dtype)
+    eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0x5CA1E + seed)
     base_rows = flatten(base)
     diffs = []
@@ -370,7 +380,7 @@ def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int =
         dtype = torch.float32
         leaves, out, _ = reference(func, args, kwargs, dtype, "cpu", True)
     base = vjp(out, leaves, grad_out)
-    eta = _eta(dtype)
+    eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0xBAC + seed)
     diffs = []
     for _ in range(draws):

@@ -122,10 +122,17 @@ def test_statistics_dump_skips_offline_and_runs_live(pytester, fixtures_dir):
     assert result.ret == 1  # a gate that judged nothing does not end green
     result = _pytest_api(pytester, path, "--msprobe-api-live", "-k", "linear", "-n", "2")
     result.assert_outcomes(passed=4)
+    for kernel in ("rounded", "decomposed"):  # the pre-check takes the bench kernels too
+        result = _pytest_api(pytester, path, "--msprobe-api-live", f"--msprobe-bench-kernel={kernel}")
+        assert result.ret == 0, result.stdout.str()[-2000:]
 
 
-def test_our_capture_of_an_example_model(tmp_path):
+@pytest.mark.parametrize("kernel", ["device", "rounded"])
+def test_our_capture_of_an_example_model(tmp_path, kernel):
+    """A GPT-2 dumped in bf16 by PrecisionDebugger with isolation: every API passes its isolated verdict and its
+    offline replay, against the CPU's own kernel and against the correctly rounded bench."""
     pytest.importorskip("transformers")
+    import json
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -135,15 +142,22 @@ def test_our_capture_of_an_example_model(tmp_path):
 
     model = build_gpt2().to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100))
-    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="L1", task="tensor")
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="L1", task="tensor", isolate=True,
+                            bench_kernel=kernel)
     dbg.start()
     model(input_ids=ids, labels=ids).loss.backward()
     dbg.stop()
-    replayer = ApiReplayer(load_dump(str(tmp_path / "d" / "step0" / "rank")))
+    folder = str(tmp_path / "d" / "step0" / "rank")
+    with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
+        iso = json.load(fh)
+    assert iso["bench_kernel"] == kernel
+    judged_live = [r for r in iso["nodes"].values() if r["status"] != "skip"]
+    assert len(judged_live) > 100 and [r for r in judged_live if r["status"] == "error"] == []
+    replayer = ApiReplayer(load_dump(folder), bench_kernel=kernel)
     results = [replayer.check(n) for n in replayer.api_names()]
     judged = [r for r in results if r.status != "skip"]
     assert len(judged) > 0.8 * len(results) and len(results) > 100
-    assert [r.name for r in results if r.status == "error"] == []
+    assert [(r.name, r.message) for r in results if r.status == "error"] == []
 
 
 def test_bad_inputs_are_named_skips(fixtures_dir, tmp_path):

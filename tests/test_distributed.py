@@ -217,6 +217,21 @@ def test_check_parallel_names_ranks(pytester):
     assert "test_par.test_clean check 0 rank1" in junit
 
 
+def test_check_parallel_against_a_foreign_bench_kernel(pytester, monkeypatch):
+    """check_parallel takes --msprobe-bench-kernel: per rank and merged (TP against one rank), a clean bf16 run
+    passes against the correctly rounded bench and a rank's fault is named."""
+    monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    pytester.makepyfile(test_par=PARALLEL_TESTS, test_merged=MERGED_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.gelu, call: 0, perturb: scale, value: 1.05, "
+                                      "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-n", "2",
+                                           "--msprobe-bench-kernel=rounded", "-k",
+                                           "test_clean or test_fault_on_rank_1 or test_tp_clean")
+    result.assert_outcomes(passed=2, failed=1)
+    assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in result.stdout.str()
+    assert "(bench kernel: rounded)" in result.stdout.str()
+
+
 MERGED_TESTS = '''
 import os
 import sys
