@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .isolate import _DROPOUT, _NOT_COMPARABLE, _RANDOM, _UNSUPPORTED_PREFIX, _tensors
-from .replay.runner import _cast
+from .kernels import cast as _cast
 from .replay.runner import _outputs as _flat_outputs
 
 MODES = ("improve_precision", "to_cpu")

@@ -47,6 +47,7 @@ import torch
 
 from . import kernels
 from .kernels import cast as _cast
+from .kernels import tensors_of as _tensors
 from .replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
 
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
@@ -99,16 +100,6 @@ def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
         except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
             return value
     return value
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def headline(result) -> tuple[str, float, float]:
@@ -561,15 +552,7 @@ class Isolator:
         ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
         import contextlib
 
-        def conv(t: torch.Tensor) -> torch.Tensor:
-            x = t.detach()
-            if dtype is not None and t.is_floating_point():
-                x = x.to(device=device, dtype=dtype, copy=True)
-            elif dtype is not None and t.is_complex():
-                x = x.to(device=device, dtype=torch.complex128, copy=True)
-            else:
-                x = x.to(device=device, copy=True)
-            return kernels.jitter(x, *perturb) if perturb is not None else x
+        conv = kernels.copier(dtype, device, perturb)
         st = {f"module.{k}": conv(v) for k, v in call.state.items()}
         leaves: list = []
         a = []

@@ -213,6 +213,21 @@ def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- references
+def copier(dtype: torch.dtype | None, device: str, perturb: tuple[float, torch.Generator] | None = None):
+    """A function making a detached copy of a tensor on ``device``: floating ones in ``dtype`` (complex ones in
+    complex128) when it is given, others as they are; jittered (:func:`jitter`) with ``perturb``."""
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        x = t.detach()
+        if dtype is not None and t.is_floating_point():
+            x = x.to(device=device, dtype=dtype, copy=True)
+        elif dtype is not None and t.is_complex():
+            x = x.to(device=device, dtype=torch.complex128, copy=True)
+        else:
+            x = x.to(device=device, copy=True)
+        return jitter(x, *perturb) if perturb is not None else x
+    return conv
+
+
 def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device: str, grad: bool,
               context=None, perturb: tuple[float, torch.Generator] | None = None):
     """Run ``func`` on detached copies of the arguments.
@@ -230,17 +245,10 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
         ``(leaves, out, (args, kwargs))``: the leaves, the output and the copied arguments.
     """
     leaves: list = []
+    copy = copier(dtype, device, perturb)
 
     def conv(t: torch.Tensor) -> torch.Tensor:
-        x = t.detach()
-        if dtype is not None and t.is_floating_point():
-            x = x.to(device=device, dtype=dtype, copy=True)
-        elif dtype is not None and t.is_complex():
-            x = x.to(device=device, dtype=torch.complex128, copy=True)
-        else:
-            x = x.to(device=device, copy=True)
-        if perturb is not None:
-            x = jitter(x, *perturb)
+        x = copy(t)
         if grad and _needs_grad(t):
             x.requires_grad_(True)
             leaves.append(x)
@@ -343,6 +351,14 @@ def _rms(diffs: list[list], eta: float) -> list:
     return out
 
 
+def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool):
+    """``(dtype, reference(...))`` on CPU in fp64, or in fp32 where the API has no fp64 kernel."""
+    try:
+        return torch.float64, reference(func, args, kwargs, torch.float64, "cpu", grad)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.float32, reference(func, args, kwargs, torch.float32, "cpu", grad)
+
+
 def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, seed: int = 0) -> list:
     """Per-output error scale of ``func`` at these arguments (see the module docstring), as float64 tensors shaped
     like each output (``None`` for non-floating outputs), in the order ``flatten(out)`` gives them.
@@ -350,12 +366,7 @@ def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, 
     Runs ``func`` ``draws + 1`` times in fp64 on CPU (fp32 where it has no fp64 kernel, with a coarser ``eta``).
     Raises whatever ``func`` raises.
     """
-    dtype = torch.float64
-    try:
-        _, base, _ = reference(func, args, kwargs, dtype, "cpu", False)
-    except (RuntimeError, TypeError, NotImplementedError):
-        dtype = torch.float32
-        _, base, _ = reference(func, args, kwargs, dtype, "cpu", False)
+    dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
     eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0x5CA1E + seed)
     base_rows = flatten(base)
@@ -373,12 +384,7 @@ def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int =
     leaf order) for the incoming gradients ``grad_out`` (as :func:`vjp`): the forward recomputed in fp64 with
     inputs and intermediates jittered, then the vector-Jacobian product with the incoming gradients and the
     backward's own intermediates jittered (see the module docstring). ``None`` where a leaf gets no gradient."""
-    dtype = torch.float64
-    try:
-        leaves, out, _ = reference(func, args, kwargs, dtype, "cpu", True)
-    except (RuntimeError, TypeError, NotImplementedError):
-        dtype = torch.float32
-        leaves, out, _ = reference(func, args, kwargs, dtype, "cpu", True)
+    dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
     base = vjp(out, leaves, grad_out)
     eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0xBAC + seed)

@@ -33,6 +33,7 @@ from ..checkers import CheckResult, make_standard, standard_for, worst
 from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
+from ..kernels import cast as _cast
 from . import allowlist
 from .args import Rebuilder, api_generator
 
@@ -119,18 +120,6 @@ def _short(prefix: str, api: str) -> str:
         if base is not None:
             return base.rsplit(".", 1)[-1]
     return api.rsplit(".", 1)[-1]
-
-
-def _cast(value: Any, fn) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list):
-        return [_cast(v, fn) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_cast(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, fn) for k, v in value.items()}
-    return value
 
 
 def _upcast(dtype: torch.dtype):
