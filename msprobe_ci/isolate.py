@@ -286,7 +286,7 @@ class Isolator:
             return call, args, kwargs
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
-                     any(kernels._needs_grad(t) for t in _tensors(args) + _tensors(kw)))
+                     any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kw)))
         from .checkers import standard_for
 
         # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
