@@ -510,7 +510,9 @@ class Isolator:
         """
         self._clock[name] = time.perf_counter()
         state = dict(module.named_parameters())
-        state.update(dict(module.named_buffers()))
+        # buffers as they are now: the call may update them in place (BatchNorm's running statistics), and the
+        # budget's runs after it need the state the call saw (parameters only move at the optimizer step)
+        state.update({k: b.detach().clone() for k, b in module.named_buffers()})
         sources = self._source_rows(name, "module", args, kwargs) if input_sources else {}
         for pname, p in module.named_parameters(recurse=False):
             if not self.is_produced(p):
