@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from .common import dtype_thresholds, finite_masks, load_yaml, to_f64
+from .common import dtype_thresholds, load_yaml, to_f64
 from .result import CheckResult
 
 METRICS = ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")
@@ -47,21 +47,38 @@ def _row_floor(scale: np.ndarray) -> np.ndarray:
     return np.maximum(scale, ROW_FLOOR * np.sqrt(np.mean(scale ** 2, axis=-1, keepdims=True)))
 
 
-def _metrics(x: np.ndarray, ref: np.ndarray, small_value: float, atol: float, scale=None) -> dict[str, float]:
-    # with an error scale, an element is "small" (judged by absolute error) only where its terms are small too:
-    # a cancelled sum of large terms is judged relative to them
-    den = np.abs(ref) if scale is None else np.maximum(np.abs(ref), scale)
-    finite, bad, small, normal = finite_masks(x, den if scale is not None else ref, small_value)
-    ae = np.abs(x - ref)
-    eps = np.finfo(np.float64).eps
-    re = np.where(normal, ae / (den + eps), -1.0)
-    re_max = re if scale is None else np.where(normal, ae / (np.maximum(den, _row_floor(scale)) + eps), -1.0)
+class _Reference:
+    """What the metrics of the target and of the bench share: the reference and, from it (and the error scale),
+    each element's relative-error denominator and whether it is a small value."""
+
+    def __init__(self, ref: np.ndarray, small_value: float, scale: np.ndarray | None = None):
+        eps = np.finfo(np.float64).eps
+        self.ref = ref
+        # with an error scale, an element is "small" (judged by absolute error) only where its terms are small
+        # too: a cancelled sum of large terms is judged relative to them
+        self.den = np.abs(ref) if scale is None else np.maximum(np.abs(ref), scale)
+        key = ref if scale is None else self.den
+        self.finite = np.isfinite(key)
+        self.small = np.abs(key) <= small_value
+        self.den_eps = self.den + eps
+        self.den_max_eps = self.den_eps if scale is None else np.maximum(self.den, _row_floor(scale)) + eps
+
+
+def _metrics(x: np.ndarray, r: _Reference, atol: float) -> dict[str, float]:
+    """msprobe's benchmark metrics of ``x`` against the reference (masks as :func:`~.common.finite_masks`)."""
+    finite = np.isfinite(x) & r.finite
+    bad = ~finite
+    small = finite & r.small
+    normal = finite & ~r.small
+    ae = np.abs(x - r.ref)
+    re = np.where(normal, ae / r.den_eps, -1.0)
+    re_max = re if r.den_max_eps is r.den_eps else np.where(normal, ae / r.den_max_eps, -1.0)
     n = x.size
     ae_ok = np.where(bad | small, 0.0, ae)
     cnt = int((bad | small).sum())
     mse = float(np.mean(ae_ok ** 2)) * (n / (n - cnt + 1e-4) + 1e-4) if n else 0.0
     pos, pos_max = re[re >= 0], re_max[re_max >= 0]
-    scale_rms = float(np.sqrt(np.mean(den[normal] ** 2))) if normal.any() else 0.0
+    scale_rms = float(np.sqrt(np.mean(r.den[normal] ** 2))) if normal.any() else 0.0
     return {"scale_rms": scale_rms,
             "max_rel_err": float(pos_max.max()) if pos_max.size else 0.0,
             "mean_rel_err": float(pos.mean()) if pos.size else 0.0, "rmse": float(np.sqrt(mse)),
@@ -107,8 +124,9 @@ class BenchmarkStandard:
         sc = to_f64(scale) if scale is not None else None
         if sc is not None and sc.shape != t.shape:
             sc = None
-        mt = _metrics(t, ref, self.small, self.atol, sc)
-        mb = _metrics(b, ref, self.small, self.atol, sc) if oracle is not None else {k: 0.0 for k in mt}
+        r = _Reference(ref, self.small, sc)
+        mt = _metrics(t, r, self.atol)
+        mb = _metrics(b, r, self.atol) if oracle is not None else {k: 0.0 for k in mt}
         ratios, failed = {}, []
         # the bench is credited with at least one rounding (min_err, msprobe's floor) of the data's own size: the
         # relative metrics in units of 1, the RMSE (an absolute metric) in units of the RMS magnitude of the judged
@@ -127,6 +145,10 @@ class BenchmarkStandard:
             failed.append("inf_nan")
         metrics = {f"target_{k}": mt[k] for k in METRICS} | {f"bench_{k}": mb[k] for k in METRICS} | \
                   {f"{k}_ratio": ratios[k] for k in METRICS}
+        # the bench's error is at most its floor in every error metric: then an error scale could only lower the
+        # target's errors against the same denominators, and a pass here is a pass with it (judge_pair skips it)
+        metrics["bench_at_floor"] = float(all(abs(mb[k]) <= floors[k] for k in ("max_rel_err", "mean_rel_err",
+                                                                                 "rmse")))
         status = "error" if failed else "pass"
         msg = ", ".join(f"{k} ratio {ratios.get(k, float('nan')):.3g} > {self.ratios.get(k, 0):g}" for k in failed
                         if k != "inf_nan") or f"max ratio {max(ratios.values()):.3g} (level {self.level})"

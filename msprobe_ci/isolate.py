@@ -411,7 +411,7 @@ class Isolator:
                 b = b.to(t.device)
             o = oracles.get(row)
             res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale,
-                             terms=budget(i))
+                             terms=lambda i=i: budget(i))
             if res.standard == "ulp" and res.status == "error" and call.inputs is not None and len(targets) == 1:
                 # only when it matters: the accumulation allowance costs one more pass over |inputs|
                 res = self._with_floor(call, res, t, b, o)
@@ -445,7 +445,7 @@ class Isolator:
                         raise RuntimeError("inputs written since the call")
                     cache.extend(kernels.forward_scale(call.func, call.inputs[0], call.inputs[1],
                                                        lambda v: [x for _, x in _flat_outputs(v, stem)],
-                                                       self.budget_draws))
+                                                       self.budget_draws, base=call.oracle_out))
                 except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone, msprobe's own rule
                     cache.extend([None] * n)
             return cache[i] if i < len(cache) else None
@@ -742,7 +742,7 @@ class Isolator:
         context = kernels.decomposed if self.bench_kernel == "decomposed" else None
         bench = oracle if call.bench_in is call.oracle_in else \
             kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context)
-        budget = self._backward_budget(call, len(targets))
+        budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
         for i, t in enumerate(targets):
             if t is None:
@@ -756,14 +756,14 @@ class Isolator:
             if call.bench_round:
                 b = kernels.round_to(b, t)
             results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
-                                                      self.thresholds, terms=budget(i))))
+                                                      self.thresholds, terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
             self._store(name, results, refs)
 
-    def _backward_budget(self, call: _Call, n: int):
+    def _backward_budget(self, call: _Call, n: int, oracle: list):
         """``budget(i)``: the error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`),
-        computed on first use, once per call."""
+        computed on first use, once per call (from the oracle's gradients where they are fp64)."""
         cache: list = []
 
         def budget(i: int):
@@ -774,7 +774,7 @@ class Isolator:
                     if not self._unchanged(call):
                         raise RuntimeError("inputs written since the call")
                     cache.extend(kernels.backward_scale(call.func, call.inputs[0], call.inputs[1], call.grad_out,
-                                                        self.budget_draws))
+                                                        self.budget_draws, base=oracle))
                 except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
                     cache.extend([None] * n)
             return cache[i] if i < len(cache) else None

@@ -228,12 +228,28 @@ def _reduces(args, kwargs, out) -> bool:
     return bool(ins) and bool(outs) and max(outs) < max(ins)
 
 
+_SIGNS: list = []  # one buffer of random bits, drawn once: each jitter reads it from a random offset
+_SIGN_BITS = 1 << 22
+
+
 def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
-    """``t * (1 + eta * xi)`` for a floating tensor ``t`` (``xi`` random signs), anything else unchanged."""
+    """``t * (1 + eta * xi)`` for a floating tensor ``t`` (``xi`` random signs), anything else unchanged.
+
+    The signs are a window of one buffer of 4M random bits at an offset ``generator`` draws: drawing a sign per
+    element of every jittered intermediate took 60% of a budget's time, and windows at independent random offsets
+    are as good as fresh signs for a random walk (tensors larger than the buffer draw their own)."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
         return t
-    factor = torch.randint(0, 2, t.shape, generator=generator, dtype=t.dtype)  # one draw, then in place:
-    factor.mul_(2 * eta).add_(1 - eta)  # 1 - eta or 1 + eta
+    n = t.numel()
+    if n > _SIGN_BITS // 2:
+        bits = torch.randint(0, 2, t.shape, generator=generator, dtype=t.dtype)
+    else:
+        if not _SIGNS:
+            _SIGNS.append(torch.randint(0, 2, (_SIGN_BITS,), generator=torch.Generator().manual_seed(0x516E),
+                                        dtype=torch.uint8))
+        start = int(torch.randint(0, _SIGN_BITS - n + 1, (1,), generator=generator))
+        bits = _SIGNS[0][start:start + n].view(t.shape).to(t.dtype)
+    factor = bits.mul_(2 * eta).add_(1 - eta)  # 1 - eta or 1 + eta
     return t * (factor if t.device.type == "cpu" else factor.to(t.device))
 
 
@@ -372,14 +388,20 @@ def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool):
         return torch.float32, reference(func, args, kwargs, torch.float32, "cpu", grad)
 
 
-def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, seed: int = 0) -> list:
+def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, seed: int = 0,
+                  base: Any = None) -> list:
     """Per-output error scale of ``func`` at these arguments (see the module docstring), as float64 tensors shaped
     like each output (``None`` for non-floating outputs), in the order ``flatten(out)`` gives them.
 
-    Runs ``func`` ``draws + 1`` times in fp64 on CPU (fp32 where it has no fp64 kernel, with a coarser ``eta``).
+    Runs ``func`` ``draws + 1`` times in fp64 on CPU (fp32 where it has no fp64 kernel, with a coarser ``eta``);
+    ``draws`` times when ``base``, its unjittered fp64 output (the oracle of an fp32 call), is given.
     Raises whatever ``func`` raises.
     """
-    dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
+    fp64 = base is not None and all(t.dtype == torch.float64 for t in tensors_of(base) if t.is_floating_point())
+    if fp64:
+        dtype = torch.float64
+    else:
+        dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
     eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0x5CA1E + seed)
     base_rows = flatten(base)
@@ -392,13 +414,18 @@ def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, 
     return _rms(diffs, eta)
 
 
-def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int = DRAWS, seed: int = 0) -> list:
+def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int = DRAWS, seed: int = 0,
+                   base: list | None = None) -> list:
     """Per-leaf error scale of the gradients ``func`` hands to its inputs that require grad (in :func:`reference`'s
     leaf order) for the incoming gradients ``grad_out`` (as :func:`vjp`): the forward recomputed in fp64 with
     inputs and intermediates jittered, then the vector-Jacobian product with the incoming gradients and the
-    backward's own intermediates jittered (see the module docstring). ``None`` where a leaf gets no gradient."""
-    dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
-    base = vjp(out, leaves, grad_out)
+    backward's own intermediates jittered (see the module docstring). ``None`` where a leaf gets no gradient.
+    ``base``: the unjittered fp64 gradients when known (the oracle's of an fp32 call), saving one run."""
+    if base is not None and all(g is None or g.dtype == torch.float64 for g in base):
+        dtype = torch.float64
+    else:
+        dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
+        base = vjp(out, leaves, grad_out)
     eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0xBAC + seed)
     diffs = []
