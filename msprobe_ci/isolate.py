@@ -597,7 +597,8 @@ class Isolator:
             return _tensors(out)
         try:
             base = one(None)
-            draws = [one((eta, gen)) for _ in range(self.budget_draws)]
+            draws = [one((eta, gen)) for _ in range(kernels._draws(self.budget_draws,
+                                                                   [b for b in base if b is not None]))]
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
         diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
