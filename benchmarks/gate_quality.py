@@ -339,7 +339,8 @@ def _measure(args, failures: list, kernel: str) -> dict:
                         others = [n for n in own if n != node]
                     s["other_api_fails"] += len(others)
                     if others and args.verbose:
-                        failures.append(f"  others for {node}: {others[:4]}")
+                        failures.append(f"  others for {kernel} {dname} {mname} seed {seed} {fault.api}.{fault.call} "
+                                        f"{fault.direction} {fault.perturb} {fault.value}: {others[:4]}")
     return stats
 
 

@@ -1,12 +1,18 @@
-"""How far torch's CPU bf16/fp16 LayerNorm backward lands from the exact gradient, as rows are summed.
+"""How far torch's CPU bf16/fp16 kernels that keep their sums in the tensor's own dtype land from the exact result.
 
-The CPU kernel keeps its per-thread weight- and bias-gradient sums in the tensor's own dtype
+LayerNorm backward: the CPU kernel keeps its per-thread weight- and bias-gradient sums in the tensor's own dtype
 (aten/src/ATen/native/cpu/layer_norm_kernel.cpp), so the error of dgamma and dbeta grows with the number of rows
 summed, where a kernel accumulating in fp32 stays at one rounding. Printed per dtype and row count: each gradient's
 error over the dtype's unit roundoff times the random walk of its terms (sqrt(sum_rows term^2), the size of one
 rounding per term), worst column and mean over columns; and the same for a kernel that sums in fp32 and rounds once.
 
-    python benchmarks/cpu_layernorm_backward.py [--hidden 64]
+Cross entropy (mean reduction): the CPU ``nll_loss`` keeps its cascade of partial sums in the tensor's dtype
+(aten/src/ATen/native/LossNLL.cpp), where a GPU kernel accumulates in fp32. Printed per dtype and token count, over
+``--draws`` random logit sets (vocabulary 256, logits N(0, 2)): the loss's relative error in units of the dtype's
+unit roundoff (mean and worst), the share of draws beyond 2 units (the benchmark standard's mean/RMSE ratio 2
+against a bench credited with one unit), and the same for log_softmax in the dtype followed by an fp32 sum.
+
+    python benchmarks/cpu_half_accumulation.py [--hidden 64] [--draws 200]
 """
 
 from __future__ import annotations
@@ -22,9 +28,15 @@ UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--draws", type=int, default=200)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    h = args.hidden
+    _layer_norm(args.hidden)
+    _cross_entropy(args.draws)
+
+
+def _layer_norm(h: int) -> None:
+    print("LayerNorm backward, errors in units of one rounding of the summed terms")
     print(f"{'dtype':<9} {'rows':>6} {'dgamma worst':>13} {'dgamma mean':>12} {'dbeta worst':>12} {'dbeta mean':>11}"
           f" {'fp32-sum dbeta worst':>21}")
     for dtype, u in UNIT.items():
@@ -48,6 +60,27 @@ def main() -> None:
             ef = (fp32_sum - exact[2]).abs() / (u * walk_b)
             print(f"{str(dtype).replace('torch.', ''):<9} {rows:>6} {float(eg.max()):>13.2f} {float(eg.mean()):>12.2f} "
                   f"{float(eb.max()):>12.2f} {float(eb.mean()):>11.2f} {float(ef.max()):>21.2f}")
+
+
+def _cross_entropy(draws: int, vocab: int = 256) -> None:
+    print(f"cross entropy (mean), relative error of the loss in units of u, {draws} draws")
+    print(f"{'dtype':<9} {'tokens':>6} {'cpu mean':>9} {'cpu worst':>10} {'cpu > 2u':>9} {'fp32-sum worst':>15}"
+          f" {'fp32-sum > 2u':>14}")
+    for dtype, u in UNIT.items():
+        for tokens in (32, 512, 4096):
+            g = torch.Generator().manual_seed(tokens)
+            cpu, f32 = [], []
+            for _ in range(draws):
+                x = (torch.randn(tokens, vocab, generator=g) * 2).to(dtype)
+                y = torch.randint(0, vocab, (tokens,), generator=g)
+                exact = float(F.cross_entropy(x.double(), y))
+                got = float(F.cross_entropy(x, y))
+                summed = float(F.nll_loss(torch.log_softmax(x, -1).float(), y).to(dtype))
+                cpu.append(abs(got - exact) / abs(exact) / u)
+                f32.append(abs(summed - exact) / abs(exact) / u)
+            c, f = torch.tensor(cpu), torch.tensor(f32)
+            print(f"{str(dtype).replace('torch.', ''):<9} {tokens:>6} {float(c.mean()):>9.2f} {float(c.max()):>10.2f} "
+                  f"{float((c > 2).double().mean()):>9.1%} {float(f.max()):>15.2f} {float((f > 2).double().mean()):>14.1%}")
 
 
 if __name__ == "__main__":
