@@ -54,13 +54,16 @@ def test_generate_with_a_faulty_silu_at_decode_step_2(msprobe):
 """
 
 
-@pytest.mark.parametrize("kernel", ["device", "rounded"])
-def test_benign_bf16_loops_pass_and_a_step_2_fault_is_named(pytester, kernel):
-    """Both loops, against the target's own kernel and against the correctly rounded bench."""
+@pytest.mark.parametrize("kernel,dtype", [("device", "bf16"), ("rounded", "bf16"), ("rounded", "fp32")])
+def test_benign_loops_pass_and_a_step_2_fault_is_named(pytester, kernel, dtype):
+    """Both loops, against the target's own kernel and against the correctly rounded bench; bf16 against fp32, and
+    fp32 against fp32 (the same dtype: sources are context after step 0 even where the dtypes' roundoff is 0)."""
     pytester.makepyfile(test_train=TRAIN)
-    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
-                                      "step: 2}\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+    value = 1.05 if dtype == "bf16" else 1.01
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, "
+                                      f"value: {value}, step: 2}}\n")
+    dtype_args = ["--msprobe-target-dtype=bf16"] if dtype == "bf16" else []
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *dtype_args,
                                            "--msprobe-junitxml=j.xml", f"--msprobe-bench-kernel={kernel}")
     result.assert_outcomes(passed=2, failed=2)
     junit = (pytester.path / "j.xml").read_text()

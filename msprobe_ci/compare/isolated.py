@@ -244,6 +244,8 @@ def _same_call(name: str, report, bench_stack: dict | None) -> bool:
 
 def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor: float,
                    cast_u: float = 0.0, t_max: float = math.inf) -> CompareResult | None:
+    if not factor < math.inf:  # sources are context (a loop's later steps): never judged, even where u is 0
+        return None
     for row_name, info in sources.items():
         sid = str(info.get("id"))
         if sid in seen:
