@@ -31,11 +31,13 @@ class SideRun:
         folder: the rank folder of the dump (``.../step0/rank``).
         outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
         unapplied: one line per injected fault that never fired (the gate proved nothing with it).
+        notes: report lines about how the side ran (:func:`precision_notes`).
     """
 
     folder: str
     outputs: list = field(default_factory=list)
     unapplied: tuple = ()
+    notes: tuple = ()
 
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
@@ -86,7 +88,15 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
         capture.close()
     if not capture.folders:
         raise MsprobeError("nothing was captured (no torch API or submodule ran)")
-    return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)))
+    return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)),
+                   precision_notes(capture, backend))
+
+
+def precision_notes(capture, backend) -> tuple[str, ...]:
+    """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
+    ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""
+    return tuple(f"{backend.label}: {api} has no float64 kernel: it ran in {dtype} (the best precision it "
+                 f"supports), its outputs cast back to float64" for api, dtype in capture.precision_fallbacks.items())
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
@@ -273,7 +283,8 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
                                             isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings,
                                             source_factor=source_factor)
     csv_path = report.write_csv(out_dir)
-    graph_path, notes = None, []
+    graph_path = None
+    notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
     if graph_dir is not None:
         from .graph.service import write_compare_graph
 
@@ -305,6 +316,7 @@ class TrainingRun:
         grads: per step, ``{parameter name: float64 CPU gradient}`` after backward, before the optimizer step.
         unapplied: injected faults that never fired.
         monitor: the :class:`~msprobe_ci.monitor.MonitorReport` when the loop was monitored, else ``None``.
+        notes: report lines about how the side ran (:func:`precision_notes`).
     """
 
     folders: list = field(default_factory=list)
@@ -312,6 +324,7 @@ class TrainingRun:
     grads: list = field(default_factory=list)
     unapplied: tuple = ()
     monitor: Any = None
+    notes: tuple = ()
 
 
 def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
@@ -375,6 +388,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
         if mon is not None:
             run.monitor = mon.close()
     run.unapplied = unapplied_faults(faults, capture)
+    run.notes = precision_notes(capture, backend)
     return run
 
 
@@ -418,6 +432,7 @@ class DecodeRun:
     logits: list = field(default_factory=list)
     unapplied: tuple = ()
     steps: list = field(default_factory=list)  # the captured steps, one per folder
+    notes: tuple = ()  # report lines about how the side ran (precision_notes)
 
 
 def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forced: list | None = None,
@@ -477,4 +492,5 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
     finally:
         capture.close()
     run.unapplied = unapplied_faults(faults, capture)
+    run.notes = precision_notes(capture, backend)
     return run

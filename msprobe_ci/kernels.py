@@ -122,6 +122,45 @@ def cast(value: Any, fn) -> Any:
     return value
 
 
+def call_best_precision(func, args: tuple, kwargs: dict) -> tuple[Any, torch.dtype | None]:
+    """``func(*args, **kwargs)``, in float32 where float64 has no kernel (:func:`float32_fallback`).
+
+    Returns:
+        ``(output, dtype)``: ``dtype`` is ``torch.float32`` where the call fell back, else ``None``.
+    """
+    try:
+        return func(*args, **kwargs), None
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        return float32_fallback(func, args, kwargs, exc), torch.float32
+
+
+def float32_fallback(func, args: tuple, kwargs: dict, error: BaseException) -> Any:
+    """The call that raised ``error`` once more, with every float64 tensor cast to float32 and the floating outputs
+    cast back to float64: the best precision the API supports, for a bench one precision up from an fp32 target
+    or an fp64 oracle (``torch._grouped_mm``, which transformers' MoE experts call, has no float64 kernel). The
+    casts are differentiable, so the backward runs in float32 too.
+
+    Raises:
+        error: itself, where no argument is float64 (nothing to fall back from).
+        MsprobeError: float32 fails too: one line naming the API and both errors, and what to do.
+    """
+    from .errors import MsprobeError
+
+    if not any(t.dtype == torch.float64 for t in tensors_of(args) + tensors_of(kwargs)):
+        raise error
+
+    def down(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32) if t.dtype == torch.float64 else t
+    try:
+        out = func(*cast(args, down), **cast(kwargs, down))
+    except Exception as exc:  # noqa: BLE001 - reported with the first error, in one line
+        name = getattr(func, "__name__", repr(func))
+        raise MsprobeError(f"{name} runs neither in float64 ({str(error).splitlines()[0]}) nor in float32 "
+                           f"({str(exc).splitlines()[0]}): run the bench in the target's dtype "
+                           f"(--msprobe-bench-dtype) or leave this API out of the capture") from None
+    return cast(out, lambda t: t.to(torch.float64) if t.is_floating_point() else t)
+
+
 def needs_grad(t: torch.Tensor) -> bool:
     """A tensor whose gradient autograd computes (floating or complex, ``requires_grad``)."""
     return t.requires_grad and (t.is_floating_point() or t.is_complex())

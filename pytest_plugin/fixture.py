@@ -624,7 +624,7 @@ class MsprobeFixture:
         self.request.node.user_properties.extend([
             ("msprobe.loss_bench", json.dumps(losses["bench"])), ("msprobe.loss_target", json.dumps(losses["target"])),
             ("msprobe.grad_similarity", sim)])
-        first_notes = [f"loss bench/target: {curve}", sim]
+        first_notes = [f"loss bench/target: {curve}", sim, *runs["bench"].notes, *runs["target"].notes]
         new_anomalies = []
         if monitored:
             bench_mon, target_mon = runs["bench"].monitor, runs["target"].monitor
@@ -716,7 +716,7 @@ class MsprobeFixture:
         if capture is not None:
             note += f"; captured and judged steps {steps[0]}..{steps[-1]} of 0..{max_new_tokens}" if \
                 steps == list(range(steps[0], steps[-1] + 1)) else f"; captured and judged steps {steps}"
-        self._conclude_steps(c, outcomes, target_run.unapplied, [note],
+        self._conclude_steps(c, outcomes, target_run.unapplied, [note, *bench_run.notes, *target_run.notes],
                              [{"token_agrees": agree[s]} for s in steps],
                              lambda i: f"step {i} ({'prefill' if i == 0 else f'decode token {i}'})", note, steps)
         return {"tokens": [p.tolist() for p in bench_run.picks], "target_picks": [p.tolist() for p in

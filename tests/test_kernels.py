@@ -181,3 +181,34 @@ def test_perturb_leaves_copies_views_and_in_place_ops_alone():
     assert v.data_ptr() == x.data_ptr() and torch.equal(c, x)
     assert not torch.equal(y, x) and torch.allclose(y, x, rtol=2e-3)
     assert math.isclose(float(((y - x) / x).abs().max()), 1e-3, rel_tol=1e-6)
+
+
+def test_float64_without_a_kernel_runs_in_float32_and_comes_back_in_float64():
+    """torch._grouped_mm (transformers' MoE experts) has no float64 kernel: the bench runs it in float32, the
+    best precision it supports, differentiably; a call that needs no fallback is untouched."""
+    a = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        torch._grouped_mm(a, b, offs=offs)
+    out, dtype = kernels.call_best_precision(torch._grouped_mm, (a, b), {"offs": offs})
+    assert dtype == torch.float32 and out.dtype == torch.float64
+    expected = torch.cat([a[:2] @ b[0], a[2:] @ b[1]])
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert a.grad is not None and a.grad.dtype == torch.float64
+    assert torch.allclose(a.grad[:2], b[0].sum(-1).expand(2, 8).detach(), rtol=1e-5)
+    same, none = kernels.call_best_precision(torch.add, (a, a), {})
+    assert none is None and same.dtype == torch.float64
+
+
+def test_no_fallback_without_float64_and_one_line_where_none_runs():
+    def broken(x):
+        raise RuntimeError("no kernel\nfor this")
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kernels.call_best_precision(broken, (torch.ones(2, dtype=torch.float32),), {})
+    with pytest.raises(MsprobeError) as exc:
+        kernels.call_best_precision(broken, (torch.ones(2, dtype=torch.float64),), {})
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith("broken runs neither in float64 (no kernel) nor in float32 (no kernel)")
+    assert "--msprobe-bench-dtype" in msg

@@ -147,3 +147,31 @@ def test_mean_of_small_values_is_judged_at_its_terms_scale(tmp_path):
     report, _ = _check(tmp_path / "fault", case, "bf16", faults=[Fault("Tensor.mean", 7, "forward", "scale", 1.05)])
     assert report.first_divergence is not None and report.first_divergence.name == "Tensor.mean.7.forward", \
         report.first_divergence and report.first_divergence.message
+
+
+def test_moe_experts_against_an_fp64_bench_run_in_float32_and_say_so(tmp_path):
+    """Mixtral's experts call torch._grouped_mm, which has no float64 kernel: the fp64 bench runs it in float32
+    (the best precision it supports) instead of failing with a traceback, the report says so, and a benign fp32
+    target passes."""
+    from msprobe_ci.check import evaluate
+
+    torch.manual_seed(7)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(7)
+    bench, target = Backend.from_options("cpu", "fp64"), Backend.from_options("cpu", "fp32")
+    dc = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss, bench,
+                 dc.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
+    t = run_side(model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss, target,
+                 dc.with_overrides(dump_path=os.path.join(tmp_path, "target")), isolator=Isolator(backward=True))
+    assert t.notes == ()
+    assert len(b.notes) == 1 and b.notes[0].startswith("cpu/fp64: torch._grouped_mm has no float64 kernel: it ran "
+                                                       "in float32"), b.notes
+    outcome = evaluate(b, t, str(tmp_path / "out"), level="mix", cast_roundoff=unit_roundoff("torch.float32",
+                                                                                              "torch.float64"))
+    assert b.notes[0] in outcome.notes
+    assert not [n.message for n in outcome.report.nodes if n.status == "error"]

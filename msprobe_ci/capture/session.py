@@ -87,6 +87,7 @@ class CaptureSession:
         config.validate()
         self.isolator = isolator
         self.free_bench = free_bench
+        self.precision_fallbacks: dict[str, str] = {}  # API -> the dtype it ran in where float64 had no kernel
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
         self.config = config
         self.faults = tuple(faults)
@@ -320,8 +321,26 @@ class CaptureSession:
         self.stacks.setdefault(tuple(frames), []).append(name)
 
     # ------------------------------------------------------------------ L1: APIs
+    def _call(self, func, args, kwargs):
+        """The API call itself; in float32 where it has no float64 kernel
+        (:func:`~msprobe_ci.kernels.float32_fallback`, noted in :attr:`precision_fallbacks`)."""
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            from ..kernels import float32_fallback
+
+            was, self._busy = self._busy, True  # the fallback's casts are plumbing, not the model's calls
+            try:
+                out = float32_fallback(func, args, kwargs, exc)
+            finally:
+                self._busy = was
+        name = getattr(func, "__name__", None) or repr(func)
+        module = getattr(func, "__module__", None) or "torch"  # torch's C functions (torch._grouped_mm) have none
+        self.precision_fallbacks.setdefault(f"{module}.{name}", "float32")
+        return out
+
     def _passthrough(self, func, args, kwargs):
-        out = func(*args, **kwargs)
+        out = self._call(func, args, kwargs)
         if self.isolator is not None and self.running and not self._busy:
             self.isolator.propagate(args, kwargs, out)
         return out
@@ -386,7 +405,7 @@ class CaptureSession:
                 call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
             finally:
                 self._busy = False
-        out = orig = func(*args, **kwargs)
+        out = orig = self._call(func, args, kwargs)
         for f in fwd_faults:
             out = self.fault_log.apply(f, out, n)
         self.api_counts[key] = n + 1
