@@ -310,8 +310,14 @@ class Isolator:
             self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
                                               f"{self.bench_device}: {type(exc).__name__}")
             return None, args, kwargs
-        call.inputs = (tuple(args), dict(kw))
-        call.versions = tuple(t._version for t in _tensors(args) + _tensors(kw))
+        kept = tuple(args)
+        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
+                kept[0].is_floating_point():
+            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
+            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
+            kept = (kept[0].detach().clone(), *kept[1:])
+        call.inputs = (kept, dict(kw))
+        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
         if want_grad:
             args, kwargs = self._tap(call, bwd_name, args, kwargs)
         return call, args, kwargs
@@ -437,7 +443,7 @@ class Isolator:
         cache: list = []
 
         def budget(i: int):
-            if not self.budget_draws or call.inputs is None or is_inplace(call.short):
+            if not self.budget_draws or call.inputs is None:
                 return None
             if not cache:
                 try:

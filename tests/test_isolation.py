@@ -236,3 +236,42 @@ def test_training_mode_with_dropout_passes(tmp_path, level):
         assert records["Functional.dropout.0.forward"]["standard"] == "dropout"
     else:
         assert "random" in records["Module.transformer.drop.Dropout.forward.0"]["message"]
+
+
+def _tiny_cnn(scale):
+    """An eval-mode CNN (conv, BatchNorm, SiLU, twice, then a spatial mean) whose activations are of size
+    ``scale`` x 1e-3: its outputs are "small values" for msprobe's absolute rule at any ``scale`` below 1."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            x = F.silu(self.b1(self.c1(x)))
+            return F.silu(self.b2(self.c2(x))).mean((2, 3))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        for conv in (net.c1, net.c2):
+            conv.weight.mul_(0.01)
+            conv.bias.mul_(1e-9)
+    return net, (torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)) * scale,), None
+
+
+@pytest.mark.parametrize("kernel", ["device", "rounded"])
+def test_tensors_of_tiny_scale_are_judged_at_their_own_scale(tmp_path, kernel):
+    """Activations of about 1e-10: 2% faults on conv2d, batch_norm and silu outputs are named in bf16 (all three
+    were "small values" under msprobe's absolute rule and passed); benign runs pass, fp16 ones at scale 1 too,
+    where the spatial mean rounds into fp16's subnormal range."""
+    for dtype, scale in (("bf16", 1e-7), ("fp16", 1.0)):
+        report, _ = _check(tmp_path / f"benign-{dtype}", _tiny_cnn(scale), dtype, kernel=kernel)
+        assert not _api_errors(report), (dtype, _api_errors(report))
+    for api, call in (("Functional.conv2d", 1), ("Functional.batch_norm", 0), ("Functional.silu", 1)):
+        report, _ = _check(tmp_path / f"{api}-{call}", _tiny_cnn(1e-7), "bf16", kernel=kernel,
+                           faults=(Fault(api, call, "forward", "scale", 1.02),))
+        assert _api_errors(report) == [f"{api}.{call}.forward"], _api_errors(report)

@@ -212,3 +212,16 @@ def test_no_fallback_without_float64_and_one_line_where_none_runs():
     msg = str(exc.value)
     assert "\n" not in msg and msg.startswith("broken runs neither in float64 (no kernel) nor in float32 (no kernel)")
     assert "--msprobe-bench-dtype" in msg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("size", [1e-11, 1e-6, 1.0])
+def test_small_values_are_judged_at_the_tensors_own_scale(dtype, size):
+    """A tensor of 1e-11 numbers is not all "small values": a 2% fault fails at any scale, for the benchmark,
+    absolute-threshold and thousandth standards, while a correctly rounded target passes."""
+    o = (torch.rand(64, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + 0.1) * size
+    bench = o.to(dtype)
+    for api in ("silu", "__mul__", "conv2d"):
+        assert judge_pair(api, o.to(dtype), bench, o).status == "pass"
+        assert judge_pair(api, (o * 1.02).to(dtype), bench, o).status == "error", (api, size)
+

@@ -80,6 +80,19 @@ def test_benign_loops_pass_and_a_step_2_fault_is_named(pytester, kernel, dtype):
                for r in results)
 
 
+def test_a_fault_in_adamws_second_moment_is_named(pytester):
+    """AdamW's second moment (``exp_avg_sq``, values about 1e-9 after one step) is judged at its own scale: a 5%
+    fault in its update (``Tensor.addcmul_``, call 3) at step 1 is named there, in bf16 (it passed as "small
+    values" under msprobe's absolute rule)."""
+    pytester.makepyfile(test_train=TRAIN)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Tensor.addcmul_, call: 3, perturb: scale, value: 1.05, "
+                                      "step: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "-k", "test_train_with")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Tensor.addcmul_.3.forward*"])
+
+
 SAMPLED = TRAIN.split("def test_train(")[0] + """
 PROMPT = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(5))
 

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from ..checkers import CheckResult, make_standard, standard_for, worst
+from ..checkers.common import dtype_thresholds
+from ..dtypes import checker_key
 from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
@@ -244,6 +246,18 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
             t, b, oracle = (x.detach().to(torch.float64) / scale for x in (t, b, oracle))
             terms = terms / scale if terms is not None else None
             unit = scale
+    if not backward and oracle is not None and t.is_floating_point() and b.is_floating_point() and \
+            std_name in ("benchmark", "absolute_threshold", "thousandth"):
+        # msprobe's small-value rule (|value| under a fixed threshold: absolute error) was made for O(1) outputs:
+        # a tensor of 1e-9 numbers (AdamW's second moment, eval-mode activations of a deep CNN) would be all "small"
+        # and pass a 5% fault. Below scale 1 the rule is applied in units of the tensor's own scale (the largest
+        # finite |oracle|, rounded down to a power of two so every value keeps its mantissa), never finer than the
+        # dtype's smallest normal number: fp16 subnormals are still judged by absolute error
+        down = _own_scale(oracle, t.dtype)
+        if down < 1.0:
+            t, b, oracle = (x.detach().to(torch.float64) / down for x in (t, b, oracle))
+            terms = terms / down if terms is not None else None
+            unit = down
     if std_name == "accumulative" and not backward and isinstance(scale, torch.Tensor) and \
             scale.shape == t.shape and t.is_floating_point() and b.is_floating_point():
         # msprobe's accumulative standard judges |values| <= 1 by absolute error, as if the summed terms were of
@@ -251,6 +265,10 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # terms' own magnitude the same test holds for any scale, and a cancelling sum is still judged at its terms
         s64 = scale.detach().to(torch.float64)
         s64 = torch.where(s64 > 0, s64, torch.ones_like(s64))
+        # never finer than the dtype can hold: a result rounded into fp16's subnormal range errs by up to half of
+        # its smallest subnormal (3e-8) whatever the terms, which is within the bound in units of at least this
+        bound = dtype_thresholds(checker_key(t.dtype))["accumulative_bound"]
+        s64 = s64.clamp(min=torch.finfo(t.dtype).smallest_normal * 2.0 ** -_MANTISSA.get(t.dtype, 52) / bound)
         t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
         oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
     # NaN/Inf outputs (an overflowing fp16 optimizer step) are counted by the standards through their masks;
@@ -270,6 +288,22 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
                     res = std(t, b, oracle, scale=s / unit)
             return res
         return std(t, b, oracle)
+
+
+_MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
+
+
+def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
+    """The power of two at or under the largest finite ``|oracle|``, at least the dtype's smallest normal number
+    over its ``small_value`` threshold (so the scaled small-value band never reaches into subnormals); 1.0 for a
+    tensor of scale 1 or more, an empty one, or one of zeros."""
+    mag = torch.nan_to_num(oracle.detach().abs(), nan=0.0, posinf=0.0)
+    top = float(mag.amax()) if mag.numel() else 0.0
+    if not 0.0 < top < 1.0:
+        return 1.0
+    small = dtype_thresholds(checker_key(dtype))["small_value"]
+    lowest = torch.finfo(dtype).tiny / small if dtype.is_floating_point else 0.0
+    return min(1.0, 2.0 ** math.floor(math.log2(max(top, lowest))))
 
 
 def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
