@@ -31,8 +31,10 @@ class PrecisionDebugger:
         level: overrides ``level`` (``L0``, ``L1``, ``mix``).
         step: overrides ``step`` (list of ints / ``"a-b"`` ranges).
         isolate: also judge every captured API call on its own inputs while the model runs (not in msprobe;
-            default ``False``): ``isolation.json`` is written beside each ``dump.json``, and ``msprobe-ci compare``
-            of this dump against a bench dump uses those verdicts (:mod:`msprobe_ci.isolate`).
+            default ``True``, ``False`` to capture only): ``isolation.json`` is written beside each ``dump.json``,
+            and ``msprobe-ci compare`` or ``msprobe.compare_dumps`` of this dump against a bench dump uses those
+            verdicts (:mod:`msprobe_ci.isolate`) instead of inferring them from drift. It costs what the gate's
+            isolation costs (README, "Cost").
         bench_kernel: with ``isolate``, the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`;
             default ``device``: the API on the CPU in the model's dtypes).
 
@@ -43,7 +45,7 @@ class PrecisionDebugger:
 
     def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
                  dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None,
-                 isolate: bool = False, bench_kernel: str = "device"):
+                 isolate: bool = True, bench_kernel: str = "device"):
         from .capture import CaptureSession
 
         self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)

@@ -88,3 +88,35 @@ def test_api_check_cli_that_judges_nothing_fails(fixtures_dir, tmp_path):
              "-o", str(tmp_path))
     assert r.returncode == 1
     assert "api-check judged nothing" in r.stderr and "--live" in r.stderr
+
+
+def test_precision_debugger_dumps_compare_with_isolated_verdicts_by_default(tmp_path):
+    """One import changed in a training script: ``msprobe_ci.PrecisionDebugger`` isolates while it captures
+    (``isolation.json`` beside ``dump.json`` by default), so ``msprobe-ci compare`` of a benign bf16 target dump
+    against its fp32 bench dump passes on isolated verdicts, not on the drift rule."""
+    import copy
+
+    import torch
+
+    from msprobe_ci import PrecisionDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 32)
+    folders = {}
+    for side, dtype in (("bench", torch.float32), ("target", torch.bfloat16)):
+        m = copy.deepcopy(model).to(dtype)
+        dbg = PrecisionDebugger(dump_path=str(tmp_path / side), level="mix")
+        dbg.start(m)
+        m(x.to(dtype)).float().sum().backward()
+        dbg.stop()
+        folders[side] = str(tmp_path / side / "step0" / "rank")
+        assert os.path.isfile(os.path.join(folders[side], "isolation.json"))
+    r = _run("compare", "-tp", folders["target"], "-gp", folders["bench"], "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "isolated verdicts" in r.stdout
+    off = PrecisionDebugger(dump_path=str(tmp_path / "off"), level="L1", isolate=False)
+    off.start()
+    model(x).sum()
+    off.stop()
+    assert not os.path.exists(tmp_path / "off" / "step0" / "rank" / "isolation.json")
