@@ -252,7 +252,7 @@ def _compare(args) -> int:
     from .compare import compare_dumps
     from .dump.reader import load_dump
 
-    from .compare.isolated import apply_isolation, load_isolation
+    from .compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay_isolation
 
     from .compare.ranks import first_divergence_across_ranks
 
@@ -272,6 +272,8 @@ def _compare(args) -> int:
         target, bench = load_dump(t), load_dump(g)
         report = compare_dumps(target, bench, fuzzy=args.fuzzy_match, mappings=mappings)
         records = load_isolation(target.folder)
+        if records is None and is_tensor_dump(target):  # made elsewhere: its calls replayed on their own inputs
+            records = replay_isolation(target)
         if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
             apply_isolation(report, records, target.construct, bench_stack=bench.stack)
         path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
@@ -316,11 +318,15 @@ def _compare_merged(args, parallel) -> int:
 def _stream(pair, args) -> int | None:
     """One pair of PyTorch dumps (files or rank folders, as ``_pairs`` gives them): the streaming compare, memory
     bounded by the unmatched window; ``None`` when the in-memory compare must run (MindSpore, NaN tokens,
-    isolation records of an msprobe-ci capture)."""
+    isolation records of an msprobe-ci capture, a tensor dump whose calls are replayed)."""
     from .compare.stream import NotStreamable, stream_compare
 
     t, g, rank, _ = pair
-    if os.path.isfile(os.path.join(os.path.dirname(t) if os.path.isfile(t) else t, "isolation.json")):
+    folder = os.path.dirname(t) if os.path.isfile(t) else t
+    if os.path.isfile(os.path.join(folder, "isolation.json")):
+        return None
+    tensors = os.path.join(folder, "dump_tensor_data")
+    if os.path.isdir(tensors) and any(os.scandir(tensors)):  # judged by its calls replayed, not by drift
         return None
     try:
         r = stream_compare(t, g, args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")

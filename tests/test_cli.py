@@ -120,3 +120,25 @@ def test_precision_debugger_dumps_compare_with_isolated_verdicts_by_default(tmp_
     model(x).sum()
     off.stop()
     assert not os.path.exists(tmp_path / "off" / "step0" / "rank" / "isolation.json")
+
+
+def test_tensor_dumps_made_elsewhere_are_judged_by_their_calls_replayed(fixtures_dir, tmp_path):
+    """msprobe's own tensor dumps (no isolation.json): every dumped API call replayed on its dumped inputs is
+    the verdict. The benign bf16 dump passes; a 2% error written into one call's output is named at that call
+    (the calls after it read their own dumped inputs, so nothing downstream is blamed)."""
+    import shutil
+
+    import torch
+
+    bench = os.path.join(fixtures_dir, "fp32_tensor", "step0", "proc0")
+    r = _run("compare", "-tp", os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"), "-gp", bench,
+             "-o", str(tmp_path / "benign"))
+    assert r.returncode == 0 and "isolated verdicts" in r.stdout, r.stdout + r.stderr
+    target = tmp_path / "bf16"
+    shutil.copytree(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"), target)
+    pt = target / "dump_tensor_data" / "Functional.layer_norm.0.forward.output.0.pt"
+    t = torch.load(pt, weights_only=True)
+    torch.save((t.float() * 1.02).to(t.dtype), pt)
+    r = _run("compare", "-tp", str(target), "-gp", bench, "-o", str(tmp_path / "fault"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "first divergence: Functional.layer_norm.0.forward" in r.stdout and "replayed" in r.stdout

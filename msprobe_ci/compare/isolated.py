@@ -57,6 +57,52 @@ def load_isolation(folder: str) -> dict | None:
     return nodes
 
 
+def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict]:
+    """Isolation records for a tensor dump made without them (msprobe's own, another runner's): every dumped API
+    call, forward and backward, replayed on CPU on its dumped inputs against the oracle and judged by its own
+    standard (:class:`~msprobe_ci.replay.ApiReplayer`, the per-API pre-check); the verdict of each is its record,
+    as a live capture's would be. A call that cannot be replayed (no such API here, a communication op, a
+    missing tensor file) is a skip with its reason.
+
+    Args:
+        target: the target :class:`~msprobe_ci.dump.reader.Dump` (task ``tensor``).
+        bench_kernel: the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`).
+
+    Returns:
+        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record.
+    """
+    from ..isolate import _num, headline
+    from ..replay import ApiReplayer
+
+    replayer = ApiReplayer(target, bench_kernel=bench_kernel)
+    records: dict[str, dict] = {}
+    for name in replayer.api_names():
+        res = replayer.check(name)
+        rec: dict[str, Any] = {"status": res.status, "replayed": True}
+        bad = next(((row, r) for row, r in res.outputs if r.status == res.status), None)
+        if res.status == "skip" or bad is None:
+            rec["message"] = res.reason or res.message
+        else:
+            row, r = bad
+            metric, value, threshold = headline(r)
+            rec.update(standard=r.standard, metric=metric, value=_num(value), threshold=_num(threshold), row=row,
+                       message=f"{r.standard} {r.status}: {r.message} (replayed from the tensor dump)",
+                       metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
+        records[name] = rec
+    return records
+
+
+def is_tensor_dump(dump) -> bool:
+    """Whether a dump holds tensor files (task ``tensor``): some entry names a ``data_name``."""
+    def has(value, depth=0):
+        if isinstance(value, dict):
+            return "data_name" in value or (depth < 6 and any(has(v, depth + 1) for v in value.values()))
+        if isinstance(value, list) and depth < 6:
+            return any(has(v, depth + 1) for v in value)
+        return False
+    return any(has(entry) for entry in dump.data.values())
+
+
 def _finfo_constants() -> set[float]:
     if not _FINFO_CONSTANTS:
         import torch
