@@ -57,7 +57,7 @@ def load_isolation(folder: str) -> dict | None:
     return nodes
 
 
-def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict]:
+def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict] | None:
     """Isolation records for a tensor dump made without them (msprobe's own, another runner's): every dumped API
     call, forward and backward, replayed on CPU on its dumped inputs against the oracle and judged by its own
     standard (:class:`~msprobe_ci.replay.ApiReplayer`, the per-API pre-check); the verdict of each is its record,
@@ -69,11 +69,15 @@ def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict]:
         bench_kernel: the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`).
 
     Returns:
-        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record.
+        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record; ``None`` where
+        nothing could be judged (a MindSpore dump: no MindSpore here), so the drift rule decides rather than
+        every node passing as "not isolated".
     """
     from ..isolate import _num, headline
     from ..replay import ApiReplayer
 
+    if getattr(target, "framework", "pytorch") != "pytorch":
+        return None
     replayer = ApiReplayer(target, bench_kernel=bench_kernel)
     records: dict[str, dict] = {}
     for name in replayer.api_names():
@@ -89,7 +93,7 @@ def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict]:
                        message=f"{r.standard} {r.status}: {r.message} (replayed from the tensor dump)",
                        metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
         records[name] = rec
-    return records
+    return records if any(r["status"] != "skip" for r in records.values()) else None
 
 
 def is_tensor_dump(dump) -> bool:
