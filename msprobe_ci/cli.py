@@ -337,7 +337,9 @@ def _stream(pair, args) -> int | None:
 
 
 def _summary_line(path: str, nodes: int, c: dict, first, isolated: bool) -> str:
-    how = "isolated verdicts" if isolated else "drift rule; later errors on diverged inputs are reported as propagated"
+    how = "isolated verdicts" if isolated else (
+        "drift rule: verdicts inferred from drift, later errors on diverged inputs reported as propagated; for "
+        "isolated ones dump the target with msprobe_ci.PrecisionDebugger, or with task tensor")
     return (f"{path}: {nodes} nodes, pass {c['pass']}, warning {c['warning']}, error {c['error']}, unmatched "
             f"{c['unmatched']} ({how}); first divergence: {first.message if first is not None else 'none'}")
 
