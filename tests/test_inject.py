@@ -75,3 +75,18 @@ def test_a_plugin_check_whose_fault_changes_nothing_fails_saying_so(pytester):
     result.stdout.fnmatch_lines([
         "*noop.yaml: fault Functional.layer_norm call 0 (forward) fired but changed no value: scale 1 is below the "
         "resolution of torch.float32*a fault that never fires or changes no value proves nothing about the gate*"])
+
+
+def test_noise_faults_draw_the_same_noise_in_every_process():
+    """A fault file reproduces: the noise of a ``noise`` fault does not depend on the process's string-hash
+    salt (PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from msprobe_ci.capture.inject import Fault; "
+            "f = Fault('Functional.linear', 0, 'forward', 'noise', 0.02); "
+            "print(float(f.apply(torch.ones(64), 0).sum()))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
+    assert len(outs) == 1, outs

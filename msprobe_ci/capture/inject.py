@@ -23,6 +23,7 @@ anything about the gate (:class:`FaultLog`).
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -67,7 +68,9 @@ class Fault:
                 delta = (base + self.value) - base
             else:
                 gen = torch.Generator(device=value.device)
-                gen.manual_seed((hash(self.api) & 0xFFFF) * 1000 + call)
+                # zlib.crc32, not hash(): str hashes are salted per process, which made the same fault file
+                # draw other noise in every run
+                gen.manual_seed((zlib.crc32(self.api.encode()) & 0xFFFF) * 1000 + call)
                 noise = torch.randn(value.shape, generator=gen, device=value.device, dtype=torch.float32)
                 delta = (self.value * base.abs().float() * noise).to(value.dtype)
             # delta comes from a detached copy: the values change, the op's own gradient does not (a forward-kernel
