@@ -37,6 +37,9 @@ class PrecisionDebugger:
             isolation costs (README, "Cost").
         bench_kernel: with ``isolate``, the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`;
             default ``device``: the API on the CPU in the model's dtypes).
+        inject: faults to inject into the captured run (not in msprobe): a fault YAML file
+            (:func:`~msprobe_ci.capture.inject.load_faults`) or :class:`~msprobe_ci.capture.inject.Fault` objects,
+            to prove that a gate on these dumps names a known fault; default none.
 
     Raises:
         MsprobeError: invalid configuration (one line naming the field), or at ``start()`` a dump folder that
@@ -45,8 +48,9 @@ class PrecisionDebugger:
 
     def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
                  dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None,
-                 isolate: bool = True, bench_kernel: str = "device"):
+                 isolate: bool = True, bench_kernel: str = "device", inject: Any = None):
         from .capture import CaptureSession
+        from .capture.inject import load_faults
 
         self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)
         isolator = None
@@ -54,7 +58,13 @@ class PrecisionDebugger:
             from .isolate import Isolator
 
             isolator = Isolator(bench_kernel=bench_kernel)
-        self.session = CaptureSession(self.config, isolator=isolator)
+        if inject is None:
+            faults: tuple = ()
+        elif isinstance(inject, (str, os.PathLike)):
+            faults = load_faults(inject)
+        else:
+            faults = tuple(inject)
+        self.session = CaptureSession(self.config, faults=faults, isolator=isolator)
 
     def start(self, model: Any = None, token_range: Any = None) -> None:
         """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix.

@@ -48,6 +48,7 @@ import torch
 from . import kernels
 from .kernels import cast as _cast
 from .kernels import tensors_of as _tensors
+from .replay.runner import judged_as
 from .replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
 
 _UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
@@ -181,6 +182,7 @@ class Isolator:
         self._clock: dict[str, float] = {}  # node -> perf_counter() when its isolation began
         self._produced: dict[int, weakref.ref] = {}
         self._sources: dict[int, tuple[weakref.ref, str]] = {}
+        self.faults_at_tap.clear()
 
     # ------------------------------------------------------------------ provenance
     def _seen(self, table: dict, t: torch.Tensor):
@@ -276,7 +278,7 @@ class Isolator:
             self.skip(bwd_name, reason)
             self.results[name]["sources"] = fwd_sources
             return None, args, kwargs
-        call = _Call(name, short, func=func)
+        call = _Call(name, judged_as(short, args, kwargs, self.standards), func=func)
         self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
         if short in _DROPOUT:
             p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
@@ -713,7 +715,7 @@ class Isolator:
     def _tap_hook(self, call: _Call, name: str):
         def prehook(grad_outputs):
             self._clock[name] = time.perf_counter()
-            faults = self.faults_at_tap.get(name, [])
+            faults = self.faults_at_tap.pop(name, [])  # once: the same name at a later step is another call
             grads = tuple(grad_outputs)
             new = None
             if faults:  # the injector stands for a faulty backward kernel: it writes the gradients the API hands on
