@@ -439,9 +439,10 @@ class Isolator:
         return call.inputs is not None and \
             tuple(t._version for t in _tensors(call.inputs[0]) + _tensors(call.inputs[1])) == call.versions
 
-    def _forward_budget(self, call: _Call, stem: str, n: int):
-        """``budget(i)``: the error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), computed
-        on first use, once per call: only a benchmark-standard row that is not bit-identical to its bench asks."""
+    def _lazy_budget(self, call: _Call, n: int, compute):
+        """``budget(i)``: row ``i`` of ``compute()`` (a list of error scales), computed on first use, once per
+        call, while the call's inputs are unchanged; ``None`` rows where it cannot be (no budget: relative to
+        ``|oracle|`` alone, msprobe's own rule)."""
         cache: list = []
 
         def budget(i: int):
@@ -451,13 +452,18 @@ class Isolator:
                 try:
                     if not self._unchanged(call):
                         raise RuntimeError("inputs written since the call")
-                    cache.extend(kernels.forward_scale(call.func, call.inputs[0], call.inputs[1],
-                                                       lambda v: [x for _, x in _flat_outputs(v, stem)],
-                                                       self.budget_draws, base=call.oracle_out))
-                except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone, msprobe's own rule
+                    cache.extend(compute())
+                except Exception:  # noqa: BLE001 - no budget for this call
                     cache.extend([None] * n)
             return cache[i] if i < len(cache) else None
         return budget
+
+    def _forward_budget(self, call: _Call, stem: str, n: int):
+        """The error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), lazily
+        (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
+        return self._lazy_budget(call, n, lambda: kernels.forward_scale(
+            call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
+            self.budget_draws, base=call.oracle_out))
 
     def _with_floor(self, call: _Call, res, t, b, o):
         from .replay.runner import accumulation_floor, judge_pair
@@ -485,10 +491,7 @@ class Isolator:
             rec["message"] = "no output judged"
         else:
             row, r = bad
-            metric, value, threshold = headline(r)
-            rec.update(standard=r.standard, metric=metric, value=_num(value), threshold=_num(threshold), row=row,
-                       message=f"{r.standard} {r.status}: {r.message}",
-                       metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
+            rec.update(verdict_fields(row, r))
             ref = (refs or {}).get(row)
             if status == "error" and isinstance(ref, torch.Tensor) and ref.numel() and ref.is_floating_point():
                 mag = float(torch.nan_to_num(ref.detach().abs(), nan=0.0, posinf=0.0).amax())
@@ -771,23 +774,10 @@ class Isolator:
             self._store(name, results, refs)
 
     def _backward_budget(self, call: _Call, n: int, oracle: list):
-        """``budget(i)``: the error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`),
-        computed on first use, once per call (from the oracle's gradients where they are fp64)."""
-        cache: list = []
-
-        def budget(i: int):
-            if not self.budget_draws or call.inputs is None:
-                return None
-            if not cache:
-                try:
-                    if not self._unchanged(call):
-                        raise RuntimeError("inputs written since the call")
-                    cache.extend(kernels.backward_scale(call.func, call.inputs[0], call.inputs[1], call.grad_out,
-                                                        self.budget_draws, base=oracle))
-                except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
-                    cache.extend([None] * n)
-            return cache[i] if i < len(cache) else None
-        return budget
+        """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
+        (:meth:`_lazy_budget`; from the oracle's gradients where they are fp64)."""
+        return self._lazy_budget(call, n, lambda: kernels.backward_scale(
+            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.budget_draws, base=oracle))
 
     # ------------------------------------------------------------------ output
     def as_json(self) -> dict:
@@ -832,6 +822,15 @@ def _cpu(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().cpu() if v.device.type != "cpu" else v.detach()
     return v
+
+
+def verdict_fields(row: str, result, note: str = "") -> dict[str, Any]:
+    """The fields of an isolation record that say a row's verdict: standard, headline metric, value, threshold,
+    row, message (``note`` appended) and every metric (non-finite numbers as strings, for JSON)."""
+    metric, value, threshold = headline(result)
+    return {"standard": result.standard, "metric": metric, "value": _num(value), "threshold": _num(threshold),
+            "row": row, "message": f"{result.standard} {result.status}: {result.message}{note}",
+            "metrics": {k: _num(v) for k, v in (result.metrics or {}).items()}}
 
 
 def _num(x: Any) -> Any:

@@ -73,7 +73,7 @@ def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict] | 
         nothing could be judged (a MindSpore dump: no MindSpore here), so the drift rule decides rather than
         every node passing as "not isolated".
     """
-    from ..isolate import _num, headline
+    from ..isolate import verdict_fields
     from ..replay import ApiReplayer
 
     if getattr(target, "framework", "pytorch") != "pytorch":
@@ -87,11 +87,7 @@ def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict] | 
         if res.status == "skip" or bad is None:
             rec["message"] = res.reason or res.message
         else:
-            row, r = bad
-            metric, value, threshold = headline(r)
-            rec.update(standard=r.standard, metric=metric, value=_num(value), threshold=_num(threshold), row=row,
-                       message=f"{r.standard} {r.status}: {r.message} (replayed from the tensor dump)",
-                       metrics={k: _num(v) for k, v in (r.metrics or {}).items()})
+            rec.update(verdict_fields(*bad, note=" (replayed from the tensor dump)"))
         records[name] = rec
     return records if any(r["status"] != "skip" for r in records.values()) else None
 
