@@ -1,0 +1,107 @@
+"""Stock transformers architectures no gate table tunes to (OPT, BLOOM, Falcon, GPT-Neo, StableLM, Mixtral,
+DistilBERT, ViT), isolated gate per bench kernel: benign bf16/fp16 runs against an fp32 bench, and the first four
+faults ``gate_quality.py`` would pick for each run, each expected to be named exactly.
+
+    python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
+                                              [--dtypes bf16,fp16]
+
+Prints one line per kernel, model, dtype and seed (7, 8): the API and module testcases failing in the benign run
+(the first two), failing model-level testcases, and how many faults were named exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gate_quality as gq  # noqa: E402
+
+warnings.filterwarnings("ignore")
+MODELS = ("opt", "bloom", "falcon", "gpt_neo", "stablelm", "mixtral", "distilbert", "vit")
+
+
+def ids(seed: int, n: int = 16) -> torch.Tensor:
+    return torch.randint(3, 256, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def build(kind: str, seed: int):
+    """``(model, inputs, loss_fn)`` of a stock config, 2 layers, hidden 64 (no weights downloaded)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    small = dict(vocab_size=256, max_position_embeddings=64)
+    decoder = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if kind == "opt":
+        cfg = transformers.OPTConfig(**decoder, **small, ffn_dim=128, word_embed_proj_dim=64)
+    elif kind == "bloom":
+        cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256)
+    elif kind == "falcon":
+        cfg = transformers.FalconConfig(**decoder, vocab_size=256)
+    elif kind == "gpt_neo":
+        cfg = transformers.GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, **small,
+                                        attention_types=[[["global", "local"], 1]])
+    elif kind == "stablelm":
+        cfg = transformers.StableLmConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2)
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2,
+                                         num_local_experts=4, num_experts_per_tok=2)
+    elif kind == "distilbert":
+        cfg = transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0,
+                                            attention_dropout=0.0, **small)
+        x = ids(seed)
+        return transformers.DistilBertForMaskedLM(cfg).eval(), ({"input_ids": x, "labels": x},), lambda o: o.loss
+    elif kind == "vit":
+        cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                     image_size=32, patch_size=8, num_labels=3)
+        px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        return (transformers.ViTForImageClassification(cfg).eval(),
+                ({"pixel_values": px, "labels": torch.tensor([0, 2])},), lambda o: o.loss)
+    else:
+        raise SystemExit(f"unknown model {kind!r}; known: {', '.join(MODELS)}")
+    cfg._attn_implementation = "eager"
+    x = ids(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval(), ({"input_ids": x, "labels": x},), \
+        lambda o: o.loss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--kernels", default="upcast,rounded,decomposed")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for kernel in args.kernels.split(","):
+        gq.ISOLATOR.update(bench_kernel=kernel)
+        for kind in args.models.split(","):
+            for dname in args.dtypes.split(","):
+                bench_dtype, target_dtype, scales = gq.DTYPES[dname]
+                for seed in (7, 8):
+                    model, inputs, loss_fn = build(kind, seed)
+                    report, cases, tdump, _, _ = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype, ())
+                    errors = [n.name for n in report.nodes if n.status == "error"]
+                    bad = [c["name"] for c in cases if c["status"] == "error"]
+                    exact = total = 0
+                    misses = []
+                    for node, fault in gq._pick_faults(tdump.data, scales, seed)[:4]:
+                        rep, _, _, _, unapplied = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype,
+                                                          (fault,))
+                        if unapplied:
+                            continue
+                        total += 1
+                        first = rep.first_divergence
+                        if first is not None and first.name == node:
+                            exact += 1
+                        else:
+                            misses.append((node, first.name if first else None))
+                    print(f"{kernel:<10} {kind:<10} {dname} seed {seed}: benign errors {errors[:2]} {bad}  "
+                          f"faults exact {exact}/{total} {misses[:2]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
