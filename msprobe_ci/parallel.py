@@ -75,11 +75,27 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
             if run.unapplied:
                 with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
                     fh.write("\n".join(run.unapplied))
+            if run.notes:
+                with open(os.path.join(job.out, f"notes.{side}.rank{rank}.txt"), "w", encoding="utf-8") as fh:
+                    fh.write("\n".join(run.notes))
         # no rank leaves while a peer still works: a rank whose peer closed its gloo connections mid-run aborts
         # (gloo's IoException "Connection closed by peer" is thrown in its I/O thread: SIGABRT)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def rank_notes(out: str, rank: int) -> tuple[str, ...]:
+    """The report lines a rank's bench and target runs left in ``out`` (``notes.<side>.rank<R>.txt``: how a side
+    ran, e.g. an API without a float64 kernel run in float32), bench first."""
+    lines: list[str] = []
+    for side in ("bench", "target"):
+        try:
+            with open(os.path.join(out, f"notes.{side}.rank{rank}.txt"), encoding="utf-8") as fh:
+                lines += [ln for ln in fh.read().splitlines() if ln]
+        except OSError:
+            continue
+    return tuple(lines)
 
 
 def _log_to(path: str) -> None:
@@ -144,7 +160,8 @@ def run_ranks(job: RankJob, world: int, timeout: float) -> None:
 
 
 def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=None, *, isolate: bool = True,
-                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0, mappings=None) -> list:
+                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0, mappings=None,
+                    notes: tuple = ()) -> list:
     """Judge a multi-rank target against a differently partitioned bench: merge each side's TP/PP ranks into one
     model per data-parallel group (:mod:`msprobe_ci.compare.merge`), compare the merged dumps, and apply the
     target ranks' isolation records under their merged names (a node judged on several ranks keeps the worst
@@ -155,6 +172,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
         out_dir: where the compare CSVs go (``compare_result_step<S>_group<i>_<ts>.csv``).
         par_t, par_b: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
         mappings: ``-lm``/``-cm`` module renames between suites (:class:`~msprobe_ci.compare.crossframe.Mappings`).
+        notes: report lines of the runs (:func:`rank_notes`), added to every group's outcome.
 
     Returns:
         ``[(step, group index, Merged target, CheckOutcome)]``.
@@ -180,8 +198,8 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
                                 cast_roundoff=cast_roundoff, bench_stack=b.dump.stack)
         csv_path = report.write_csv(out_dir, prefix=f"compare_result_step{step}_group{i}")
         overflow = new_overflows(check_overflow(t.dump), check_overflow(b.dump))
-        notes = (f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}",)
-        out.append((step, i, t, CheckOutcome(report, t.dump, b.dump, csv_path, None, (), overflow, (), notes)))
+        merged = (f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes)
+        out.append((step, i, t, CheckOutcome(report, t.dump, b.dump, csv_path, None, (), overflow, (), merged)))
     return out
 
 

@@ -431,7 +431,7 @@ class MsprobeFixture:
         from ..compare.ranks import first_divergence_across_ranks
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
-        from ..parallel import RankJob, free_port, run_ranks, unapplied_faults_on_ranks
+        from ..parallel import RankJob, free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
 
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise pytest.fail.Exception(f"msprobe: check_parallel: world_size: expected a positive int, got "
@@ -461,8 +461,9 @@ class MsprobeFixture:
             run_ranks(job, world_size, float(timeout))
             for rank in range(world_size):
                 folder = {side: os.path.join(check_dir, side, "step0", f"rank{rank}") for side in ("bench", "target")}
-                outcomes[rank] = evaluate(folder["bench"], SideRun(folder["target"]), os.path.join(check_dir,
-                                          f"rank{rank}"), level=level, isolate=job.isolate,
+                target_run = SideRun(folder["target"], notes=rank_notes(check_dir, rank))
+                outcomes[rank] = evaluate(folder["bench"], target_run, os.path.join(check_dir, f"rank{rank}"),
+                                          level=level, isolate=job.isolate,
                                           api_standards=st["api_standards"], api_thresholds=st["api_thresholds"],
                                           bench_kernel=job.bench_kernel)
             graph = None
@@ -508,7 +509,8 @@ class MsprobeFixture:
         from ..compare.verdict import unit_roundoff
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
-        from ..parallel import evaluate_merged, free_port, merged_where, run_ranks, unapplied_faults_on_ranks
+        from ..parallel import (evaluate_merged, free_port, merged_where, rank_notes, run_ranks,
+                                unapplied_faults_on_ranks)
 
         check_dir, st = c.dir, c.st
         try:
@@ -530,7 +532,9 @@ class MsprobeFixture:
             results = evaluate_merged(os.path.join(check_dir, "target", "step0"),
                                       os.path.join(check_dir, "bench", "step0"), check_dir, par[0], par[1],
                                       isolate=job.isolate,
-                                      cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)))
+                                      cast_roundoff=unit_roundoff(str(c.target.dtype), str(c.bench.dtype)),
+                                      notes=tuple(dict.fromkeys(n for r in range(max(world, bench_world))
+                                                                for n in rank_notes(check_dir, r))))
             graph = None
             if not self.session.no_graph:
                 graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),

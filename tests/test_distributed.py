@@ -538,3 +538,46 @@ def test_sequence_parallel_reduce_scatter_merges_against_one_rank(tmp_path):
     ln = rows["Functional.layer_norm.0.forward.output.0"]  # sequence shards
     assert ln["NPU Tensor Shape"] == ln["Bench Tensor Shape"] == "[8, 16]"
     assert abs(float(ln["NPU l2norm"]) - float(ln["Bench l2norm"])) < 1e-5 * float(ln["Bench l2norm"])
+
+
+GROUPED = '''
+import torch
+import torch.distributed as dist
+
+
+class Experts(torch.nn.Module):
+    """Two experts as one grouped GEMM (as transformers' MoE layers call it), summed over ranks."""
+
+    def __init__(self, rank, world):
+        super().__init__()
+        g = torch.Generator().manual_seed(rank)
+        self.w = torch.nn.Parameter(torch.randn(2, 16, 8, generator=g) * 0.1)
+
+    def forward(self, x):
+        y = torch._grouped_mm(x, self.w, offs=torch.tensor([2, 4], dtype=torch.int32))
+        dist.all_reduce(y)
+        return y
+
+
+def build(rank, world):
+    return Experts(rank, world)
+
+
+def loss(out):
+    return out.float().pow(2).mean()
+
+
+def test_experts(msprobe):
+    msprobe.check_parallel(build, torch.randn(4, 16, generator=torch.Generator().manual_seed(1)), world_size=2,
+                           loss_fn=loss)
+'''
+
+
+def test_check_parallel_says_when_the_bench_ran_an_api_below_its_dtype(pytester):
+    """An fp64 bench of a grouped GEMM (no float64 kernel): every rank runs it in float32, the check passes and
+    its report says so."""
+    pytester.makepyfile(test_grouped=GROUPED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-bench-dtype=fp64",
+                                           "--msprobe-target-dtype=fp32")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*note: cpu/fp64: torch._grouped_mm has no float64 kernel: it ran in float32*"])
