@@ -100,10 +100,12 @@ def precision_notes(capture, backend) -> tuple[str, ...]:
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
-          cast_roundoff: float = 0.0, mappings=None, source_factor: float = 4.0, bench_kernel: str = "device"):
+          cast_roundoff: float = 0.0, mappings=None, source_factor: float = 4.0, bench_kernel: str = "device",
+          api_standards: dict | None = None, api_thresholds: dict | None = None):
     """Compare the target dump with the bench dump and apply the isolated verdicts: the target's
     ``isolation.json``, or for a tensor dump made without one, its API calls replayed on their dumped inputs
-    (:func:`~msprobe_ci.compare.isolated.replay_isolation`, with ``bench_kernel``).
+    (:func:`~msprobe_ci.compare.isolated.replay`, with ``bench_kernel``, ``api_standards`` and
+    ``api_thresholds``; the results kept in ``report.replayed``).
 
     Returns:
         ``(report, target_dump, bench_dump)``; ``report.isolated`` tells whether isolation records were found.
@@ -112,17 +114,18 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
         MsprobeError: unreadable or incompatible dumps.
     """
     from .compare import compare_dumps
-    from .compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay_isolation
+    from .compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
     from .dump.reader import load_dump
 
     bench_dump = load_dump(bench_folder)
     target_dump = load_dump(target_folder)
     report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds, mappings=mappings)
-    records = load_isolation(target_folder) if isolate else None
+    records = load_isolation(target_dump.folder) if isolate else None
     if records is None and isolate and is_tensor_dump(target_dump):
         # a tensor dump made without isolation (msprobe's, another runner's): its calls replayed on their dumped
         # inputs are the verdicts; drift stays context
-        records = replay_isolation(target_dump, bench_kernel)
+        report.replayed = replay(target_dump, bench_kernel, api_standards, api_thresholds)
+        records = replay_isolation(report.replayed)
     if records is not None:
         apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff,
                         source_factor=source_factor, bench_stack=bench_dump.stack)
@@ -287,7 +290,8 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
     bench_folder = bench if isinstance(bench, str) else bench.folder
     report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
                                             isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings,
-                                            source_factor=source_factor, bench_kernel=bench_kernel)
+                                            source_factor=source_factor, bench_kernel=bench_kernel,
+                                            api_standards=api_standards, api_thresholds=api_thresholds)
     csv_path = report.write_csv(out_dir)
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
@@ -305,9 +309,12 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
     if report.mode == "tensor" and level in ("L1", "mix"):
         from .replay import ApiReplayer
 
-        replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
-                               thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
-        api_checks = [replayer.check(n) for n in replayer.api_names()]
+        if report.replayed:  # judge replayed every call already (a tensor dump made without isolation)
+            api_checks = list(report.replayed)
+        else:
+            replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
+                                   thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
+            api_checks = [replayer.check(n) for n in replayer.api_names()]
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
                         tuple(api_checks), tuple(notes))
 

@@ -249,11 +249,7 @@ def _run(args) -> int:
 
 
 def _compare(args) -> int:
-    from .compare import compare_dumps
-    from .dump.reader import load_dump
-
-    from .compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay_isolation
-
+    from .check import judge
     from .compare.ranks import first_divergence_across_ranks
 
     worst = 0
@@ -269,13 +265,8 @@ def _compare(args) -> int:
         if streamed is not None:
             return streamed
     for t, g, rank, key in pairs:
-        target, bench = load_dump(t), load_dump(g)
-        report = compare_dumps(target, bench, fuzzy=args.fuzzy_match, mappings=mappings)
-        records = load_isolation(target.folder)
-        if records is None and is_tensor_dump(target):  # made elsewhere: its calls replayed on their own inputs
-            records = replay_isolation(target)
-        if records is not None:  # a target captured by msprobe-ci with isolation: its verdicts decide
-            apply_isolation(report, records, target.construct, bench_stack=bench.stack)
+        # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
+        report, target, _ = judge(g, t, fuzzy=args.fuzzy_match, mappings=mappings)
         path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
         first = report.first_divergence
         lines.append(_summary_line(path, len(report.nodes), report.counts(), first, report.isolated))

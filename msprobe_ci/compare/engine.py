@@ -53,6 +53,7 @@ class CompareReport:
     seconds: dict[str, float] = field(default_factory=dict)  # node -> seconds its isolated verdict took
     frameworks: tuple[str, str] = ("pytorch", "pytorch")  # (target, bench), from dump.json
     entry_pairs: dict[str, str] = field(default_factory=dict)  # target entry -> bench entry (matched rows)
+    replayed: list = field(default_factory=list)  # ApiResults of a tensor dump judged by replay (isolated.replay)
     _stack_cells: dict[int, tuple] = field(default_factory=dict, repr=False, compare=False)  # id -> (frames, cell)
 
     @property

@@ -57,38 +57,41 @@ def load_isolation(folder: str) -> dict | None:
     return nodes
 
 
-def replay_isolation(target, bench_kernel: str = "device") -> dict[str, dict] | None:
-    """Isolation records for a tensor dump made without them (msprobe's own, another runner's): every dumped API
-    call, forward and backward, replayed on CPU on its dumped inputs against the oracle and judged by its own
-    standard (:class:`~msprobe_ci.replay.ApiReplayer`, the per-API pre-check); the verdict of each is its record,
-    as a live capture's would be. A call that cannot be replayed (no such API here, a communication op, a
-    missing tensor file) is a skip with its reason.
-
-    Args:
-        target: the target :class:`~msprobe_ci.dump.reader.Dump` (task ``tensor``).
-        bench_kernel: the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`).
-
-    Returns:
-        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record; ``None`` where
-        nothing could be judged (a MindSpore dump: no MindSpore here), so the drift rule decides rather than
-        every node passing as "not isolated".
-    """
-    from ..isolate import verdict_fields
+def replay(target, bench_kernel: str = "device", standards: dict | None = None,
+           thresholds: dict | None = None) -> list:
+    """Every dumped API call of a tensor dump, forward and backward, replayed on CPU on its dumped inputs against
+    the oracle and judged by its own standard (:class:`~msprobe_ci.replay.ApiReplayer`, the per-API pre-check):
+    one :class:`~msprobe_ci.replay.runner.ApiResult` each; a call that cannot be replayed (no such API here, a
+    communication op, a missing tensor file) is a skip with its reason. Empty for a dump that is not PyTorch's
+    (no MindSpore here)."""
     from ..replay import ApiReplayer
 
     if getattr(target, "framework", "pytorch") != "pytorch":
-        return None
-    replayer = ApiReplayer(target, bench_kernel=bench_kernel)
+        return []
+    replayer = ApiReplayer(target, bench_kernel=bench_kernel, standards=dict(standards or {}),
+                           thresholds=dict(thresholds or {}))
+    return [replayer.check(n) for n in replayer.api_names()]
+
+
+def replay_isolation(results: list) -> dict[str, dict] | None:
+    """Isolation records for a tensor dump made without them (msprobe's own, another runner's) from its calls
+    replayed (:func:`replay`): the verdict of each is its record, as a live capture's would be.
+
+    Returns:
+        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record; ``None`` where
+        nothing could be judged, so the drift rule decides rather than every node passing as "not isolated".
+    """
+    from ..isolate import verdict_fields
+
     records: dict[str, dict] = {}
-    for name in replayer.api_names():
-        res = replayer.check(name)
+    for res in results:
         rec: dict[str, Any] = {"status": res.status, "replayed": True}
         bad = next(((row, r) for row, r in res.outputs if r.status == res.status), None)
         if res.status == "skip" or bad is None:
             rec["message"] = res.reason or res.message
         else:
             rec.update(verdict_fields(*bad, note=" (replayed from the tensor dump)"))
-        records[name] = rec
+        records[res.name] = rec
     return records if any(r["status"] != "skip" for r in records.values()) else None
 
 

@@ -269,7 +269,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # never finer than the dtype can hold: a result rounded into fp16's subnormal range errs by up to half of
         # its smallest subnormal (3e-8) whatever the terms, which is within the bound in units of at least this
         bound = dtype_thresholds(checker_key(t.dtype))["accumulative_bound"]
-        s64 = s64.clamp(min=torch.finfo(t.dtype).smallest_normal * 2.0 ** -_MANTISSA.get(t.dtype, 52) / bound)
+        s64 = s64.clamp(min=torch.finfo(t.dtype).smallest_normal * torch.finfo(t.dtype).eps / bound)
         t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
         oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
     # NaN/Inf outputs (an overflowing fp16 optimizer step) are counted by the standards through their masks;
@@ -289,9 +289,6 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
                     res = std(t, b, oracle, scale=s / unit)
             return res
         return std(t, b, oracle)
-
-
-_MANTISSA = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23, torch.float64: 52}
 
 
 def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
