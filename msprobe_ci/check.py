@@ -95,8 +95,10 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 def precision_notes(capture, backend) -> tuple[str, ...]:
     """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
     ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""
-    return tuple(f"{backend.label}: {api} has no float64 kernel: it ran in {dtype} (the best precision it "
-                 f"supports), its outputs cast back to float64" for api, dtype in capture.precision_fallbacks.items())
+    return tuple(f"{backend.label}: {api} has no float64 kernel: " + (
+        "it ran in float64 as its reference decomposition (one matmul per group)" if how == "reference" else
+        f"it ran in {how} (the best precision it supports), its outputs cast back to float64")
+        for api, how in capture.precision_fallbacks.items())
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,

@@ -122,20 +122,102 @@ def cast(value: Any, fn) -> Any:
     return value
 
 
+def _group_bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = [int(e) for e in offs.tolist()]
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def grouped_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch._grouped_mm`` (``F.grouped_mm``) as one ``matmul`` per group, in the inputs' dtype: the reference
+    decomposition the oracle runs in float64, where the op itself has no float64 kernel. Differentiable (slices,
+    matmuls, ``cat``), so its vector-Jacobian product is the oracle's gradient.
+
+    Layouts (``offs``: int32 end offsets of the ``G`` groups along the jagged dimension):
+
+    * ``(M, K) x (G, K, N)``: rows ``offs[g-1]:offs[g]`` of ``mat_a`` times ``mat_b[g]`` → ``(M, N)``; rows past
+      ``offs[-1]``, which the kernel leaves unwritten, are 0;
+    * ``(M, K) x (K, N)``: ``K`` jagged → ``(G, M, N)``, group ``g`` = ``mat_a[:, k0:k1] @ mat_b[k0:k1]``;
+    * ``(G, M, K) x (K, N)``: ``N`` jagged → ``(M, N)``, columns ``n0:n1`` = ``mat_a[g] @ mat_b[:, n0:n1]``;
+    * ``(G, M, K) x (G, K, N)``, no ``offs``: a batched matmul.
+
+    ``bias`` (``(G, N)``) is added per group; ``out_dtype`` casts the result.
+
+    Raises:
+        ValueError: a layout other than these four.
+    """
+    da, db = mat_a.dim(), mat_b.dim()
+    if offs is None and da == 3 and db == 3:
+        out = torch.matmul(mat_a, mat_b)
+        if bias is not None:
+            out = out + bias.unsqueeze(1)
+    elif offs is not None and da == 2 and db == 3:
+        parts = [torch.matmul(mat_a[s:e], mat_b[g]) + (bias[g] if bias is not None else 0)
+                 for g, (s, e) in enumerate(_group_bounds(offs))]
+        rest = mat_a.shape[0] - (int(offs[-1]) if offs.numel() else 0)
+        if rest > 0:
+            parts.append(mat_a.new_zeros((rest, mat_b.shape[-1])))
+        out = torch.cat(parts) if parts else mat_a.new_zeros((mat_a.shape[0], mat_b.shape[-1]))
+    elif offs is not None and da == 2 and db == 2:
+        out = torch.stack([torch.matmul(mat_a[:, s:e], mat_b[s:e]) + (bias[g] if bias is not None else 0)
+                           for g, (s, e) in enumerate(_group_bounds(offs))])
+    elif offs is not None and da == 3 and db == 2:
+        out = torch.cat([torch.matmul(mat_a[g], mat_b[:, s:e]) + (bias[g, s:e] if bias is not None else 0)
+                         for g, (s, e) in enumerate(_group_bounds(offs))], dim=-1)
+    else:
+        raise ValueError(f"grouped_mm: layout {tuple(mat_a.shape)} x {tuple(mat_b.shape)} with "
+                         f"offs={'given' if offs is not None else 'None'} is not one of the four grouped layouts")
+    return out.to(out_dtype) if out_dtype is not None else out
+
+
+def _references() -> dict:
+    refs = {}
+    for owner, name in ((torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm")):
+        fn = getattr(owner, name, None)
+        if fn is not None:
+            refs[fn] = grouped_mm_reference
+    return refs
+
+
+# APIs with no float64 kernel whose float64 oracle is a reference decomposition (said in the record)
+REFERENCES: dict = _references()
+
+
+def reference_note(func) -> str | None:
+    """How the float64 oracle computes ``func`` when it is a reference decomposition, else None."""
+    if func in REFERENCES:
+        return f"{_qualified(func)} has no float64 kernel: its float64 oracle is one matmul per group"
+    return None
+
+
+def _qualified(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None) or "torch"  # torch's C functions (torch._grouped_mm) have none
+    return f"{module}.{name}"
+
+
+def in_float64(func, args: tuple, kwargs: dict) -> bool:
+    """Whether the call has a float64 tensor among its arguments."""
+    return any(t.dtype == torch.float64 for t in tensors_of(args) + tensors_of(kwargs))
+
+
 def call_best_precision(func, args: tuple, kwargs: dict) -> tuple[Any, torch.dtype | None]:
     """``func(*args, **kwargs)``, in float32 where float64 has no kernel (:func:`float32_fallback`).
 
     Returns:
-        ``(output, dtype)``: ``dtype`` is ``torch.float32`` where the call fell back, else ``None``.
+        ``(output, dtype)``: ``dtype`` is ``torch.float32`` where the call fell back, ``torch.float64`` where it
+        ran as its float64 reference decomposition (:data:`REFERENCES`), else ``None``.
     """
     try:
         return func(*args, **kwargs), None
     except (RuntimeError, NotImplementedError, TypeError) as exc:
-        return float32_fallback(func, args, kwargs, exc), torch.float32
+        out = float32_fallback(func, args, kwargs, exc)
+        return out, (torch.float64 if func in REFERENCES else torch.float32)
 
 
 def float32_fallback(func, args: tuple, kwargs: dict, error: BaseException) -> Any:
-    """The call that raised ``error`` once more, with every float64 tensor cast to float32 and the floating outputs
+    """The call that raised ``error`` once more: as its float64 reference decomposition where it has one
+    (:data:`REFERENCES`), else with every float64 tensor cast to float32 and the floating outputs
     cast back to float64: the best precision the API supports, for a bench one precision up from an fp32 target
     or an fp64 oracle (``torch._grouped_mm``, which transformers' MoE experts call, has no float64 kernel). The
     casts are differentiable, so the backward runs in float32 too.
@@ -146,8 +228,10 @@ def float32_fallback(func, args: tuple, kwargs: dict, error: BaseException) -> A
     """
     from .errors import MsprobeError
 
-    if not any(t.dtype == torch.float64 for t in tensors_of(args) + tensors_of(kwargs)):
+    if not in_float64(func, args, kwargs):
         raise error
+    if func in REFERENCES:
+        return REFERENCES[func](*args, **kwargs)
 
     def down(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.float32) if t.dtype == torch.float64 else t

@@ -183,23 +183,54 @@ def test_perturb_leaves_copies_views_and_in_place_ops_alone():
     assert math.isclose(float(((y - x) / x).abs().max()), 1e-3, rel_tol=1e-6)
 
 
-def test_float64_without_a_kernel_runs_in_float32_and_comes_back_in_float64():
-    """torch._grouped_mm (transformers' MoE experts) has no float64 kernel: the bench runs it in float32, the
-    best precision it supports, differentiably; a call that needs no fallback is untouched."""
+def test_float64_without_a_kernel_runs_as_its_reference_or_in_float32():
+    """torch._grouped_mm (transformers' MoE experts) has no float64 kernel: a float64 call runs as its reference
+    decomposition (one matmul per group) in float64, differentiably; an API without a reference runs in float32,
+    the best precision it supports, and comes back in float64; a call that needs no fallback is untouched."""
     a = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
     b = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
     offs = torch.tensor([2, 6], dtype=torch.int32)
     with pytest.raises(RuntimeError):
         torch._grouped_mm(a, b, offs=offs)
     out, dtype = kernels.call_best_precision(torch._grouped_mm, (a, b), {"offs": offs})
-    assert dtype == torch.float32 and out.dtype == torch.float64
+    assert dtype == torch.float64 and out.dtype == torch.float64
     expected = torch.cat([a[:2] @ b[0], a[2:] @ b[1]])
-    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, expected)
     out.sum().backward()
     assert a.grad is not None and a.grad.dtype == torch.float64
-    assert torch.allclose(a.grad[:2], b[0].sum(-1).expand(2, 8).detach(), rtol=1e-5)
+    torch.testing.assert_close(a.grad[:2], b[0].sum(-1).expand(2, 8).detach(), rtol=1e-12, atol=1e-12)
+
+    def float32_only(x):
+        if x.dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return x + 1e-9
+    x = torch.tensor([1.0], dtype=torch.float64)
+    out, dtype = kernels.call_best_precision(float32_only, (x,), {})
+    assert dtype == torch.float32 and out.dtype == torch.float64
+    assert float(out) == 1.0 != float(x + 1e-9)  # 1e-9 is below float32's resolution at 1
     same, none = kernels.call_best_precision(torch.add, (a, a), {})
     assert none is None and same.dtype == torch.float64
+
+
+@pytest.mark.parametrize("layout", ["2dx3d", "2dx2d", "3dx2d", "3dx3d"])
+def test_grouped_mm_reference_matches_the_kernel_in_every_layout(layout):
+    """The float64 oracle of torch._grouped_mm is its reference decomposition: in float32 it gives the kernel's
+    own result in each of the op's four layouts (to fp32 rounding), rows past the last offset excluded."""
+    g = torch.Generator().manual_seed(3)
+    offs = torch.tensor([4, 8, 12], dtype=torch.int32)
+    shapes = {"2dx3d": ((16, 8), (3, 8, 4)), "2dx2d": ((8, 12), (12, 4)), "3dx2d": ((3, 8, 16), (16, 12)),
+              "3dx3d": ((3, 8, 16), (3, 16, 8))}[layout]
+    a, b = (torch.randn(*s, generator=g) for s in shapes)
+    kw = {} if layout == "3dx3d" else {"offs": offs}
+    want = torch._grouped_mm(a, b, **kw)
+    got = kernels.grouped_mm_reference(a, b, **kw)
+    assert got.shape == want.shape
+    rows = slice(0, 12) if layout == "2dx3d" else slice(None)
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-5)
+    if layout == "2dx3d":
+        assert torch.equal(got[12:], torch.zeros(4, 4))  # the kernel leaves these rows unwritten
+    with pytest.raises(ValueError, match="grouped layouts"):
+        kernels.grouped_mm_reference(a.flatten(), b, offs=offs)
 
 
 def test_no_fallback_without_float64_and_one_line_where_none_runs():

@@ -149,10 +149,10 @@ def test_mean_of_small_values_is_judged_at_its_terms_scale(tmp_path):
         report.first_divergence and report.first_divergence.message
 
 
-def test_moe_experts_against_an_fp64_bench_run_in_float32_and_say_so(tmp_path):
-    """Mixtral's experts call torch._grouped_mm, which has no float64 kernel: the fp64 bench runs it in float32
-    (the best precision it supports) instead of failing with a traceback, the report says so, and a benign fp32
-    target passes."""
+def test_moe_experts_against_an_fp64_bench_run_as_their_reference_and_say_so(tmp_path):
+    """Mixtral's experts call torch._grouped_mm, which has no float64 kernel: the fp64 bench runs it as its float64
+    reference decomposition (one matmul per group) instead of failing with a traceback, the report says so, and a
+    benign fp32 target passes."""
     from msprobe_ci.check import evaluate
 
     torch.manual_seed(7)
@@ -170,7 +170,7 @@ def test_moe_experts_against_an_fp64_bench_run_in_float32_and_say_so(tmp_path):
                  dc.with_overrides(dump_path=os.path.join(tmp_path, "target")), isolator=Isolator(backward=True))
     assert t.notes == ()
     assert len(b.notes) == 1 and b.notes[0].startswith("cpu/fp64: torch._grouped_mm has no float64 kernel: it ran "
-                                                       "in float32"), b.notes
+                                                       "in float64 as its reference decomposition"), b.notes
     outcome = evaluate(b, t, str(tmp_path / "out"), level="mix", cast_roundoff=unit_roundoff("torch.float32",
                                                                                               "torch.float64"))
     assert b.notes[0] in outcome.notes

@@ -87,7 +87,8 @@ class CaptureSession:
         config.validate()
         self.isolator = isolator
         self.free_bench = free_bench
-        self.precision_fallbacks: dict[str, str] = {}  # API -> the dtype it ran in where float64 had no kernel
+        # API -> how it ran where float64 had no kernel: "float32", or "reference" (its float64 decomposition)
+        self.precision_fallbacks: dict[str, str] = {}
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
         self.config = config
         self.faults = tuple(faults)
@@ -334,9 +335,9 @@ class CaptureSession:
                 out = float32_fallback(func, args, kwargs, exc)
             finally:
                 self._busy = was
-        name = getattr(func, "__name__", None) or repr(func)
-        module = getattr(func, "__module__", None) or "torch"  # torch's C functions (torch._grouped_mm) have none
-        self.precision_fallbacks.setdefault(f"{module}.{name}", "float32")
+        from ..kernels import REFERENCES, _qualified
+
+        self.precision_fallbacks.setdefault(_qualified(func), "reference" if func in REFERENCES else "float32")
         return out
 
     def _passthrough(self, func, args, kwargs):
