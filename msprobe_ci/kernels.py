@@ -403,6 +403,7 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
         grad: copies of the tensors that require grad become leaves that require grad (their order is the order
             of :func:`cast`'s traversal).
         context: a context manager factory the call runs in (the ``decomposed`` kernel).
+            An API without a float64 kernel runs in float64 as its reference decomposition (:data:`REFERENCES`).
         perturb: ``(eta, generator)``: inputs and intermediates jittered (:class:`Perturb`).
 
     Returns:
@@ -410,6 +411,8 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
     """
     leaves: list = []
     copy = copier(dtype, device, perturb)
+    if dtype == torch.float64 and func in REFERENCES:  # no float64 kernel: its float64 reference decomposition
+        func = REFERENCES[func]
 
     def conv(t: torch.Tensor) -> torch.Tensor:
         x = copy(t)

@@ -7,7 +7,7 @@ prefix and API name, and classifies it:
   neither counted nor recorded, as msprobe does not wrap them.
 * ``LOW``: shape/view/dtype/creation APIs that msprobe's default ``risk_level: FOCUS`` leaves out of dump.json;
   they are still counted, so call numbers match msprobe's, and listed in construct.json at mix.
-* ``RECORD``: everything else.
+* ``RECORD``: everything else, and the private functions in :data:`COMPUTE_PRIVATE` (grouped and fp8 GEMMs).
 
 Binary operators reach the mode as plain methods (``y + 1`` arrives as ``TensorBase.add``). The caller's bytecode
 instruction tells them apart, so ``y + 1`` is named ``Tensor.__add__`` and ``y.add(1)`` ``Tensor.add``, as
@@ -68,7 +68,16 @@ def called_from_hook_plumbing() -> bool:
 _TABLE: dict[Any, tuple[str, str, int]] | None = None
 
 
+# torch's private functions that compute what a model's public calls leave to them: MoE experts' grouped GEMMs
+# (transformers' ``grouped_mm`` experts call ``torch._grouped_mm``) and the fp8 GEMMs. Captured and named
+# ``Torch.<name>`` like any torch function; every other private name is plumbing.
+COMPUTE_PRIVATE = frozenset(("_grouped_mm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm",
+                             "_scaled_grouped_mm_v2"))
+
+
 def _classify(name: str) -> int:
+    if name in COMPUTE_PRIVATE:
+        return RECORD
     if name in _SKIP_NAMES or (name.startswith("_") and not (name.startswith("__") and name.endswith("__"))):
         return SKIP
     return LOW if name in _LOW_NAMES else RECORD

@@ -343,7 +343,7 @@ def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # matmul-family APIs: which tensor argument's last dimension is contracted
 _CONTRACTED = {"matmul": 0, "__matmul__": 0, "mm": 0, "bmm": 0, "linear": 0, "mv": 0, "addmm": 1, "baddbmm": 1,
-               "addbmm": 1, "addmv": 1}
+               "addbmm": 1, "addmv": 1, "_grouped_mm": 0, "grouped_mm": 0}
 
 
 def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigmas: float = 4.0):
@@ -372,8 +372,11 @@ def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigm
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             return v * v
         return v
+    from ..kernels import REFERENCES
+
+    fn = REFERENCES.get(func, func) if dtype == torch.float64 else func  # torch._grouped_mm: no float64 kernel
     with torch.no_grad():
-        sq = func(*[square(a) for a in args], **{key: square(v) for key, v in kwargs.items() if key != "out"})
+        sq = fn(*[square(a) for a in args], **{key: square(v) for key, v in kwargs.items() if key != "out"})
     if not isinstance(sq, torch.Tensor):
         return None
     return sq.clamp_min(0).sqrt() * (sigmas * math.sqrt(k) * 2.0 ** -24)
