@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from . import kernels
+from .capture.coverage import quiet
 from .kernels import cast as _cast
 from .kernels import tensors_of as _tensors
 from .replay.runner import judged_as
@@ -718,7 +719,7 @@ class Isolator:
     def _grad_out_hook(self, call: _Call, i: int):
         def hook(grad: torch.Tensor) -> None:
             call.grad_out[i] = grad.detach()
-        return hook
+        return quiet(hook)
 
     def _tap_hook(self, call: _Call, name: str):
         def prehook(grad_outputs):
@@ -741,7 +742,7 @@ class Isolator:
                 call.out_tensors = []
                 call.inputs = None
             return new
-        return prehook
+        return quiet(prehook)
 
     def on_fault_applied(self, fault, before, after) -> None:  # replaced by the capture session's FaultLog.record
         pass

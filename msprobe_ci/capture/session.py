@@ -30,6 +30,7 @@ from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
 from . import naming
+from .coverage import Coverage, quiet
 from .inject import Fault, FaultLog
 from .records import RecordBuilder
 
@@ -117,6 +118,8 @@ class CaptureSession:
         self._bwd_in = "backward" in modes and "input" in modes
         self._bwd_out = "backward" in modes and "output" in modes
         self._bwd = "backward" in modes
+        # the share of floating-point work inside recorded APIs (coverage.json), for API-level captures
+        self.coverage = Coverage(lambda: self._busy) if self.api_level else None
         self._reset_step_state()
 
     # ------------------------------------------------------------------ lifecycle
@@ -139,6 +142,8 @@ class CaptureSession:
             self.isolator.reset()
         if getattr(self, "free_bench", None) is not None:
             self.free_bench.reset()
+        if getattr(self, "coverage", None) is not None:
+            self.coverage.reset()
 
     @property
     def step_enabled(self) -> bool:
@@ -213,6 +218,8 @@ class CaptureSession:
         if (self.api_level or self._fault_apis) and self._mode is None:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
+            if self.coverage is not None:
+                self.coverage.__enter__()
         if self.api_level and self._comm is None and torch.distributed.is_available():
             from .comm import CommPatch
 
@@ -233,6 +240,8 @@ class CaptureSession:
         self._armed = False
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            if self.coverage is not None:
+                self.coverage.__exit__(None, None, None)
             mode.__exit__(None, None, None)
         if self._comm is not None:
             comm, self._comm = self._comm, None
@@ -277,6 +286,10 @@ class CaptureSession:
             from ..dump.writer import atomic_write_json
 
             atomic_write_json(os.path.join(folder, "free_benchmark.json"), self.free_bench.as_json())
+        if self.coverage is not None:
+            from ..dump.writer import atomic_write_json
+
+            atomic_write_json(os.path.join(folder, "coverage.json"), self.coverage.as_json())
         if folder not in self._folders_written:
             self._folders_written.append(folder)
 
@@ -406,9 +419,19 @@ class CaptureSession:
                 call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
             finally:
                 self._busy = False
-        out = orig = self._call(func, args, kwargs)
-        for f in fwd_faults:
-            out = self.fault_log.apply(f, out, n)
+        cov = self.coverage if record else None
+        if cov is not None:
+            before = cov.grad_fns(args, kwargs)
+            cov.depth += 1
+        try:
+            out = orig = self._call(func, args, kwargs)
+            for f in fwd_faults:
+                out = self.fault_log.apply(f, out, n)
+        finally:
+            if cov is not None:
+                cov.depth -= 1
+        if cov is not None:
+            cov.adopt(out, before)
         self.api_counts[key] = n + 1
         if pending is not None:
             self._busy = True
@@ -566,7 +589,7 @@ class CaptureSession:
                 finally:
                     self._busy = False
             return new
-        return hook
+        return quiet(hook)
 
     # ------------------------------------------------------------------ L0: modules
     def _hook_model(self, model: torch.nn.Module, root_prefix: str) -> None:
@@ -631,7 +654,7 @@ class CaptureSession:
                 new_args = self._module_io(call, args, inputs=True)
             self._pending_fwd.setdefault(id(module), []).append(call)
             return None if new_args is None else (new_args, kwargs)
-        return hook
+        return quiet(hook)
 
     def _module_io(self, call: "_ModuleCall", value: Any, inputs: bool) -> Any:
         """Route a module call's positional inputs (or its outputs) through one :class:`_Alias` node, whose
@@ -701,7 +724,7 @@ class CaptureSession:
             if not call.bwd_name:
                 return None
             return self._module_io(call, output, inputs=False)
-        return hook
+        return quiet(hook)
 
     def _bwd_pre_hook(self, call: "_ModuleCall"):
         """Gradients w.r.t. a module call's outputs arrived: the backward entry begins (its ``input``)."""
@@ -727,7 +750,7 @@ class CaptureSession:
             if call.in_idx is None:  # no input requires grad: the module's backward ends here
                 self._bwd_done(call, (None,) * call.n_in)
             return None
-        return hook
+        return quiet(hook)
 
     def _bwd_hook(self, call: "_ModuleCall"):
         """Gradients w.r.t. a module call's inputs are computed: the backward entry ends (its ``output``)."""
@@ -737,7 +760,7 @@ class CaptureSession:
                 grads[i] = g
             self._bwd_done(call, tuple(grads))
             return None
-        return hook
+        return quiet(hook)
 
     def _bwd_done(self, call: "_ModuleCall", grad_input: tuple) -> None:
         grad_output, call.grad_out = call.grad_out, None
@@ -791,7 +814,7 @@ class CaptureSession:
                 entry[pname] = [self.builder.value(param.grad, f"{name}.{pname}" if files else None)]
             finally:
                 self._busy = False
-        return hook
+        return quiet(hook)
 
 
 class _Alias(torch.autograd.Function):

@@ -1,0 +1,209 @@
+"""How much of a run's floating-point work the capture saw: the coverage figure written beside every dump.
+
+An API-level capture judges the torch APIs it records. Whatever computes outside them (a private function nobody
+listed, a custom op, a C++ extension, an op reached without ``__torch_function__``) is invisible to the per-API
+verdicts: a kernel error there can only show up as drift of an enclosing module. This module measures it at the
+ATen level, where every op is seen whichever Python API issued it:
+
+* the **work** of an ATen op is the number of floating-point elements it writes (its floating outputs' ``numel``);
+* it is **captured** when it ran inside a recorded API call: in the forward pass while the call runs (its fault,
+  where one is planned, included), in the backward pass while autograd runs a node that call created;
+* data movement, views, creation and metadata (:data:`MOVES`, view ops) and integer or bool outputs are not
+  floating-point work: they are listed with their call counts, not counted. So is their backward
+  (:func:`routes_gradients`): it routes gradients and sums the contributions of a value used more than once (a
+  tensor sliced into q, k and v, an expanded bias), as does autograd at the capture's own module-boundary nodes;
+  and the accumulation of a leaf's ``.grad`` (``AccumulateGrad``), whose result the ``parameters_grad`` records
+  hold;
+* what the capture machinery itself runs (statistics, the isolation's oracle and bench, the writer) is not seen.
+
+``share = captured / (captured + uncaptured)`` elements, with the uncaptured ops by name, pass and count.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ATen ops that move, copy, select or create values without arithmetic (overload packet names)
+MOVES = frozenset("""
+_to_copy to_copy copy_ clone contiguous detach detach_ lift_fresh lift_fresh_copy alias _unsafe_view _reshape_copy cat stack
+index index_select gather index_put index_put_ _index_put_impl_ _unsafe_index masked_fill masked_fill_ where
+constant_pad_nd repeat expand_copy slice_scatter select_scatter as_strided_scatter scatter scatter_ unfold tril triu
+tril_ triu_ flip roll masked_select masked_scatter embedding narrow_copy split_with_sizes_copy split_copy
+transpose_copy permute_copy t_copy view_copy unsqueeze_copy squeeze_copy set_ resize_ resize_as_ empty empty_like
+empty_strided new_empty new_empty_strided zeros zeros_like ones ones_like full full_like new_zeros new_ones new_full
+fill fill_ zero_ arange linspace logspace scalar_tensor eye rand rand_like randn randn_like randint randint_like
+randperm normal normal_ uniform_ bernoulli bernoulli_ random_ exponential_ _local_scalar_dense sort topk max min
+amax amin kthvalue median mode max_pool2d_with_indices max_pool1d max_pool3d_with_indices unique _unique2 nonzero
+one_hot slice_backward select_backward index_select_backward _assert_async _assert_tensor_metadata _functional_assert_async sym_size sym_stride sym_numel
+""".split())
+
+
+# view ops (by name) whose backward nodes route gradients: with MOVES, the data movement whose backward is
+# gradient routing and fan-in (a sliced tensor's slices, an expanded tensor's sum)
+_VIEWS = frozenset("""
+view slice select expand transpose permute t unsqueeze squeeze reshape_alias as_strided split split_with_sizes unbind
+narrow diagonal alias unfold chunk view_as_real view_as_complex unsafe_view reshape
+""".split())
+# the capture's own autograd plumbing (module-boundary aliases, module backward hooks): identities
+_PLUMBING_NODES = frozenset(("_AliasBackward", "BackwardHookFunctionBackward"))
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", camel).lower()
+
+
+@functools.lru_cache(maxsize=1024)
+def routes_gradients(node_type: str) -> bool:
+    """Whether a backward node (by type name, ``SliceBackward0``) belongs to data movement or to the capture's
+    plumbing: its backward moves gradients and sums the contributions of a value used more than once."""
+    if node_type in _PLUMBING_NODES:
+        return True
+    op = _snake(re.sub(r"Backward\d*$", "", node_type))
+    return op in _VIEWS or op in MOVES or f"_{op}" in MOVES
+
+
+_QUIET = [0]  # > 0 while a hook of the capture or the isolation runs
+
+
+def quiet(fn):
+    """``fn`` (a hook of the capture or of the isolation) with its ATen ops left out of the coverage count:
+    statistics of a module's gradients, the isolation's backward oracle, are the machinery's work, not the
+    model's."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _QUIET[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _QUIET[0] -= 1
+    return wrapper
+
+
+def _floating_elements(out: Any) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.numel() if (out.is_floating_point() or out.is_complex()) else 0
+    if isinstance(out, (list, tuple)):
+        return sum(_floating_elements(o) for o in out)
+    return 0
+
+
+class Coverage(TorchDispatchMode):
+    """Counts the floating-point work of every ATen op a captured run issues, split into what ran inside a
+    recorded API call and what did not (see the module docstring for the rules).
+
+    Args:
+        busy: a callable that is true while the capture machinery itself runs (its ops are not the model's).
+    """
+
+    def __init__(self, busy):
+        super().__init__()
+        self.busy = busy
+        self.depth = 0  # > 0 while a recorded API call runs (forward)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step's counts and the autograd nodes of its recorded calls."""
+        self.captured = 0
+        self.uncaptured: collections.Counter = collections.Counter()  # (op, pass) -> elements
+        self.uncaptured_calls: collections.Counter = collections.Counter()
+        self.captured_ops: collections.Counter = collections.Counter()  # op -> elements (inside recorded APIs)
+        self.excluded: collections.Counter = collections.Counter()  # op -> calls (data movement, views, ...)
+        self.nodes: set = set()
+
+    # ------------------------------------------------------------------ the capture session's side
+    @staticmethod
+    def grad_fns(args: tuple, kwargs: dict) -> set:
+        """The autograd nodes that produced a call's inputs (where the walk of :meth:`adopt` stops)."""
+        from ..kernels import tensors_of
+
+        return {t.grad_fn for t in tensors_of(args) + tensors_of(kwargs) if t.grad_fn is not None}
+
+    def adopt(self, out: Any, before: set, limit: int = 10_000) -> None:
+        """Mark the autograd nodes a recorded call created (from its outputs back to its inputs' nodes) as
+        captured: their backward work is the call's."""
+        from ..kernels import tensors_of
+
+        stack = [t.grad_fn for t in tensors_of(out) if t.grad_fn is not None]
+        while stack and limit > 0:
+            node = stack.pop()
+            if node in before or node in self.nodes or type(node).__name__ == "AccumulateGrad":
+                continue
+            self.nodes.add(node)
+            limit -= 1
+            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    # ------------------------------------------------------------------ the dispatch side
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _QUIET[0] or self.busy():
+            return out
+        name = func.overloadpacket.__name__
+        if func.is_view or name in MOVES:
+            self.excluded[f"aten.{name}"] += 1
+            return out
+        elements = _floating_elements(out)
+        if not elements:
+            return out
+        if self.depth:
+            self.captured += elements
+            self.captured_ops[f"aten.{name}"] += elements
+            return out
+        node = torch._C._current_autograd_node()
+        if node is None:
+            key = (f"aten.{name}", "forward")
+        elif node in self.nodes:
+            self.captured += elements
+            self.captured_ops[f"aten.{name}"] += elements
+            return out
+        else:
+            kind = type(node).__name__
+            if kind == "AccumulateGrad":
+                self.excluded["AccumulateGrad (parameters_grad)"] += 1
+                return out
+            if routes_gradients(kind):
+                self.excluded[f"aten.{name} (backward of {kind}: gradient routing and fan-in)"] += 1
+                return out
+            key = (f"aten.{name}", f"backward of {kind}")
+        self.uncaptured[key] += elements
+        self.uncaptured_calls[key] += 1
+        return out
+
+    # ------------------------------------------------------------------ the figure
+    @property
+    def share(self) -> float:
+        """Captured floating-point elements over all counted ones (1.0 when nothing computed)."""
+        total = self.captured + sum(self.uncaptured.values())
+        return self.captured / total if total else 1.0
+
+    def as_json(self) -> dict:
+        """``coverage.json``: the share, the element counts, the uncaptured ops (most work first), the ops
+        counted inside captured APIs and the excluded ops with their call counts."""
+        unc = sum(self.uncaptured.values())
+        return {
+            "share": self.share,
+            "captured_elements": self.captured,
+            "uncaptured_elements": unc,
+            "uncaptured": [{"op": op, "pass": where, "calls": self.uncaptured_calls[(op, where)], "elements": n}
+                           for (op, where), n in self.uncaptured.most_common()],
+            "captured_ops": dict(self.captured_ops.most_common()),
+            "excluded": dict(sorted(self.excluded.items())),
+            "rule": "floating-point output elements of ATen ops; captured = inside a recorded API call (forward) "
+                    "or in an autograd node one created (backward); data movement, views, creation and integer "
+                    "outputs excluded",
+        }
+
+
+def summary(cov: dict, limit: int = 5) -> str:
+    """One line: ``coverage 97.3% of floating-point work; uncaptured: aten.mm x4 (forward), ...``."""
+    line = f"coverage {100 * cov['share']:.1f}% of floating-point work"
+    if cov.get("uncaptured"):
+        ops = [f"{u['op']} x{u['calls']} ({u['pass']})" for u in cov["uncaptured"][:limit]]
+        more = len(cov["uncaptured"]) - limit
+        line += "; uncaptured: " + ", ".join(ops) + (f", and {more} more" if more > 0 else "")
+    return line
