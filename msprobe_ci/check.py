@@ -209,6 +209,8 @@ class CheckOutcome:
         overflow: the target's new overflows (:func:`msprobe_ci.overflow.new_overflows`).
         api_checks: per-API pre-check results (tensor task at L1/mix), else empty.
         notes: lines for the report (e.g. why no graph was written).
+        coverage: the target dump's ``coverage.json`` (:func:`read_coverage`): the share of floating-point work
+            inside captured APIs and the uncaptured ops; ``None`` where the dump has none (L0, made elsewhere).
     """
 
     report: Any
@@ -220,6 +222,7 @@ class CheckOutcome:
     overflow: Any = None
     api_checks: tuple = ()
     notes: tuple = ()
+    coverage: dict | None = None
 
     @property
     def first_divergence(self):
@@ -236,6 +239,11 @@ class CheckOutcome:
     @property
     def api_errors(self) -> list:
         return [r for r in self.api_checks if r.status == "error"]
+
+    @property
+    def coverage_short(self) -> bool:
+        """Some floating-point work of the target ran outside every captured API (share below 1)."""
+        return self.coverage is not None and self.coverage["share"] < 1.0
 
     @property
     def passed(self) -> bool:
@@ -260,6 +268,8 @@ class CheckOutcome:
                        "seconds": round(report.seconds.get(n.name, 0.0), 6)} for n in report.nodes],
             **({"api_checks": [{"name": r.name, "status": r.status, "message": r.message} for r in self.api_checks]}
                if self.api_checks else {}),
+            **({"coverage": {"share": self.coverage["share"], "uncaptured": self.coverage["uncaptured"][:20]}}
+               if self.coverage is not None else {}),
         }
 
 
@@ -317,8 +327,47 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
             replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
                                    thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
             api_checks = [replayer.check(n) for n in replayer.api_names()]
+    coverage = read_coverage(target.folder, notes)
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
-                        tuple(api_checks), tuple(notes))
+                        tuple(api_checks), tuple(notes), coverage)
+
+
+def read_coverage(folder: str, notes: list | None = None) -> dict | None:
+    """The ``coverage.json`` beside a dump (:mod:`msprobe_ci.capture.coverage`), checked field by field: ``share``
+    a number in [0, 1], ``uncaptured`` a list of ``{op, pass, calls, elements}``. A share below 1 adds its one-line
+    summary to ``notes``; an unreadable file adds a line saying why and gives ``None`` (the compare goes on).
+
+    Returns:
+        ``{"share": float, "uncaptured": [...]}`` and the file's other fields, or ``None`` where there is none.
+    """
+    import json
+    import os
+
+    from .capture.coverage import summary
+
+    path = os.path.join(folder, "coverage.json")
+    if not os.path.isfile(path):
+        return None
+    notes = notes if notes is not None else []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        share = data["share"]
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"share: expected a number in [0, 1], got {share!r}"[:160])
+        unc = data.get("uncaptured", [])
+        if not isinstance(unc, list) or not all(
+                isinstance(u, dict) and isinstance(u.get("op"), str) and isinstance(u.get("pass"), str) and
+                isinstance(u.get("calls"), int) and isinstance(u.get("elements"), int) for u in unc):
+            raise ValueError("uncaptured: expected a list of {op, pass, calls, elements}")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        notes.append(f"coverage.json unreadable ({path}: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}): "
+                     "no coverage figure")
+        return None
+    data["share"] = float(share)
+    if data["share"] < 1.0:
+        notes.append(summary(data))
+    return data
 
 
 @dataclass

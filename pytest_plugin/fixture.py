@@ -314,6 +314,7 @@ class MsprobeFixture:
         if api_errors:
             pytest.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                         f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}", pytrace=False)
+        _coverage(outcome, "", check_dir, self.session.require_coverage)
         return report
 
     def _begin(self, options: dict, what: str, model: Any = _NO_MODEL):
@@ -388,7 +389,7 @@ class MsprobeFixture:
                 msg = msg.replace("msprobe: first divergence at ", f"msprobe: first divergence at {label(steps[i])}: ",
                                   1)
                 pytest.fail(f"{msg}\n{tail}", pytrace=False)
-            _fail_overflow_or_api(outcome, f"{label(steps[i])}: ", c.dir)
+            _fail_overflow_or_api(outcome, f"{label(steps[i])}: ", c.dir, self.session.require_coverage)
 
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
                        bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
@@ -496,7 +497,7 @@ class MsprobeFixture:
             lines.append(f"Artifacts: {check_dir}")
             pytest.fail("\n".join(lines), pytrace=False)
         for rank, outcome in outcomes.items():
-            _fail_overflow_or_api(outcome, f"rank{rank} ", check_dir)
+            _fail_overflow_or_api(outcome, f"rank{rank} ", check_dir, self.session.require_coverage)
         return {r: o.report for r, o in outcomes.items()}
 
     def _check_merged(self, c: "_Check", job, world: int, bench_world: int, tp, pp, timeout: float):
@@ -570,7 +571,7 @@ class MsprobeFixture:
             lines.append(f"Artifacts: {check_dir}")
             pytest.fail("\n".join(lines), pytrace=False)
         for step, i, merged, outcome in results:
-            _fail_overflow_or_api(outcome, f"step{step} ranks {merged.ranks} ", check_dir)
+            _fail_overflow_or_api(outcome, f"step{step} ranks {merged.ranks} ", check_dir, self.session.require_coverage)
         return {(s, i): o.report for s, i, _, o in results}
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
@@ -951,10 +952,25 @@ def _fail_unapplied(inject: str | None, unapplied: list, artifacts: str) -> None
                 f"nothing about the gate (fix its api/call/step/value). Artifacts: {artifacts}", pytrace=False)
 
 
-def _fail_overflow_or_api(outcome, where: str, artifacts: str) -> None:
-    """Fail on a judged outcome's new overflow or per-API pre-check error; ``where`` names the step or rank
-    (``"step 2: "``, ``"rank1 "``)."""
+def _coverage(outcome, where: str, artifacts: str, required: bool) -> None:
+    """Warn (or with ``--msprobe-require-coverage`` fail) where the target computed outside every captured API."""
     __tracebackhide__ = True
+    if not getattr(outcome, "coverage_short", False):
+        return
+    from ..capture.coverage import summary
+
+    line = (f"msprobe: {where}{summary(outcome.coverage)}: that work has no per-API verdict (only the drift of an "
+            f"enclosing module shows it). Artifacts: {artifacts} (coverage.json)")
+    if required:
+        pytest.fail(line + " [--msprobe-require-coverage]", pytrace=False)
+    warnings.warn(line, stacklevel=3)
+
+
+def _fail_overflow_or_api(outcome, where: str, artifacts: str, require_coverage: bool = False) -> None:
+    """Fail on a judged outcome's new overflow or per-API pre-check error; ``where`` names the step or rank
+    (``"step 2: "``, ``"rank1 "``); warn or fail on its coverage (:func:`_coverage`)."""
+    __tracebackhide__ = True
+    _coverage(outcome, where, artifacts, require_coverage)
     if outcome.overflow_failed:
         ov = outcome.overflow.first
         pytest.fail(f"msprobe: overflow on the target at {where}{ov.name} ({ov.level}); the bench has none there. "

@@ -61,6 +61,7 @@ class ProbeSession:
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.require_device = bool(_opt(config, "msprobe_require_device"))
+        self.require_coverage = bool(_opt(config, "msprobe_require_coverage"))
         self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
         self.isolate = _opt(config, "msprobe_isolate") or "on"
         if self.isolate not in ("on", "off"):

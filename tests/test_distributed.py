@@ -574,10 +574,13 @@ def test_experts(msprobe):
 
 
 def test_check_parallel_says_when_the_bench_ran_an_api_below_its_dtype(pytester):
-    """An fp64 bench of a grouped GEMM (no float64 kernel): every rank runs it in float32, the check passes and
-    its report says so."""
+    """An fp64 bench of a grouped GEMM (no float64 kernel): every rank runs it as its float64 reference
+    decomposition, the grouped GEMM is a judged API on each rank, the check passes and its report says so."""
     pytester.makepyfile(test_grouped=GROUPED)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-bench-dtype=fp64",
                                            "--msprobe-target-dtype=fp32")
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*note: cpu/fp64: torch._grouped_mm has no float64 kernel: it ran in float32*"])
+    result.stdout.fnmatch_lines(["*note: cpu/fp64: torch._grouped_mm has no float64 kernel: it ran in float64 as its "
+                                 "reference decomposition (one matmul per group)*"] * 2)
+    csv = (pytester.path / "msprobe-out" / "test_grouped.py_test_experts" / "check0" / "rank1").glob("*.csv")
+    assert "Torch._grouped_mm.0.forward" in next(csv).read_text()

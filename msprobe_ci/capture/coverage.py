@@ -145,21 +145,21 @@ class Coverage(TorchDispatchMode):
             return out
         name = func.overloadpacket.__name__
         if func.is_view or name in MOVES:
-            self.excluded[f"aten.{name}"] += 1
+            self.excluded[f"{func.namespace}.{name}"] += 1
             return out
         elements = _floating_elements(out)
         if not elements:
             return out
         if self.depth:
             self.captured += elements
-            self.captured_ops[f"aten.{name}"] += elements
+            self.captured_ops[f"{func.namespace}.{name}"] += elements
             return out
         node = torch._C._current_autograd_node()
         if node is None:
-            key = (f"aten.{name}", "forward")
+            key = (f"{func.namespace}.{name}", "forward")
         elif node in self.nodes:
             self.captured += elements
-            self.captured_ops[f"aten.{name}"] += elements
+            self.captured_ops[f"{func.namespace}.{name}"] += elements
             return out
         else:
             kind = type(node).__name__
@@ -169,7 +169,7 @@ class Coverage(TorchDispatchMode):
             if routes_gradients(kind):
                 self.excluded[f"aten.{name} (backward of {kind}: gradient routing and fan-in)"] += 1
                 return out
-            key = (f"aten.{name}", f"backward of {kind}")
+            key = (f"{func.namespace}.{name}", f"backward of {kind}")
         self.uncaptured[key] += elements
         self.uncaptured_calls[key] += 1
         return out

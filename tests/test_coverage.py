@@ -1,0 +1,163 @@
+"""Nothing that computes goes unseen: MoE experts' grouped GEMMs are captured APIs, and coverage.json beside every
+dump says which share of the floating-point work ran inside a captured API and names what did not."""
+
+import json
+import os
+import textwrap
+
+import pytest
+import torch
+
+from msprobe_ci import PrecisionDebugger
+from msprobe_ci.capture import naming
+
+transformers = pytest.importorskip("transformers")
+
+
+def _mixtral(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=128, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+
+
+def _dump(tmp_path, model, name: str = "dump", isolate: bool = False):
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / name), level="mix", task="statistics", isolate=isolate)
+    dbg.start(model)
+    model(input_ids=ids, labels=ids).loss.backward()
+    dbg.stop()
+    folder = tmp_path / name / "step0" / "rank"
+    with open(folder / "coverage.json") as fh:
+        cov = json.load(fh)
+    with open(folder / "dump.json") as fh:
+        data = json.load(fh)["data"]
+    return cov, data
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_moe_grouped_gemms_are_captured_and_coverage_is_full(tmp_path, isolate):
+    """Stock Mixtral (transformers' default grouped_mm experts): torch._grouped_mm is captured forward and backward
+    as Torch._grouped_mm (2 per layer), and every floating-point ATen op of the step ran inside a captured API
+    (the isolation's own oracle and bench runs are not the model's work)."""
+    cov, data = _dump(tmp_path, _mixtral(), isolate=isolate)
+    gemms = sorted(k for k in data if k.startswith("Torch._grouped_mm."))
+    assert gemms == ["Torch._grouped_mm.0.backward", "Torch._grouped_mm.0.forward", "Torch._grouped_mm.1.backward",
+                     "Torch._grouped_mm.1.forward"]
+    assert cov["share"] == 1.0 and cov["uncaptured"] == [] and cov["uncaptured_elements"] == 0
+    assert cov["captured_ops"]["aten._grouped_mm"] > 0 and cov["captured_elements"] > 0
+    assert cov["excluded"]["aten.view"] > 0  # views are listed, not counted
+
+
+def test_an_uncaptured_api_is_named_forward_and_backward(tmp_path, monkeypatch):
+    """With torch._grouped_mm left out of the capture (as it was before), coverage.json names it, forward and in
+    the backward of its autograd node, and the share drops to what the other APIs compute."""
+    monkeypatch.setattr(naming, "COMPUTE_PRIVATE", frozenset())
+    monkeypatch.setattr(naming, "_TABLE", None)
+    cov, data = _dump(tmp_path, _mixtral())
+    assert not [k for k in data if "_grouped_mm" in k]
+    ops = {(u["op"], u["pass"]): u for u in cov["uncaptured"]}
+    assert set(ops) == {("aten._grouped_mm", "forward"), ("aten._grouped_mm", "backward of GroupedMmBackward0")}
+    assert ops[("aten._grouped_mm", "forward")]["calls"] == 2
+    assert ops[("aten._grouped_mm", "backward of GroupedMmBackward0")]["calls"] == 4  # d(input) and d(weight) each
+    assert 0.3 < cov["share"] < 0.95
+    total = cov["captured_elements"] + cov["uncaptured_elements"]
+    assert cov["uncaptured_elements"] == sum(u["elements"] for u in cov["uncaptured"])
+    assert cov["share"] == pytest.approx(cov["captured_elements"] / total)
+
+
+@torch.library.custom_op("msprobe_ci_test::cube", mutates_args=())
+def _cube(x: torch.Tensor) -> torch.Tensor:
+    return x * x * x
+
+
+@_cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _CustomOpNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.ops.msprobe_ci_test.cube(self.fc(x))
+
+
+def test_a_custom_op_is_uncaptured_work_named_by_its_namespace(tmp_path):
+    """An op no capture list knows (a torch.library custom op) computes outside every captured API: it is named
+    with its own namespace and counted by the elements it writes; the Linear around it is captured."""
+    torch.manual_seed(0)
+    model, x = _CustomOpNet(), torch.randn(4, 8)
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="mix", task="statistics", isolate=False)
+    dbg.start(model)
+    model(x)
+    dbg.stop()
+    cov = json.loads((tmp_path / "d" / "step0" / "rank" / "coverage.json").read_text())
+    assert [(u["op"], u["pass"], u["calls"], u["elements"]) for u in cov["uncaptured"]] == \
+        [("msprobe_ci_test.cube", "forward", 1, 32)]
+    assert cov["captured_elements"] == 32 and cov["share"] == 0.5  # the Linear's 4x8 output, then the cube's
+
+
+def test_coverage_note_and_a_bad_coverage_file(tmp_path):
+    """read_coverage: a share below 1 adds its one-line summary to the notes; a hostile or broken coverage.json
+    is a note saying why, never a crash of the compare."""
+    from msprobe_ci.check import read_coverage
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    assert read_coverage(str(folder)) is None
+    (folder / "coverage.json").write_text(json.dumps({"share": 0.75, "uncaptured": [
+        {"op": "aten.mm", "pass": "forward", "calls": 3, "elements": 12}]}))
+    notes: list = []
+    cov = read_coverage(str(folder), notes)
+    assert cov["share"] == 0.75
+    assert notes == ["coverage 75.0% of floating-point work; uncaptured: aten.mm x3 (forward)"]
+    for bad in ('{"share": 2}', '{"share": "1"}', '{"share": 1, "uncaptured": [{"op": 1}]}', "[", '{"x": 1}'):
+        (folder / "coverage.json").write_text(bad)
+        notes = []
+        assert read_coverage(str(folder), notes) is None
+        assert len(notes) == 1 and notes[0].startswith("coverage.json unreadable (") and "\n" not in notes[0]
+
+
+CUSTOM_OP_TEST = textwrap.dedent('''
+    import torch
+
+    @torch.library.custom_op("msprobe_ci_suite::cube", mutates_args=())
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x * x * x
+
+    @cube.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.ops.msprobe_ci_suite.cube(self.fc(x))
+
+    def test_net(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(Net(), torch.randn(4, 8))
+''')
+
+
+def test_plugin_warns_and_require_coverage_fails(pytester):
+    """In the plugin a check whose target computed outside every captured API passes with a warning naming the
+    op; --msprobe-require-coverage makes it the test's failure, one line."""
+    pytester.makepyfile(test_custom=CUSTOM_OP_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "always")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*msprobe: coverage 50.0% of floating-point work; uncaptured: "
+                                 "msprobe_ci_suite.cube x1 (forward)*"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-require-coverage")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: coverage 50.0% of floating-point work; uncaptured: msprobe_ci_suite.cube "
+                                 "x1 (forward): that work has no per-API verdict*--msprobe-require-coverage*"])
+    assert os.path.isfile(pytester.path / "msprobe-out" / "test_custom.py_test_net" / "check0" / "target" /
+                          "step0" / "rank" / "coverage.json")
