@@ -9,8 +9,11 @@ high      anomaly in the inputs and in the output, or a numerical mutation: the 
 medium    anomaly in the inputs only
 ========  =============================================================================================
 
-A record is anomalous when its ``Max``, ``Min`` or ``Mean`` is ``inf``, ``-inf`` or ``nan`` (Norm is not read, as
-msprobe). Outputs of ``Torch.empty*`` are ignored (uninitialised memory).
+A record is anomalous when its ``Max`` or ``Min`` is ``inf``, ``-inf`` or ``nan``: the tensor's own values (Mean only
+where a record has neither, Norm never). Departure from msprobe, which reads Mean too: a finite tensor near the
+dtype's max (an fp32 ``-1e38`` mask) has a Mean that overflows when it is summed in its own dtype, as msprobe does,
+and that is no overflow of the model; any NaN or Inf element shows in Max or Min. Outputs of ``Torch.empty*`` are
+ignored (uninitialised memory).
 
 **Overflow** means NaN/Inf, one rule for the CLI, the pytest plugin and the graphs: a numerical mutation (a norm
 jump with every value finite) is reported as a ``norm_jump`` anomaly, which msprobe's graphs colour as ``high``,
@@ -58,6 +61,14 @@ def _bad(v: Any) -> bool:
     return str(v).strip().lower() in ("inf", "-inf", "nan", "infinity", "-infinity")
 
 
+def anomalous(record: dict) -> bool:
+    """Whether a tensor record holds NaN/Inf: its Max or Min is non-finite (Mean only where both are absent)."""
+    ext = (record.get("Max"), record.get("Min"))
+    if any(v is not None for v in ext):
+        return any(_bad(v) for v in ext)
+    return _bad(record.get("Mean"))
+
+
 def _records(value: Any, path: str) -> Iterator[tuple[str, dict]]:
     if isinstance(value, dict) and ("dtype" in value or "type" in value):
         yield path, value
@@ -95,11 +106,11 @@ def check_entry(name: str, entry: Any) -> Anomaly | None:
         return None
     if ".parameters_grad" in name:
         outs = list(_records(entry, "parameters_grad"))
-        bad = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
+        bad = [p for p, r in outs if anomalous(r)]
         return Anomaly(name, "critical", tuple(bad)) if bad else None
     ins, outs = _sides(entry, name)
-    bad_in = [p for p, r in ins if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
-    bad_out = [p for p, r in outs if any(_bad(r.get(k)) for k in ("Max", "Min", "Mean"))]
+    bad_in = [p for p, r in ins if anomalous(r)]
+    bad_out = [p for p, r in outs if anomalous(r)]
     if any(name.startswith(p + ".") for p in _IGNORED_OUTPUT):
         bad_out = []
     if bad_out and not bad_in:

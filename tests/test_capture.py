@@ -1,6 +1,7 @@
 """Capture: names, layout, statistics, tensor files, md5, filters and config errors."""
 
 import json
+import math
 import os
 import zlib
 
@@ -230,3 +231,66 @@ def test_in_place_ops_on_module_inputs_and_outputs(kind, tmp_path):
     rec = data[node]
     assert rec["input"] and rec["output"], rec
     assert sum(k.startswith("Module.") and ".backward." in k for k in data) >= 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_statistics_of_a_finite_tensor_near_the_max_stay_finite(dtype):
+    """An RWKV-style -1e38 mask (fp32, bf16) or -1e305 (fp64): Mean (a float64 sum) and Norm (scaled by the largest
+    magnitude) are finite and right to the float64 value; a real Inf or NaN still shows in Max/Min/Norm."""
+    from msprobe_ci.capture.records import RecordBuilder
+
+    big = -1e305 if dtype == torch.float64 else -1e38
+    t = torch.tensor([big] * 999 + [1.0], dtype=dtype)
+    exact = t.double()
+    rb = RecordBuilder()
+    rec = rb.tensor(t)
+    rb.resolve()
+    assert all(isinstance(rec[k], float) and math.isfinite(rec[k]) for k in ("Max", "Min", "Mean", "Norm")), rec
+    assert rec["Mean"] == pytest.approx(float(exact.mean()), rel=1e-12)
+    want_norm = float(exact.abs().max()) * float((exact / exact.abs().max()).norm())
+    assert rec["Norm"] == pytest.approx(want_norm, rel=1e-6)
+    small = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(dtype)
+    rec2 = rb.tensor(small)
+    rb.resolve()
+    assert rec2["Norm"] == pytest.approx(float(small.double().norm()), rel=1e-6)  # no scaling needed there
+    for special, key in ((float("inf"), "Max"), (float("nan"), "Max")):
+        bad = t.clone()
+        bad[0] = special
+        rec3 = rb.tensor(bad)
+        rb.resolve()
+        assert str(rec3[key]) in ("inf", "nan") and str(rec3["Norm"]) in ("inf", "nan")
+
+
+def test_overflow_reads_max_and_min_not_an_overflowed_mean(tmp_path):
+    """A model that adds a -1e38 fp32 mask (finite) has no overflow: the dump's statistics are finite and the
+    overflow check reads Max/Min; a record made elsewhere with a Mean of -inf but finite Max/Min (msprobe sums in
+    the tensor's dtype) is no anomaly either, while an Inf in Max or Min still is."""
+    from msprobe_ci.dump.reader import load_dump
+    from msprobe_ci.overflow import anomalous, check_entry, check_overflow
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            mask = torch.triu(torch.full((8, 8), -1e38), diagonal=1)
+            return torch.softmax(self.fc(x) + mask, dim=-1)
+
+    torch.manual_seed(0)
+    model = Masked()
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="mix", task="statistics", isolate=False)
+    dbg.start(model)
+    model(torch.randn(8, 8))
+    dbg.stop()
+    dump = load_dump(str(tmp_path / "d" / "step0" / "rank"))
+    add = dump.data["Tensor.__add__.0.forward"]["output"][0]
+    assert add["Min"] == pytest.approx(-1e38, rel=1e-6) and abs(add["Mean"]) < 1e38 and add["Norm"] < 1e39
+    assert not check_overflow(dump).has_overflow
+    rec = {"type": "torch.Tensor", "dtype": "torch.float32", "Max": 1.0, "Min": -1e38, "Mean": "-inf", "Norm": "inf"}
+    assert not anomalous(rec)
+    assert check_entry("Tensor.__add__.0.forward", {"input_args": [], "output": [rec]}) is None
+    assert anomalous({**rec, "Min": "-inf"}) and anomalous({**rec, "Max": "nan"})
+    assert anomalous({"type": "torch.Tensor", "Max": None, "Min": None, "Mean": "nan"})
+    assert check_entry("Tensor.__add__.0.forward", {"input_args": [], "output": [{**rec, "Min": "-inf"}]}).level \
+        == "critical"

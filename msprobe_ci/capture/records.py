@@ -9,13 +9,17 @@ its module) reuses its statistics, its CRC and its CPU copy: on the benchmark bl
 per step 2.65-fold. Identity is checked through a weak reference, so a freed tensor whose ``id`` is reused is
 never mistaken for the old one.
 
-Deviation from msprobe, on purpose: Mean and Norm of fp16/bf16 tensors are accumulated in float32 (msprobe keeps
-the tensor's own dtype, which rounds a bf16 Norm to 3 significant digits and would blur the comparison); fp64
-tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there).
+Deviations from msprobe, on purpose: the Mean of a floating tensor is its sum accumulated in float64, and its Norm
+is computed so that it cannot overflow (:func:`_sum_and_norm`): a finite tensor has finite statistics wherever the value
+is representable (msprobe sums in the tensor's dtype, so an fp32 tensor of ``-1e38`` masks gets ``Mean -inf`` and
+``Norm inf``, which its overflow check then reports); fp16/bf16 values are upcast to float32 for Max/Min/Norm
+(msprobe keeps the tensor's own dtype, which rounds a bf16 Norm to 3 significant digits and would blur the
+comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 import zlib
 from typing import Any
@@ -86,7 +90,9 @@ class RecordBuilder:
                 # (CPU, torch 2.13); half types are upcast once, which beats four reductions in bf16. Mean is
                 # the sum divided by numel on the host at resolve() (one kernel fewer per tensor).
                 w = t if dt in (torch.float32, torch.float64) else t.float()
-                stats = (_ALL4, (w.amax(), w.amin(), w.sum(), torch.linalg.vector_norm(w)), numel)
+                mx, mn = w.amax(), w.amin()
+                total, norm, divisor = _sum_and_norm(w, dt, mx, mn, numel)
+                stats = (_ALL4, (mx, mn, total, norm), divisor)
             elif dt == torch.bool:
                 stats = (_EXTREMA, (t.any(), t.all()), None)
             elif not dt.is_complex:
@@ -172,6 +178,32 @@ class RecordBuilder:
         if type(v).__module__ == "numpy" and getattr(v, "ndim", None) == 0:
             return {"type": type(v).__name__, "value": v.item()}
         return None
+
+
+def _sum_and_norm(w: torch.Tensor, dtype: torch.dtype, mx: torch.Tensor, mn: torch.Tensor, numel: int):
+    """``(sum, norm, divisor)`` of ``w`` (``dtype``: the recorded tensor's; Mean = sum / divisor at resolve),
+    finite wherever every element is finite and the statistic itself is representable.
+
+    The sum is accumulated in float64 (an fp32 ``-1e38`` mask summed in fp32, as msprobe does, is ``-inf``); the
+    squares of fp32/bf16/fp64 values near the dtype's max overflow, so the norm is taken of ``w / s`` times ``s``,
+    ``s`` the largest magnitude, and an fp64 tensor whose float64 sum could overflow gets its Mean the same way
+    (divisor 1). On the CPU the scaled pass runs only where the plain one could overflow (``s^2 * numel`` or
+    ``s * numel`` near the max); on a device the norm is always scaled, which keeps statistics free of host
+    syncs. fp16 (upcast to fp32) cannot overflow."""
+    total = w.sum(dtype=torch.float64)
+    if dtype == torch.float16:
+        return total, torch.linalg.vector_norm(w), numel
+    s = torch.maximum(mx, -mn)
+    if w.device.type == "cpu":
+        bound = float(s)
+        if not math.isfinite(bound) or bound * bound * numel < torch.finfo(w.dtype).max / 4:
+            return total, torch.linalg.vector_norm(w), numel
+    scale = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+    scaled = w / scale
+    norm = torch.linalg.vector_norm(scaled) * scale.to(torch.float64)
+    if w.dtype == torch.float64 and (w.device.type != "cpu" or bound * numel >= torch.finfo(torch.float64).max / 4):
+        return scaled.sum() * (scale / numel), norm, None
+    return total, norm, numel
 
 
 def _version(t: torch.Tensor) -> int | None:
