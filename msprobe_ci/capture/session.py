@@ -78,13 +78,16 @@ class CaptureSession:
         free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark`: every recorded API call is also re-run
             in higher precision and on bit-noised inputs and judged with no bench (``free_benchmark.json`` beside
             dump.json); ``None`` (default) does not.
+        coverage: at L1 and mix, count every ATen op's floating-point work inside and outside the recorded APIs
+            (``coverage.json`` beside dump.json, :mod:`.coverage`); default True.
 
     Raises:
         MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
     """
 
     def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None,
-                 opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None):
+                 opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None,
+                 coverage: bool = True):
         config.validate()
         self.isolator = isolator
         self.free_bench = free_bench
@@ -119,7 +122,7 @@ class CaptureSession:
         self._bwd_out = "backward" in modes and "output" in modes
         self._bwd = "backward" in modes
         # the share of floating-point work inside recorded APIs (coverage.json), for API-level captures
-        self.coverage = Coverage(lambda: self._busy) if self.api_level else None
+        self.coverage = Coverage(lambda: self._busy) if self.api_level and coverage else None
         self._reset_step_state()
 
     # ------------------------------------------------------------------ lifecycle
