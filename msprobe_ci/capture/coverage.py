@@ -69,18 +69,22 @@ def routes_gradients(node_type: str) -> bool:
 
 
 _QUIET = [0]  # > 0 while a hook of the capture or the isolation runs
+_ACTIVE: list = []  # the Coverage modes of the running capture sessions
 
 
 def quiet(fn):
     """``fn`` (a hook of the capture or of the isolation) with its ATen ops left out of the coverage count:
     statistics of a module's gradients, the isolation's backward oracle, are the machinery's work, not the
-    model's."""
+    model's. The mode steps off the dispatch stack meanwhile, so those ops do not pass through Python."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         _QUIET[0] += 1
+        off = [c for c in _ACTIVE if c.suspend()]
         try:
             return fn(*args, **kwargs)
         finally:
+            for c in reversed(off):
+                c.resume()
             _QUIET[0] -= 1
     return wrapper
 
@@ -105,7 +109,40 @@ class Coverage(TorchDispatchMode):
         super().__init__()
         self.busy = busy
         self.depth = 0  # > 0 while a recorded API call runs (forward)
+        self._suspended = False
         self.reset()
+
+    # ------------------------------------------------------------------ on and off the dispatch stack
+    def start(self) -> None:
+        """Push the mode: count from now on."""
+        self.__enter__()
+        self._suspended = False
+        _ACTIVE.append(self)
+
+    def stop(self) -> None:
+        """Pop the mode (it is off the stack already while suspended)."""
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if self._suspended:
+            self._suspended = False
+        else:
+            self.__exit__(None, None, None)
+
+    def suspend(self) -> bool:
+        """Step off the dispatch stack while the capture machinery runs (its ops then cost no Python call);
+        only when this mode is the innermost one. Returns whether it stepped off."""
+        n = torch._C._len_torch_dispatch_stack()
+        if self._suspended or self not in _ACTIVE or not n or torch._C._get_dispatch_stack_at(n - 1) is not self:
+            return False
+        torch._C._pop_torch_dispatch_stack(None)  # the C stack only: __exit__'s flag bookkeeping costs more than
+        self._suspended = True                    # the ops it would save, and the flags stay as they were
+        return True
+
+    def resume(self) -> None:
+        """Back on the dispatch stack after :meth:`suspend`."""
+        if self._suspended:
+            self._suspended = False
+            torch._C._push_on_torch_dispatch_stack(self)
 
     def reset(self) -> None:
         """Forget the step's counts and the autograd nodes of its recorded calls."""

@@ -107,7 +107,7 @@ class CaptureSession:
         self._token_range: tuple[int, int] | None = None
         self._token_hooked: dict[int, tuple] = {}
         self._root_calls = 0
-        self._busy = False
+        self._busy_flag = False
         self._mode: _ApiMode | None = None
         self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
         self._hooked: dict[int, list] = {}
@@ -126,6 +126,22 @@ class CaptureSession:
         self._reset_step_state()
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def _busy(self) -> bool:
+        """True while the capture machinery itself runs (statistics, isolation, writer): its torch calls are
+        not the model's. Setting it steps the coverage mode off the dispatch stack and back."""
+        return self._busy_flag
+
+    @_busy.setter
+    def _busy(self, value: bool) -> None:
+        cov = getattr(self, "coverage", None)
+        if cov is not None and value != self._busy_flag:
+            if value:
+                cov.suspend()
+            else:
+                cov.resume()
+        self._busy_flag = value
+
     def _reset_step_state(self) -> None:
         self.data: dict[str, Any] = {}
         self.construct: dict[str, Any] = {}
@@ -222,7 +238,7 @@ class CaptureSession:
             self._mode = _ApiMode(self)
             self._mode.__enter__()
             if self.coverage is not None:
-                self.coverage.__enter__()
+                self.coverage.start()
         if self.api_level and self._comm is None and torch.distributed.is_available():
             from .comm import CommPatch
 
@@ -244,7 +260,7 @@ class CaptureSession:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             if self.coverage is not None:
-                self.coverage.__exit__(None, None, None)
+                self.coverage.stop()
             mode.__exit__(None, None, None)
         if self._comm is not None:
             comm, self._comm = self._comm, None
