@@ -332,6 +332,34 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
                         tuple(api_checks), tuple(notes), coverage)
 
 
+def merge_coverage(covs: list, notes: list | None = None) -> dict | None:
+    """The coverage of several ranks' dumps as one: elements summed, the uncaptured ops merged by (op, pass); a
+    share below 1 adds its summary to ``notes``. ``None`` when no rank has a figure."""
+    import collections
+
+    from .capture.coverage import summary
+
+    covs = [c for c in covs if c is not None]
+    if not covs:
+        return None
+    captured = sum(int(c.get("captured_elements", 0)) for c in covs)
+    calls: collections.Counter = collections.Counter()
+    elements: collections.Counter = collections.Counter()
+    for c in covs:
+        for u in c["uncaptured"]:
+            calls[(u["op"], u["pass"])] += u["calls"]
+            elements[(u["op"], u["pass"])] += u["elements"]
+    unc = sum(elements.values())
+    total = captured + unc
+    out = {"share": captured / total if total else min(c["share"] for c in covs), "captured_elements": captured,
+           "uncaptured_elements": unc,
+           "uncaptured": [{"op": op, "pass": where, "calls": calls[(op, where)], "elements": n}
+                          for (op, where), n in elements.most_common()]}
+    if out["share"] < 1.0 and notes is not None:
+        notes.append(summary(out))
+    return out
+
+
 def read_coverage(folder: str, notes: list | None = None) -> dict | None:
     """The ``coverage.json`` beside a dump (:mod:`msprobe_ci.capture.coverage`), checked field by field: ``share``
     a number in [0, 1], ``uncaptured`` a list of ``{op, pass, calls, elements}``. A share below 1 adds its one-line

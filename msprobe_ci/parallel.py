@@ -180,7 +180,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
     Raises:
         MsprobeError: unreadable dumps, or layouts that do not fit the rank folders.
     """
-    from .check import CheckOutcome
+    from .check import CheckOutcome, merge_coverage, read_coverage
     from .compare import compare_dumps
     from .compare.isolated import apply_isolation, load_isolation
     from .compare.merge import merge_isolation, merged_pairs
@@ -198,8 +198,10 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
                                 cast_roundoff=cast_roundoff, bench_stack=b.dump.stack)
         csv_path = report.write_csv(out_dir, prefix=f"compare_result_step{step}_group{i}")
         overflow = new_overflows(check_overflow(t.dump), check_overflow(b.dump))
-        merged = (f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes)
-        out.append((step, i, t, CheckOutcome(report, t.dump, b.dump, csv_path, None, (), overflow, (), merged)))
+        merged = [f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes]
+        coverage = merge_coverage([read_coverage(_rank_folder(t.dump.folder, r)) for r in t.ranks], merged)
+        out.append((step, i, t, CheckOutcome(report, t.dump, b.dump, csv_path, None, (), overflow, (), tuple(merged),
+                                             coverage)))
     return out
 
 

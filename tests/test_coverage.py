@@ -161,3 +161,26 @@ def test_plugin_warns_and_require_coverage_fails(pytester):
                                  "x1 (forward): that work has no per-API verdict*--msprobe-require-coverage*"])
     assert os.path.isfile(pytester.path / "msprobe-out" / "test_custom.py_test_net" / "check0" / "target" /
                           "step0" / "rank" / "coverage.json")
+
+
+def test_ranks_merge_into_one_coverage_figure():
+    """check_parallel's merged (TP/PP) outcome carries the ranks' coverage as one figure: elements summed, the
+    uncaptured ops merged by op and pass, the summary in the notes; ranks without a figure are left out."""
+    from msprobe_ci.check import merge_coverage
+
+    r0 = {"share": 0.5, "captured_elements": 10, "uncaptured_elements": 10,
+          "uncaptured": [{"op": "aten.mm", "pass": "forward", "calls": 1, "elements": 10}]}
+    r1 = {"share": 0.75, "captured_elements": 30, "uncaptured_elements": 10,
+          "uncaptured": [{"op": "aten.mm", "pass": "forward", "calls": 2, "elements": 6},
+                         {"op": "aten.exp", "pass": "backward of ExpBackward0", "calls": 1, "elements": 4}]}
+    notes: list = []
+    merged = merge_coverage([r0, None, r1], notes)
+    assert merged["share"] == pytest.approx(40 / 60)
+    assert merged["uncaptured"] == [{"op": "aten.mm", "pass": "forward", "calls": 3, "elements": 16},
+                                    {"op": "aten.exp", "pass": "backward of ExpBackward0", "calls": 1, "elements": 4}]
+    assert notes == ["coverage 66.7% of floating-point work; uncaptured: aten.mm x3 (forward), "
+                     "aten.exp x1 (backward of ExpBackward0)"]
+    assert merge_coverage([None, None]) is None
+    full = {"share": 1.0, "captured_elements": 5, "uncaptured_elements": 0, "uncaptured": []}
+    notes = []
+    assert merge_coverage([full], notes)["share"] == 1.0 and notes == []

@@ -13,7 +13,8 @@ ATen level, where every op is seen whichever Python API issued it:
   (:func:`routes_gradients`): it routes gradients and sums the contributions of a value used more than once (a
   tensor sliced into q, k and v, an expanded bias), as does autograd at the capture's own module-boundary nodes;
   and the accumulation of a leaf's ``.grad`` (``AccumulateGrad``), whose result the ``parameters_grad`` records
-  hold;
+  hold; and communication (functional collectives, which DTensor issues in its redistributions: torch.distributed
+  calls are recorded as ``Distributed.*``);
 * what the capture machinery itself runs (statistics, the isolation's oracle and bench, the writer) is not seen.
 
 ``share = captured / (captured + uncaptured)`` elements, with the uncaptured ops by name, pass and count.
@@ -50,8 +51,14 @@ _VIEWS = frozenset("""
 view slice select expand transpose permute t unsqueeze squeeze reshape_alias as_strided split split_with_sizes unbind
 narrow diagonal alias unfold chunk view_as_real view_as_complex unsafe_view reshape
 """.split())
-# the capture's own autograd plumbing (module-boundary aliases, module backward hooks): identities
-_PLUMBING_NODES = frozenset(("_AliasBackward", "BackwardHookFunctionBackward"))
+# nodes that only move gradients: the capture's own autograd plumbing (module-boundary aliases, module backward
+# hooks) and DTensor's conversions between local tensors and distributed ones (their redistribution in the backward
+# is communication, below)
+_PLUMBING_NODES = frozenset(("_AliasBackward", "BackwardHookFunctionBackward", "_FromTorchTensorBackward",
+                             "_ToTorchTensorBackward"))
+# op namespaces of communication: collectives are recorded as Distributed.* where torch.distributed is called;
+# the functional ones DTensor issues inside its redistributions are listed, not counted
+_COMMUNICATION = frozenset(("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"))
 
 
 def _snake(camel: str) -> str:
@@ -181,6 +188,9 @@ class Coverage(TorchDispatchMode):
         if _QUIET[0] or self.busy():
             return out
         name = func.overloadpacket.__name__
+        if func.namespace in _COMMUNICATION:
+            self.excluded[f"{func.namespace}.{name} (communication)"] += 1
+            return out
         if func.is_view or name in MOVES:
             self.excluded[f"{func.namespace}.{name}"] += 1
             return out
