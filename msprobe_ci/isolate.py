@@ -135,6 +135,9 @@ class _Call:
     func: Any = None
     inputs: tuple | None = None  # the target's (args, kwargs), for the error budget, until the call is judged
     versions: tuple = ()  # the inputs' version counters at the call: an input written since is not the call's
+    # grouped GEMMs over a padded buffer: {"output": {i: (dim, end)}, "grad": {tap: (dim, end)}}, the elements
+    # past ``end`` are uninitialised memory (kernels.unwritten) and judged as 0 on every side
+    unwritten: dict = field(default_factory=dict)
 
 
 class Isolator:
@@ -321,6 +324,13 @@ class Isolator:
             kept = (kept[0].detach().clone(), *kept[1:])
         call.inputs = (kept, dict(kw))
         call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
+        regions = kernels.unwritten(func, tuple(args), kw)
+        if regions:
+            taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
+                    (a.is_floating_point() or a.is_complex())]
+            call.unwritten = {"output": {i: r for (kind, i), r in regions.items() if kind == "output"},
+                              "grad": {taps.index(k): r for (kind, k), r in regions.items()
+                                       if kind == "input" and k in taps}}
         if want_grad:
             args, kwargs = self._tap(call, bwd_name, args, kwargs)
         return call, args, kwargs
@@ -419,6 +429,9 @@ class Isolator:
             if isinstance(b, torch.Tensor) and isinstance(t, torch.Tensor) and b.device != t.device:
                 b = b.to(t.device)
             o = oracles.get(row)
+            region = call.unwritten.get("output", {}).get(i) if call.unwritten else None
+            if region is not None:
+                t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
             res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale,
                              terms=lambda i=i: budget(i))
             if res.standard == "ulp" and res.status == "error" and call.inputs is not None and len(targets) == 1:
@@ -773,6 +786,9 @@ class Isolator:
                 o = torch.zeros(t.shape, dtype=torch.float64)
             if call.bench_round:
                 b = kernels.round_to(b, t)
+            region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None
+            if region is not None:
+                t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
             results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
                                                       self.thresholds, terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o

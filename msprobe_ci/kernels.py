@@ -170,6 +170,40 @@ def grouped_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torc
     return out.to(out_dtype) if out_dtype is not None else out
 
 
+def unwritten(func, args: tuple, kwargs: dict) -> dict:
+    """Where a grouped GEMM leaves its result unwritten: ``{("output", i) or ("input", k): (dim, end)}``, the
+    elements at ``end`` and past it along ``dim`` (of output ``i``, or of the gradient w.r.t. positional input
+    ``k``) are uninitialised memory when the groups (``offs[-1]``) stop short of the jagged dimension (a padded
+    token buffer), so no judge may read them (msprobe zeroes the rows past a grouped matmul's valid length, for the
+    same reason). Empty for every other API and where the groups cover the whole dimension."""
+    if func not in REFERENCES or len(args) < 2:
+        return {}
+    a, b, offs = args[0], args[1], kwargs.get("offs")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offs, torch.Tensor)) or \
+            not offs.numel():
+        return {}
+    end = int(offs[-1])
+    if a.dim() == 2 and b.dim() == 3 and end < a.shape[0]:  # rows of mat_a jagged
+        return {("output", 0): (0, end), ("input", 0): (0, end)}
+    if a.dim() == 3 and b.dim() == 2 and end < b.shape[1]:  # columns of mat_b jagged
+        return {("output", 0): (1, end), ("input", 1): (1, end)}
+    if a.dim() == 2 and b.dim() == 2 and end < a.shape[1]:  # the contracted dimension jagged
+        return {("input", 0): (1, end), ("input", 1): (0, end)}
+    return {}
+
+
+def zero_past(t: Any, region: tuple | None) -> Any:
+    """A copy of tensor ``t`` with the elements past ``region`` (``(dim, end)``, :func:`unwritten`) set to 0;
+    ``t`` itself where there is no region or no tensor."""
+    if region is None or not isinstance(t, torch.Tensor) or t.dim() <= region[0]:
+        return t
+    dim, end = region
+    out = t.detach().clone()
+    if end < out.shape[dim]:
+        out.narrow(dim, end, out.shape[dim] - end).zero_()
+    return out
+
+
 def _references() -> dict:
     refs = {}
     for owner, name in ((torch, "_grouped_mm"), (torch.nn.functional, "grouped_mm")):

@@ -184,3 +184,62 @@ def test_ranks_merge_into_one_coverage_figure():
     full = {"share": 1.0, "captured_elements": 5, "uncaptured_elements": 0, "uncaptured": []}
     notes = []
     assert merge_coverage([full], notes)["share"] == 1.0 and notes == []
+
+
+class _PaddedExperts(torch.nn.Module):
+    """Three experts over a 16-row token buffer whose groups end at row 12: rows 12-15 are padding, which
+    torch._grouped_mm leaves unwritten (uninitialised memory) in its output and in the gradient of its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 16, 8) / 4)
+
+    def forward(self, x):
+        y = torch._grouped_mm(x, self.w, offs=torch.tensor([4, 8, 12], dtype=torch.int32))
+        return y[:12]
+
+
+@pytest.mark.parametrize("kernel", ["device", "upcast"])
+def test_grouped_gemm_over_a_padded_buffer_judges_only_what_it_writes(tmp_path, kernel):
+    """The rows past the last group are no result (msprobe zeroes them for its grouped matmul): benign runs pass
+    forward and backward whatever the uninitialised memory holds, and a 2% fault on the written rows is caught,
+    forward and backward."""
+    from msprobe_ci.capture.inject import Fault
+
+    def run(name, faults=()):
+        torch.manual_seed(0)
+        model = _PaddedExperts().to(torch.bfloat16)
+        x = torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True)
+        dbg = PrecisionDebugger(dump_path=str(tmp_path / name), level="mix", task="statistics",
+                                bench_kernel=kernel, inject=faults)
+        dbg.start(model)
+        model(x).float().pow(2).mean().backward()
+        dbg.stop()
+        nodes = json.loads((tmp_path / name / "step0" / "rank" / "isolation.json").read_text())["nodes"]
+        return {k: v["status"] for k, v in nodes.items() if k.startswith("Torch._grouped_mm")}
+
+    for i in range(3):
+        assert run(f"benign{i}") == {"Torch._grouped_mm.0.forward": "pass", "Torch._grouped_mm.0.backward": "pass"}
+    assert run("fwd", [Fault("Torch._grouped_mm", 0, "forward", "scale", 1.02)])["Torch._grouped_mm.0.forward"] == \
+        "error"
+    assert run("bwd", [Fault("Torch._grouped_mm", 0, "backward", "scale", 1.02)])["Torch._grouped_mm.0.backward"] \
+        == "error"
+
+
+def test_unwritten_regions_of_each_grouped_layout():
+    """kernels.unwritten: which output and input-gradient elements a grouped GEMM does not write, per layout."""
+    from msprobe_ci import kernels
+
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    g = torch._grouped_mm
+    assert kernels.unwritten(g, (torch.ones(12, 16), torch.ones(2, 16, 8)), {"offs": offs}) == \
+        {("output", 0): (0, 8), ("input", 0): (0, 8)}
+    assert kernels.unwritten(g, (torch.ones(2, 6, 16), torch.ones(16, 12)), {"offs": offs}) == \
+        {("output", 0): (1, 8), ("input", 1): (1, 8)}
+    assert kernels.unwritten(g, (torch.ones(6, 12), torch.ones(12, 4)), {"offs": offs}) == \
+        {("input", 0): (1, 8), ("input", 1): (0, 8)}
+    assert kernels.unwritten(g, (torch.ones(8, 16), torch.ones(2, 16, 8)), {"offs": offs}) == {}  # all covered
+    assert kernels.unwritten(torch.matmul, (torch.ones(8, 16), torch.ones(16, 8)), {"offs": offs}) == {}
+    t = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(kernels.zero_past(t, (0, 2))[2:], torch.zeros(2, 3)) and torch.equal(t[2:], t[2:])
+    assert kernels.zero_past(t, None) is t
