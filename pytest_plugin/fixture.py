@@ -306,8 +306,13 @@ class MsprobeFixture:
                         f"{', '.join(ov.rows[:4])}); the bench has none there. Artifacts: {check_dir}", pytrace=False)
         if outcome.model_errors:
             c = outcome.model_errors[0]
+            value = float(c["value"])  # "inf"/"nan" are stored as strings (JSON has no such numbers)
+            if not math.isfinite(value):
+                pytest.fail(f"msprobe: model output {c['name']}: {c['message'].split(': ', 1)[-1]}"
+                            + ("; every isolated API passes its own standard" if report.isolated else "")
+                            + f". Artifacts: {check_dir}", pytrace=False)
             pytest.fail(f"msprobe: model output {c['name']} drifts beyond the end-to-end tolerance: relative L2 error "
-                        f"{c['value']:.4g} > {c['threshold']:.4g} ("
+                        f"{value:.4g} > {float(c['threshold']):.4g} ("
                         + ("every isolated API passes its own standard; " if report.isolated else "")
                         + f"set output_rtol to accept this drift). Artifacts: {check_dir}", pytrace=False)
         api_errors = outcome.api_errors

@@ -1,0 +1,83 @@
+"""Every way a `check` fails, through the plugin: the one-line message and the failing JUnit testcase.
+
+The API path (an injected fault named), the unapplied fault and the baseline mismatch are covered in
+test_plugin.py and test_baseline.py; here the model-level testcases (drift beyond the end-to-end tolerance, and
+NaN/Inf on one side only, which used to crash the fixture with a format error) and the overflow check.
+"""
+
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest.importorskip("junitparser")
+
+MODELS = textwrap.dedent('''
+    import torch
+
+    class Exp(torch.nn.Module):
+        """exp of a Linear's output: values to ~300 overflow in fp32 above 88.7 and in fp16 above 11.1, so both
+        sides hold Inf, in different elements."""
+
+        def __init__(self, gain):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+            self.gain = gain
+
+        def forward(self, x):
+            return torch.exp(self.fc(x) * self.gain)
+
+    class Clamped(Exp):
+        def forward(self, x):
+            return torch.exp(self.fc(x) * self.gain).clamp(max=1e4)
+
+    def _x():
+        return torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+
+    def test_both_overflow(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(Exp(300.0), _x())
+
+    def test_drift(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(Exp(1.0), _x(), output_rtol=1e-9)
+
+    def test_target_only_overflow(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(Clamped(12.0), _x())
+''')
+
+
+def _cases(path) -> dict:
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        failure = case.find("failure")
+        test = case.get("classname").split(" check ")[0].rsplit(".", 1)[-1]  # "test_models.test_drift check 0"
+        out[(test, case.get("name"))] = None if failure is None else failure.get("message")
+    return out
+
+
+def test_model_level_and_overflow_failures_say_why_in_one_line_and_in_junit(pytester):
+    pytester.makepyfile(test_models=MODELS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=fp16",
+                                           "--msprobe-junitxml=gate.xml", "--msprobe-no-graph")
+    result.assert_outcomes(failed=3)
+    out = result.stdout.str()
+    assert "ValueError" not in out and "Traceback" not in out
+    result.stdout.fnmatch_lines([
+        "*msprobe: model output model.output: * element(s) NaN/Inf on one side only (target *, bench * of 128 "
+        "non-finite); every isolated API passes its own standard. Artifacts: *",
+        "*msprobe: model output model.output drifts beyond the end-to-end tolerance: relative L2 error * > 1e-09 "
+        "(every isolated API passes its own standard; set output_rtol to accept this drift). Artifacts: *",
+        "*msprobe: overflow on the target at Torch.exp.0.forward (critical: NaN/Inf in output.0); the bench has none "
+        "there. Artifacts: *",
+    ], consecutive=False)
+    cases = _cases(pytester.path / "gate.xml")
+    assert "NaN/Inf on one side only" in cases[("test_both_overflow", "model.output")]
+    assert "relative L2 error" in cases[("test_drift", "model.output")]
+    assert cases[("test_drift", "overflow")] is None
+    assert cases[("test_target_only_overflow", "overflow")] is not None
+    assert cases[("test_target_only_overflow", "model.output")] is None
+    # the overflow is the check's only failure: every API passes on its own inputs
+    assert not [k for k, v in cases.items() if k[0] == "test_target_only_overflow" and v is not None and
+                k[1] != "overflow"]
