@@ -22,7 +22,7 @@ OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
 REQUIRE_DEVICE, BENCH_KERNEL = "--msprobe-require-device", "--msprobe-bench-kernel"
-REQUIRE_COVERAGE = "--msprobe-require-coverage"
+REQUIRE_COVERAGE, REQUIRE_CHECKS = "--msprobe-require-coverage", "--msprobe-require-checks"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 FREE_BENCHMARK, MONITOR = "--msprobe-free-benchmark", "--msprobe-monitor"
 
@@ -83,6 +83,7 @@ FLAGS = [
     (API_LIVE, "msprobe_api_live", "with --msprobe-api-check: re-run the target side on --msprobe-target (default cpu) in the dumped dtypes instead of reading recorded outputs (statistics dumps, fuzzing)."),
     (NO_GRAPH, "msprobe_no_graph", "do not write the compare_<ts>.vis.db graph of each check (written by default under <msprobe-out>/graphs/, one TensorBoard run per check)."),
     (REQUIRE_DEVICE, "msprobe_require_device", "an absent bench or target device fails the check instead of skipping it (a CI gate must not end green on nothing)."),
+    (REQUIRE_CHECKS, "msprobe_require_checks", "a session in which no msprobe check ran (no selected test used the fixture or the marker: a refactor dropped it, -k deselected it) fails with exit code 1; without it the summary says so whenever an msprobe option was given."),
     (REQUIRE_COVERAGE, "msprobe_require_coverage", "fail a check whose target ran floating-point work outside every captured API (coverage below 100%, the uncaptured ATen ops named); without it that is a warning."),
     (MONITOR, "msprobe_monitor", "msprobe.check_training also runs the training monitor on both sides (activation, gradient and optimizer-state statistics per step; NaN/Inf and 10x-median jump alerts): a target anomaly the bench does not share fails the test; monitor.db, CSVs and monitor.png in the artifacts."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),

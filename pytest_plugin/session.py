@@ -62,6 +62,9 @@ class ProbeSession:
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.require_device = bool(_opt(config, "msprobe_require_device"))
         self.require_coverage = bool(_opt(config, "msprobe_require_coverage"))
+        self.require_checks = bool(_opt(config, "msprobe_require_checks"))
+        # the user asked for msprobe: an option on the command line (a session that then checks nothing says so)
+        self.asked = self.require_checks or any(str(a).startswith("--msprobe") for a in config.invocation_params.args)
         self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
         self.isolate = _opt(config, "msprobe_isolate") or "on"
         if self.isolate not in ("on", "off"):
@@ -213,10 +216,13 @@ class ProbeSession:
                     self.results.append(json.load(fh))
 
     api_nothing = ""
+    no_checks = ""
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
         if self.api_nothing:
             terminalreporter.write_line(self.api_nothing, red=True)
+        if self.no_checks:
+            terminalreporter.write_line(self.no_checks, red=self.require_checks, yellow=not self.require_checks)
         if self.api_warnings:
             terminalreporter.section("msprobe api-check warnings")
             for nodeid, detail in self.api_warnings:
@@ -271,6 +277,16 @@ class ProbeSession:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
         c = self.api_counts
+        controller = not hasattr(session.config, "workerinput")
+        if controller and self.asked and not self.results and not c["items"] and \
+                exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
+            # a gate that checked nothing must say so (and, asked to, not end green)
+            self.no_checks = (f"msprobe: no msprobe check ran in this session ({session.testscollected} test(s) "
+                              "collected, none called msprobe.check/check_* or compare_dumps): the gate proved "
+                              "nothing" + (" [--msprobe-require-checks]" if self.require_checks else
+                                           "; --msprobe-require-checks makes this a failure"))
+            if self.require_checks:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if self.api_files and c["items"] and c["skipped"] == c["items"] and \
                 not hasattr(session.config, "workerinput"):
             # a gate that judged nothing must not end green

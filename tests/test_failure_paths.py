@@ -81,3 +81,48 @@ def test_model_level_and_overflow_failures_say_why_in_one_line_and_in_junit(pyte
     # the overflow is the check's only failure: every API passes on its own inputs
     assert not [k for k, v in cases.items() if k[0] == "test_target_only_overflow" and v is not None and
                 k[1] != "overflow"]
+
+
+PLAIN = textwrap.dedent('''
+    def test_one():
+        assert 1 + 1 == 2
+
+    def test_two():
+        assert "msprobe" not in "a refactor dropped the fixture"
+''')
+
+
+@pytest.mark.parametrize("xdist", [False, True])
+def test_a_gate_that_checks_nothing_says_so(pytester, xdist):
+    """An msprobe option on a session where no test calls a check: the summary says the gate proved nothing;
+    --msprobe-require-checks makes it exit 1 (also under xdist, where only the controller knows); without any
+    msprobe option nothing is said."""
+    pytester.makepyfile(test_plain=PLAIN)
+    extra = ["-n", "2"] if xdist else []
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target=npu", *extra)
+    result.assert_outcomes(passed=2)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["msprobe: no msprobe check ran in this session (2 test(s) collected, none called "
+                                 "msprobe.check/check_* or compare_dumps): the gate proved nothing; "
+                                 "--msprobe-require-checks makes this a failure"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target=npu",
+                                           "--msprobe-require-checks", *extra)
+    result.assert_outcomes(passed=2)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["msprobe: no msprobe check ran in this session*the gate proved nothing "
+                                 "[[]--msprobe-require-checks[]]"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
+    assert result.ret == 0 and "no msprobe check ran" not in result.stdout.str()
+
+
+def test_require_checks_is_quiet_when_a_check_ran(pytester):
+    from _suites import MODEL_TEST
+
+    pytester.makepyfile(test_model=MODEL_TEST, test_plain=PLAIN)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-require-checks",
+                                           "--msprobe-no-graph")
+    result.assert_outcomes(passed=3)
+    assert result.ret == 0 and "no msprobe check ran" not in result.stdout.str()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-require-checks", "-k", "plain")
+    assert result.ret == 1  # -k deselected the only check
+    result.stdout.fnmatch_lines(["msprobe: no msprobe check ran in this session (2 test(s) collected*"])

@@ -58,6 +58,7 @@ def test_accuracy_gate_records_on_gpu_and_replays_on_npu():
     assert "--msprobe-record" in record_cmd and "--msprobe-bench=gpu" in record_cmd
     assert "--msprobe-record" not in gate_cmd and "--msprobe-target=npu" in gate_cmd
     assert "--msprobe-require-device" in gate_cmd  # an NPU runner without its NPU must not end green
+    assert "--msprobe-require-checks" in gate_cmd and "--msprobe-require-checks" in record_cmd  # nor one that checks nothing
     baseline = lambda cmd: next(a.split("=", 1)[1] for a in cmd if a.startswith("--msprobe-baseline="))  # noqa: E731
     assert baseline(record_cmd) == baseline(gate_cmd)
     uploads = {s["with"]["name"]: s["with"]["path"] for s in record["steps"] if "upload-artifact" in s.get("uses", "")}
