@@ -130,7 +130,7 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
         records = replay_isolation(report.replayed)
     if records is not None:
         apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff,
-                        source_factor=source_factor, bench_stack=bench_dump.stack)
+                        source_factor=source_factor, bench_stack=bench_dump.stack, bench_data=bench_dump.data)
     return report, target_dump, bench_dump
 
 

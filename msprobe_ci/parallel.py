@@ -195,7 +195,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
             records = merge_isolation({r: load_isolation(f) for r, f in folders.items()}, t.renames)
             if records is not None:
                 apply_isolation(report, records, t.dump.construct, source_factor=source_factor,
-                                cast_roundoff=cast_roundoff, bench_stack=b.dump.stack)
+                                cast_roundoff=cast_roundoff, bench_stack=b.dump.stack, bench_data=b.dump.data)
         csv_path = report.write_csv(out_dir, prefix=f"compare_result_step{step}_group{i}")
         overflow = new_overflows(check_overflow(t.dump), check_overflow(b.dump))
         merged = [f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes]

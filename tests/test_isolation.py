@@ -275,3 +275,56 @@ def test_tensors_of_tiny_scale_are_judged_at_their_own_scale(tmp_path, kernel):
         report, _ = _check(tmp_path / f"{api}-{call}", _tiny_cnn(1e-7), "bf16", kernel=kernel,
                            faults=(Fault(api, call, "forward", "scale", 1.02),))
         assert _api_errors(report) == [f"{api}.{call}.forward"], _api_errors(report)
+
+
+class _Branchy(torch.nn.Module):
+    """A dtype branch, as T5's fp16-only clamp: the fp16 target makes one more clamp call than the fp32 bench,
+    so the counters of every later clamp are shifted by one between the sides."""
+
+    def __init__(self, hi_fp16: float):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.hi_fp16 = hi_fp16
+
+    def forward(self, x):
+        y = self.fc(x)
+        half = y.dtype == torch.float16
+        if half:
+            y = torch.clamp(y, -60000.0, 60000.0)
+        return torch.clamp(y, -0.5, self.hi_fp16 if half else 0.5)
+
+
+@pytest.mark.parametrize("hi, named", [(0.5, False), (0.6, True)])
+def test_a_wrong_scalar_behind_a_dtype_branch_is_still_named(tmp_path, hi, named):
+    """Behind a branch the calls of one name are different calls on the two sides; the target call's scalars are
+    compared with the bench call of the same API at the same place: a wrong clamp bound there is named, the right
+    one passes, and the fp16-only clamp (no bench call at its place) is not blamed."""
+    torch.manual_seed(0)
+    case = (_Branchy(hi), (torch.randn(16, 8, generator=torch.Generator().manual_seed(0)),), None)
+    report, _ = _check(tmp_path, case, target_dtype="fp16")
+    errors = _api_errors(report)
+    if not named:
+        assert errors == []
+        return
+    assert errors == ["Torch.clamp.1.forward"]
+    node = report.first_divergence
+    assert node.name == "Torch.clamp.1.forward" and node.metric == "source"
+    assert "differs from the bench's call at the same place (Torch.clamp.0.forward): value 0.6 vs bench 0.5" in \
+        node.message
+
+
+def test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_range():
+    """The source rule's two allowances are narrow: a finfo constant equals only the same constant of another
+    dtype (min for min), and a bench value past the target's range equals only a target value in the top binade
+    of that range (T5's finfo(float16).max - 1000)."""
+    from msprobe_ci.compare.isolated import _scalar_differs
+
+    f16, f32, bf16 = torch.finfo(torch.float16), torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
+    assert not _scalar_differs(f16.min, f32.min, 1e-6)
+    assert not _scalar_differs(f16.max, bf16.max, 1e-6) and not _scalar_differs(f16.eps, f32.eps, 1e-6)
+    assert _scalar_differs(f16.eps, f32.max, 1e-6) and _scalar_differs(f16.max, f32.tiny, 1e-6)
+    assert _scalar_differs(f16.min, f32.max, 1e-6)
+    assert not _scalar_differs(f16.max - 1000, f32.max - 1000, 1e-6, t_max=f16.max)
+    assert _scalar_differs(3.0, 1e5, 1e-6, t_max=f16.max)  # far below the top of the target's range
+    assert _scalar_differs(-(f16.max - 1000), f32.max - 1000, 1e-6, t_max=f16.max)  # opposite sign
+    assert not _scalar_differs(0.5, 0.5 * (1 + 1e-7), 1e-6) and _scalar_differs(0.5, 0.6, 1e-6)

@@ -34,7 +34,7 @@ from .verdict import CompareResult, unit_roundoff
 
 ISOLATION_FILE = "isolation.json"
 _STAT_U = 2.0 ** -24  # capture takes the statistics of fp32, fp16 and bf16 tensors in fp32 (fp64's in fp64)
-_FINFO_CONSTANTS: set[float] = set()
+_FINFO_CONSTANTS: dict[float, frozenset] = {}
 
 
 def load_isolation(folder: str) -> dict | None:
@@ -106,20 +106,32 @@ def is_tensor_dump(dump) -> bool:
     return any(has(entry) for entry in dump.data.values())
 
 
-def _finfo_constants() -> set[float]:
+def _finfo_roles() -> dict[float, frozenset]:
+    """``{value: roles}``: each floating dtype's ``finfo`` constants by what they are (``max``, ``min`` (= -max),
+    ``eps``, ``tiny``, ``-tiny``); one value may play several roles (float16's and bfloat16's differ)."""
     if not _FINFO_CONSTANTS:
         import torch
 
+        roles: dict[float, set] = {}
         for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             fi = torch.finfo(dt)
-            _FINFO_CONSTANTS.update({fi.min, fi.max, -fi.max, fi.eps, fi.tiny, -fi.tiny})
+            for role, v in (("max", fi.max), ("min", fi.min), ("eps", fi.eps), ("tiny", fi.tiny),
+                            ("-tiny", -fi.tiny)):
+                roles.setdefault(float(v), set()).add(role)
+        _FINFO_CONSTANTS.update({v: frozenset(r) for v, r in roles.items()})
     return _FINFO_CONSTANTS
 
 
 def _scalar_differs(t: Any, b: Any, tol: float, t_max: float = math.inf) -> bool:
-    """Scalars differ beyond ``tol`` (relative). Not a difference: each side's own dtype constant, and a bench
-    value beyond ``t_max`` (the narrowest range of the target's data) against a target value of the same sign,
-    which is the most the target could hold (T5 clamps fp16 activations at ``finfo(float16).max - 1000``)."""
+    """Scalars differ beyond ``tol`` (relative). Not a difference:
+
+    * the same ``finfo`` constant of each side's dtype (``finfo(float16).min`` against ``finfo(float32).min`` as a
+      mask value): the same role (max, min, eps, tiny), never one constant for another (fp16 ``eps`` is not fp32
+      ``max``);
+    * a bench value beyond ``t_max`` (the narrowest range of the target's data) against a target value of the
+      same sign in the top binade of that range, the most the target could hold (T5 clamps fp16 activations at
+      ``finfo(float16).max - 1000``); a target value further down is a difference.
+    """
     if t == b:
         return False
     if isinstance(t, bool) or isinstance(b, bool) or not isinstance(t, (int, float)) or \
@@ -128,10 +140,10 @@ def _scalar_differs(t: Any, b: Any, tol: float, t_max: float = math.inf) -> bool
     t, b = float(t), float(b)
     if math.isnan(t) and math.isnan(b):
         return False
-    consts = _finfo_constants()
-    if t in consts and b in consts and math.copysign(1, t) == math.copysign(1, b):
+    roles = _finfo_roles()
+    if roles.get(t, frozenset()) & roles.get(b, frozenset()):
         return False  # a dtype's own constant (finfo(dtype).min as a mask value) on each side
-    if abs(b) > t_max >= abs(t) and math.copysign(1, t) == math.copysign(1, b):
+    if abs(b) > t_max >= abs(t) >= t_max / 2 and math.copysign(1, t) == math.copysign(1, b):
         return False
     return abs(t - b) > tol * max(abs(b), 1e-30)
 
@@ -149,7 +161,8 @@ def _call_site(frames: list | None) -> str | None:
 
 
 def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any] | None = None,
-                    source_factor: float = 4.0, cast_roundoff: float = 0.0, bench_stack: dict | None = None):
+                    source_factor: float = 4.0, cast_roundoff: float = 0.0, bench_stack: dict | None = None,
+                    bench_data: dict | None = None):
     """Replace the report's node verdicts by the isolated ones (see the module docstring); in place.
 
     Args:
@@ -161,8 +174,11 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             buffers are bf16 even where the model later upcasts them): ``u`` is at least this.
         bench_stack: the bench's stack.json (``{entry: [frames]}``). Where a node's innermost frame differs from
             the target's (``report.target_stack``), the two calls of that name are different calls (code that
-            branches on the dtype, as T5's fp16-only clamp, shifts the call counters) and its sources are not
-            compared.
+            branches on the dtype, as T5's fp16-only clamp, shifts the call counters): the target call's scalar
+            arguments are compared with those of the bench call of the same API made at the same place, the same
+            number of times before (``bench_data``: the bench's dump.json entries); its tensor sources are not
+            compared, and a call the bench never made at that place has nothing to be compared with.
+        bench_data: the bench dump's entries (``{entry: record}``), for the scalar sources of such a call.
 
     Returns:
         The same report, ``report.isolated`` set to ``True``.
@@ -189,6 +205,11 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         if rec.get("sources") and _same_call(node.name, report, bench_stack):
             src = _judge_sources(node.name, rec["sources"], rows_by_name, seen_sources, source_factor,
                                  cast_roundoff, t_max)
+        elif rec.get("sources") and bench_data:
+            twin = _site_twin(node.name, report, bench_stack)
+            if twin is not None and isinstance(bench_data.get(twin), dict):
+                src = _judge_twin_scalars(node.name, twin, rec["sources"], rows_by_name, bench_data[twin],
+                                          source_factor * max(cast_roundoff, 2.0 ** -24) + 1e-7, t_max)
         if src is not None:
             new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source",
                                                        **({"rank": rec["rank"]} if "rank" in rec else {}))))
@@ -287,8 +308,68 @@ def _same_call(name: str, report, bench_stack: dict | None) -> bool:
         return True
     bench_name = (getattr(report, "entry_pairs", None) or {}).get(name, name)
     t_site = _call_site((getattr(report, "target_stack", None) or {}).get(name))
+    if t_site is not None and bench_name not in bench_stack:
+        return False  # the bench made no call of that name: a branch shifted the counters
     b_site = _call_site(bench_stack.get(bench_name))
     return t_site is None or b_site is None or t_site == b_site
+
+
+def _site_twin(name: str, report, bench_stack: dict | None) -> str | None:
+    """The bench call of ``name``'s API and direction made at the target call's place (innermost frame) with as
+    many calls of it at that place before: the same call where a branch shifted the counters; None if none."""
+    t_stack = getattr(report, "target_stack", None) or {}
+    site = _call_site(t_stack.get(name))
+    parts = name.rsplit(".", 2)
+    if site is None or not bench_stack or len(parts) != 3 or not parts[1].isdigit():
+        return None
+    api, direction = parts[0], parts[2]
+
+    def at_site(stack: dict) -> list[str]:
+        found = []
+        for n, frames in stack.items():
+            p = n.rsplit(".", 2)
+            if len(p) == 3 and p[0] == api and p[2] == direction and p[1].isdigit() and _call_site(frames) == site:
+                found.append((int(p[1]), n))
+        return [n for _, n in sorted(found)]
+    mine, theirs = at_site(t_stack), at_site(bench_stack)
+    k = mine.index(name) if name in mine else -1
+    return theirs[k] if 0 <= k < len(theirs) else None
+
+
+def _record_at(entry: dict, path: str) -> Any:
+    """The record of an input under a dump entry by its row path (``0``, ``2.1``, ``max``), or None."""
+    keys = path.split(".")
+    head, rest = keys[0], keys[1:]
+    value = (entry.get("input_args") or [None] * (int(head) + 1))[int(head)] if head.isdigit() and \
+        int(head) < len(entry.get("input_args") or []) else (entry.get("input_kwargs") or {}).get(head)
+    for k in rest:
+        if isinstance(value, list) and k.isdigit() and int(k) < len(value):
+            value = value[int(k)]
+        else:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def _judge_twin_scalars(name: str, twin: str, sources: dict, rows: dict, bench_entry: dict, tol: float,
+                        t_max: float) -> CompareResult | None:
+    """The scalar sources of a target call against those of its bench twin at the same place
+    (:func:`_site_twin`)."""
+    for row_name, info in sources.items():
+        if info.get("kind") != "scalar" or not row_name.startswith(f"{name}.input."):
+            continue
+        rr = rows.get(row_name)
+        t = rr.target.record if rr is not None and rr.target is not None else None
+        b = _record_at(bench_entry, row_name[len(f"{name}.input."):])
+        if not isinstance(t, dict) or b is None or "value" not in t or "value" not in b:
+            continue
+        tv, bv = t.get("value"), b.get("value")
+        if _scalar_differs(tv, bv, tol, t_max):
+            return CompareResult(name=name, status="error", metric="source", value=math.inf, threshold=tol,
+                                 budget=tol, worst_row=row_name, passing_threshold=math.inf,
+                                 message=f"{name}: its input {row_name} (scalar, not computed by any captured API) "
+                                         f"differs from the bench's call at the same place ({twin}): value {tv!r} "
+                                         f"vs bench {bv!r}")
+    return None
 
 
 def _judge_sources(name: str, sources: dict, rows: dict, seen: set[str], factor: float,
