@@ -112,3 +112,23 @@ def test_both_paths_give_the_same_verdicts_forward_and_backward(tmp_path):
     assert streamed.first_divergence.name == report.first_divergence.name
     assert streamed.first_divergence.message == report.first_divergence.message
     assert streamed.counts == report.counts()
+
+
+@pytest.mark.parametrize("call, status", [(4, "error"), (6, "warning"), (12, "error")])
+def test_two_percent_faults_near_the_error_line_pin_error_factor(tmp_path, call, status):
+    """2% bf16 Linear faults on stock Qwen2 land between 1x and 2.5x their drift budget: at 1.70x and 1.84x
+    (calls 4, 12) they are errors only because error_factor is 1.5, at 1.12x (call 6) a warning only because it is
+    above 1.12; a clean run peaks at 0.59x. A changed error_factor flips one of them."""
+    report = _dumps(tmp_path, "qwen2", 0, torch.bfloat16, (Fault("Functional.linear", call=call, value=1.02),))
+    node = next(n for n in report.nodes if n.name == f"Functional.linear.{call}.forward")
+    ratio = node.value / node.budget
+    assert node.status == status, (node.status, ratio)
+    assert (1.5 < ratio < 2.5) if status == "error" else (1.0 < ratio < 1.5)
+    assert node.threshold == pytest.approx(1.5 * node.budget)
+
+
+def test_a_clean_run_stays_below_its_drift_budget(tmp_path):
+    report = _dumps(tmp_path, "qwen2", 0, torch.bfloat16)
+    judged = [n for n in report.nodes if n.budget and n.status != "unmatched"]
+    assert judged and max(n.value / n.budget for n in judged) < 1.0
+    assert report.first_divergence is None
