@@ -300,6 +300,8 @@ class Isolator:
         need_oracle = want_grad or standard_for(short, "torch.float32", self.standards) != "binary"
         if need_oracle:
             dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
+            if dtype == torch.float64 and kernels.reference_note(func):
+                self.results[name]["oracle"] = kernels.reference_note(func)
             try:
                 call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
@@ -501,6 +503,8 @@ class Isolator:
         status = worst([r for _, r in results]) if results else "skip"
         bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
         rec = {"status": status, "sources": keep.get("sources", {})}
+        if keep.get("oracle"):
+            rec["oracle"] = keep["oracle"]
         if bad is None:
             rec["message"] = "no output judged"
         else:
@@ -794,6 +798,10 @@ class Isolator:
             refs[f"{stem}.{i}"] = o
         if results:
             self._store(name, results, refs)
+            note = kernels.reference_note(call.func) if call.oracle_in and \
+                call.oracle_in[0].dtype == torch.float64 else None
+            if note:
+                self.results[name]["oracle"] = note
 
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily

@@ -243,3 +243,20 @@ def test_unwritten_regions_of_each_grouped_layout():
     t = torch.arange(12.0).reshape(4, 3)
     assert torch.equal(kernels.zero_past(t, (0, 2))[2:], torch.zeros(2, 3)) and torch.equal(t[2:], t[2:])
     assert kernels.zero_past(t, None) is t
+
+
+def test_an_fp32_grouped_gemm_record_says_its_oracle_is_the_reference_decomposition(tmp_path):
+    """fp32 inputs get a float64 oracle, which torch._grouped_mm has no kernel for: both isolation records say the
+    oracle ran as one float64 matmul per group, and the call passes against it."""
+    torch.manual_seed(0)
+    model = _PaddedExperts()
+    x = torch.randn(16, 16, requires_grad=True)
+    dbg = PrecisionDebugger(dump_path=str(tmp_path / "d"), level="mix", task="statistics", bench_kernel="upcast")
+    dbg.start(model)
+    model(x).pow(2).mean().backward()
+    dbg.stop()
+    nodes = json.loads((tmp_path / "d" / "step0" / "rank" / "isolation.json").read_text())["nodes"]
+    for name in ("Torch._grouped_mm.0.forward", "Torch._grouped_mm.0.backward"):
+        assert nodes[name]["status"] == "pass", nodes[name]
+        assert nodes[name]["oracle"] == ("torch._grouped_mm has no float64 kernel: its float64 oracle is one matmul "
+                                         "per group")
