@@ -76,6 +76,7 @@ def routes_gradients(node_type: str) -> bool:
 
 
 _QUIET = [0]  # > 0 while a hook of the capture or the isolation runs
+_TAG = "msprobe_ci.coverage"  # the key of a captured call's autograd nodes in their metadata
 _ACTIVE: list = []  # the Coverage modes of the running capture sessions
 
 
@@ -158,7 +159,9 @@ class Coverage(TorchDispatchMode):
         self.uncaptured_calls: collections.Counter = collections.Counter()
         self.captured_ops: collections.Counter = collections.Counter()  # op -> elements (inside recorded APIs)
         self.excluded: collections.Counter = collections.Counter()  # op -> calls (data movement, views, ...)
-        self.nodes: set = set()
+        # the autograd nodes of this step's recorded calls carry this token in their metadata (a tag on the C++
+        # node: no reference held, so a graph nobody runs backward through is freed as it would be)
+        self.token = object()
 
     # ------------------------------------------------------------------ the capture session's side
     @staticmethod
@@ -176,11 +179,15 @@ class Coverage(TorchDispatchMode):
         stack = [t.grad_fn for t in tensors_of(out) if t.grad_fn is not None]
         while stack and limit > 0:
             node = stack.pop()
-            if node in before or node in self.nodes or type(node).__name__ == "AccumulateGrad":
+            if node in before or type(node).__name__ == "AccumulateGrad" or self.captures(node):
                 continue
-            self.nodes.add(node)
+            node.metadata[_TAG] = self.token
             limit -= 1
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def captures(self, node) -> bool:
+        """Whether ``node`` was created by one of this step's recorded calls (:meth:`adopt`)."""
+        return node.metadata.get(_TAG) is self.token
 
     # ------------------------------------------------------------------ the dispatch side
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -204,7 +211,7 @@ class Coverage(TorchDispatchMode):
         node = torch._C._current_autograd_node()
         if node is None:
             key = (f"{func.namespace}.{name}", "forward")
-        elif node in self.nodes:
+        elif self.captures(node):
             self.captured += elements
             self.captured_ops[f"{func.namespace}.{name}"] += elements
             return out
