@@ -76,7 +76,7 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     dbg = None
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
-        dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics")
+        dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics", isolate=False)  # capture alone
     elif mode.startswith("isolated-"):
         from msprobe_ci.capture import CaptureSession
         from msprobe_ci.config import DumpConfig
@@ -174,6 +174,7 @@ def main():
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                     help="model dtype (isolation's oracle is fp64 for fp32, fp32 for bf16/fp16)")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (default: all)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -186,6 +187,8 @@ def main():
         modes = ["none", "msprobe-ci", *ISOLATED, "msprobe"]
     except ImportError:
         modes = ["none", "msprobe-ci", *ISOLATED]
+    if args.modes:
+        modes = [m for m in modes if m in args.modes.split(",")]
     results = {m: [] for m in modes}
     recs, captured = {}, {}
     for _ in range(args.rounds):

@@ -9,9 +9,8 @@ its module) reuses its statistics, its CRC and its CPU copy: on the benchmark bl
 per step 2.65-fold. Identity is checked through a weak reference, so a freed tensor whose ``id`` is reused is
 never mistaken for the old one.
 
-Deviations from msprobe, on purpose: the Mean of a floating tensor is its sum accumulated in float64, and its Norm
-is computed so that it cannot overflow (:func:`_sum_and_norm`): a finite tensor has finite statistics wherever the value
-is representable (msprobe sums in the tensor's dtype, so an fp32 tensor of ``-1e38`` masks gets ``Mean -inf`` and
+Deviations from msprobe, on purpose: the Mean and Norm of a floating tensor are computed so that they cannot
+overflow (:func:`_sum_and_norm`): a finite tensor has finite statistics wherever the value is representable (msprobe sums in the tensor's dtype, so an fp32 tensor of ``-1e38`` masks gets ``Mean -inf`` and
 ``Norm inf``, which its overflow check then reports); fp16/bf16 values are upcast to float32 for Max/Min/Norm
 (msprobe keeps the tensor's own dtype, which rounds a bf16 Norm to 3 significant digits and would blur the
 comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there).
@@ -181,29 +180,27 @@ class RecordBuilder:
 
 
 def _sum_and_norm(w: torch.Tensor, dtype: torch.dtype, mx: torch.Tensor, mn: torch.Tensor, numel: int):
-    """``(sum, norm, divisor)`` of ``w`` (``dtype``: the recorded tensor's; Mean = sum / divisor at resolve),
-    finite wherever every element is finite and the statistic itself is representable.
+    """``(sum, norm, divisor)`` of ``w`` (``dtype``: the recorded tensor's; Mean = sum / divisor at resolve, or
+    the Mean itself where the divisor is None), finite wherever every element is finite and the statistic itself
+    is representable.
 
-    The sum is accumulated in float64 (an fp32 ``-1e38`` mask summed in fp32, as msprobe does, is ``-inf``); the
-    squares of fp32/bf16/fp64 values near the dtype's max overflow, so the norm is taken of ``w / s`` times ``s``,
-    ``s`` the largest magnitude, and an fp64 tensor whose float64 sum could overflow gets its Mean the same way
-    (divisor 1). On the CPU the scaled pass runs only where the plain one could overflow (``s^2 * numel`` or
-    ``s * numel`` near the max); on a device the norm is always scaled, which keeps statistics free of host
-    syncs. fp16 (upcast to fp32) cannot overflow."""
-    total = w.sum(dtype=torch.float64)
+    Summed and squared in its own dtype, as msprobe does, an fp32 tensor of ``-1e38`` masks has ``Mean -inf`` and
+    ``Norm inf``. Where that could happen (``s^2 * numel`` near the dtype's max, ``s`` the largest magnitude) both
+    are taken of ``w / s`` and scaled back in float64. On the CPU the scaled pass runs only then (one host read of
+    ``s`` decides); on a device it always runs, which keeps statistics free of host syncs. fp16 (upcast to fp32)
+    cannot overflow."""
     if dtype == torch.float16:
-        return total, torch.linalg.vector_norm(w), numel
-    s = torch.maximum(mx, -mn)
+        return w.sum(), torch.linalg.vector_norm(w), numel
     if w.device.type == "cpu":
-        bound = float(s)
+        bound = max(float(mx), -float(mn))  # two host reads of 0-d CPU tensors: cheaper than one more op
+        # s^2 * n below the max bounds the sum (s * n) too: s >= 1 makes it the larger, s < 1 leaves s * n < n
         if not math.isfinite(bound) or bound * bound * numel < torch.finfo(w.dtype).max / 4:
-            return total, torch.linalg.vector_norm(w), numel
+            return w.sum(), torch.linalg.vector_norm(w), numel
+    s = torch.maximum(mx, -mn)
     scale = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
     scaled = w / scale
-    norm = torch.linalg.vector_norm(scaled) * scale.to(torch.float64)
-    if w.dtype == torch.float64 and (w.device.type != "cpu" or bound * numel >= torch.finfo(torch.float64).max / 4):
-        return scaled.sum() * (scale / numel), norm, None
-    return total, norm, numel
+    big = scale.to(torch.float64)
+    return scaled.sum(dtype=torch.float64) * (big / numel), torch.linalg.vector_norm(scaled) * big, None
 
 
 def _version(t: torch.Tensor) -> int | None:
