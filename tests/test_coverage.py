@@ -260,3 +260,27 @@ def test_an_fp32_grouped_gemm_record_says_its_oracle_is_the_reference_decomposit
         assert nodes[name]["status"] == "pass", nodes[name]
         assert nodes[name]["oracle"] == ("torch._grouped_mm has no float64 kernel: its float64 oracle is one matmul "
                                          "per group")
+
+
+def test_a_tensor_dump_of_moe_experts_is_replayed_offline(tmp_path):
+    """A tensor dump made without isolation (another runner's): the grouped GEMMs are on the replay allowlist by
+    name and replayed against their float64 reference; benign calls pass, a 2% fault on one is named."""
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.dump import load_dump
+    from msprobe_ci.replay import ApiReplayer
+
+    def replay(name, faults=()):
+        model = _mixtral()
+        ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        dbg = PrecisionDebugger(dump_path=str(tmp_path / name), level="mix", task="tensor", isolate=False,
+                                inject=faults)
+        dbg.start(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        dbg.stop()
+        r = ApiReplayer(load_dump(str(tmp_path / name / "step0" / "rank")), bench_kernel="upcast")
+        return {n: r.check(n).status for n in r.api_names() if n.startswith("Torch._grouped_mm.")}
+
+    assert replay("benign") == {f"Torch._grouped_mm.{i}.{d}": "pass" for i in (0, 1) for d in ("forward", "backward")}
+    faulty = replay("fault", [Fault("Torch._grouped_mm", 1, "forward", "scale", 1.02)])
+    assert faulty["Torch._grouped_mm.1.forward"] == "error"
+    assert faulty["Torch._grouped_mm.0.forward"] == "pass"

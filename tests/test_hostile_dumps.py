@@ -130,7 +130,12 @@ def test_allowlist_file_is_what_generate_derives():
     """The committed data is reproducible from the installed torch (regenerate it when torch is upgraded)."""
     derived = allowlist.generate()
     for prefix in allowlist.PREFIXES:
-        assert allowlist.allowed()[prefix] <= set(derived[prefix]) | set(allowlist.EXTRA), prefix
+        assert allowlist.allowed()[prefix] == frozenset(derived[prefix]), prefix
+    # the private names replayed are exactly the compute functions the capture records, nothing else private
+    assert {n for n in allowlist.allowed()["Torch"] if n.startswith("_") and not n.endswith("__")} == \
+        {n for n in allowlist.PRIVATE_COMPUTE if hasattr(torch, n)}
+    assert allowlist.denied("_foreach_add") and allowlist.denied("linalg._private") and \
+        not allowlist.denied("_grouped_mm")
 
 
 def test_oversized_statistics_shape_is_a_named_skip(tmp_path):

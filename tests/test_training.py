@@ -34,7 +34,8 @@ def adamw(params):
 def test_train(msprobe):
     r = msprobe.check_training(build(), batches(), lambda out: out.loss, adamw)
     assert len(r["losses"]["bench"]) == 3 and len(r["grads"]) == 3
-    assert all(g["cosine"] > 0.9 for step in r["grads"] for g in step)
+    # bf16 AdamW steps: the lowest seen is 0.9896 (step 1, a gate_proj weight; below 0.99 it is a note, not a failure)
+    assert all(g["cosine"] >= 0.98 for step in r["grads"] for g in step)
 
 
 def test_train_with_a_faulty_silu_at_step_2(msprobe):

@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Any
 
+from ..replay.allowlist import PRIVATE_COMPUTE
+
 SKIP, LOW, RECORD = 0, 1, 2
 
 _SKIP_NAMES = frozenset("""
@@ -71,8 +73,7 @@ _TABLE: dict[Any, tuple[str, str, int]] | None = None
 # torch's private functions that compute what a model's public calls leave to them: MoE experts' grouped GEMMs
 # (transformers' ``grouped_mm`` experts call ``torch._grouped_mm``) and the fp8 GEMMs. Captured and named
 # ``Torch.<name>`` like any torch function; every other private name is plumbing.
-COMPUTE_PRIVATE = frozenset(("_grouped_mm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm",
-                             "_scaled_grouped_mm_v2"))
+COMPUTE_PRIVATE = frozenset(PRIVATE_COMPUTE)  # one list, the replay allowlist's: what is captured is replayable
 
 
 def _classify(name: str) -> int:

@@ -36,6 +36,10 @@ EXTRA = ("sigmoid", "tanh", "hardsigmoid", "hardswish", "upsample", "upsample_bi
 
 #: fnmatch patterns never allowed, whatever torch lists: I/O, processes, files, storage and memory sharing,
 #: serialisation, RNG state, hooks and autograd plumbing, host conversion, and functions that take a callable.
+# torch's private functions that compute what a model's public calls leave to them (MoE experts' grouped GEMMs,
+# fp8 GEMMs): tensor operations, captured as Torch.<name> (capture/naming.py) and so replayed, by these names only
+PRIVATE_COMPUTE = ("_grouped_mm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm", "_scaled_grouped_mm_v2")
+
 DENIED = (
     "_*",                                                  # private (dunder operators are allowed below)
     "load", "save", "from_file", "frombuffer", "from_numpy", "from_dlpack", "to_dlpack", "asarray",
@@ -57,12 +61,14 @@ DENIED = (
 def denied(name: str) -> bool:
     """True when ``name`` (the last part of an API name) matches :data:`DENIED`.
 
-    Dunder operators (``__add__``, ``__getitem__``) are allowed unless listed by name.
+    Dunder operators (``__add__``, ``__getitem__``) are allowed unless listed by name, and the private compute
+    functions of :data:`PRIVATE_COMPUTE` by their exact names.
     """
     leaf = name.rsplit(".", 1)[-1]
     for pat in DENIED:
         if pat == "_*":
-            if leaf.startswith("_") and not (leaf.startswith("__") and leaf.endswith("__")):
+            if leaf.startswith("_") and not (leaf.startswith("__") and leaf.endswith("__")) and \
+                    name not in PRIVATE_COMPUTE:
                 return True
         elif fnmatch.fnmatchcase(leaf, pat):
             return True
@@ -104,7 +110,7 @@ def generate() -> dict[str, list[str]]:
                         listed = base is not None and base in ops
                     except TypeError:  # pragma: no cover
                         listed = False
-                if listed or name in EXTRA:
+                if listed or name in EXTRA or (owner is torch and name in PRIVATE_COMPUTE):
                     names.add(stem + name)
         out[prefix] = sorted(names)
     return out
