@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+_BAD_MARKER = pytest.StashKey[str]()  # an item's unknown @pytest.mark.msprobe options, said at its setup
+
 session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
 RESULT_PROPERTY = "msprobe.result"
 
@@ -185,16 +187,24 @@ class ProbeSession:
 
     # ------------------------------------------------------------------ collection of results (xdist-safe)
     def pytest_collection_modifyitems(self, items: list) -> None:
-        """``@pytest.mark.msprobe(...)`` keys are checked at collection: a typo is a usage error before any test
-        runs, not a setup error inside one."""
+        """``@pytest.mark.msprobe(...)`` keys are checked at collection: a typo is that test's error, one line at
+        its setup, before it runs anything; the other tests run (a usage error would stop the whole session, and
+        under xdist end it in an internal error)."""
         from .fixture import CHECK_OPTIONS
 
         for item in items:
             for mark in item.iter_markers("msprobe"):
                 unknown = sorted(set(mark.kwargs) - set(CHECK_OPTIONS))
                 if unknown:
-                    raise pytest.UsageError(f"msprobe: {item.nodeid}: @pytest.mark.msprobe: unknown option(s) "
-                                            f"{unknown}; allowed: {list(CHECK_OPTIONS)}")
+                    item.stash[_BAD_MARKER] = (f"msprobe: {item.nodeid}: @pytest.mark.msprobe: unknown option(s) "
+                                               f"{unknown}; allowed: {list(CHECK_OPTIONS)}")
+                    break
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item) -> None:
+        message = item.stash.get(_BAD_MARKER, None)
+        if message:
+            raise pytest.fail.Exception(message, pytrace=False)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
