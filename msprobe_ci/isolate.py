@@ -300,8 +300,9 @@ class Isolator:
         need_oracle = want_grad or standard_for(short, "torch.float32", self.standards) != "binary"
         if need_oracle:
             dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
-            if dtype == torch.float64 and kernels.reference_note(func):
-                self.results[name]["oracle"] = kernels.reference_note(func)
+            note = kernels.reference_note(func) if dtype == torch.float64 else None
+            if note:
+                self.results[name]["oracle"] = note
             try:
                 call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32

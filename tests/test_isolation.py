@@ -331,5 +331,7 @@ def test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_ran
     assert _scalar_differs(f16.min, f32.max, 1e-6)
     assert not _scalar_differs(f16.max - 1000, f32.max - 1000, 1e-6, t_max=f16.max)
     assert _scalar_differs(3.0, 1e5, 1e-6, t_max=f16.max)  # far below the top of the target's range
+    assert _scalar_differs(f16.max / 2 - 8, 1e5, 1e-6, t_max=f16.max)  # just below the top binade
+    assert not _scalar_differs(f16.max / 2, 1e5, 1e-6, t_max=f16.max)  # its bottom
     assert _scalar_differs(-(f16.max - 1000), f32.max - 1000, 1e-6, t_max=f16.max)  # opposite sign
     assert not _scalar_differs(0.5, 0.5 * (1 + 1e-7), 1e-6) and _scalar_differs(0.5, 0.6, 1e-6)

@@ -188,6 +188,7 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
     t_max = min((finite_max(rr.target.dtype) or math.inf for rr in report.rows if rr.target.is_tensor),
                 default=math.inf)
     seen_sources: set[str] = set()
+    sites = None  # (target index, bench index, target stack) by call site, for calls a branch shifted
     new_nodes: list[CompareResult] = []
     failing_api: dict[str, str] = {}
     for node in report.nodes:
@@ -206,7 +207,10 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             src = _judge_sources(node.name, rec["sources"], rows_by_name, seen_sources, source_factor,
                                  cast_roundoff, t_max)
         elif rec.get("sources") and bench_data:
-            twin = _site_twin(node.name, report, bench_stack)
+            if sites is None:  # built once, on the first call a branch shifted
+                t_stack = getattr(report, "target_stack", None) or {}
+                sites = (_by_site(t_stack), _by_site(bench_stack or {}), t_stack)
+            twin = _site_twin(node.name, *sites)
             if twin is not None and isinstance(bench_data.get(twin), dict):
                 src = _judge_twin_scalars(node.name, twin, rec["sources"], rows_by_name, bench_data[twin],
                                           source_factor * max(cast_roundoff, 2.0 ** -24) + 1e-7, t_max)
@@ -314,39 +318,41 @@ def _same_call(name: str, report, bench_stack: dict | None) -> bool:
     return t_site is None or b_site is None or t_site == b_site
 
 
-def _site_twin(name: str, report, bench_stack: dict | None) -> str | None:
-    """The bench call of ``name``'s API and direction made at the target call's place (innermost frame) with as
-    many calls of it at that place before: the same call where a branch shifted the counters; None if none."""
-    t_stack = getattr(report, "target_stack", None) or {}
-    site = _call_site(t_stack.get(name))
-    parts = name.rsplit(".", 2)
-    if site is None or not bench_stack or len(parts) != 3 or not parts[1].isdigit():
-        return None
-    api, direction = parts[0], parts[2]
+def _by_site(stack: dict) -> dict[tuple, list[str]]:
+    """``{(api, direction, call site): [entry names in call order]}`` of a stack.json (``{entry: frames}``)."""
+    index: dict[tuple, list[tuple[int, str]]] = {}
+    for n, frames in stack.items():
+        p = n.rsplit(".", 2)
+        site = _call_site(frames) if len(p) == 3 and p[1].isdigit() else None
+        if site is not None:
+            index.setdefault((p[0], p[2], site), []).append((int(p[1]), n))
+    return {k: [n for _, n in sorted(v)] for k, v in index.items()}
 
-    def at_site(stack: dict) -> list[str]:
-        found = []
-        for n, frames in stack.items():
-            p = n.rsplit(".", 2)
-            if len(p) == 3 and p[0] == api and p[2] == direction and p[1].isdigit() and _call_site(frames) == site:
-                found.append((int(p[1]), n))
-        return [n for _, n in sorted(found)]
-    mine, theirs = at_site(t_stack), at_site(bench_stack)
+
+def _site_twin(name: str, t_index: dict, b_index: dict, t_stack: dict) -> str | None:
+    """The bench call of ``name``'s API and direction made at the target call's place (innermost frame) with as
+    many calls of it at that place before: the same call where a branch shifted the counters; None if none.
+    ``t_index``/``b_index``: :func:`_by_site` of the two stacks."""
+    parts = name.rsplit(".", 2)
+    site = _call_site(t_stack.get(name))
+    if site is None or len(parts) != 3:
+        return None
+    key = (parts[0], parts[2], site)
+    mine, theirs = t_index.get(key, []), b_index.get(key, [])
     k = mine.index(name) if name in mine else -1
     return theirs[k] if 0 <= k < len(theirs) else None
 
 
 def _record_at(entry: dict, path: str) -> Any:
     """The record of an input under a dump entry by its row path (``0``, ``2.1``, ``max``), or None."""
-    keys = path.split(".")
-    head, rest = keys[0], keys[1:]
-    value = (entry.get("input_args") or [None] * (int(head) + 1))[int(head)] if head.isdigit() and \
-        int(head) < len(entry.get("input_args") or []) else (entry.get("input_kwargs") or {}).get(head)
+    head, *rest = path.split(".")
+    args = entry.get("input_args") or []
+    value = args[int(head)] if head.isdigit() and int(head) < len(args) else \
+        (entry.get("input_kwargs") or {}).get(head)
     for k in rest:
-        if isinstance(value, list) and k.isdigit() and int(k) < len(value):
-            value = value[int(k)]
-        else:
+        if not (isinstance(value, list) and k.isdigit() and int(k) < len(value)):
             return None
+        value = value[int(k)]
     return value if isinstance(value, dict) else None
 
 
