@@ -2,8 +2,8 @@
 floating ATen ops, forward and backward) that ran inside a captured API, the uncaptured ops, and what counting it
 costs (capture with and without coverage, interleaved, one thread).
 
-    python benchmarks/coverage.py [--models mixtral,qwen2_moe,...] [--dtypes bf16,fp32] [--isolate]
-                                  [--rounds 3]
+    python benchmarks/coverage.py [--models mixtral,qwen2_moe,...,gpt2_small] [--dtypes bf16,fp32] [--isolate]
+                                  [--rounds 3] [--threads 1] [--uncapture _grouped_mm]
 
 Prints one line per model and dtype: the share, the uncaptured ops (op, pass, calls), the number of ATen calls
 excluded as data movement, and the median capture time with coverage over without.
@@ -50,10 +50,21 @@ def _whisper(seed: int):
             ({"input_features": feats, "labels": labels},), lambda o: o.loss)
 
 
+def _gpt2_small(seed: int):
+    """Stock GPT-2 small (124M, its default config, no weights downloaded), 1x1024 tokens."""
+    import transformers
+
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 50257, (1, 1024), generator=torch.Generator().manual_seed(seed))
+    return (transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval(), ({"input_ids": ids, "labels": ids},),
+            lambda o: o.loss)
+
+
 BUILDERS = {"mixtral": lambda s: moe_gate.build("mixtral", s), "qwen2_moe": lambda s: moe_gate.build("qwen2_moe", s),
             "llama": lambda s: gq.case("llama", s), "gpt2": lambda s: gq.case("gpt2", s),
             "bert": lambda s: gq.case("bert", s), "t5": lambda s: gq.case("t5", s),
-            "vit": lambda s: ua.build("vit", s), "whisper": _whisper}
+            "vit": lambda s: ua.build("vit", s), "whisper": _whisper, "gpt2_small": _gpt2_small}
+DEFAULT = "mixtral,qwen2_moe,llama,gpt2,bert,t5,vit,whisper"
 
 
 def run(model, inputs, loss_fn, dtype, isolate: bool, coverage: bool) -> tuple[dict | None, float]:
@@ -77,12 +88,20 @@ def run(model, inputs, loss_fn, dtype, isolate: bool, coverage: bool) -> tuple[d
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(BUILDERS))
+    ap.add_argument("--models", default=DEFAULT, help=f"of {','.join(BUILDERS)}")
+    ap.add_argument("--uncapture", default="", help="private compute names to leave out of the capture (as before "
+                                                    "they were captured), e.g. _grouped_mm")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--isolate", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    if args.uncapture:
+        from msprobe_ci.capture import naming
+
+        naming.COMPUTE_PRIVATE = naming.COMPUTE_PRIVATE - set(args.uncapture.split(","))
+        naming._TABLE = None
     for name in args.models.split(","):
         for dname in args.dtypes.split(","):
             model, inputs, loss_fn = BUILDERS[name](7)
