@@ -337,7 +337,7 @@ def _summary_line(path: str, nodes: int, c: dict, first, isolated: bool) -> str:
 
 def _overflow(args) -> int:
     from .dump.reader import layout, load_dump
-    from .outputs import make_output_dir, reserve
+    from .outputs import atomic_write, make_output_dir, reserve
     from .overflow import check_overflow
 
     out_dir = make_output_dir(args.output_path, "-o output folder") if args.output_path else None
@@ -355,7 +355,7 @@ def _overflow(args) -> int:
               f"{first.message if first else 'none'}{jumps}")
     if out_dir is not None:
         out = reserve(out_dir, "anomaly_analyze", ".json")
-        with open(out, "w", encoding="utf-8") as fh:
+        with atomic_write(out, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
         print(out)
     return 1 if found else 0

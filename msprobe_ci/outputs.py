@@ -7,8 +7,9 @@ onto an input.**
   (:func:`owned_dir`). A non-empty folder without it is refused.
 * An output file that already exists is replaced only when it is one of ours by content (a JUnit XML report,
   :func:`is_junit`), and never when it is one of the run's inputs (:func:`check_output_file`).
-* Timestamped outputs are reserved with ``O_EXCL`` (:func:`reserve`) and written through a temporary file unique
-  to the process (:func:`atomic_write`), so two runs writing into one folder never collide or overwrite each other.
+* Timestamped outputs are reserved with an ``O_EXCL`` claim file (:func:`reserve`) and written through a
+  temporary file unique to the process (:func:`atomic_write`), so two runs writing into one folder never collide
+  or overwrite each other, and a final name only ever holds a complete file.
 * Per-test folders are guarded by an inter-process lock (:func:`folder_lock`, the ``filelock`` library): a second
   run of the same test into the same ``--msprobe-out`` waits instead of deleting the first run's files under it.
 """
@@ -110,11 +111,20 @@ def check_output_file(path: str, what: str, inputs: Iterable[str] = (),
     return path
 
 
-def reserve(out_dir: str, prefix: str, suffix: str) -> str:
-    """Create and return ``<out_dir>/<prefix>_<YYYYmmddHHMMSS>[_N]<suffix>`` as an empty file, atomically.
+def _claim(path: str) -> str:
+    """The hidden claim file that holds ``path``'s name for one writer: ``.<name>.claim`` beside it."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{name}.claim")
 
-    msprobe's naming; ``O_EXCL`` makes the name this process's own even when another process picks the same
-    second. Creates ``out_dir``.
+
+def reserve(out_dir: str, prefix: str, suffix: str) -> str:
+    """Reserve and return ``<out_dir>/<prefix>_<YYYYmmddHHMMSS>[_N]<suffix>``, a name nobody else writes.
+
+    msprobe's naming. The name is held by a hidden claim file (``.<name>.claim``, created with ``O_EXCL``, so
+    two processes picking the same second get different names); the final file itself is **not** created: it
+    appears only when the writer moves its complete temporary file there (:func:`atomic_write`,
+    :func:`publish`), and :func:`release` gives the name back. A writer killed midway (``kill -9``) leaves hidden
+    files only, never an empty or partial file under a final name. Creates ``out_dir``.
 
     Raises:
         MsprobeError: ``out_dir`` is a file or cannot be created.
@@ -123,36 +133,56 @@ def reserve(out_dir: str, prefix: str, suffix: str) -> str:
     stamp = time.strftime("%Y%m%d%H%M%S")
     for i in range(10_000):
         path = os.path.join(out_dir, f"{prefix}_{stamp}{f'_{i}' if i else ''}{suffix}")
+        if os.path.lexists(path):
+            continue
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-            return path
+            os.close(os.open(_claim(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             continue
+        if os.path.lexists(path):  # published by the previous holder between our two looks
+            release(path)
+            continue
+        return path
     raise MsprobeError(f"{out_dir}: no free name for {prefix}_{stamp}_N{suffix}")  # pragma: no cover
+
+
+def release(path: str) -> None:
+    """Give back the name :func:`reserve` claimed for ``path`` (nothing when it holds no claim)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_claim(path))
+
+
+def publish(tmp: str, path: str) -> None:
+    """Move the complete file ``tmp`` onto ``path`` (atomic within a folder) and release ``path``'s claim."""
+    os.replace(tmp, path)
+    release(path)
 
 
 @contextlib.contextmanager
 def atomic_write(path: str, mode: str = "w", **open_kwargs) -> Iterator:
     """Open a temporary file beside ``path`` (unique to this process) and move it onto ``path`` on success.
 
-    Yields the open file; on an exception the temporary file is removed and ``path`` is untouched.
+    Yields the open file; on an exception the temporary file is removed and ``path`` is untouched. Either way a
+    name :func:`reserve` claimed for ``path`` is released. The temporary name (``.tmp-<name>-<random>``) does not
+    end in ``path``'s suffix, so nothing that lists ``*.vis.db`` or ``*.csv`` picks it up.
     """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".tmp-{os.path.basename(path)}-")
     try:
         with os.fdopen(fd, mode, **open_kwargs) as fh:
             yield fh
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        release(path)
         raise
 
 
 def temp_path(path: str) -> str:
     """A fresh, unique temporary file name beside ``path`` (the file is created empty)."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix="-" + os.path.basename(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".tmp-{os.path.basename(path)}-")
     os.close(fd)
     return tmp
 

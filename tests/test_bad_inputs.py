@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -353,3 +354,64 @@ def test_schema_fast_path_takes_real_dumps(fixtures_dir):
     for f in files:
         with open(f, encoding="utf-8") as fh:
             assert _surely_valid(json.load(fh)), f
+
+
+_KILLED_MIDWAY = """
+import os, signal, sys
+from msprobe_ci.compare import engine
+from msprobe_ci.graph import db
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+db.VisDbWriter.add_node = die          # the graph writer dies at its first node
+engine.RowWriter.write = die           # the CSV writer at its first row
+from msprobe_ci.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["graph", "compare"])
+def test_killed_writer_leaves_no_file_under_a_final_name(fixtures_dir, tmp_path, command):
+    """``kill -9`` while a graph or a compare CSV is written: no empty or partial ``*.vis.db``/``*.csv`` under a
+    final name (the viewer would list it), only hidden files; the next run writes a complete file beside them."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    from msprobe_ci.cli import main
+
+    target = os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0")
+    bench = os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0")
+    out = tmp_path / "out"
+    args = [command, "-tp", target, "-gp", bench, "-o", str(out)]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MIDWAY, *args], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert os.listdir(out), "the writer was killed before it created anything"
+    assert [f for f in os.listdir(out) if not f.startswith(".")] == []
+    main(args)  # the next run, in the same folder and maybe the same second
+    done = [f for f in os.listdir(out) if not f.startswith(".")]
+    assert len(done) == 1, os.listdir(out)
+    path = out / done[0]
+    if command == "graph":
+        assert done[0].startswith("compare_") and done[0].endswith(".vis.db")
+        assert sqlite3.connect(path).execute("SELECT count(*) FROM tb_config").fetchone() == (1,)
+    else:
+        assert done[0].startswith("compare_result_") and path.read_text().count("\n") > 10
+
+
+def test_reserved_name_appears_only_when_written(tmp_path):
+    """:func:`reserve` holds a name by a hidden claim; the file appears when published; a failed write gives
+    the name back and leaves nothing."""
+    from msprobe_ci.outputs import atomic_write, reserve
+
+    path = reserve(str(tmp_path), "compare_result", ".csv")
+    assert not os.path.exists(path) and os.listdir(tmp_path) == [f".{os.path.basename(path)}.claim"]
+    assert reserve(str(tmp_path), "compare_result", ".csv") != path  # held
+    with pytest.raises(RuntimeError):
+        with atomic_write(path) as fh:
+            fh.write("half")
+            raise RuntimeError
+    assert not os.path.exists(path) and f".{os.path.basename(path)}.claim" not in os.listdir(tmp_path)
+    path = reserve(str(tmp_path), "x", ".csv")
+    with atomic_write(path) as fh:
+        fh.write("whole")
+    assert Path(path).read_text() == "whole" and not any(f.startswith(".x_") for f in os.listdir(tmp_path))

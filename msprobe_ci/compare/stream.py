@@ -30,7 +30,7 @@ from typing import Any, Generator, Iterator
 from ..dump.reader import entry_surely_valid, read_stack, validate_dump_json
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
-from ..outputs import atomic_write
+from ..outputs import atomic_write, release
 from . import engine
 from .rows import _dtype_compatible, backward_key, entry_rows
 from .verdict import CompareResult, Thresholds
@@ -477,8 +477,8 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
                     for rr in own:
                         writer.write(rr, node, done)
     except BaseException:
-        if path is not None and os.path.isfile(path) and os.path.getsize(path) == 0:
-            os.remove(path)  # the name reserved for this CSV: nothing was written
+        if path is not None:
+            release(path)  # the name reserved for this CSV
         raise
     finally:
         if bar is not None:

@@ -22,9 +22,9 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def timestamped_path(out_dir: str, prefix: str, suffix: str) -> str:
-    """``<out_dir>/<prefix>_<YYYYmmddHHMMSS>[_N]<suffix>``, reserved as an empty file with ``O_EXCL`` so no other
-    run picks it (msprobe's naming; ``_N`` on a clash); creates ``out_dir``
-    (:func:`msprobe_ci.outputs.reserve`).
+    """``<out_dir>/<prefix>_<YYYYmmddHHMMSS>[_N]<suffix>``, reserved by an ``O_EXCL`` claim so no other run picks
+    it (msprobe's naming; ``_N`` on a clash); the file itself appears only when written whole through
+    :func:`msprobe_ci.outputs.atomic_write`; creates ``out_dir`` (:func:`msprobe_ci.outputs.reserve`).
 
     Raises:
         MsprobeError: ``out_dir`` exists as a file or cannot be created.

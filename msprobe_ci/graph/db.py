@@ -16,7 +16,7 @@ from typing import Iterable
 import orjson
 
 from ..dump.writer import timestamped_path
-from ..outputs import temp_path
+from ..outputs import publish, release, temp_path
 from ..errors import MsprobeError
 from .builder import Graph
 
@@ -78,7 +78,7 @@ class VisDbWriter:
     BATCH = 5000
 
     def __init__(self, path: str):
-        if os.path.exists(path) and os.path.getsize(path) > 0:  # an empty file is the name reserve() made ours
+        if os.path.lexists(path):
             raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
         self.path = path
         self.tmp = temp_path(path)
@@ -150,19 +150,20 @@ class VisDbWriter:
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.close()
             os.chmod(self.tmp, 0o644)
-            os.replace(self.tmp, self.path)
+            publish(self.tmp, self.path)
         except BaseException:
             self.abort()
             raise
         return self.path
 
     def abort(self) -> None:
-        """Close and delete the temporary file (and its WAL files)."""
+        """Close and delete the temporary file (and its WAL files); the reserved name is given back."""
         if hasattr(self, "conn"):
             self.conn.close()
         for suffix in ("", "-wal", "-shm"):
             if os.path.exists(self.tmp + suffix):
                 os.unlink(self.tmp + suffix)
+        release(self.path)
 
 
 _encode = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps(ensure_ascii=False) builds one per call

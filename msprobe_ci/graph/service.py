@@ -8,8 +8,6 @@ target's and the bench's (step, rank) folders and needs at least one in common.
 
 from __future__ import annotations
 
-import os
-
 from .._perf import gc_paused
 from ..compare import compare_dumps
 from ..compare.engine import CompareReport
@@ -18,6 +16,7 @@ from ..errors import MsprobeError
 from ..overflow import check_overflow
 from .builder import Graph, build_graph
 from .compare import compare_graphs
+from ..outputs import release
 from .db import out_path, write_vis_db
 from .distributed import link as link_distributed
 
@@ -52,8 +51,8 @@ def _renames(mappings) -> bool:
 
 def _streamed(write, out_dir: str, kind: str) -> str | None:
     """``write(path)`` on a newly reserved ``<kind>_<ts>.vis.db``: its path, or None when the dumps need the
-    in-memory path (:class:`~msprobe_ci.compare.stream.NotStreamable`). Either way, or on an error, a reserved
-    file left empty is given back."""
+    in-memory path (:class:`~msprobe_ci.compare.stream.NotStreamable`). Either way, or on an error, the reserved
+    name is given back."""
     from ..compare.stream import NotStreamable
 
     path = out_path(out_dir, kind)
@@ -62,8 +61,7 @@ def _streamed(write, out_dir: str, kind: str) -> str | None:
     except NotStreamable:
         return None
     finally:
-        if os.path.isfile(path) and os.path.getsize(path) == 0:
-            os.remove(path)
+        release(path)
 
 
 @gc_paused()

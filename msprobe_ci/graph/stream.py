@@ -124,8 +124,8 @@ def _link_ranks(out: VisDbWriter, comm_graphs: list[Graph], comms: dict) -> None
 
 def stream_compare_vis_db(target: str, golden: str, path: str, *, overflow: bool = False, thresholds=None,
                           progress: bool | None = None) -> str:
-    """Write ``path`` (a ``.vis.db`` that does not exist, or the empty file reserved for it), the compare graph of
-    every (step, rank) the two dump paths share, streaming; returns ``path``.
+    """Write ``path`` (a ``.vis.db`` that does not exist; a :func:`~msprobe_ci.outputs.reserve` name), the compare
+    graph of every (step, rank) the two dump paths share, streaming; returns ``path``.
 
     Raises:
         MsprobeError: no (step, rank) in common, bad dumps, construct.json missing, dangling parents or cycles.

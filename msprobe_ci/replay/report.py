@@ -7,6 +7,7 @@ import csv
 import os
 
 from ..dump.writer import timestamped_path
+from ..outputs import atomic_write, release
 from .runner import ApiResult, parse_name
 
 RESULT_COLUMNS = ["API name", "Forward Test Success", "Backward Test Success", "Message"]
@@ -43,27 +44,31 @@ def write_reports(results: list[ApiResult], out_dir: str) -> tuple[str, str]:
         calls.setdefault(f"{prefix}.{api}.{n}", {})[direction] = r
     result_path = timestamped_path(out_dir, "accuracy_checking_result", ".csv")
     details_path = result_path.replace("accuracy_checking_result_", "accuracy_checking_details_")
-    with open(result_path, "w", newline="", encoding="utf-8-sig") as fh:
-        w = csv.writer(fh)
-        w.writerow(RESULT_COLUMNS)
-        for call, sides in calls.items():
-            fwd, bwd = sides.get("forward"), sides.get("backward")
-            message = next((s.reason for s in (fwd, bwd) if s is not None and s.status == "skip"), " ")
-            w.writerow([call, _status(fwd), _status(bwd), message])
-    with open(details_path, "w", newline="", encoding="utf-8-sig") as fh:
-        w = csv.writer(fh)
-        w.writerow(DETAIL_COLUMNS)
-        for r in results:
-            if r.status == "skip":
-                w.writerow([r.name] + [" "] * (len(DETAIL_COLUMNS) - 3) + ["SKIP", r.reason])
-                continue
-            for row, check in r.outputs:
-                cells = dict.fromkeys(DETAIL_COLUMNS, " ")
-                bench_dt, dev_dt, shape = r.info.get(row, (" ", " ", " "))
-                cells.update({"API Name": row, "Bench Dtype": bench_dt, "DEVICE Dtype": dev_dt, "Shape": shape,
-                              "Status": check.status, "Message": f"{check.standard}: {check.message}"})
-                for k, v in check.metrics.items():
-                    if k in _METRIC_COLUMNS:
-                        cells[_METRIC_COLUMNS[k]] = v
-                w.writerow([cells[c] for c in DETAIL_COLUMNS])
+    try:
+        # details first: the result CSV, published last, releases the name both share
+        with atomic_write(details_path, "w", newline="", encoding="utf-8-sig") as fh:
+            w = csv.writer(fh)
+            w.writerow(DETAIL_COLUMNS)
+            for r in results:
+                if r.status == "skip":
+                    w.writerow([r.name] + [" "] * (len(DETAIL_COLUMNS) - 3) + ["SKIP", r.reason])
+                    continue
+                for row, check in r.outputs:
+                    cells = dict.fromkeys(DETAIL_COLUMNS, " ")
+                    bench_dt, dev_dt, shape = r.info.get(row, (" ", " ", " "))
+                    cells.update({"API Name": row, "Bench Dtype": bench_dt, "DEVICE Dtype": dev_dt, "Shape": shape,
+                                  "Status": check.status, "Message": f"{check.standard}: {check.message}"})
+                    for k, v in check.metrics.items():
+                        if k in _METRIC_COLUMNS:
+                            cells[_METRIC_COLUMNS[k]] = v
+                    w.writerow([cells[c] for c in DETAIL_COLUMNS])
+        with atomic_write(result_path, "w", newline="", encoding="utf-8-sig") as fh:
+            w = csv.writer(fh)
+            w.writerow(RESULT_COLUMNS)
+            for call, sides in calls.items():
+                fwd, bwd = sides.get("forward"), sides.get("backward")
+                message = next((s.reason for s in (fwd, bwd) if s is not None and s.status == "skip"), " ")
+                w.writerow([call, _status(fwd), _status(bwd), message])
+    finally:
+        release(result_path)
     return result_path, os.path.abspath(details_path)
