@@ -415,3 +415,45 @@ def test_reserved_name_appears_only_when_written(tmp_path):
     with atomic_write(path) as fh:
         fh.write("whole")
     assert Path(path).read_text() == "whole" and not any(f.startswith(".x_") for f in os.listdir(tmp_path))
+
+
+def _deep_dump(folder, depth):
+    folder.mkdir()
+    (folder / "dump.json").write_text(
+        '{"task":"statistics","level":"L1","framework":"pytorch","dump_data_dir":null,"data":'
+        '{"Functional.relu.0.forward":{"input_args":[],"output":[]},'
+        '"Functional.linear.0.forward":{"input_args":' + "[" * depth + "]" * depth + ',"output":[]}}}')
+    for name in ("stack.json", "construct.json"):
+        (folder / name).write_text("{}")
+    return str(folder)
+
+
+@pytest.mark.parametrize("command", ["compare", "graph"])
+def test_absurd_nesting_is_refused_at_once(tmp_path, capsys, command):
+    """A compact one-line dump with 100,000 nested arrays (yajl's prefixes made it minutes and all the memory):
+    refused before parsing, one line naming the entry and field."""
+    from msprobe_ci.cli import main
+
+    target, bench = _deep_dump(tmp_path / "t", 100_000), _deep_dump(tmp_path / "b", 100_000)
+    assert main([command, "-tp", target, "-gp", bench, "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "dump.json: JSON nested deeper than 1000 levels in data['Functional.linear.0.forward']['input_args'] " \
+           "at byte 1" in err
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64, 1 << 22])
+def test_nesting_check_counts_brackets_outside_strings_across_blocks(tmp_path, chunk):
+    """Brackets and escaped quotes inside strings do not count, wherever a block boundary falls."""
+    from msprobe_ci.dump.reader import check_nesting
+
+    value = '[[[\\\\\\"{{{ ]'  # the JSON text of a string holding brackets, a backslash and a quote
+    body = ('{"task":"statistics","data":{"A.b.0.forward":{"input_args":[{"type":"str","value":"' + value + '"}]},'
+            '"X.y.1.forward":{"output":' + "[" * 30 + "]" * 30 + "}}}")
+    json.loads(body)
+    path = tmp_path / "dump.json"
+    path.write_text(body)
+    check_nesting(str(path), limit=33, chunk=chunk)  # top, data, entry + 30
+    with pytest.raises(MsprobeError, match=r"nested deeper than 32 levels in data\['X.y.1.forward'\]\['output'\] "
+                                           rf"at byte {body.index('[' * 30) + 29}; "):
+        check_nesting(str(path), limit=32, chunk=chunk)

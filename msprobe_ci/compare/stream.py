@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator, Iterator
 
-from ..dump.reader import entry_surely_valid, read_stack, validate_dump_json
+from ..dump.reader import check_nesting, entry_surely_valid, read_stack, validate_dump_json
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write, release
@@ -56,18 +56,24 @@ def _header(path: str) -> dict:
     import ijson
 
     head: dict[str, Any] = {}
-    key = None
+    key, depth = None, 0
     try:
         with open(path, "rb") as fh:
-            for prefix, event, value in ijson.parse(fh, use_float=True):
-                if prefix == "" and event == "map_key":
+            # basic_parse: events without prefixes, whose building is quadratic in the nesting depth (a prefix per
+            # event, built for a whole buffer at once), before check_nesting had a chance
+            for event, value in ijson.basic_parse(fh, use_float=True):
+                if event in ("start_map", "start_array"):
+                    depth += 1
+                elif event in ("end_map", "end_array"):
+                    depth -= 1
+                    if depth == 0:
+                        break
+                elif depth == 1 and event == "map_key":
                     key = value
                     if value == "data":
                         return head
-                elif prefix == key and event in ("string", "number", "boolean", "null"):
+                elif depth == 1 and event in ("string", "number", "boolean", "null"):
                     head[key] = value
-                elif prefix == "" and event == "end_map":
-                    break
     except FileNotFoundError:
         raise MsprobeError(f"{path}: file not found") from None
     except ijson.JSONError as exc:
@@ -157,7 +163,8 @@ def _items(path: str, progress=None) -> Iterator[tuple[str, Any]]:
 
     Raises:
         NotStreamable: JSON yajl rejects (``NaN``/``Infinity``, a syntax error: the in-memory reader decides).
-        MsprobeError: JSON nested too deeply to be a dump.
+        MsprobeError: JSON nested deeper than :data:`~msprobe_ci.dump.reader.MAX_NESTING` levels (checked before
+            yajl reads it).
     """
     import ijson
 
@@ -173,6 +180,7 @@ def _items(path: str, progress=None) -> Iterator[tuple[str, Any]]:
                 break
             done += 1
             yield item
+        check_nesting(path)  # yajl's prefixes cost time and memory quadratic in the depth: refuse absurd ones first
         fh.seek(0)
         it = ijson.kvitems(fh, "data", use_float=True)
         n = 0

@@ -144,6 +144,68 @@ def _read_json(path: str) -> Any:
         raise MsprobeError(f"{path}: not a UTF-8 text file") from None
 
 
+MAX_NESTING = 1000
+"""Deepest JSON nesting a dump file may have (arrays and objects, the top object is level 1): about where
+Python's own reader (the in-memory path) gives up; a real dump is under 20 levels deep."""
+
+_NEST_RE = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:\s*[\[{]\s*$')
+
+
+def check_nesting(path: str, limit: int = MAX_NESTING, chunk: int = 1 << 22) -> None:
+    """Refuse a JSON file nested deeper than ``limit`` before anything parses it: a streaming parser takes time
+    and memory quadratic in the depth (100,000 nested arrays: minutes and all the memory there is).
+
+    One pass over the bytes in ``chunk``-sized blocks (numpy, about 25 bytes of memory per byte of a block;
+    brackets inside strings do not count).
+
+    Raises:
+        MsprobeError: one line naming the file, where the nesting is (``data[<entry>][<field>]``, from the last
+            ``"key": [`` or ``"key": {`` opened at levels 3 and 4) and the byte offset.
+    """
+    import numpy as np
+
+    depth, in_str, offset, pending, tail = 0, False, 0, b"", b""
+    keys: dict[int, str] = {}  # level (3: a data entry, 4: its field) -> the key last opened there
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            buf = pending + block
+            if not buf:
+                return
+            pending = b""
+            if block and buf.endswith(b"\\"):  # an escape split by the block boundary: decide it with the next
+                keep = len(buf) - len(buf.rstrip(b"\\"))
+                buf, pending = buf[:-keep], buf[-keep:]
+            # escaped backslashes, then escaped quotes, masked (same length, so offsets stay true)
+            a = np.frombuffer(buf.replace(b"\\\\", b"__").replace(b'\\"', b"__"), np.uint8)
+            quotes = np.cumsum(a == 34, dtype=np.int32)
+            outside = (quotes & 1) == int(in_str)
+            step = (((a == 91) | (a == 123)) & outside).view(np.int8) - (((a == 93) | (a == 125)) & outside).view(np.int8)
+            level = np.cumsum(step, dtype=np.int32)
+            level += depth
+            over = np.flatnonzero(level > limit)
+            end = int(over[0]) if over.size else len(a)
+            last = {}
+            for lv in (3, 4):
+                opened = np.flatnonzero((level[:end] == lv) & (step[:end] == 1))
+                if opened.size:
+                    last[lv] = int(opened[-1])
+                    at = len(tail) + last[lv]  # the key may have begun in the block before
+                    found = _NEST_RE.search(tail + buf, max(0, at - 4096), at + 1)
+                    keys[lv] = found.group(1).decode("utf-8", "replace") if found else "?"
+            if 3 in last and last.get(4, -1) < last[3]:
+                keys.pop(4, None)  # a new entry: its field is not the old entry's
+            if over.size:
+                where = "".join(f"[{keys[lv]!r}]" for lv in (3, 4) if lv in keys)
+                raise MsprobeError(f"{path}: JSON nested deeper than {limit} levels"
+                                   f"{f' in data{where}' if where else ''} at byte {offset + end}; "
+                                   "a dump is a few levels deep")
+            if a.size:
+                depth, in_str = int(level[-1]), bool(quotes[-1] & 1) != in_str
+            offset += len(buf)
+            tail = (tail + buf)[-4096:]
+
+
 @functools.lru_cache(maxsize=1)
 def _schema() -> dict:
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "dump.schema.json"),
