@@ -382,7 +382,7 @@ def _check_chunk(job: tuple[str, list[str], bool, str]) -> list:
     from .replay.runner import ApiReplayer
 
     path, names, live, kernel = job
-    replayer = ApiReplayer(load_dump(path), live=live, bench_kernel=kernel)
+    replayer = ApiReplayer(load_dump(path, skip_bad_entries=True), live=live, bench_kernel=kernel)
     return [replayer.check(n) for n in names]
 
 
@@ -439,7 +439,7 @@ def _api_check_folders(folders: list[str], args) -> list:
     jobs: list[tuple[int, tuple[str, list[str], bool, str]]] = []
     names_by_folder = []
     for i, folder in enumerate(folders):
-        names = ApiReplayer(load_dump(folder), live=args.live).api_names()
+        names = ApiReplayer(load_dump(folder, skip_bad_entries=True), live=args.live).api_names()
         names_by_folder.append(names)
         chunks = [names] if workers == 1 else [names[k::workers] for k in range(workers)]
         jobs += [(i, (folder, c, args.live, args.bench_kernel)) for c in chunks if c]

@@ -185,6 +185,31 @@ def test_bad_inputs_are_named_skips(fixtures_dir, tmp_path):
     assert replayer.check("Functional.linear.0.forward").status == "pass"  # the rest still runs
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_one_bad_record_skips_its_api_and_the_rest_is_judged(fixtures_dir, tmp_path, capsys, workers):
+    """An unknown dtype in one API's input (a newer torch, a fork's dtype) skips that API, forward and backward,
+    with the field named; the other 23 calls are judged as before (it rejected the whole dump). A bad header
+    still rejects the file."""
+    bad = tmp_path / "proc0"
+    shutil.copytree(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"), bad)
+    dump = read_json(bad / "dump.json")
+    dump["data"]["Functional.relu.0.forward"]["input_args"][0]["dtype"] = "torch.float4_e9m9"
+    (bad / "dump.json").write_text(json.dumps(dump))
+    assert cli_main(["api-check", "-api_info", str(bad), "-o", str(tmp_path / "o"), "-n", workers]) == 0
+    assert "25 API calls: pass 23, warning 0, error 0, skip 2" in capsys.readouterr().out
+    (res,) = [f for f in os.listdir(tmp_path / "o") if f.startswith("accuracy_checking_result_")]
+    rows = {r[0]: r[1:] for r in csv.reader(read_lines(tmp_path / "o" / res))}
+    assert rows["Functional.relu.0"] == ["SKIP", "SKIP", "not judged, its record breaks the dump format: "
+                                         "data['Functional.relu.0.forward'].input_args[0].dtype: 'torch.float4_e9m9' "
+                                         "is not a known torch or MindSpore dtype"]
+    assert list(rows)[3] == "Functional.relu.0"  # in dump order
+    assert rows["Functional.layer_norm.0"] == ["pass", "pass", " "]
+    dump["task"] = 7
+    (bad / "dump.json").write_text(json.dumps(dump))
+    assert cli_main(["api-check", "-api_info", str(bad), "-o", str(tmp_path / "o2")]) == 2
+    assert "dump.json: task: 7" in capsys.readouterr().err
+
+
 def test_cli_writes_msprobe_csvs_and_workers_agree(fixtures_dir, tmp_path, capsys):
     path = os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0", "dump.json")
     assert cli_main(["api-check", "-api_info", path, "-o", str(tmp_path / "one")]) == 0

@@ -32,6 +32,9 @@ class Dump:
         framework: ``pytorch`` (default) or ``mindspore``, from dump.json.
         merge_notes: ``{entry name: [note]}`` for a dump merged from TP/PP ranks (:mod:`msprobe_ci.compare.merge`),
             shown as the graph's ``parallel_merge_info``; empty otherwise.
+        rejected: ``{entry name: why}``, in file order, for entries left out of ``data`` because they broke the
+            dump schema (``load_dump(..., skip_bad_entries=True)``: api-check judges the rest); empty otherwise.
+        names: every entry name in file order, rejected ones included, when any was rejected; else empty.
     """
 
     folder: str
@@ -42,6 +45,8 @@ class Dump:
     construct: dict[str, Any] = field(default_factory=dict)
     framework: str = "pytorch"
     merge_notes: dict[str, list[str]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
 
     @property
     def summary_mode(self) -> str:
@@ -399,11 +404,19 @@ def rank_folders(path: str) -> list[str]:
     return [os.path.join(path, d) for d in subs]
 
 
-def load_dump(path: str | os.PathLike) -> Dump:
+def load_dump(path: str | os.PathLike, *, skip_bad_entries: bool = False) -> Dump:
     """Load a dump from a dump.json file, a rank folder, or a step folder with a single rank folder.
 
+    Args:
+        path: the dump.json, rank folder or step folder.
+        skip_bad_entries: an entry that breaks the dump schema (an unknown dtype, a string where a number
+            belongs) is left out of ``data`` and listed in :attr:`Dump.rejected` with its one-line reason, instead
+            of rejecting the file (msprobe's api_accuracy_checker skips such an API and checks the rest). The
+            header and the JSON itself must still be sound. Default False: any bad entry rejects the file.
+
     Raises:
-        MsprobeError: missing files, malformed JSON, or a dump.json without a ``data`` object.
+        MsprobeError: missing files, malformed JSON, a dump.json without a ``data`` object, a bad header, or (without
+            ``skip_bad_entries``) a bad entry.
     """
     path = os.fspath(path)
     if os.path.isfile(path):
@@ -420,10 +433,32 @@ def load_dump(path: str | os.PathLike) -> Dump:
     raw = _read_json(file)
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
         raise MsprobeError(f"{file}: expected a JSON object with a 'data' object (an msprobe dump.json)")
-    validate_dump_json(raw, file)
+    rejected, names = {}, []
+    try:
+        validate_dump_json(raw, file)
+    except MsprobeError:
+        if not skip_bad_entries:
+            raise
+        rejected, names = _bad_entries(raw, file), list(raw["data"])
+        raw["data"] = {k: v for k, v in raw["data"].items() if k not in rejected}
     return Dump(folder=folder, task=str(raw.get("task", "statistics")), level=str(raw.get("level", "")),
                 data=raw["data"], stack=read_stack(folder), construct=read_construct(folder),
-                framework=str(raw.get("framework") or "pytorch").lower())
+                framework=str(raw.get("framework") or "pytorch").lower(), rejected=rejected, names=names)
+
+
+def _bad_entries(raw: dict, file: str) -> dict[str, str]:
+    """``{name: reason}`` of the entries that fail :func:`validate_dump_json` alone; the header is checked
+    first, with no entry (its errors still reject the file)."""
+    head = {k: v for k, v in raw.items() if k != "data"}
+    validate_dump_json({**head, "data": {}}, file)
+    bad = {}
+    for name, entry in raw["data"].items():
+        try:
+            validate_dump_json({**head, "data": {name: entry}}, file)
+        except MsprobeError as exc:
+            text = str(exc)
+            bad[name] = text[len(file) + 2:] if text.startswith(file + ": ") else text
+    return bad
 
 
 def read_construct(folder: str) -> dict[str, Any]:

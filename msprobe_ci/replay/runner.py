@@ -436,13 +436,18 @@ class ApiReplayer:
         self.rebuild = Rebuilder(dump)
 
     def api_names(self) -> list[str]:
-        """Every API forward and backward entry, in dump order (modules and parameter gradients left out)."""
-        return [n for n in self.dump.data if (p := names.parse(n, any_prefix=True)) is not None and p.kind == "api"]
+        """Every API forward and backward entry, in dump order (modules and parameter gradients left out), the
+        ones :attr:`~msprobe_ci.dump.reader.Dump.rejected` included (each a skip naming why)."""
+        return [n for n in self.dump.names or self.dump.data
+                if (p := names.parse(n, any_prefix=True)) is not None and p.kind == "api"]
 
     # ---------------------------------------------------------------------------------------------------------
     def check(self, name: str) -> ApiResult:
         """Judge one entry; never raises for a bad entry: it becomes a skip (unjudgeable) with the reason."""
         try:
+            if name in self.dump.rejected:
+                return ApiResult(name, "skip", reason=f"not judged, its record breaks the dump format: "
+                                                      f"{self.dump.rejected[name]}")
             prefix, api, n, direction = parse_name(name)
             if _short(prefix, api) in _NOT_COMPARABLE:
                 return ApiResult(name, "skip", reason=f"{api}: uninitialised memory, not comparable")
@@ -462,6 +467,8 @@ class ApiReplayer:
             MsprobeError: no such forward entry, or a record that cannot be rebuilt.
         """
         entry = self.dump.data.get(fwd_name)
+        if fwd_name in self.dump.rejected:
+            raise MsprobeError(f"not judged, its forward record breaks the dump format: {self.dump.rejected[fwd_name]}")
         if not isinstance(entry, dict):
             raise MsprobeError(f"{fwd_name}: no forward entry in the dump")
         gen = api_generator(fwd_name)
