@@ -88,7 +88,7 @@ _RECEIVE_BUFFER_OPS = tuple(f"Distributed.{op}." for op in (
 #                                           argument is data: their NaN shows at the op that made it anyway)
 
 
-def _sides(entry: dict, name: str = "") -> tuple[list, list]:
+def _sides(entry: dict, name: str) -> tuple[list, list]:
     if "input" in entry or "output" in entry and "input_args" not in entry:
         ins = list(_records(entry.get("input") or [], "input"))
     else:

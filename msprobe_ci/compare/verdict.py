@@ -175,4 +175,4 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
 
 
 def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4g}"
+    return f"{x:.4g}"  # inf and nan print as such

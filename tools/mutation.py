@@ -1,0 +1,133 @@
+"""Mutation testing of the rule modules with mutmut: one command, a score per module, survivors listed.
+
+    python tools/mutation.py                       # every rule module (see MODULES), 2 workers
+    python tools/mutation.py --modules verdict overflow --jobs 1
+
+mutmut (``pip install -e ".[mutation]"``) changes one operator, constant or argument at a time (a *mutant*) and
+runs the tests that reach the changed function; a mutant is *killed* when a test fails. A survivor is either a
+rule no test pins (write the test) or an equivalent mutant (the program means the same: listed in
+``EQUIVALENT`` below with the reason, and left out of the score).
+
+mutmut copies the sources into ``mutants/`` and imports them from there, by file path. The package maps
+``pytest_plugin/`` and ``checkers/`` into ``msprobe_ci`` (``pyproject.toml``'s package-dir), which mutmut's
+copy cannot follow, so the run happens in a work folder (``--workdir``, default ``.mutation/``, recreated each
+run) holding one plain ``msprobe_ci`` package, ``tests/`` and a ``pyproject.toml`` with the ``[tool.mutmut]``
+section this script writes. Exit status 1 when a module scores under ``--goal`` (default 90%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: module key -> (file in the work folder's package, the tests that pin it)
+MODULES: dict[str, tuple[str, list[str]]] = {
+    "verdict": ("msprobe_ci/compare/verdict.py", ["tests/test_rules.py"]),
+    "overflow": ("msprobe_ci/overflow.py", ["tests/test_rules.py"]),
+}
+
+#: mutant name -> why it cannot change what the program does (left out of the score)
+EQUIVALENT: dict[str, str] = {
+    "msprobe_ci.overflow.x_check_entry__mutmut_39":
+        "bad_out = None instead of [] for ignored outputs: both are falsy and bad_out is only read for truth "
+        "or when truthy",
+}
+
+
+def _workspace(workdir: str, files: list[str], tests: list[str]) -> None:
+    """A fresh work folder: the package as one tree, the tests, and pyproject.toml with [tool.mutmut]."""
+    if os.path.exists(workdir):
+        shutil.rmtree(workdir)
+    os.makedirs(workdir)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(os.path.join(ROOT, "msprobe_ci"), os.path.join(workdir, "msprobe_ci"), ignore=ignore)
+    for sub in ("pytest_plugin", "checkers"):
+        shutil.copytree(os.path.join(ROOT, sub), os.path.join(workdir, "msprobe_ci", sub), ignore=ignore)
+    shutil.copytree(os.path.join(ROOT, "tests"), os.path.join(workdir, "tests"), ignore=ignore)
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as fh:
+        project = fh.read()
+    start = project.index("[tool.pytest.ini_options]")
+    end = project.find("\n[", start + 1)
+    pytest_section = project[start:] if end < 0 else project[start:end + 1]
+    mutmut = ("\n[tool.mutmut]\n"
+              'source_paths = ["msprobe_ci"]\n'
+              f"only_mutate = {json.dumps(files)}\n"
+              f"pytest_add_cli_args_test_selection = {json.dumps(sorted(set(tests)))}\n"
+              'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n')
+    with open(os.path.join(workdir, "pyproject.toml"), "w", encoding="utf-8") as fh:
+        fh.write(pytest_section + mutmut)
+
+
+def _results(workdir: str, files: list[str]) -> dict[str, dict[str, str]]:
+    """``{file: {mutant name: status}}`` from mutmut's per-file ``.meta`` records (its own status names)."""
+    from mutmut.stats import status_by_exit_code
+
+    out = {}
+    for f in files:
+        with open(os.path.join(workdir, "mutants", f + ".meta"), encoding="utf-8") as fh:
+            meta = json.load(fh)
+        out[f] = {name: status_by_exit_code[code] for name, code in meta["exit_code_by_key"].items()}
+    return out
+
+
+def _diff(workdir: str, name: str) -> str:
+    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=workdir, capture_output=True,
+                           text=True).stdout
+    return "; ".join(line[1:].strip() for line in shown.splitlines()
+                     if line[:1] in "+-" and not line.startswith(("+++", "---")))[:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", nargs="+", choices=sorted(MODULES), default=sorted(MODULES))
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--workdir", default=os.path.join(ROOT, ".mutation"))
+    parser.add_argument("--goal", type=float, default=0.9, help="least killed share per module (default 0.9)")
+    args = parser.parse_args(argv)
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        print('mutation: mutmut is not installed: pip install -e ".[mutation]"', file=sys.stderr)
+        return 2
+    files = [MODULES[m][0] for m in args.modules]
+    tests = [t for m in args.modules for t in MODULES[m][1]]
+    _workspace(args.workdir, files, tests)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)],
+                         cwd=args.workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    took = time.perf_counter() - start
+    if run.returncode != 0:
+        print(run.stderr[-3000:], file=sys.stderr)
+        print(f"mutation: mutmut run failed (exit {run.returncode})", file=sys.stderr)
+        return 2
+    results = _results(args.workdir, files)
+    worst = 1.0
+    print(f"{'module':42} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9} {'score':>7}")
+    survivors = []
+    for m in args.modules:
+        f = MODULES[m][0]
+        statuses = results[f]
+        equivalent = [n for n in statuses if n in EQUIVALENT]
+        counted = {n: s for n, s in statuses.items() if n not in EQUIVALENT}
+        killed = sum(s in ("killed", "caught by type check") for s in counted.values())
+        left = [n for n, s in counted.items() if s not in ("killed", "caught by type check")]
+        score = killed / len(counted) if counted else 1.0
+        worst = min(worst, score)
+        print(f"{f:42} {len(statuses):8d} {killed:7d} {len(equivalent):7d} {len(left):9d} {score:7.1%}")
+        survivors += [(n, counted[n]) for n in left]
+    print(f"({took:.0f} s, {args.jobs} workers; equivalent mutants are listed in tools/mutation.py EQUIVALENT)")
+    for name, status in survivors:
+        print(f"  {status}: {name}: {_diff(args.workdir, name)}")
+    return 0 if worst >= args.goal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
