@@ -262,7 +262,7 @@ class CheckOutcome:
             "csv": self.csv, "graph": self.graph, "mode": report.mode,
             "nodes_compared": len(report.nodes) - len(report.unmatched), "counts": report.counts(),
             "first_divergence": first.name if first is not None else None,
-            "overflow_first": ov.first.name if ov is not None and ov.first and ov.has_overflow else None,
+            "overflow_first": ov.first.name if ov is not None and ov.first else None,  # first: NaN/Inf only
             "overflow_failed": self.overflow_failed, "isolated": report.isolated, "model": list(self.model),
             "overflow_message": ov.first.message if ov is not None and ov.first else "",
             "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
@@ -394,8 +394,9 @@ def read_coverage(folder: str, notes: list | None = None) -> dict | None:
                 isinstance(u.get("calls"), int) and isinstance(u.get("elements"), int) for u in unc):
             raise ValueError("uncaptured: expected a list of {op, pass, calls, elements}")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        notes.append(f"coverage.json unreadable ({path}: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}): "
-                     "no coverage figure")
+        why = f"{exc.args[0]}: missing" if isinstance(exc, KeyError) else \
+            (str(exc).splitlines() or [repr(exc)])[0][:200]
+        notes.append(f"coverage.json unreadable ({path}: {why}): no coverage figure")
         return None
     data["share"] = float(share)
     if data["share"] < 1.0:

@@ -213,3 +213,376 @@ def test_report_first_overflow_and_bench_twins():
     assert [a.name for a in new.anomalies] == ["A.carry.0.forward", "A.make.1.forward"]  # same node, other level
     long = Anomaly("x", "high", tuple(f"input.{i}" for i in range(6)))
     assert long.message == "x: high overflow (NaN/Inf in input.0, input.1, input.2, input.3)"
+
+
+# ---------------------------------------------------------------------------------------------------- junit.py
+def _node(name, status, **kw):
+    return {"name": name, "status": status, "metric": "RelativeErr", "value": 0.5, "threshold": 0.01,
+            "input_error": 0.001, "worst_row": f"{name}.output.0", "message": f"{name}: msg", **kw}
+
+
+def _check(**kw):
+    return {"test": "tests/test_m.py::test_x[1.5]", "index": 0, "bench": "cpu/float32", "target": "cpu/bfloat16",
+            "mode": "statistics", "dir": "out/t", "started": "2026-11-26T00:00:00", "first_divergence": "A.f.0.forward",
+            "nodes": [], **kw}
+
+
+def _junit(tmp_path, results):
+    import xml.etree.ElementTree as ET
+
+    from msprobe_ci.pytest_plugin.junit import write_junit
+
+    path = tmp_path / "sub" / "j.xml"
+    write_junit(str(path), results)
+    root = ET.parse(path).getroot()
+    cases = {(c.get("classname"), c.get("name")): c for c in root.iter("testcase")}
+    return root, cases
+
+
+def _props(case):
+    found = case.find("properties")
+    assert found is not None and all(p.tag == "property" for p in found)
+    return {p.get("name"): p.get("value") for p in found}
+
+
+def test_classname_splits_where_ci_viewers_split():
+    from msprobe_ci.pytest_plugin.junit import classname
+
+    assert classname("tests/test_m.py::test_x[1.5]", 2) == "tests.test_m.test_x[1_5] check 2"
+    assert classname("a\\b.c/test_m.py::C::t", 0) == "a.b_c.test_m.C__t check 0"
+    assert classname("tests/test_m.py", 1) == "tests.test_m check 1"
+    assert classname("conftest", 0) == "conftest check 0"
+
+
+def test_junit_every_verdict_has_its_testcase(tmp_path):
+    cls = "tests.test_m.test_x[1_5] check 0"
+    nodes = [_node("A.f.0.forward", "error", standard="benchmark", drift=0.2, drift_status="warning", seconds=0.25),
+             _node("A.g.0.forward", "warning", standard=""), _node("A.h.0.forward", "unmatched", message=""),
+             _node("A.i.0.forward", "skip", message="not judgeable"), _node("A.j.0.forward", "pass")]
+    model = [{"name": "model.output.0", "status": "error", "metric": "RelativeErr", "value": "inf",
+              "threshold": 1e-3, "message": "output.0: 3 element(s) NaN/Inf on one side only"},
+             {"name": "model.loss", "status": "pass", "metric": "RelativeErr", "value": 1e-6, "threshold": 1e-3,
+              "message": "loss ok"}]
+    api = [{"name": "Functional.a.0.forward", "status": "error", "message": "api bad"},
+           {"name": "Functional.b.0.forward", "status": "warning", "message": "api warn"},
+           {"name": "Functional.c.0.forward", "status": "skip", "message": "api skip"},
+           {"name": "Functional.d.0.forward", "status": "pass", "message": ""}]
+    results = [_check(index=1, recorded=True),  # a recording run compares nothing
+               _check(nodes=nodes, model=model, unapplied=["Functional.x.0.forward: never fired", "y"],
+                      overflow_failed=True, overflow_message="A.f.0.forward: critical overflow",
+                      overflow_first="A.f.0.forward", api_checks=api),
+               _check(index=2, skipped="no npu device")]
+    root, cases = _junit(tmp_path, results)
+    err = cases[(cls, "A.f.0.forward")].find("failure")
+    assert (err.get("message"), err.get("type")) == ("A.f.0.forward: msg", "accuracy")
+    assert err.text.splitlines() == ["metric             RelativeErr", "value              0.5",
+                                     "threshold          0.01", "standard           benchmark",
+                                     "worst row          A.f.0.forward.output.0", "input error        0.001",
+                                     "drift RelativeErr  0.2", "drift status       warning"]
+    assert cases[(cls, "A.f.0.forward")].get("time") == "0.250000"
+    assert [c.tag for c in cases[(cls, "A.f.0.forward")]] == ["properties", "failure"]
+    assert _props(cases[(cls, "A.f.0.forward")]) == {
+        "msprobe.status": "error", "msprobe.metric": "RelativeErr", "msprobe.value": "0.5",
+        "msprobe.threshold": "0.01", "msprobe.input_error": "0.001", "msprobe.worst_row": "A.f.0.forward.output.0",
+        "msprobe.standard": "benchmark", "msprobe.drift_RelativeErr": "0.2", "msprobe.drift_status": "warning"}
+    warn = cases[(cls, "A.g.0.forward")]
+    assert warn.find("failure") is None and warn.find("skipped") is None
+    assert warn.find("system-out").text == ("msprobe warning: A.g.0.forward: msg\nmetric             RelativeErr\n"
+                                            "value              0.5\nthreshold          0.01\n"
+                                            "worst row          A.g.0.forward.output.0\ninput error        0.001")
+    assert _props(warn)["msprobe.standard"] == "" and _props(warn)["msprobe.drift_status"] == ""
+    assert _props(warn)["msprobe.drift_RelativeErr"] == ""
+    assert cases[(cls, "A.h.0.forward")].find("skipped").get("message") == "no bench data matched"
+    assert cases[(cls, "A.i.0.forward")].find("skipped").get("message") == "not judgeable"
+    ok = cases[(cls, "A.j.0.forward")]
+    assert [c.tag for c in ok] == ["properties"]
+    model_err = cases[(cls, "model.output.0")].find("failure")
+    assert (model_err.get("type"), model_err.get("message")) == ("end-to-end drift", model[0]["message"])
+    assert "value              inf" in model_err.text
+    assert _props(cases[(cls, "model.output.0")]) == {"msprobe.metric": "RelativeErr", "msprobe.value": "inf",
+                                                      "msprobe.threshold": "0.001"}
+    assert [c.tag for c in cases[(cls, "model.loss")]] == ["properties"]
+    fault = cases[(cls, "injected-faults")].find("failure")
+    assert (fault.get("message"), fault.get("type")) == ("Functional.x.0.forward: never fired; y", "fault never fired")
+    ov = cases[(cls, "overflow")]
+    assert (ov.find("failure").get("type"), ov.find("failure").get("message")) == \
+        ("overflow", "A.f.0.forward: critical overflow")
+    assert _props(ov) == {"msprobe.first_overflow": "A.f.0.forward"}
+    api_cls = f"{cls}[api-check]"
+    assert cases[(api_cls, "Functional.a.0.forward")].find("failure").get("type") == "api-accuracy"
+    assert cases[(api_cls, "Functional.a.0.forward")].find("failure").get("message") == "api bad"
+    assert cases[(api_cls, "Functional.b.0.forward")].find("system-out").text == "msprobe warning: api warn"
+    assert cases[(api_cls, "Functional.c.0.forward")].find("skipped").get("message") == "api skip"
+    assert [c.tag for c in cases[(api_cls, "Functional.d.0.forward")]] == ["properties"]
+    assert _props(cases[(api_cls, "Functional.d.0.forward")]) == {"msprobe.status": "pass"}
+    suites = {s.get("name"): s for s in root.iter("testsuite")}
+    assert set(suites) == {cls, api_cls, "tests.test_m.test_x[1_5] check 2"}  # the recorded run has none
+    main = suites[cls]
+    assert main.get("timestamp") == "2026-11-26T00:00:00"
+    assert {p.get("name"): p.get("value") for p in main.find("properties")} == {
+        "msprobe.test": "tests/test_m.py::test_x[1.5]", "msprobe.bench": "cpu/float32",
+        "msprobe.target": "cpu/bfloat16", "msprobe.mode": "statistics", "msprobe.first_divergence": "A.f.0.forward",
+        "msprobe.artifacts": "out/t"}
+    assert (main.get("tests"), main.get("failures"), main.get("skipped")) == ("9", "4", "2")
+    assert [c.get("name") for c in main.iter("testcase")] == [
+        "A.f.0.forward", "A.g.0.forward", "A.h.0.forward", "A.i.0.forward", "A.j.0.forward", "model.output.0",
+        "model.loss", "injected-faults", "overflow"]
+    skipped = cases[("tests.test_m.test_x[1_5] check 2", "check")].find("skipped")
+    assert skipped.get("message") == "no npu device"
+
+
+def test_junit_clean_check_and_no_overflow(tmp_path):
+    cls = "tests.test_m.test_x[1_5] check 0"
+    root, cases = _junit(tmp_path, [_check(nodes=[_node("A.f.0.forward", "pass", seconds=0)],
+                                           first_divergence=None)])
+    assert [c.tag for c in cases[(cls, "overflow")]] == ["properties"]
+    assert _props(cases[(cls, "overflow")]) == {"msprobe.first_overflow": ""}
+    assert cases[(cls, "A.f.0.forward")].get("time") in (None, "0", "0.000000")
+    assert (cls, "injected-faults") not in cases
+    suite = next(root.iter("testsuite"))
+    assert {p.get("name"): p.get("value") for p in suite.find("properties")}["msprobe.first_divergence"] == ""
+    assert root.iter("testsuite") and len(list(root.iter("testsuite"))) == 1
+    first_line = (tmp_path / "sub" / "j.xml").read_bytes().split(b"\n")[0]
+    assert first_line.startswith(b"<?xml version='1.0' encoding='utf-8'?>")
+    _junit(tmp_path, [])  # our own report is replaced
+    (tmp_path / "sub" / "j.xml").write_text("<not junit/>")
+    with pytest.raises(MsprobeError, match=r"j.xml: JUnit XML exists and was not written by msprobe-ci"):
+        _junit(tmp_path, [])  # a file that is not a JUnit report is never replaced
+
+
+# ---------------------------------------------------------------------------------------------------- check.py
+def test_model_cases_tolerance_and_error():
+    import torch
+
+    from msprobe_ci.check import model_cases
+
+    b = torch.tensor([3.0, 4.0])
+    assert model_cases(None, [("o", b)], None) == [] and model_cases([("o", b)], [], None) == []
+    (case,) = model_cases([("o", b)], [("o", b * (1 + 1e-4))], None)
+    assert case == {"name": "model.o", "status": "error", "metric": "RelativeErr",
+                    "value": pytest.approx(1e-4, rel=1e-3), "threshold": 1e-5,  # fp32: 16 u is under the 1e-5 floor
+                    "message": case["message"]}
+    assert case["message"] == f"o: relative L2 error {case['value']:.4g} vs end-to-end tolerance 1e-05"
+    bf = b.to(torch.bfloat16)
+    (case,) = model_cases([("o", b)], [("o", bf)], None)
+    assert case["threshold"] == 16 * 2.0 ** -8 and case["status"] == "pass"  # the coarser dtype's roundoff
+    (case,) = model_cases([("o", b)], [("o", b * 1.001)], None, cast_u=2.0 ** -8)
+    assert case["threshold"] == 16 * 2.0 ** -8 and case["status"] == "pass"  # the cast dtype counts
+    (case,) = model_cases([("o", b)], [("o", b * 1.001)], 1e-4)
+    assert case["threshold"] == 1e-4 and case["status"] == "error"
+    (case,) = model_cases([("o", b)], [("o", b * 1.0001)], 1e-3)
+    assert case["status"] == "pass" and case["value"] == pytest.approx(1e-4, rel=1e-2)
+    (case,) = model_cases([("o", torch.tensor([2.0]))], [("o", torch.tensor([3.0]))], 0.5)
+    assert case["value"] == 0.5 and case["status"] == "pass"  # err <= tol passes
+    (case,) = model_cases([("o", b.to(torch.bfloat16))], [("o", b * 1.001)], None)
+    assert case["threshold"] == 16 * 2.0 ** -8  # the bench's dtype counts too
+    big = torch.tensor([1e30, 1e30])  # its norm overflows fp32: computed in float64
+    (case,) = model_cases([("o", big)], [("o", big * 1.001)], None)
+    assert case["value"] == pytest.approx(1e-3, rel=1e-3) and case["status"] == "error"
+    # only outputs the bench has, with its shape
+    assert model_cases([("o", b)], [("p", b), ("o", b[:1])], None) == []
+
+
+def test_model_cases_nan_inf():
+    import torch
+
+    from msprobe_ci.check import model_cases
+
+    inf = float("inf")
+    b = torch.tensor([1.0, inf, 2.0])
+    (shared,) = model_cases([("o", b)], [("o", b.clone())], None)
+    assert shared["status"] == "pass" and shared["value"] == 0.0  # the bench's own overflow, compared on the rest
+    (one,) = model_cases([("o", b)], [("o", torch.tensor([1.0, 3.0, float("nan")]))], None)
+    assert one["status"] == "error" and one["value"] == "inf"
+    assert one["message"] == "o: 2 element(s) NaN/Inf on one side only (target 1, bench 1 of 3 non-finite)"
+    zero = torch.zeros(4)
+    (z,) = model_cases([("o", zero)], [("o", zero.clone())], None)
+    assert z["status"] == "pass" and z["value"] == 0.0
+    tiny = torch.full((4,), 1e-40)  # fp32 subnormals: judged against sqrt(n) x the smallest normal
+    (t,) = model_cases([("o", tiny)], [("o", tiny * 2)], None)
+    expected = float(torch.linalg.vector_norm(tiny.double())) / (2 * 2.0 ** -126)
+    assert t["status"] == "error" and t["value"] == pytest.approx(expected, rel=1e-9) and expected < 0.01
+    (t,) = model_cases([("o", tiny)], [("o", tiny * 2)], 0.01)
+    assert t["status"] == "pass"
+    all_bad = torch.tensor([inf, -inf])
+    (a,) = model_cases([("o", all_bad)], [("o", all_bad.clone())], None)
+    assert a["status"] == "pass" and a["value"] == 0.0
+    half = torch.full((4,), 1e-6)  # fp16 subnormals on one side, either side: fp16's smallest normal
+    for b_, t_ in ((half, half.to(torch.float16)), (half.to(torch.float16), half)):
+        (h,) = model_cases([("o", b_)], [("o", t_)], None)
+        diff = float(torch.linalg.vector_norm(t_.double() - b_.double()))
+        assert h["value"] == pytest.approx(diff / (2 * 2.0 ** -14), rel=1e-9), (b_.dtype, t_.dtype)
+    (d,) = model_cases([("o", torch.zeros(1))], [("o", torch.ones(1))], None)
+    assert d["value"] == pytest.approx(1 / 2.0 ** -126) and d["status"] == "error"
+
+
+def test_flatten_outputs():
+    import torch
+
+    from msprobe_ci.check import flatten_outputs
+
+    t = torch.ones(2)
+    out = flatten_outputs({"logits": t, "loss": t, "ids": torch.ones(2, dtype=torch.long), "h": [t, (t,)]})
+    assert [n for n, _ in out] == ["output.logits", "output.h.0", "output.h.1.0"]
+    assert flatten_outputs(t, "x")[0][0] == "x" and flatten_outputs(3.0) == []
+
+
+class _Report:
+    def __init__(self, first=None, nodes=(), unmatched=(), mode="statistics", isolated=True):
+        self.first_divergence, self.nodes, self.unmatched, self.mode, self.isolated = first, list(nodes), \
+            list(unmatched), mode, isolated
+        self.seconds = {"A.f.0.forward": 0.1234567}
+
+    def counts(self):
+        return {"pass": len(self.nodes)}
+
+
+class _Api:
+    def __init__(self, status):
+        self.name, self.status, self.message = f"api.{status}", status, status
+
+
+def test_check_outcome_verdict_and_summary():
+    from msprobe_ci.check import CheckOutcome
+
+    node = CompareResult("A.f.0.forward", "error", value=math.inf, threshold=0.5, input_error=0.1,
+                         worst_row="A.f.0.forward.output.0", message="m",
+                         metrics={"standard": "benchmark", "drift_RelativeErr": 0.3, "drift_status": "warning"})
+    plain = CompareResult("A.g.0.forward", "pass", value=0.001, threshold=0.5)
+    ov = OverflowReport((Anomaly("A.f.0.forward", "critical", ("output.0",)),))
+    clean = CheckOutcome(_Report(nodes=[plain]), None, None, "c.csv", None)
+    assert clean.passed and not clean.overflow_failed and clean.model_errors == [] and clean.api_errors == []
+    assert not clean.coverage_short
+    assert not CheckOutcome(_Report(first=node), None, None, "c.csv", None).passed
+    assert not CheckOutcome(_Report(), None, None, "c.csv", None, overflow=ov).passed
+    assert CheckOutcome(_Report(), None, None, "c.csv", None, overflow=OverflowReport(())).passed
+    model = ({"name": "model.o", "status": "error"}, {"name": "model.l", "status": "pass"})
+    bad_model = CheckOutcome(_Report(), None, None, "c.csv", None, model=model)
+    assert not bad_model.passed and bad_model.model_errors == [model[0]]
+    apis = CheckOutcome(_Report(), None, None, "c.csv", None, api_checks=(_Api("error"), _Api("warning")))
+    assert not apis.passed and [a.name for a in apis.api_errors] == ["api.error"]
+    assert CheckOutcome(_Report(), None, None, "c.csv", None, api_checks=(_Api("warning"),)).passed
+    assert CheckOutcome(_Report(), None, None, "c", None, coverage={"share": 0.99, "uncaptured": []}).coverage_short
+    assert not CheckOutcome(_Report(), None, None, "c", None, coverage={"share": 1.0, "uncaptured": []}).coverage_short
+    s = CheckOutcome(_Report(first=node, nodes=[node, plain], unmatched=[plain]), None, None, "c.csv", "g.vis.db",
+                     model=model, overflow=ov, api_checks=(_Api("error"),),
+                     coverage={"share": 0.5, "uncaptured": list(range(30))}).summary()
+    assert s["csv"] == "c.csv" and s["graph"] == "g.vis.db" and s["mode"] == "statistics" and s["isolated"]
+    assert s["nodes_compared"] == 1 and s["counts"] == {"pass": 2} and s["first_divergence"] == "A.f.0.forward"
+    assert s["overflow_first"] == "A.f.0.forward" and s["overflow_failed"]
+    assert s["overflow_message"] == "A.f.0.forward: critical overflow (NaN/Inf in output.0)"
+    assert s["model"] == list(model) and s["api_checks"] == [{"name": "api.error", "status": "error",
+                                                              "message": "error"}]
+    assert s["coverage"] == {"share": 0.5, "uncaptured": list(range(20))}
+    assert s["nodes"][0] == {"name": "A.f.0.forward", "status": "error", "metric": "RelativeErr", "value": "inf",
+                             "threshold": 0.5, "input_error": 0.1, "worst_row": "A.f.0.forward.output.0",
+                             "message": "m", "standard": "benchmark", "drift": 0.3, "drift_status": "warning",
+                             "seconds": 0.123457}
+    assert s["nodes"][1] == {"name": "A.g.0.forward", "status": "pass", "metric": "RelativeErr", "value": 0.001,
+                             "threshold": 0.5, "input_error": 0.0, "worst_row": "", "message": "", "standard": "",
+                             "drift": 0.001, "drift_status": "pass", "seconds": 0.0}
+    quiet = CheckOutcome(_Report(), None, None, "c.csv", None,
+                         overflow=OverflowReport((Anomaly("j", "high", ()),))).summary()
+    assert quiet["overflow_first"] is None and not quiet["overflow_failed"] and quiet["overflow_message"] == ""
+    assert "api_checks" not in quiet and "coverage" not in quiet and quiet["first_divergence"] is None
+    medium = CheckOutcome(_Report(), None, None, "c", None,
+                          overflow=OverflowReport((Anomaly("m", "medium", ("input.0",)),))).summary()
+    assert medium["overflow_first"] == "m" and medium["overflow_message"].startswith("m: medium overflow")
+
+
+def test_coverage_merge_and_read(tmp_path):
+    import json
+
+    from msprobe_ci.check import merge_coverage, read_coverage
+
+    a = {"share": 0.9, "captured_elements": 90, "uncaptured": [{"op": "aten.mm", "pass": "forward", "calls": 2,
+                                                                 "elements": 10}]}
+    b = {"share": 0.5, "captured_elements": 30, "uncaptured": [{"op": "aten.mm", "pass": "forward", "calls": 1,
+                                                                 "elements": 20},
+                                                                {"op": "aten.mm", "pass": "backward", "calls": 1,
+                                                                 "elements": 10}]}
+    notes = []
+    m = merge_coverage([a, None, b], notes)
+    assert m == {"share": 120 / 160, "captured_elements": 120, "uncaptured_elements": 40, "uncaptured": [
+        {"op": "aten.mm", "pass": "forward", "calls": 3, "elements": 30},
+        {"op": "aten.mm", "pass": "backward", "calls": 1, "elements": 10}]}
+    assert notes == ["coverage 75.0% of floating-point work; uncaptured: aten.mm x3 (forward), aten.mm x1 (backward)"]
+    assert merge_coverage([None]) is None
+    full = {"share": 1.0, "captured_elements": 0, "uncaptured": []}
+    notes = []
+    assert merge_coverage([full, dict(full, share=1.0)], notes)["share"] == 1.0 and notes == []
+    assert merge_coverage([dict(full, share=0.25)])["share"] == 0.25  # no elements: the ranks' own figure
+    assert merge_coverage([{"share": 1.0, "uncaptured": []}, a])["captured_elements"] == 90  # absent counts 0
+    assert read_coverage(str(tmp_path)) is None
+    notes = []
+    (tmp_path / "coverage.json").write_text(json.dumps(dict(a, share=1)))
+    got = read_coverage(str(tmp_path), notes)
+    assert got["share"] == 1.0 and isinstance(got["share"], float) and notes == []
+    (tmp_path / "coverage.json").write_text(json.dumps({"share": 0}))  # no ops listed; a share of 0 is a share
+    assert read_coverage(str(tmp_path), notes) == {"share": 0.0} and notes == ["coverage 0.0% of floating-point work"]
+    notes = []
+    (tmp_path / "coverage.json").write_text(json.dumps(a))
+    assert read_coverage(str(tmp_path), notes)["uncaptured"] == a["uncaptured"]
+    assert notes == ["coverage 90.0% of floating-point work; uncaptured: aten.mm x2 (forward)"]
+    for bad, why in [({"share": 1.5}, "share: expected a number in [0, 1], got 1.5"),
+                     ({"share": -0.1}, "share: expected a number in [0, 1], got -0.1"),
+                     ({"share": True}, "share: expected a number in [0, 1], got True"),
+                     ({"share": "1"}, "share: expected a number in [0, 1], got '1'"),
+                     ({"share": 0.5, "uncaptured": {}}, "uncaptured: expected a list of {op, pass, calls, elements}"),
+                     ({"share": 0.5, "uncaptured": [{"op": "x", "pass": "f", "calls": 1, "elements": 1.5}]},
+                      "uncaptured: expected"),
+                     ({"share": 0.5, "uncaptured": [{"op": 1, "pass": "f", "calls": 1, "elements": 1}]},
+                      "uncaptured: expected"),
+                     ({"share": 0.5, "uncaptured": [{"op": "x", "pass": None, "calls": 1, "elements": 1}]},
+                      "uncaptured: expected"),
+                     ({"share": 0.5, "uncaptured": [{"op": "x", "pass": "f", "calls": "1", "elements": 1}]},
+                      "uncaptured: expected"),
+                     ({"share": 0.5, "uncaptured": ["x"]}, "uncaptured: expected"),
+                     ({}, "share: missing"), ([], "list indices must be integers")]:
+        (tmp_path / "coverage.json").write_text(json.dumps(bad))
+        notes = []
+        assert read_coverage(str(tmp_path), notes) is None
+        assert notes[0].startswith(f"coverage.json unreadable ({tmp_path / 'coverage.json'}: {why}")
+        assert notes[0].endswith("): no coverage figure") and notes[0].count(":") == 2 + why.count(":")
+        assert "missing" not in notes[0] or why == "share: missing"
+    (tmp_path / "coverage.json").write_text(json.dumps({"share": "x" * 500}))
+    notes = []
+    read_coverage(str(tmp_path), notes)
+    assert notes == [f"coverage.json unreadable ({tmp_path / 'coverage.json'}: "
+                     f"{('share: expected a number in [0, 1], got ' + repr('x' * 500))[:160]}): no coverage figure"]
+    (tmp_path / "coverage.json").write_text("{")
+    assert read_coverage(str(tmp_path)) is None
+
+
+def test_grad_similarity():
+    import torch
+
+    from msprobe_ci.check import grad_similarity
+
+    b = {"gone": torch.ones(1), "shape": torch.ones(2), "w": torch.tensor([1.0, -2.0, 0.0, 3.0]), "z": torch.zeros(2),
+         "e": torch.zeros(0)}
+    t = {"w": torch.tensor([1.0, 2.0, 0.0, 3.0]), "z": torch.zeros(2), "e": torch.zeros(0), "shape": torch.ones(3)}
+    w, z, e = grad_similarity(b, t)
+    assert w == {"param": "w", "cosine": pytest.approx(6 / 14), "sign_agreement": 0.75, "bench_norm": pytest.approx(
+        14 ** 0.5), "target_norm": pytest.approx(14 ** 0.5), "bench_min": -2.0, "bench_max": 3.0, "target_min": 0.0,
+        "target_max": 3.0}
+    assert z["cosine"] == 1.0 and z["sign_agreement"] == 1.0  # both zero: the same gradient
+    assert e["cosine"] == 1.0 and e["sign_agreement"] == 1.0
+    assert e["bench_min"] == e["bench_max"] == e["target_min"] == e["target_max"] == 0.0
+    (small,) = grad_similarity({"w": torch.tensor([0.5, 0.0])}, {"w": torch.tensor([0.5, 0.5])})
+    assert small["cosine"] == pytest.approx(0.5 ** 0.5)  # norms under 1 are no special case
+    (one_zero,) = grad_similarity({"w": torch.zeros(2)}, {"w": torch.ones(2)})
+    assert one_zero["cosine"] == 0.0 and one_zero["sign_agreement"] == 0.0
+
+
+def test_precision_notes_name_the_api_and_how_it_ran():
+    from types import SimpleNamespace
+
+    from msprobe_ci.check import precision_notes
+
+    capture = SimpleNamespace(precision_fallbacks={"Torch._grouped_mm": "reference", "Torch._scaled_mm": "float32"})
+    assert precision_notes(capture, SimpleNamespace(label="cpu/float64")) == (
+        "cpu/float64: Torch._grouped_mm has no float64 kernel: it ran in float64 as its reference decomposition "
+        "(one matmul per group)",
+        "cpu/float64: Torch._scaled_mm has no float64 kernel: it ran in float32 (the best precision it supports), "
+        "its outputs cast back to float64")
