@@ -144,13 +144,14 @@ def flatten_outputs(out: Any, name: str = "output") -> list[tuple[str, Any]]:
 
     if isinstance(out, torch.Tensor):
         return [(name, out.detach().cpu())] if out.is_floating_point() else []
-    items = None
-    if isinstance(out, dict) or (hasattr(out, "keys") and hasattr(out, "to_tuple")):
+    if isinstance(out, dict) or (hasattr(out, "keys") and hasattr(out, "to_tuple")):  # a transformers ModelOutput
         items = [(str(k), out[k]) for k in out.keys()]
     elif isinstance(out, (list, tuple)):
         items = [(str(i), v) for i, v in enumerate(out)]
+    else:
+        return []
     result = []
-    for k, v in items or ():
+    for k, v in items:
         if k in ("loss",):
             continue  # judged from the loss of loss_fn
         result += flatten_outputs(v, f"{name}.{k}")
@@ -182,12 +183,6 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
             continue
         tol = rtol if rtol is not None else max(16 * max(unit_roundoff(str(t.dtype), str(b.dtype)), cast_u), 1e-5)
         t64, b64 = t.to(torch.float64), b.to(torch.float64)
-        finite = torch.isfinite(t64) & torch.isfinite(b64)
-        denom = float(torch.linalg.vector_norm(b64[finite])) if bool(finite.any()) else 0.0
-        denom = max(denom, math.sqrt(int(finite.sum())) * smallest_normal(str(t.dtype), str(b.dtype)))
-        diff = float(torch.linalg.vector_norm((t64 - b64)[finite])) if bool(finite.any()) else 0.0
-        err = diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
-        message = f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"
         # NaN/Inf in the same elements on both sides (an overflow the bench shares) is compared on the rest;
         # NaN/Inf where the other side is finite is an error of its own, said with the counts
         t_bad, b_bad = ~torch.isfinite(t64), ~torch.isfinite(b64)
@@ -195,6 +190,13 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
             err = math.inf
             message = (f"{name}: {int((t_bad ^ b_bad).sum())} element(s) NaN/Inf on one side only (target "
                        f"{int(t_bad.sum())}, bench {int(b_bad.sum())} of {t64.numel()} non-finite)")
+        else:
+            finite = ~b_bad
+            denom = max(float(torch.linalg.vector_norm(b64[finite])),  # an empty norm is 0
+                        math.sqrt(int(finite.sum())) * smallest_normal(str(t.dtype), str(b.dtype)))
+            diff = float(torch.linalg.vector_norm((t64 - b64)[finite]))
+            err = diff / denom if denom > 0 else 0.0  # denom 0: no finite element, nothing differs
+            message = f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"
         cases.append({"name": f"model.{name}", "status": "error" if not err <= tol else "pass",
                       "metric": "RelativeErr", "value": _num(err), "threshold": tol, "message": message})
     return cases
@@ -394,8 +396,7 @@ def read_coverage(folder: str, notes: list | None = None) -> dict | None:
                 isinstance(u.get("calls"), int) and isinstance(u.get("elements"), int) for u in unc):
             raise ValueError("uncaptured: expected a list of {op, pass, calls, elements}")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        why = f"{exc.args[0]}: missing" if isinstance(exc, KeyError) else \
-            (str(exc).splitlines() or [repr(exc)])[0][:200]
+        why = f"{exc.args[0]}: missing" if isinstance(exc, KeyError) else str(exc).partition("\n")[0] or repr(exc)
         notes.append(f"coverage.json unreadable ({path}: {why}): no coverage figure")
         return None
     data["share"] = float(share)

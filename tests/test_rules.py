@@ -268,10 +268,10 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
            {"name": "Functional.c.0.forward", "status": "skip", "message": "api skip"},
            {"name": "Functional.d.0.forward", "status": "pass", "message": ""}]
     results = [_check(index=1, recorded=True),  # a recording run compares nothing
+               _check(index=2, skipped="no npu device"),
                _check(nodes=nodes, model=model, unapplied=["Functional.x.0.forward: never fired", "y"],
                       overflow_failed=True, overflow_message="A.f.0.forward: critical overflow",
-                      overflow_first="A.f.0.forward", api_checks=api),
-               _check(index=2, skipped="no npu device")]
+                      overflow_first="A.f.0.forward", api_checks=api)]
     root, cases = _junit(tmp_path, results)
     err = cases[(cls, "A.f.0.forward")].find("failure")
     assert (err.get("message"), err.get("type")) == ("A.f.0.forward: msg", "accuracy")
@@ -293,6 +293,7 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
     assert _props(warn)["msprobe.standard"] == "" and _props(warn)["msprobe.drift_status"] == ""
     assert _props(warn)["msprobe.drift_RelativeErr"] == ""
     assert cases[(cls, "A.h.0.forward")].find("skipped").get("message") == "no bench data matched"
+    assert _props(cases[(cls, "A.h.0.forward")])["msprobe.standard"] == ""  # no standard named
     assert cases[(cls, "A.i.0.forward")].find("skipped").get("message") == "not judgeable"
     ok = cases[(cls, "A.j.0.forward")]
     assert [c.tag for c in ok] == ["properties"]
@@ -381,6 +382,7 @@ def test_model_cases_tolerance_and_error():
     assert case["value"] == pytest.approx(1e-3, rel=1e-3) and case["status"] == "error"
     # only outputs the bench has, with its shape
     assert model_cases([("o", b)], [("p", b), ("o", b[:1])], None) == []
+    assert [c["name"] for c in model_cases([("o", b)], [("p", b), ("o", b)], None)] == ["model.o"]
 
 
 def test_model_cases_nan_inf():
@@ -425,6 +427,21 @@ def test_flatten_outputs():
     out = flatten_outputs({"logits": t, "loss": t, "ids": torch.ones(2, dtype=torch.long), "h": [t, (t,)]})
     assert [n for n, _ in out] == ["output.logits", "output.h.0", "output.h.1.0"]
     assert flatten_outputs(t, "x")[0][0] == "x" and flatten_outputs(3.0) == []
+
+    class ModelOutput:  # transformers' shape: keys(), to_tuple() and item access
+        def keys(self):
+            return ["last_hidden_state"]
+
+        def to_tuple(self):
+            return (t,)
+
+        def __getitem__(self, k):
+            return t
+
+    class KeysOnly:
+        keys, __getitem__ = ModelOutput.keys, ModelOutput.__getitem__
+    assert [n for n, _ in flatten_outputs(ModelOutput())] == ["output.last_hidden_state"]
+    assert not hasattr(KeysOnly(), "to_tuple") and flatten_outputs(KeysOnly()) == []
 
 
 class _Report:
@@ -552,6 +569,11 @@ def test_coverage_merge_and_read(tmp_path):
                      f"{('share: expected a number in [0, 1], got ' + repr('x' * 500))[:160]}): no coverage figure"]
     (tmp_path / "coverage.json").write_text("{")
     assert read_coverage(str(tmp_path)) is None
+    (tmp_path / "coverage.json").write_bytes(b"\xff")
+    notes = []
+    assert read_coverage(str(tmp_path), notes) is None
+    assert notes == [f"coverage.json unreadable ({tmp_path / 'coverage.json'}: 'utf-8' codec can't decode byte 0xff "
+                     "in position 0: invalid start byte): no coverage figure"]
 
 
 def test_grad_similarity():
@@ -561,11 +583,11 @@ def test_grad_similarity():
 
     b = {"gone": torch.ones(1), "shape": torch.ones(2), "w": torch.tensor([1.0, -2.0, 0.0, 3.0]), "z": torch.zeros(2),
          "e": torch.zeros(0)}
-    t = {"w": torch.tensor([1.0, 2.0, 0.0, 3.0]), "z": torch.zeros(2), "e": torch.zeros(0), "shape": torch.ones(3)}
+    t = {"w": torch.tensor([1.0, 2.0, 0.5, 3.0]), "z": torch.zeros(2), "e": torch.zeros(0), "shape": torch.ones(3)}
     w, z, e = grad_similarity(b, t)
-    assert w == {"param": "w", "cosine": pytest.approx(6 / 14), "sign_agreement": 0.75, "bench_norm": pytest.approx(
-        14 ** 0.5), "target_norm": pytest.approx(14 ** 0.5), "bench_min": -2.0, "bench_max": 3.0, "target_min": 0.0,
-        "target_max": 3.0}
+    assert w == {"param": "w", "cosine": pytest.approx(6 / (14 * 14.25) ** 0.5), "sign_agreement": 0.5,
+                 "bench_norm": pytest.approx(14 ** 0.5), "target_norm": pytest.approx(14.25 ** 0.5), "bench_min": -2.0,
+                 "bench_max": 3.0, "target_min": 0.5, "target_max": 3.0}
     assert z["cosine"] == 1.0 and z["sign_agreement"] == 1.0  # both zero: the same gradient
     assert e["cosine"] == 1.0 and e["sign_agreement"] == 1.0
     assert e["bench_min"] == e["bench_max"] == e["target_min"] == e["target_max"] == 0.0
