@@ -27,12 +27,20 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: module key -> (file in the work folder's package, the tests that pin it)
-MODULES: dict[str, tuple[str, list[str]]] = {
-    "verdict": ("msprobe_ci/compare/verdict.py", ["tests/test_rules.py"]),
-    "overflow": ("msprobe_ci/overflow.py", ["tests/test_rules.py"]),
-    "check": ("msprobe_ci/check.py", ["tests/test_rules.py"]),
-    "junit": ("msprobe_ci/pytest_plugin/junit.py", ["tests/test_rules.py"]),
+#: module key -> (files in the work folder's package, the tests that pin them)
+_STANDARD_TESTS = ["tests/test_rules.py", "tests/test_kernels.py",
+                   *(f"tests/test_api_check.py::{t}" for t in (
+                       "test_standard_passes_rounding_and_fails_a_one_percent_error",
+                       "test_result_reports_the_loosest_passing_threshold",
+                       "test_correct_rounding_always_passes_absolute_threshold", "test_binary_dropout_and_registry"))]
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "verdict": (["msprobe_ci/compare/verdict.py"], ["tests/test_rules.py"]),
+    "overflow": (["msprobe_ci/overflow.py"], ["tests/test_rules.py"]),
+    "check": (["msprobe_ci/check.py"], ["tests/test_rules.py"]),
+    "junit": (["msprobe_ci/pytest_plugin/junit.py"], ["tests/test_rules.py"]),
+    "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
+        "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
+        "thousandth", "ulp")], _STANDARD_TESTS),
 }
 
 _PIPELINE = ("pipeline, not a rule: it runs models and writes dumps, and the rules it calls are mutated where they "
@@ -45,10 +53,28 @@ OUT_OF_SCOPE: dict[str, dict[str, str]] = {
 }
 
 #: mutant name -> why it cannot change what the program does (left out of the score)
+_UTF8 = "the encoding: the same where the locale is UTF-8 (this machine, CI); 'UTF-8' is 'utf-8'"
+_XML = ("the junit-xml report's encoding: ElementTree parses the str or the bytes alike, and the declaration is "
+        "written again below")
 EQUIVALENT: dict[str, str] = {
     "msprobe_ci.overflow.x_check_entry__mutmut_39":
         "bad_out = None instead of [] for ignored outputs: both are falsy and bad_out is only read for truth "
         "or when truthy",
+    "msprobe_ci.check.x_model_cases__mutmut_38":
+        "t.to(None) keeps the target's dtype: every use meets the float64 bench (promoted) or isfinite (the same)",
+    "msprobe_ci.check.x_read_coverage__mutmut_15": _UTF8,
+    "msprobe_ci.check.x_read_coverage__mutmut_17": _UTF8,
+    "msprobe_ci.check.x_read_coverage__mutmut_19": _UTF8,
+    "msprobe_ci.check.x_read_coverage__mutmut_61":
+        "the first line of the message: no exception that reaches it (OSError, JSON, ours) has a second one",
+    "msprobe_ci.check.x_read_coverage__mutmut_63":
+        "repr(exc) of a message-less exception: none reaches it (each has a message)",
+    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_347": _XML,
+    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_349": _XML,
+    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_351": _XML,
+    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_355":
+        "iter(None) walks every element: the others (suites, properties, failures) carry no classname, so the "
+        "property lookup misses them as before",
 }
 
 
@@ -132,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print('mutation: mutmut is not installed: pip install -e ".[mutation]"', file=sys.stderr)
         return 2
-    files = [MODULES[m][0] for m in args.modules]
+    files = [f for m in args.modules for f in MODULES[m][0]]
     tests = [t for m in args.modules for t in MODULES[m][1]]
     _workspace(args.workdir, files, tests)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -148,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = 1.0
     print(f"{'module':42} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9} {'score':>7}")
     survivors = []
-    for m in args.modules:
-        f = MODULES[m][0]
+    for f in files:
         statuses = results[f]
         equivalent = [n for n in statuses if n in EQUIVALENT]
         counted = {n: s for n, s in statuses.items() if n not in EQUIVALENT}
