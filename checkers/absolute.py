@@ -32,8 +32,9 @@ class AbsoluteThresholdStandard:
 def judge_absolute(name: str, t: np.ndarray, ref: np.ndarray, rtol: float, small: float, atol: float,
                    extra: dict | None = None) -> CheckResult:
     finite, bad, small_m, normal = finite_masks(t, ref, small)
-    ae = np.abs(t - ref)
-    re = np.where(normal, ae / (np.abs(ref) + np.finfo(np.float64).eps), 0.0)
+    with np.errstate(invalid="ignore"):  # inf - inf where both sides overflow: judged by position below
+        ae = np.abs(t - ref)
+        re = np.where(normal, ae / (np.abs(ref) + np.finfo(np.float64).eps), 0.0)
     consistent = (np.isnan(t) & np.isnan(ref)) | (t == ref)
     metrics = {"inf_nan_err_ratio": ratio(~consistent, bad), "rel_err_ratio": ratio(re > rtol, normal),
                "abs_err_ratio": ratio(ae > atol, small_m)}

@@ -37,7 +37,8 @@ class UlpStandard:
         _, ex = np.frexp(np.where(finite, ref, 0.0))  # |ref| = m * 2^ex with 0.5 <= m < 1: floor(log2|ref|) = ex - 1
         e = np.where(ref != 0, ex - 1, 0)
         np.maximum(e, int(self.min_exp), out=e)
-        err = np.abs(t - ref)
+        with np.errstate(invalid="ignore"):  # inf - inf where both sides overflow: judged by position below
+            err = np.abs(t - ref)
         if floor is not None:
             f = to_f64(floor)
             if f.shape == err.shape:

@@ -608,3 +608,298 @@ def test_precision_notes_name_the_api_and_how_it_ran():
         "(one matmul per group)",
         "cpu/float64: Torch._scaled_mm has no float64 kernel: it ran in float32 (the best precision it supports), "
         "its outputs cast back to float64")
+
+
+# ------------------------------------------------------------------------------------------ compare/isolated.py
+def _rec(mx, dt="torch.bfloat16", norm=1.0, **kw):
+    return {"type": "torch.Tensor", "dtype": dt, "shape": [4], "Max": mx, "Min": -1.0, "Mean": 0.0, "Norm": norm,
+            "requires_grad": False, **kw}
+
+
+def _pair(target_out=3.0, bench_out=3.0, t_weight=2.0, b_weight=2.0, t_scalar=0.5, b_scalar=0.5, grad=1.0):
+    """A target (bf16) and a bench (fp32) dump of one module holding a linear and a clamp, and a parameters_grad."""
+    def data(dt, out, weight, scalar, g):
+        return {
+            "Functional.linear.0.forward": {"input_args": [_rec(1.0, dt), _rec(weight, dt)], "input_kwargs": {},
+                                            "output": [_rec(out, dt)]},
+            "Torch.clamp.0.forward": {"input_args": [_rec(out, dt), {"type": "float", "value": scalar}],
+                                      "input_kwargs": {}, "output": [_rec(0.5, dt)]},
+            "Functional.relu.0.forward": {"input_args": [_rec(1.0, dt)], "input_kwargs": {}, "output": [_rec(1.0, dt)]},
+            "Module.m.Block.forward.0": {"input_args": [_rec(1.0, dt)], "input_kwargs": {}, "output": [_rec(out, dt)]},
+            "Module.n.Other.forward.0": {"input_args": [_rec(1.0, dt)], "input_kwargs": {}, "output": [_rec(out, dt)]},
+            "Module.m.Block.parameters_grad": {"weight": _rec(g, dt)},
+        }
+    construct = {"Functional.linear.0.forward": "Module.m.Block.forward.0",
+                 "Torch.clamp.0.forward": "Module.m.Block.forward.0", "Module.m.Block.forward.0": "Module.top.forward.0",
+                 "Functional.relu.0.forward": "Module.n.Other.forward.0"}
+    t = Dump(folder=".", task="statistics", level="mix", data=data("torch.bfloat16", target_out, t_weight, t_scalar,
+                                                                    grad), construct=construct)
+    b = Dump(folder=".", task="statistics", level="mix", data=data("torch.float32", bench_out, b_weight, b_scalar, 1.0),
+             construct=construct)
+    return t, b
+
+
+def _isolated(t, b, isolation, **kw):
+    from msprobe_ci.compare import compare_dumps
+    from msprobe_ci.compare.isolated import apply_isolation
+
+    report = compare_dumps(t, b)
+    drift = {n.name: n for n in report.nodes}
+    apply_isolation(report, isolation, t.construct, **kw)
+    assert report.isolated
+    return {n.name: n for n in report.nodes}, drift
+
+
+_ERR = {"status": "error", "standard": "benchmark", "metric": "rmse", "value": 5.25, "threshold": 1.2,
+        "row": "Functional.linear.0.forward.output.0", "message": "benchmark error: ratio 6.9 > 2", "seconds": 0.5}
+
+
+def test_isolation_replaces_drift_for_api_nodes():
+    t, b = _pair(target_out=3.3)  # linear's output drifts 9%
+    nodes, drift = _isolated(t, b, {"Functional.linear.0.forward": _ERR,
+                                    "Torch.clamp.0.forward": {"status": "skip", "message": "no oracle"},
+                                    "Functional.relu.0.forward": dict(_ERR, status="warning", value=1.1)})
+    lin = nodes["Functional.linear.0.forward"]
+    assert (lin.status, lin.metric, lin.value, lin.threshold, lin.budget, lin.passing_threshold) == \
+        ("error", "rmse", 5.25, 1.2, 1.2, 5.25)
+    assert lin.message == ("Functional.linear.0.forward: benchmark standard on its own inputs: rmse 5.25 > 1.2 at "
+                           "Functional.linear.0.forward.output.0 (benchmark error: ratio 6.9 > 2)")
+    assert lin.worst_row == "Functional.linear.0.forward.output.0" and lin.input_error == drift[lin.name].input_error
+    assert lin.metrics["standard"] == "benchmark" and lin.metrics["isolated"] is True and "rank" not in lin.metrics
+    assert lin.metrics["drift_status"] == drift[lin.name].status and \
+        lin.metrics["drift_RelativeErr"] == drift[lin.name].value
+    assert lin.metrics["drift_threshold"] == drift[lin.name].threshold
+    relu = nodes["Functional.relu.0.forward"]
+    assert relu.status == "warning" and " 1.1 <= 1.2 at " in relu.message
+    clamp = nodes["Torch.clamp.0.forward"]
+    assert (clamp.status, clamp.metric, clamp.value, clamp.threshold, clamp.budget) == \
+        ("pass", "isolation", 0.0, math.inf, math.inf)
+    assert clamp.message == "Torch.clamp.0.forward: not isolated (no oracle); drift pass"
+    assert clamp.metrics["drift_status"] == "pass" and clamp.worst_row == drift[clamp.name].worst_row
+    # modules: one holds the failing API, one only passing isolated calls, one nothing isolated
+    block = nodes["Module.m.Block.forward.0"]
+    assert (block.status, block.metric, block.metrics["rollup"]) == ("error", "contains", "Functional.linear.0.forward")
+    assert block.message == "Module.m.Block.forward.0: contains failing API Functional.linear.0.forward"
+    assert block.value == drift[block.name].value and block.passing_threshold == drift[block.name].value
+    assert block.metrics["drift_status"] == drift[block.name].status
+    other = nodes["Module.n.Other.forward.0"]
+    assert other.status == "pass" and other.message.startswith(
+        "Module.n.Other.forward.0: every isolated API inside passes; drift ")
+    grads = nodes["Module.m.Block.parameters_grad"]
+    assert grads.status == drift[grads.name].status  # parameters_grad that passed its drift stays as it is
+
+
+def test_nodes_without_records_pass_on_drift_alone():
+    t, b = _pair(target_out=3.3, grad=1.2)
+    nodes, drift = _isolated(t, b, {"Torch.clamp.0.forward": dict(_ERR, status="pass", value=0.1)})
+    lin = nodes["Functional.linear.0.forward"]
+    assert drift[lin.name].status == "error" and lin.status == "pass"
+    assert lin.message == f"Functional.linear.0.forward: not isolated; drift error ({drift[lin.name].message})"
+    assert lin.metrics["drift_status"] == "error"
+    other = nodes["Module.n.Other.forward.0"]
+    assert other.status == "pass" and other.message.startswith("Module.n.Other.forward.0: no isolated call inside")
+    assert drift["Module.m.Block.parameters_grad"].status in ("warning", "error")
+    grads = nodes["Module.m.Block.parameters_grad"]
+    assert grads.status == "pass" and grads.metrics["drift_status"] == drift[grads.name].status
+    assert grads.message == ("Module.m.Block.parameters_grad: accumulated from isolated backward calls; drift "
+                             f"{drift[grads.name].status}")
+
+
+def test_a_module_isolated_whole_fails_when_a_call_inside_fails():
+    t, b = _pair()
+    rec_ok = dict(_ERR, status="pass", value=0.5, rank=3)
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": _ERR, "Module.m.Block.forward.0": rec_ok,
+                                "Module.top.forward.0": rec_ok})
+    block = nodes["Module.m.Block.forward.0"]
+    assert block.status == "error" and block.metrics["rollup"] == "Functional.linear.0.forward"
+    assert block.message == "Module.m.Block.forward.0: contains failing node Functional.linear.0.forward"
+    assert block.metrics["rank"] == 3
+    assert nodes["Functional.linear.0.forward"].metrics.get("rank") is None
+    nodes, _ = _isolated(t, b, {"Module.m.Block.forward.0": rec_ok})
+    assert nodes["Module.m.Block.forward.0"].status == "pass"
+
+
+def test_sources_differ_beyond_the_conversion_of_their_dtype():
+    rec = dict(_ERR, status="pass", value=0.1)
+    weight = {"Functional.linear.0.forward.input.1": {"kind": "tensor", "id": "w"}}
+    scalar = {"Torch.clamp.0.forward.input.1": {"kind": "scalar", "id": "s"}}
+    t, b = _pair(t_weight=2.0 * (1 + 4 * 2.0 ** -8))  # 4 u of bf16, plus the 1e-7: just inside
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)})
+    assert nodes["Functional.linear.0.forward"].status == "pass"
+    t, b = _pair(t_weight=2.0 * 1.02)
+    nodes, drift = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight, rank=1)})
+    lin = nodes["Functional.linear.0.forward"]
+    assert (lin.status, lin.metric, lin.worst_row, lin.metrics["standard"], lin.metrics["rank"]) == \
+        ("error", "source", "Functional.linear.0.forward.input.1", "source", 1)
+    assert lin.threshold == lin.budget == pytest.approx(4 * 2.0 ** -8 + 1e-7 + 2.0 ** -24 * 2)
+    assert lin.message == (
+        "Functional.linear.0.forward: its input Functional.linear.0.forward.input.1 (tensor, not computed by any "
+        f"captured API) differs from the bench: RelativeErr {lin.value:.4g} > {lin.threshold:.4g} (= 4 x u 0.00391, "
+        "dtype conversion and fp32 statistics over 4 elements)")
+    assert nodes["Module.m.Block.forward.0"].status == "error"  # the module holds the failing node
+    # a source is judged once, at its first consumer; sources are context where the factor is infinite
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, source_factor=math.inf)
+    assert nodes["Functional.linear.0.forward"].status == "pass"
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, source_factor=12)
+    assert nodes["Functional.linear.0.forward"].status == "pass"  # 12 u covers 2%
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, cast_roundoff=2.0 ** -4)
+    assert nodes["Functional.linear.0.forward"].status == "pass"  # the cast dtype's roundoff counts
+    t, b = _pair(t_scalar=0.6)
+    nodes, _ = _isolated(t, b, {
+        "Functional.linear.0.forward": dict(rec, sources={"Functional.linear.0.forward.input.0": {"id": "x"}}),
+        "Torch.clamp.0.forward": dict(rec, sources={"Torch.clamp.0.forward.input.1": {"kind": "scalar", "id": "x"}})})
+    assert nodes["Torch.clamp.0.forward"].status == "pass"  # "x" was judged (and passed) at the linear
+    t, b = _pair(t_scalar=0.6)
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": dict(rec, sources=scalar)})
+    clamp = nodes["Torch.clamp.0.forward"]
+    assert clamp.status == "error" and clamp.message.endswith(
+        "input Torch.clamp.0.forward.input.1 (scalar, not computed by any captured API) differs from the bench: "
+        "value 0.6 vs bench 0.5")
+    t, b = _pair(t_scalar=0.5 * (1 + 1e-9))
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": dict(rec, sources=scalar)})
+    assert nodes["Torch.clamp.0.forward"].status == "pass"
+
+
+def test_seconds_roll_up_the_construct_tree():
+    from msprobe_ci.compare.isolated import _seconds
+
+    construct = {"a": "m", "b": "m", "m": "top", "top": None, "c": 7}
+    assert _seconds({"a": {"seconds": 0.5}, "b": {"seconds": "0.25"}, "m": {"seconds": 1}, "x": "not a record",
+                     "y": {"seconds": "inf"}, "z": {"seconds": None}, "c": {"seconds": 2.0}}, construct) == \
+        {"a": 0.5, "b": 0.25, "m": 1.75, "top": 1.75, "c": 2.0}
+
+
+def _frames(file, line, fn):
+    return [f"File {file}, line {line}, in {fn},\n  code()", "File outer.py, line 1, in main"]
+
+
+def test_call_sites_and_twins():
+    from msprobe_ci.compare.isolated import _by_site, _call_site, _record_at, _site_twin
+
+    assert _call_site(_frames("/a/b/model.py", 12, "forward")) == "model.py:line 12:in forward"
+    assert _call_site(["File /x.py, line 3"]) is None and _call_site([]) is None and _call_site(None) is None
+    assert _call_site([{"not": "a string"}]) is None and _call_site(["x.py, line 3, in f"]) is None
+    stack = {"Torch.clamp.0.forward": _frames("m.py", 5, "f"), "Torch.clamp.1.forward": _frames("m.py", 9, "f"),
+             "Torch.clamp.2.forward": _frames("m.py", 5, "f"), "Torch.clamp.10.forward": _frames("m.py", 5, "f"),
+             "Module.x.forward.0": _frames("m.py", 5, "f"), "Torch.clamp.3.backward": _frames("m.py", 5, "f"),
+             "Torch.clamp.4.forward": ["no frame"]}
+    index = _by_site(stack)
+    assert index == {("Torch.clamp", "forward", "m.py:line 5:in f"): ["Torch.clamp.0.forward", "Torch.clamp.2.forward",
+                                                                     "Torch.clamp.10.forward"],
+                     ("Torch.clamp", "forward", "m.py:line 9:in f"): ["Torch.clamp.1.forward"],
+                     ("Torch.clamp", "backward", "m.py:line 5:in f"): ["Torch.clamp.3.backward"]}
+    bench = _by_site({"Torch.clamp.0.forward": _frames("m.py", 9, "f"), "Torch.clamp.1.forward": _frames("m.py", 5, "f"),
+                      "Torch.clamp.2.forward": _frames("m.py", 5, "f")})
+    assert _site_twin("Torch.clamp.0.forward", index, bench, stack) == "Torch.clamp.1.forward"
+    assert _site_twin("Torch.clamp.2.forward", index, bench, stack) == "Torch.clamp.2.forward"
+    assert _site_twin("Torch.clamp.10.forward", index, bench, stack) is None  # the bench made two there
+    assert _site_twin("Torch.clamp.1.forward", index, bench, stack) == "Torch.clamp.0.forward"
+    assert _site_twin("Torch.clamp.4.forward", index, bench, stack) is None  # no call site
+    assert _site_twin("Torch.clamp.7.forward", index, bench, {"Torch.clamp.7.forward": _frames("m.py", 5, "f")}) \
+        is None
+    assert _site_twin("clamp", index, bench, {"clamp": _frames("m.py", 5, "f")}) is None
+    entry = {"input_args": [{"type": "float", "value": 1.0}, [{"type": "int", "value": 2}, [{"type": "int",
+                                                                                             "value": 3}]]],
+             "input_kwargs": {"max": {"type": "float", "value": 4.0}}}
+    assert _record_at(entry, "0") == {"type": "float", "value": 1.0}
+    assert _record_at(entry, "1.1.0") == {"type": "int", "value": 3} and _record_at(entry, "1.0")["value"] == 2
+    assert _record_at(entry, "max")["value"] == 4.0 and _record_at(entry, "min") is None
+    assert _record_at(entry, "2") is None and _record_at(entry, "1.5") is None and _record_at(entry, "1") is None
+    assert _record_at(entry, "1.x") is None and _record_at(entry, "0.0") is None
+    assert _record_at({}, "0") is None
+
+
+def test_a_branch_shifted_call_is_judged_against_its_twin_at_the_same_place():
+    """The bench made clamp.0 at line 9 and clamp.1 at line 5; the target's clamp.0 is at line 5: its scalar is
+    compared with the bench's clamp.1 (the same place), never with the bench's clamp.0."""
+    t, b = _pair(t_scalar=0.5, b_scalar=0.7)
+    b.data["Torch.clamp.1.forward"] = dict(b.data["Torch.clamp.0.forward"],
+                                           input_args=[_rec(3.0, "torch.float32"), {"type": "float", "value": 0.5}])
+    t.stack = {"Torch.clamp.0.forward": _frames("m.py", 5, "f")}
+    b.stack = {"Torch.clamp.0.forward": _frames("m.py", 9, "f"), "Torch.clamp.1.forward": _frames("m.py", 5, "f")}
+    rec = dict(_ERR, status="pass", value=0.1, sources={"Torch.clamp.0.forward.input.1": {"kind": "scalar",
+                                                                                           "id": "s"}})
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data=b.data)
+    assert nodes["Torch.clamp.0.forward"].status == "pass"
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=None, bench_data=b.data)
+    assert nodes["Torch.clamp.0.forward"].status == "error"  # stacks unknown: the call of the same name
+    b.data["Torch.clamp.1.forward"]["input_args"][1] = {"type": "float", "value": 0.6}
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data=b.data)
+    clamp = nodes["Torch.clamp.0.forward"]
+    assert (clamp.status, clamp.metric, clamp.value, clamp.passing_threshold, clamp.worst_row) == \
+        ("error", "source", math.inf, math.inf, "Torch.clamp.0.forward.input.1")
+    assert clamp.threshold == clamp.budget == 4 * 2.0 ** -24 + 1e-7  # the cast dtype's u (fp32 at least)
+    assert clamp.message == ("Torch.clamp.0.forward: its input Torch.clamp.0.forward.input.1 (scalar, not computed by "
+                             "any captured API) differs from the bench's call at the same place "
+                             "(Torch.clamp.1.forward): value 0.5 vs bench 0.6")
+    assert clamp.metrics["standard"] == "source" and nodes["Module.m.Block.forward.0"].status == "error"
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data=b.data,
+                         cast_roundoff=2.0 ** -3)  # 4 x 1/8: 0.5 vs 0.6 is within
+    assert nodes["Torch.clamp.0.forward"].status == "pass"
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data={})
+    assert nodes["Torch.clamp.0.forward"].status == "pass"  # no bench entries: nothing to compare with
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack,
+                         bench_data={"Torch.clamp.1.forward": "not an entry"})
+    assert nodes["Torch.clamp.0.forward"].status == "pass"
+    tensor_only = dict(rec, sources={"Torch.clamp.0.forward.input.0": {"kind": "tensor", "id": "t"},
+                                     "Functional.relu.0.forward.input.1": {"kind": "scalar", "id": "r"}})
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": tensor_only}, bench_stack=b.stack, bench_data=b.data)
+    assert nodes["Torch.clamp.0.forward"].status == "pass"  # tensors and other calls' rows are not compared there
+
+
+def test_same_call():
+    from types import SimpleNamespace
+
+    from msprobe_ci.compare.isolated import _same_call
+
+    here, there = _frames("m.py", 5, "f"), _frames("m.py", 9, "f")
+    rep = SimpleNamespace(target_stack={"A.f.0.forward": here}, entry_pairs={"A.f.0.forward": "A.g.0.forward"})
+    assert _same_call("A.f.0.forward", rep, None) and _same_call("A.f.0.forward", rep, {})
+    assert _same_call("A.f.0.forward", rep, {"A.g.0.forward": here})  # through the entry pairing
+    assert not _same_call("A.f.0.forward", rep, {"A.g.0.forward": there})
+    assert not _same_call("A.f.0.forward", rep, {"A.f.0.forward": here})  # the bench made no A.g.0
+    assert _same_call("A.f.0.forward", rep, {"A.g.0.forward": ["?"]})  # bench site unknown
+    plain = SimpleNamespace(target_stack={}, entry_pairs=None)
+    assert _same_call("A.f.0.forward", plain, {"X": here})  # target site unknown
+    assert _same_call("A.f.0.forward", SimpleNamespace(), {"A.f.0.forward": there})
+
+
+def test_isolation_files_and_replayed_records(tmp_path):
+    import json
+
+    from msprobe_ci.checkers import CheckResult
+    from msprobe_ci.compare.isolated import ISOLATION_FILE, _float, _fmt, is_tensor_dump, load_isolation, \
+        replay_isolation
+    from msprobe_ci.replay.runner import ApiResult
+
+    assert ISOLATION_FILE == "isolation.json" and load_isolation(str(tmp_path)) is None
+    path = tmp_path / "isolation.json"
+    path.write_text(json.dumps({"nodes": {"a": {"status": "pass"}}}))
+    assert load_isolation(str(tmp_path)) == {"a": {"status": "pass"}}
+    for bad, why in [("{", "not readable JSON"), ("[]", "expected {'nodes': {name: record}}"),
+                     ('{"nodes": []}', "expected"), ('{"nodes": {"a": 1}}', "expected")]:
+        path.write_text(bad)
+        with pytest.raises(MsprobeError, match=rf"^{path}: {why}"):
+            load_isolation(str(tmp_path))
+    ok = CheckResult("benchmark", "pass", {"rmse_ratio": 0.5}, {"rmse": 2.0}, {"rmse": 0.5}, "fine")
+    bad = CheckResult("benchmark", "error", {"rmse_ratio": math.inf}, {"rmse": 2.0}, {"rmse": math.inf}, "ratio inf")
+    recs = replay_isolation([ApiResult("A.f.0.forward", "error", [("A.f.0.forward.output.0", ok),
+                                                                   ("A.f.0.forward.output.1", bad)]),
+                             ApiResult("A.g.0.forward", "skip", reason="no such API"),
+                             ApiResult("A.h.0.forward", "pass", [])])
+    f = recs["A.f.0.forward"]
+    assert f["status"] == "error" and f["replayed"] is True and f["row"] == "A.f.0.forward.output.1"
+    assert f["message"] == "benchmark error: ratio inf (replayed from the tensor dump)"
+    assert recs["A.g.0.forward"] == {"status": "skip", "replayed": True, "message": "no such API"}
+    assert recs["A.h.0.forward"] == {"status": "pass", "replayed": True, "message": "0 output(s) pass"}
+    assert replay_isolation([ApiResult("A.g.0.forward", "skip", reason="x")]) is None
+    assert replay_isolation([]) is None
+    assert _float("2.5") == 2.5 and math.isnan(_float(None)) and math.isnan(_float("x"))
+    assert _fmt(math.inf) == "inf" and _fmt(1.23456) == "1.235" and _fmt(-math.inf) == "-inf"
+    tensor = Dump(folder=".", task="tensor", level="L1", data={
+        "a": {"input_args": [[[[[{"data_name": "a.pt"}]]]]]}})
+    assert is_tensor_dump(tensor)
+    assert is_tensor_dump(Dump(folder=".", task="tensor", level="L1", data={"a": {"output": {"k": {"data_name": "x"}}}}))
+    assert not is_tensor_dump(Dump(folder=".", task="tensor", level="L1", data={
+        "a": {"x": [[[[[[[{"data_name": "too deep"}]]]]]]]}}))
+    assert not is_tensor_dump(Dump(folder=".", task="statistics", level="L1", data={"a": {"output": [_rec(1.0)]}}))

@@ -431,4 +431,4 @@ def _float(x: Any) -> float:
 
 
 def _fmt(x: float) -> str:
-    return "inf" if isinstance(x, float) and math.isinf(x) else f"{x:.4g}"
+    return f"{x:.4g}"  # inf, -inf and nan print as such (-inf printed "inf")

@@ -1,0 +1,468 @@
+"""The per-API standards (``checkers/``) pinned number by number: each threshold, comparison and message of
+msprobe's standards as this project implements them (``python tools/mutation.py --modules checkers`` counts what
+these tests notice). Sources of the numbers: ``checkers/data/thresholds.yaml``."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from msprobe_ci import MsprobeError
+from msprobe_ci.checkers import STANDARDS, CheckResult, dtype_key, make_standard, standard_for, worst
+from msprobe_ci.checkers.common import dtype_thresholds, finite_masks, load_yaml, ratio, to_f64
+
+NAN, INF = math.nan, math.inf
+
+
+def _t(*v, dtype=torch.float64):
+    return torch.tensor(v, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------ result, common
+def test_check_result_and_worst():
+    r = CheckResult("ulp", "warning", {"a": 1.0}, {"a": 2.0}, {"a": 1.0}, "m")
+    assert r.passed and CheckResult("x", "pass").passed
+    assert not CheckResult("x", "error").passed and not CheckResult("x", "skip").passed
+    e = r.with_status("error", "now bad")
+    assert (e.standard, e.status, e.metrics, e.thresholds, e.passing, e.message) == \
+        ("ulp", "error", {"a": 1.0}, {"a": 2.0}, {"a": 1.0}, "now bad")
+    assert r.as_dict() == {"standard": "ulp", "status": "warning", "metrics": {"a": 1.0}, "thresholds": {"a": 2.0},
+                           "passing": {"a": 1.0}, "message": "m"}
+    assert CheckResult("x", "pass").metrics == {} and CheckResult("x", "pass").message == ""
+    s = {k: CheckResult("x", k) for k in ("pass", "warning", "error", "skip")}
+    assert worst([s["pass"], s["warning"], s["skip"]]) == "warning"
+    assert worst([s["warning"], s["error"]]) == "error" and worst([s["error"], s["warning"]]) == "error"
+    assert worst([s["pass"], s["skip"]]) == "pass" and worst([s["skip"]]) == "skip" and worst([]) == "skip"
+
+
+def test_common_pieces():
+    assert [dtype_key(d) for d in (torch.float16, "torch.bfloat16", torch.float32, torch.float64, torch.int8,
+                                   torch.bool, torch.complex64)] == ["fp16", "bf16", "fp32", "fp64", "int", "bool",
+                                                                     "complex"]
+    th = dtype_thresholds("bf16", {"rtol": "0.5"})
+    assert th["rtol"] == 0.5 and th["small_value"] == 2.0 ** -10 and isinstance(th["rtol"], float)
+    assert dtype_thresholds("int") == dtype_thresholds("fp32") and dtype_thresholds("fp16")["rtol"] == 2.0 ** -10
+    with pytest.raises(MsprobeError, match=r"^threshold override 'nope': unknown; known: \['accumulative_bound', "):
+        dtype_thresholds("fp32", {"nope": 1})
+    assert load_yaml("thresholds.yaml") is load_yaml("thresholds.yaml")  # read once
+    a = to_f64(torch.tensor([1.5, 2.0], dtype=torch.bfloat16))
+    assert a.dtype == np.float64 and a.tolist() == [1.5, 2.0]
+    assert to_f64(torch.tensor([True, False])).tolist() == [1.0, 0.0]
+    assert to_f64(torch.tensor([3], dtype=torch.int64)).dtype == np.float64
+    c = to_f64(torch.tensor([1 + 2j], dtype=torch.complex64).conj())
+    assert c.dtype == np.complex128 and c.tolist() == [1 - 2j]
+    assert to_f64([1, 2]).dtype == np.float64 and to_f64(3).shape == ()
+    g = torch.ones(2, requires_grad=True) * 2
+    assert to_f64(g).tolist() == [2.0, 2.0]
+    finite, bad, small, normal = finite_masks(np.array([1.0, INF, 1e-9, 5.0]), np.array([1.0, 1.0, 1e-9, NAN]), 1e-6)
+    assert finite.tolist() == [True, False, True, False] and bad.tolist() == [False, True, False, True]
+    assert small.tolist() == [False, False, True, False] and normal.tolist() == [True, False, False, False]
+    edge = finite_masks(np.array([1e-6]), np.array([-1e-6]), 1e-6)[2]
+    assert edge.tolist() == [True]  # |bench| <= small_value is small
+    assert ratio(np.array([True, True, False]), np.array([True, False, True])) == 0.5
+    assert ratio(np.array([True]), np.array([False])) == 0.0
+
+
+def test_registry_and_constructors():
+    assert set(STANDARDS) == {"absolute_threshold", "accumulative", "benchmark", "binary", "dropout", "legacy",
+                              "thousandth", "ulp"}
+    assert all(cls.name == name for name, cls in STANDARDS.items())
+    assert standard_for("argmax", torch.bool) == "binary" and standard_for("linear", "torch.int32") == "binary"
+    assert standard_for("linear", torch.int32, {"lin*": "ulp"}) == "ulp"  # an override wins over the dtype rule
+    assert standard_for("conv1d", torch.float64) == "thousandth" and standard_for("conv1d", torch.float16) == \
+        "benchmark"
+    assert standard_for("sum", torch.float32) == "accumulative" and standard_for("add", torch.float32) == \
+        "absolute_threshold"
+    assert standard_for("linear", torch.float32, {"x*": "legacy", "l*": "binary", "li*": "ulp"}) == "binary"
+    with pytest.raises(MsprobeError, match=r"^standard override 'x\*': 'nope' unknown; known: \['absolute_threshold'"):
+        standard_for("linear", torch.float32, {"x*": "nope"})
+    b = make_standard("benchmark", torch.bfloat16, "softmax")
+    assert (b.level, b.min_err) == (load_benchmark_level("softmax"), 2.0 ** -8)
+    assert make_standard("ulp", torch.float16).bits == 10
+    assert make_standard("absolute_threshold", torch.float32, rtol=0.5).rtol == 0.5
+
+
+def load_benchmark_level(api):
+    for lv, names in load_yaml("thresholds.yaml")["benchmark"]["apis"].items():
+        if api in names:
+            return lv
+    return "L0"
+
+
+# ---------------------------------------------------------------------------------------------- binary, dropout
+def test_binary():
+    std = make_standard("binary", torch.int64)
+    ok = std(_t(1, NAN, 3), _t(1, NAN, 3))
+    assert (ok.status, ok.metrics, ok.thresholds, ok.passing, ok.message) == \
+        ("pass", {"mismatch_rate": 0.0}, {"mismatch_rate": 0.0}, {"mismatch_rate": 0.0}, "bit-exact")
+    bad = std(_t(1, 2, 3, 4), _t(1, NAN, 3, 5))
+    assert (bad.status, bad.metrics["mismatch_rate"], bad.message) == ("error", 0.5, "2 of 4 elements differ")
+    assert bad.passing == {"mismatch_rate": 0.5} and bad.standard == "binary"
+    assert std(_t(), _t()).status == "pass" and std(_t(), _t()).metrics["mismatch_rate"] == 0.0
+    loose = make_standard("binary", torch.int64, max_mismatch_rate=0.5)
+    assert loose(_t(1, 2, 3, 4), _t(1, 2, 0, 0)).status == "pass"  # <= the rate passes
+    assert loose(_t(1, 2, 3, 4), _t(1, 0, 0, 0)).status == "error"
+
+
+def test_dropout():
+    std = make_standard("dropout", torch.float32, p=0.3)
+    x = torch.ones(10000)
+    x[:3000] = 0
+    r = std(x)
+    assert (r.status, r.metrics, r.passing) == ("pass", {"zero_share": 0.3}, {"tolerance": 0.0})
+    tol = 5 * math.sqrt(0.3 * 0.7 / 10000)
+    assert r.thresholds == {"p": 0.3, "tolerance": pytest.approx(tol)}
+    assert r.message == f"zero share 0.3000 vs p=0.3 (tolerance {tol:.4f})"
+    edge = int(round((0.3 + tol) * 10000))  # at the tolerance (plus the one-element slack): passes
+    x = torch.ones(10000)
+    x[:edge] = 0
+    assert std(x).status == "pass"
+    x[:edge + 2] = 0
+    far = std(x)
+    assert far.status == "error" and far.passing["tolerance"] == pytest.approx((edge + 2) / 10000 - 0.3)
+    x = torch.ones(10000)
+    x[:int(round((0.3 - tol) * 10000)) - 2] = 0
+    assert std(x).status == "error"  # too few dropped, as much as too many
+    few = std(torch.ones(99))
+    assert (few.status, few.message, few.passing) == ("pass", "99 elements: too few to judge", {})
+    assert few.metrics == {"zero_share": 0.0} and few.thresholds["p"] == 0.3
+    assert make_standard("dropout", torch.float32)(torch.ones(0)).thresholds["tolerance"] == 1.0
+    default = make_standard("dropout", torch.float32)
+    assert (default.p, default.sigmas, default.min_numel) == (0.5, 5.0, 100)
+    assert make_standard("dropout", torch.float32, sigmas=1, min_numel=10).min_numel == 10
+    assert make_standard("dropout", torch.float32)(torch.ones(100)).status == "error"  # 100 elements are judged
+
+
+# ------------------------------------------------------------------------------------------------- thousandth
+def test_thousandth():
+    std = make_standard("thousandth", torch.float32)
+    ref = torch.ones(1000, dtype=torch.float64)
+    t = ref.clone()
+    t[0] = 1.002  # one element in a thousand beyond 0.1%: 99.9% within, passes
+    r = std(t, None, ref)
+    assert (r.status, r.metrics["rel_err_thousandth"], r.thresholds) == \
+        ("pass", 0.999, {"rel_tol": 0.001, "min_ratio": 0.999})
+    assert r.message == "99.9000% of elements within 0.001 relative error" and r.standard == "thousandth"
+    t[1] = 1.002
+    assert std(t, None, ref).status == "error"
+    t = ref * (1 + 0.001)
+    assert std(t, None, ref).status == "pass"  # exactly 0.1% is within
+    t = ref.clone()
+    t[:2] = NAN
+    assert std(t, None, torch.where(torch.arange(1000) < 2, NAN, ref)).status == "pass"  # NaN at NaN is no error
+    q = std(ref * 1.01, ref).passing["rel_tol"]
+    assert q == pytest.approx(0.01 / (1 + np.finfo(np.float32).eps))  # relative to |ref| + fp32 eps
+    assert std(ref, ref).metrics["rel_err_thousandth"] == 1.0  # the bench stands in for a missing oracle
+    assert std(_t(), _t()).metrics["rel_err_thousandth"] == 1.0
+    assert std(_t(INF), _t(1.0)).passing["rel_tol"] == INF
+    custom = make_standard("thousandth", torch.float32, rel_tol=0.1, min_ratio=0.5)
+    assert custom(_t(1.0, 2.0), _t(1.0, 1.0)).status == "pass" and custom.tol == 0.1
+
+
+# ------------------------------------------------------------------------------------------------------ legacy
+def test_legacy_chain():
+    std = make_standard("legacy", torch.float32)
+    b = torch.linspace(10, 20, 10000, dtype=torch.float64)
+    r = std(b, b)
+    assert (r.status, r.metrics["cosine"], r.metrics["max_abs_err"]) == ("pass", pytest.approx(1.0), 0.0)
+    assert r.message == "max abs error 0 < 0.001" and r.passing == {"max_abs_pass": 0.0}
+    assert r.thresholds == {"cosine_min": 0.99, "max_abs_pass": 0.001}
+    flip = std(-b, b)
+    assert (flip.status, flip.metrics["cosine"]) == ("error", pytest.approx(-1.0))
+    assert flip.passing == {"cosine_min": flip.metrics["cosine"]}
+    assert flip.message == "cosine -1.000000" and "max_abs_err" not in flip.metrics
+    edge = make_standard("legacy", torch.float32, cosine_min=flip.metrics["cosine"])
+    assert edge(-b, b).status == "error"  # cosine <= cosine_min is an error
+    # fp32: dual thousandth decides (error), dual ten-thousandth (warning)
+    t = b.clone()
+    t[:11] *= 1.002  # 0.11% of elements beyond 0.1%
+    r = std(t, b)
+    assert (r.status, r.metrics["dual_thousandth"]) == ("error", pytest.approx(0.9989))
+    assert r.thresholds == {"cosine_min": 0.99, "max_abs_pass": 0.001, "dual_thousandth": 0.999,
+                            "dual_ten_thousandth": 0.9999}
+    assert r.passing == {"dual_thousandth": pytest.approx(0.9989), "dual_ten_thousandth": pytest.approx(0.9989)}
+    assert r.message == "error by msprobe's ratio chain: dual_thousandth 0.9989, dual_ten_thousandth 0.9989"
+    t = b.clone()
+    t[:10] *= 1.002  # exactly 0.1% beyond: error (needs more than 99.9%)
+    assert std(t, b).status == "error"
+    t = b.clone()
+    t[:9] *= 1.0005  # beyond 0.01% only: warning
+    assert std(t, b).status == "warning"
+    t = b.clone()
+    t[:1] *= 1.0005
+    assert std(t, b).status == "warning"  # 99.99% within 0.01% is not more than 99.99%
+    t = b.clone()
+    t[:1] *= 1.01
+    assert std(t, b).status == "warning"
+    t = b * (1 + 0.9e-4)
+    assert std(t, b).status == "pass"
+
+
+def test_legacy_half_precision_and_edges():
+    std = make_standard("legacy", torch.bfloat16)
+    b = torch.linspace(10, 20, 1000, dtype=torch.float64)
+    t = b.clone()
+    t[:11] *= 1.02  # 1.1% of elements beyond 1%: error
+    r = std(t, b)
+    assert r.status == "error" and r.metrics["dual_hundredth"] == pytest.approx(0.989)
+    assert r.thresholds["dual_hundredth"] == 0.99 and r.thresholds["dual_thousandth"] == 0.999
+    t = b.clone()
+    t[:10] *= 1.02
+    assert std(t, b).status == "error"  # 99% is not more than 99%
+    t = b.clone()
+    t[:9] *= 1.02
+    assert std(t, b).status == "warning"
+    t = b.clone()
+    t[:1] *= 1.002
+    assert std(t, b).status == "warning"  # 99.9% within 0.1% is not more than 99.9%
+    t = b * (1 + 0.0009)
+    assert std(t, b).status == "pass"
+    fp16 = make_standard("legacy", torch.float16)
+    assert fp16(b * 1.005, b).status == "warning"  # fp16 takes the half-precision chain
+    tiny = torch.tensor([1e-20, 2e-20], dtype=torch.float64)
+    assert std(tiny, tiny).metrics["cosine"] == 1.0  # both below eps: equal
+    assert std(torch.zeros(2, dtype=torch.float64), tiny * 1e10).metrics["cosine"] == 0.0
+    assert std(tiny * 1e10, torch.zeros(2, dtype=torch.float64)).metrics["cosine"] == 0.0
+    one = std(_t(5.0), _t(1.0))
+    assert "cosine" not in one.metrics and one.metrics["max_abs_err"] == 4.0 and one.status == "error"
+    empty = std(_t(), _t())
+    assert empty.status == "pass" and empty.metrics == {"max_abs_err": 0.0}
+    nan = std(_t(NAN, 1.0), _t(1.0, 1.0))
+    assert nan.status == "pass" and math.isnan(nan.metrics["cosine"])  # NaN cosine passes, as msprobe
+    custom = make_standard("legacy", torch.float32, cosine_min=0.5, max_abs_pass=10)
+    assert custom(_t(1.0, 2.0), _t(2.0, 1.0)).status == "pass"  # cosine 0.8 > 0.5, max abs 1 < 10
+
+
+# --------------------------------------------------------------------------------------------------------- ulp
+def test_ulp_half_precision():
+    std = make_standard("ulp", torch.bfloat16)
+    assert (std.min_exp, std.bits, std.large, std.max_ratio, std.max_mean) == (-126, 7, 1, 0.001, None)
+    ref = torch.full((1000,), 1.5, dtype=torch.float64)  # exponent 0: one bf16 ULP is 2^-7
+    r = std(ref + 2.0 ** -7, None, ref)
+    assert (r.metrics["max_ulp"], r.metrics["mean_ulp"], r.metrics["large_ulp_ratio"]) == (1.0, 1.0, 0.0)
+    assert r.status == "pass" and r.thresholds == {"large_ulp_ratio": 0.001, "ulp_large": 1}
+    assert r.passing == {"large_ulp_ratio": 0.0, "mean_ulp": 1.0} and r.metrics["inf_nan_mismatches"] == 0.0
+    assert r.message == "mean ULP 1, 0.000% above 1 ULP" and r.standard == "ulp"
+    t = ref.clone()
+    t[0] += 2 * 2.0 ** -7  # one element of 1000 above 1 ULP: 0.1% is not under 0.1%
+    bad = std(t, None, ref)
+    assert bad.status == "error" and bad.metrics["large_ulp_ratio"] == 0.001 and bad.metrics["max_ulp"] == 2.0
+    t = torch.cat([ref, ref])
+    t[0] += 2 * 2.0 ** -7
+    assert std(t, None, torch.cat([ref, ref])).status == "pass"  # 1 in 2000
+    neg = torch.full((4,), -3.0, dtype=torch.float64)  # exponent 1: one ULP is 2^-6
+    assert std(neg + 2.0 ** -6, None, neg).metrics["max_ulp"] == 1.0
+    small = torch.full((4,), 2.0 ** -130, dtype=torch.float64)  # below 2^-126: ULP at the minimum exponent
+    assert std(small * 2, None, small).metrics["max_ulp"] == pytest.approx(2.0 ** -130 / 2.0 ** -133)
+    zero = torch.zeros(4, dtype=torch.float64)  # an exact zero is measured at exponent 0
+    assert std(zero + 2.0 ** -7, None, zero).metrics["max_ulp"] == 1.0
+    assert std(ref, ref).metrics["max_ulp"] == 0.0  # the bench stands in for a missing oracle
+
+
+def test_ulp_fp32_mean_rule_inf_nan_and_floor():
+    std = make_standard("ulp", torch.float32)
+    ref = torch.full((100,), 1.0, dtype=torch.float64)
+    u = 2.0 ** -23
+    t = ref + 40 * u  # every element 40 ULP: above 32 everywhere, but mean 40 < 64 passes
+    r = std(t, None, ref)
+    assert r.status == "pass" and r.metrics["large_ulp_ratio"] == 1.0
+    assert r.thresholds == {"large_ulp_ratio": 0.05, "ulp_large": 32, "mean_ulp": 64}
+    assert std(ref + 64 * u, None, ref).status == "error"  # mean 64 is not under 64
+    t = ref.clone()
+    t[:4] += 1000 * u  # 4% above 32 ULP: the share rule passes
+    assert std(t, None, ref).status == "pass"
+    t[:5] += 1000 * u
+    assert std(t, None, ref).status == "error"  # 5%, mean 100
+    bad = std(_t(1.0, INF, NAN, 2.0), None, _t(1.0, 5.0, NAN, 2.0))
+    assert bad.status == "error" and bad.metrics["inf_nan_mismatches"] == 1.0
+    assert bad.message == "1 inf/nan positions differ"
+    same = std(_t(1.0, INF, NAN), None, _t(1.0, INF, NAN))
+    assert same.status == "pass" and same.metrics["max_ulp"] == 0.0
+    assert std(_t(-INF), None, _t(INF)).status == "error"
+    floor = std(ref + 100 * u, None, ref, floor=torch.full((100,), 99 * u, dtype=torch.float64))
+    assert floor.metrics["max_ulp"] == pytest.approx(1.0) and floor.status == "pass"
+    assert floor.message.endswith(" beyond the accumulation allowance of cancelling sums")
+    neg_floor = std(ref + 100 * u, None, ref, floor=torch.full((100,), -99 * u, dtype=torch.float64))
+    assert neg_floor.metrics["max_ulp"] == pytest.approx(1.0)  # its size counts
+    over = std(ref + u, None, ref, floor=torch.full((100,), 5 * u, dtype=torch.float64))
+    assert over.metrics["max_ulp"] == 0.0  # never below zero
+    assert std(ref + 100 * u, None, ref, floor=torch.ones(3)).metrics["max_ulp"] == pytest.approx(100)  # wrong shape
+    empty = std(_t(), None, _t())
+    assert empty.metrics == {"max_ulp": 0.0, "mean_ulp": 0.0, "large_ulp_ratio": 0.0, "inf_nan_mismatches": 0.0}
+    assert make_standard("ulp", torch.float32, ulp_max_mean=1000)(ref + 64 * u, None, ref).status == "pass"
+
+
+# ----------------------------------------------------------------------------------------- absolute, accumulative
+def test_absolute_threshold():
+    std = make_standard("absolute_threshold", torch.bfloat16)
+    assert (std.rtol, std.small, std.atol) == (2.0 ** -8, 2.0 ** -10, 2.0 ** -18)
+    ref = _t(1.0, 2.0, 1e-4, -1e-4, INF, NAN)
+    ok = std(_t(1.0 + 2.0 ** -8, 2.0 * (1 + 2.0 ** -8), 1e-4 + 2.0 ** -18, -1e-4, INF, NAN), None, ref)
+    assert ok.status == "pass" and ok.metrics == {"inf_nan_err_ratio": 0.0, "rel_err_ratio": 0.0,
+                                                  "abs_err_ratio": 0.0}
+    assert ok.thresholds == {"rtol": 2.0 ** -8, "small_value": 2.0 ** -10, "small_value_atol": 2.0 ** -18}
+    assert ok.passing["rtol"] == pytest.approx(2.0 ** -8) and ok.standard == "absolute_threshold"
+    assert ok.message == f"max relative error {ok.passing['rtol']:.3g} <= {2.0 ** -8:.3g}"
+    rel = std(_t(1.0, 2.0 * (1 + 2.0 ** -7)), None, _t(1.0, 2.0))
+    assert rel.status == "error" and rel.metrics["rel_err_ratio"] == 0.5
+    assert rel.message == "rel_err_ratio 0.5" and rel.passing["rtol"] == pytest.approx(2.0 ** -7)
+    small = std(_t(1e-4 + 2.0 ** -17, 1e-4), None, _t(1e-4, 1e-4))
+    assert small.status == "error" and small.metrics["abs_err_ratio"] == 0.5
+    assert small.passing["small_value_atol"] == pytest.approx(2.0 ** -17) and small.passing["rtol"] == 0.0
+    edge = std(_t(2.0 ** -10 * 1.5), None, _t(2.0 ** -10))  # |ref| at small_value is small: absolute error
+    assert edge.metrics["abs_err_ratio"] == 1.0 and edge.metrics["rel_err_ratio"] == 0.0
+    nan = std(_t(NAN, INF, 1.0), None, _t(INF, INF, 1.0))
+    assert nan.status == "error" and nan.metrics["inf_nan_err_ratio"] == 0.5  # of the two non-finite positions
+    assert nan.message == "inf_nan_err_ratio 0.5"
+    both = std(_t(NAN, -INF), None, _t(NAN, INF))
+    assert both.metrics["inf_nan_err_ratio"] == 0.5
+    two = std(_t(NAN, 1.0 * 1.1, 1e-4 + 1e-3), None, _t(1.0, 1.0, 1e-4))
+    assert two.message == "inf_nan_err_ratio 1, rel_err_ratio 1, abs_err_ratio 1"
+    assert std(_t(1.0), _t(1.0)).status == "pass"  # the bench stands in for a missing oracle
+    assert std(_t(), None, _t()).passing == {"rtol": 0.0, "small_value_atol": 0.0}
+
+
+def test_accumulative():
+    std = make_standard("accumulative", torch.bfloat16)
+    assert (std.bound, std.eb) == (2.0 ** -7, 2.0 ** -7)
+    n = 10000
+    ref = torch.linspace(1, 2, n, dtype=torch.float64)
+    noise = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0).double() * 2.0 ** -9
+    r = std(ref * (1 + noise), None, ref)
+    assert r.status == "pass" and r.metrics["error_balance"] == 0.0
+    assert r.thresholds["eb_threshold"] == max(2.0 ** -7, 4 / math.sqrt(n))
+    assert r.thresholds["rtol"] == 2.0 ** -7 and r.thresholds["small_value"] == 1.0
+    assert r.passing["eb_threshold"] == 0.0 and r.standard == "accumulative"
+    biased = std(ref * (1 + abs(noise)), None, ref)  # every error one way: EB 1
+    assert biased.status == "error" and biased.metrics["error_balance"] == 1.0
+    assert biased.message == f"error balance 1 > {biased.thresholds['eb_threshold']:.3g} (biased accumulation)"
+    assert biased.passing["eb_threshold"] == 1.0
+    few = std(ref[:99] * (1 + abs(noise[:99])), None, ref[:99])
+    assert few.status == "pass"  # EB is not judged below 100 elements
+    hundred = std(ref[:100] * (1 + abs(noise[:100])), None, ref[:100])
+    assert hundred.status == "error" and hundred.thresholds["eb_threshold"] == pytest.approx(0.4)
+    big = std(ref * (1 + 2.0 ** -6), None, ref)
+    assert big.status == "error" and big.message.startswith("rel_err_ratio 1")
+    # an element equal to the oracle rounded to the target's dtype carries no accumulation error
+    ref32 = torch.full((200,), 1.0 + 2.0 ** -12, dtype=torch.float64)
+    rounded = ref32.to(torch.bfloat16)
+    r = std(rounded, None, ref32)
+    assert r.metrics["error_balance"] == 0.0 and r.status == "pass"
+    assert std(rounded.double(), None, ref32).metrics["error_balance"] == 1.0  # not a bf16 tensor: counted
+    zero = std(ref, None, ref)
+    assert zero.thresholds["eb_threshold"] == 2.0 ** -7 and zero.metrics["error_balance"] == 0.0
+    assert std(_t(), None, _t()).status == "pass"
+    assert std(ref[:2], ref[:2]).status == "pass"  # the bench stands in for a missing oracle
+    odd = torch.full((300,), 1.0, dtype=torch.float64)
+    odd_t = odd.clone()
+    odd_t[:200] += 2.0 ** -9
+    odd_t[200:] -= 2.0 ** -9
+    assert std(odd_t, None, odd).metrics["error_balance"] == pytest.approx(100 / 300)
+
+
+# --------------------------------------------------------------------------------------------------- benchmark
+U8 = 2.0 ** -8
+
+
+def test_benchmark_levels_and_overrides():
+    levels = load_yaml("thresholds.yaml")["benchmark"]["levels"]
+    assert make_standard("benchmark", torch.bfloat16, "layer_norm").ratios == levels["L2"] == \
+        {"max_rel_err": 2, "mean_rel_err": 1.2, "rmse": 1.2, "small_value_err": 2}
+    assert make_standard("benchmark", torch.bfloat16, "embedding").level == "L1"
+    assert make_standard("benchmark", torch.bfloat16, "some_api").ratios == levels["L0"] == \
+        {"max_rel_err": 10, "mean_rel_err": 2, "rmse": 2, "small_value_err": 2}
+    std = make_standard("benchmark", torch.float16, "x", max_rel_err=3, small_value=0.5)
+    assert std.ratios["max_rel_err"] == 3.0 and std.ratios["rmse"] == 2 and std.small == 0.5
+    assert (std.atol, std.min_err) == (1e-16, 2.0 ** -11)
+
+
+def test_benchmark_ratios_against_the_bench_error_floored_at_one_rounding():
+    std = make_standard("benchmark", torch.bfloat16, "x")
+    oracle = torch.ones(1000, dtype=torch.float64)
+    bench = oracle * (1 + U8)
+    same = std(oracle, oracle, oracle)
+    assert same.status == "pass" and same.message == "max ratio 0 (level L0)" and same.standard == "benchmark"
+    assert same.metrics["bench_at_floor"] == 1.0 and same.thresholds == std.ratios
+    ok = std(oracle * (1 + 2 * U8), bench, oracle)
+    assert ok.status == "pass"  # ratio 2 is within 2
+    assert ok.passing["mean_rel_err"] == pytest.approx(2) and ok.passing["rmse"] == pytest.approx(2)
+    assert ok.passing["max_rel_err"] == pytest.approx(2) and ok.passing["small_value_err"] == 0.0
+    assert ok.metrics["target_mean_rel_err"] == pytest.approx(2 * U8) and ok.metrics["bench_rmse"] == \
+        pytest.approx(U8, rel=1e-4)  # msprobe's RMSE carries a 1e-4 correction
+    assert ok.metrics["mean_rel_err_ratio"] == ok.passing["mean_rel_err"]
+    assert set(ok.metrics) == {f"{p}_{k}" for p in ("target", "bench") for k in
+                               ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")} | \
+        {f"{k}_ratio" for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")} | {"bench_at_floor"}
+    bad = std(oracle * (1 + 2.5 * U8), bench, oracle)
+    assert bad.status == "error" and bad.message == "mean_rel_err ratio 2.5 > 2, rmse ratio 2.5 > 2"
+    exact_bench = std(oracle * (1 + 1.9 * U8), oracle, oracle)  # an exact bench is credited with one rounding
+    assert exact_bench.status == "pass" and exact_bench.metrics["bench_at_floor"] == 1.0
+    worse = std(oracle * (1 + 4 * U8), oracle * (1 + 2 * U8), oracle)  # a worse bench earns a looser target
+    assert worse.status == "pass" and worse.metrics["bench_at_floor"] == 0.0
+    neg = std(oracle * (1 + 2.5 * U8), oracle * (1 - 2 * U8), oracle)
+    assert neg.status == "pass"  # the bench's error counts by its size
+    no_oracle = std(oracle * (1 + 1.9 * U8), oracle)  # against the bench itself: its error is 0, the floor counts
+    assert no_oracle.metrics["bench_mean_rel_err"] == 0.0 and no_oracle.status == "pass"
+    assert std(oracle * (1 + 3 * U8), oracle).status == "error"
+    big = make_standard("benchmark", torch.bfloat16, "x", mean_rel_err=3, rmse=3)
+    assert big(oracle * (1 + 2.5 * U8), bench, oracle).status == "pass"
+
+
+def test_benchmark_rmse_floor_scales_with_the_data():
+    std = make_standard("benchmark", torch.bfloat16, "x")
+    oracle = torch.full((100,), 5.5, dtype=torch.float64)
+    t = oracle * (1 + 0.5 * U8)  # half an ulp-sized error at a loss of 5.5, the bench exact
+    r = std(t, oracle, oracle)
+    assert r.status == "pass" and r.passing["rmse"] == pytest.approx(0.5, rel=1e-4)  # rmse / (min_err x RMS 5.5)
+    assert r.metrics["target_rmse"] == pytest.approx(5.5 * 0.5 * U8, rel=1e-4)
+
+
+def test_benchmark_small_values_and_inf_nan():
+    std = make_standard("benchmark", torch.bfloat16, "x")
+    oracle = torch.full((100,), 1e-4, dtype=torch.float64)  # all under small_value 2^-10: absolute judgement
+    r = std(oracle + 1e-15, oracle, oracle)
+    assert r.metrics["target_small_value_err"] == 1.0 and r.metrics["target_mean_rel_err"] == 0.0
+    assert r.status == "error" and r.message == f"small_value_err ratio {1 / U8:.3g} > 2"
+    assert std(oracle + 1e-17, oracle, oracle).status == "pass"  # within small_value_atol 1e-16
+    assert r.metrics["target_rmse"] == 0.0  # small elements are left out of the RMSE
+    both = torch.tensor([1.0, INF, NAN], dtype=torch.float64)
+    ok = std(both.clone(), both.clone(), both.clone())
+    assert ok.status == "pass" and ok.metrics["target_max_rel_err"] == 0.0
+    for t in ([1.0, 1.0, NAN], [1.0, INF, 1.0], [1.0, -INF, NAN], [1.0, NAN, NAN]):
+        r = std(torch.tensor(t, dtype=torch.float64), both.clone(), both.clone())
+        assert r.status == "error" and r.message == "inf/nan positions differ from the bench", t
+    r = std(torch.tensor([1.5, NAN, NAN], dtype=torch.float64), both.clone(), both.clone())
+    assert r.message.startswith("inf/nan positions differ from the bench; max_rel_err ratio ")
+    r = std(torch.tensor([2.0, INF, NAN]), both.clone(), both.clone())  # same positions: the ratios alone
+    assert r.message == "max_rel_err ratio 256 > 10, mean_rel_err ratio 256 > 2, rmse ratio 256 > 2"
+
+
+def test_benchmark_error_scale_and_row_floor():
+    from msprobe_ci.checkers.benchmark import ROW_FLOOR, _row_floor
+
+    std = make_standard("benchmark", torch.bfloat16, "x")
+    oracle = torch.tensor([1e-3, 1.0, -1.0, 2.0], dtype=torch.float64)  # a cancelled element among large ones
+    t = oracle + torch.tensor([1e-2 * U8, 0, 0, 0], dtype=torch.float64)
+    plain = std(t, oracle, oracle)
+    assert plain.metrics["target_max_rel_err"] == pytest.approx(10 * U8, rel=1e-6)
+    scale = torch.tensor([1e-2, 1.0, 1.0, 2.0], dtype=torch.float64)
+    scaled = std(t, oracle, oracle, scale=scale)  # judged against the size of its terms
+    assert scaled.metrics["target_mean_rel_err"] == pytest.approx(U8 / 4, rel=1e-6)
+    assert std(t, oracle, oracle, scale=torch.ones(3)).metrics == plain.metrics  # a wrong shape is ignored
+    row = np.array([[1e-6, 1.0, 1.0, 1.0]])
+    assert ROW_FLOOR == 0.5
+    assert _row_floor(row)[0, 0] == pytest.approx(0.5 * math.sqrt((1e-12 + 3) / 4))
+    assert _row_floor(row)[0, 1] == 1.0 and _row_floor(np.array([3.0])).tolist() == [3.0]
+    assert _row_floor(np.float64(2.0)) == 2.0
+    # the row floor serves the max relative error only; the mean keeps each element's own scale
+    t2 = oracle + torch.tensor([1e-3 * U8, 0, 0, 0], dtype=torch.float64)
+    small_scale = torch.tensor([1e-3, 1.0, 1.0, 2.0], dtype=torch.float64)
+    r = std(t2, oracle, oracle, scale=small_scale)
+    assert r.metrics["target_mean_rel_err"] == pytest.approx(U8 / 4, rel=1e-6)
+    floor = 0.5 * math.sqrt((1e-6 + 1 + 1 + 4) / 4)
+    assert r.metrics["target_max_rel_err"] == pytest.approx(1e-3 * U8 / floor, rel=1e-6)
+    # with a scale, an element is small only where its terms are small too
+    tiny = torch.tensor([1e-5, 1.0], dtype=torch.float64)
+    r = std(tiny + torch.tensor([1e-6, 0.0], dtype=torch.float64), tiny, tiny, scale=torch.tensor([1.0, 1.0]))
+    assert r.metrics["target_small_value_err"] == 0.0 and r.metrics["target_mean_rel_err"] == pytest.approx(5e-7)
