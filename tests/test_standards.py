@@ -466,3 +466,160 @@ def test_benchmark_error_scale_and_row_floor():
     tiny = torch.tensor([1e-5, 1.0], dtype=torch.float64)
     r = std(tiny + torch.tensor([1e-6, 0.0], dtype=torch.float64), tiny, tiny, scale=torch.tensor([1.0, 1.0]))
     assert r.metrics["target_small_value_err"] == 0.0 and r.metrics["target_mean_rel_err"] == pytest.approx(5e-7)
+
+
+# ------------------------------------------------------------------- the per-API judge (replay/runner.judge_pair)
+def test_judge_pair_structure_scalars_and_dispatch():
+    from msprobe_ci.replay.runner import judge_pair
+
+    assert judge_pair("x", None, None, None) == CheckResult("none", "skip", message="no output")
+    s = judge_pair("x", 2, 2, None)
+    assert (s.standard, s.status, s.message) == ("scalar", "pass", "target 2 vs bench 2")
+    assert judge_pair("x", 2, 3, None).status == "error" and judge_pair("x", NAN, NAN, None).status == "pass"
+    assert judge_pair("x", NAN, 1.0, None).status == "error"
+    one = judge_pair("x", torch.ones(1), 1.0, None)  # a tensor where the bench has a scalar: a structure error
+    assert (one.standard, one.status, one.message) == ("structure", "error", "target tensor [1] vs bench 1.0")
+    assert judge_pair("x", 1.0, torch.ones(2, 3), None).message == "target 1.0 vs bench tensor [2, 3]"
+    assert judge_pair("x", None, torch.ones(2), None).status == "error"
+    shape = judge_pair("x", torch.ones(2), torch.ones(3), None)
+    assert (shape.standard, shape.status, shape.message) == ("structure", "error", "shape [2] vs bench [3]")
+    empty = judge_pair("x", torch.ones(0), torch.ones(0), None)
+    assert (empty.standard, empty.status) == ("empty", "pass")
+    idx = torch.tensor([1, 2, 3])
+    assert judge_pair("argmax", idx, idx, None).standard == "binary"
+    assert judge_pair("argmax", idx, torch.tensor([1, 2, 4]), None).status == "error"
+    o = torch.linspace(1, 2, 64, dtype=torch.float64)
+    assert judge_pair("add", o.float(), o.float(), o).standard == "absolute_threshold"
+    assert judge_pair("linear", o.bfloat16(), o.bfloat16(), o).standard == "ulp"
+    assert judge_pair("add", o.float(), o.float(), o, standards={"ad*": "legacy"}).standard == "legacy"
+    th = judge_pair("add", o.float() * 1.5, o.float(), o, thresholds={"absolute_threshold": {"rtol": 0.6}})
+    assert th.status == "pass" and th.thresholds["rtol"] == 0.6
+    assert judge_pair("add", o.float() * 1.5, o.float(), o).status == "error"
+
+
+def test_judge_pair_benchmark_paths():
+    from msprobe_ci.replay.runner import judge_pair
+
+    o = torch.linspace(1, 2, 64, dtype=torch.float64)
+    b = o.bfloat16()
+    same = judge_pair("some_api", b.clone(), b, o)
+    assert same.status == "pass" and same.passing == dict.fromkeys(("max_rel_err", "mean_rel_err", "rmse",
+                                                                    "small_value_err"), 1.0)
+    assert same.message == "bit-identical to the same-dtype bench: every ratio 1, not recomputed"
+    assert same.metrics == {f"{k}_ratio": 1.0 for k in same.passing} and same.thresholds["max_rel_err"] == 10
+    assert judge_pair("some_api", b.float(), b, o).message != same.message  # another dtype is recomputed
+    asked = []
+
+    def terms():
+        asked.append(1)
+        return torch.ones(64, dtype=torch.float64) * 100
+
+    fine = judge_pair("some_api", (o * (1 + 2.0 ** -9)).bfloat16(), b, o, terms=terms)
+    assert fine.status == "pass"
+    bad_t = (o * 1.03).bfloat16()
+    bad = judge_pair("some_api", bad_t, b, o)
+    assert bad.status == "error"
+    scaled = judge_pair("some_api", bad_t, b, o, terms=terms)  # terms 100x the values: a 3% error is small there
+    assert scaled.status == "pass" and asked
+    assert judge_pair("some_api", bad_t, b, o, terms=torch.ones(64, dtype=torch.float64) * 100).status == "pass"
+    assert judge_pair("some_api", bad_t, b, o, terms=torch.ones(3) * 100).status == "error"  # wrong shape: ignored
+    assert judge_pair("some_api", bad_t, b, o, terms=lambda: None).status == "error"
+    assert judge_pair("some_api", bad_t, b, o, terms=lambda: torch.ones(2)).status == "error"
+    asked.clear()
+    judge_pair("some_api", b.clone(), b, o, terms=terms)
+    assert not asked  # a bit-identical target needs no error scale
+
+
+def test_judge_pair_gradients_and_small_tensors():
+    from msprobe_ci.replay.runner import judge_pair
+
+    o = torch.linspace(1, 2, 256, dtype=torch.float64)
+    lin = judge_pair("linear", (o * 1.001).bfloat16(), o.bfloat16(), o, backward=True)
+    assert lin.standard == "benchmark" and lin.thresholds["max_rel_err"] == 10  # L0, whatever the forward's
+    assert judge_pair("layer_norm", o.bfloat16(), o.bfloat16(), o, backward=True).thresholds["max_rel_err"] == 10
+    assert judge_pair("layer_norm", o.bfloat16(), o.bfloat16(), o).thresholds.get("max_rel_err") == 2
+    assert judge_pair("linear", o.bfloat16(), o.bfloat16(), o, backward=True, standards={"lin*": "ulp"}).standard == \
+        "ulp"
+    # a gradient is judged at its own scale: the same relative fault at 1e-12 and at 1
+    tiny = o * 1e-12
+    for fault, status in ((1.0, "pass"), (1.05, "error")):
+        t_small = (tiny * fault).bfloat16()
+        assert judge_pair("mul", t_small, tiny.bfloat16(), tiny, backward=True).status == status
+        assert judge_pair("mul", (o * fault).bfloat16(), o.bfloat16(), o, backward=True).status == status
+    zero = torch.zeros(4, dtype=torch.float64)
+    assert judge_pair("mul", zero.bfloat16(), zero.bfloat16(), zero, backward=True).status == "pass"
+    # a forward output of small scale is judged in its own units (AdamW's second moment, 1e-9)
+    v = o * 1e-9
+    assert judge_pair("some_api", (v * 1.05).float(), v.float(), v).status == "error"
+    assert judge_pair("some_api", v.float(), v.float(), v).status == "pass"
+    assert judge_pair("add", (v * 1.05).float(), v.float(), v).status == "error"
+    assert judge_pair("add", (v * (1 + 2.0 ** -24)).float(), v.float(), v).status == "pass"
+    # an oracle beyond the target dtype's range is the inf correct rounding gives
+    big = torch.tensor([1e39, 1.0], dtype=torch.float64)
+    out = torch.tensor([INF, 1.0])
+    assert judge_pair("add", out, out, big).status == "pass"
+
+
+def test_own_scale_saturate_and_judged_as():
+    from msprobe_ci.replay.runner import FMA, _own_scale, judged_as, saturate
+
+    assert _own_scale(torch.tensor([0.3, -0.6], dtype=torch.float64), torch.float32) == 0.5
+    assert _own_scale(torch.tensor([1.0, 0.1]), torch.float32) == 1.0
+    assert _own_scale(torch.tensor([2.0]), torch.float32) == 1.0 and _own_scale(torch.zeros(3), torch.float32) == 1.0
+    assert _own_scale(torch.zeros(0), torch.float32) == 1.0
+    assert _own_scale(torch.tensor([0.3, NAN, INF]), torch.float32) == 0.25  # non-finite left out
+    assert _own_scale(torch.tensor([1e-30], dtype=torch.float64), torch.float16) == \
+        2.0 ** math.floor(math.log2(torch.finfo(torch.float16).tiny / 2.0 ** -10))  # never into subnormals
+    assert _own_scale(torch.tensor([1e-30], dtype=torch.float64), torch.int32) == 2.0 ** math.floor(math.log2(1e-30))
+    o = torch.tensor([1e39, -1e39, 1.0, NAN], dtype=torch.float64)
+    sat = saturate(o, torch.float32)
+    assert sat[0] == INF and sat[1] == -INF and sat[2] == 1.0 and math.isnan(sat[3]) and sat.dtype == torch.float64
+    fine = torch.tensor([3.0e38, 1.0], dtype=torch.float64)
+    assert saturate(fine, torch.float32) is fine
+    assert saturate(fine, torch.float64) is fine and saturate(torch.zeros(0, dtype=torch.float64), torch.float32).numel() \
+        == 0
+    assert saturate(fine, torch.int32) is fine
+    edge = torch.tensor([torch.finfo(torch.float32).max * (1 + 2.0 ** -25)], dtype=torch.float64)  # rounds down
+    assert saturate(edge, torch.float32) is edge
+    nan_peak = torch.tensor([NAN, 1e39], dtype=torch.float64)
+    assert saturate(nan_peak, torch.float32)[1] == INF
+    x = torch.ones(3, dtype=torch.bfloat16)
+    assert judged_as("add", [x, x], {"alpha": 2}) == FMA and judged_as("add", [x, x], {"alpha": 1}) == "add"
+    assert judged_as("sub_", [x, x], {"alpha": 0.5}) == FMA and judged_as("mul", [x, x], {"alpha": 2}) == "mul"
+    assert judged_as("add", [x, 1e-8], {}) == FMA  # a Python float bf16 cannot hold
+    assert judged_as("add", [x, 0.5], {}) == "add" and judged_as("add", [x, math.inf], {}) == "add"
+    assert judged_as("add", [x.double(), 1e-8], {}) == "add"  # fp64 holds it
+    assert judged_as("add", [1.0, 2.0], {}) == "add"
+    assert judged_as("linear", [x, 1e-8], {}) == "linear"  # not an absolute-threshold API
+    assert judged_as("add", [x], {"other": 1e-8}) == FMA
+    assert judged_as("add", [x, 1e-8], {}, {"add": "ulp"}) == "add"
+    assert judged_as("add", [torch.ones(2, dtype=torch.int64), 1e-8], {}) == "add"
+
+
+def test_accumulation_floor_and_scale():
+    from msprobe_ci.replay.runner import accumulation_floor, accumulation_scale
+
+    a = torch.tensor([[1.0, -1.0, 2.0]])
+    w = torch.tensor([[3.0, 3.0, 1.0]])
+    f = accumulation_floor("linear", torch.nn.functional.linear, [a, w], {})
+    expected = math.sqrt(9 + 9 + 4) * 4 * math.sqrt(3) * 2.0 ** -24
+    assert f.shape == (1, 1) and float(f) == pytest.approx(expected) and f.dtype == torch.float64
+    assert float(accumulation_floor("linear", torch.nn.functional.linear, [a, w], {}, sigmas=1)) == \
+        pytest.approx(expected / 4)
+    assert accumulation_floor("linear", torch.nn.functional.linear, [a, w], {}, dtype=torch.float32).dtype == \
+        torch.float32
+    add = accumulation_floor("addmm", torch.addmm, [torch.zeros(1, 1), a, w.T], {"beta": 2.0, "alpha": 3.0})
+    # the squared call: beta^2 * 0 + alpha^2 * (a^2 @ w^2): sqrt(9 * 22), over K = 3 terms (a's last dimension)
+    assert float(add) == pytest.approx(math.sqrt(9 * 22) * 4 * math.sqrt(3) * 2.0 ** -24)
+    assert accumulation_floor("add", torch.add, [a, w], {}) is None
+    assert accumulation_floor("addmm", torch.addmm, [a], {}) is None  # its contracted operand is absent
+    assert accumulation_floor("matmul", torch.matmul, [torch.tensor(2.0), torch.tensor(3.0)], {}) is None
+    assert accumulation_floor("mm", torch.mm, [a, w.T], {"out": None}).shape == (1, 1)
+    x = torch.tensor([[1.0, -2.0], [3.0, -4.0]], dtype=torch.bfloat16)
+    assert accumulation_scale("sum", torch.sum, [x], {}).tolist() == 10.0
+    assert accumulation_scale("mean", torch.mean, [x, 1], {"dtype": torch.float32, "out": None}).tolist() == [1.5, 3.5]
+    assert accumulation_scale("sum", torch.sum, [x], {}).dtype == torch.float64
+    assert accumulation_scale("prod", torch.prod, [x], {}) is None
+    assert accumulation_scale("sum", torch.sum, [torch.ones(2, dtype=torch.int64)], {}) is None
+    assert accumulation_scale("sum", torch.sum, [], {}) is None and accumulation_scale("sum", torch.sum, [3.0], {}) \
+        is None

@@ -206,7 +206,11 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
     standards = standards or {}
     if t is None and b is None:
         return CheckResult("none", "skip", message="no output")
-    if not isinstance(t, torch.Tensor) or not isinstance(b, torch.Tensor):
+    if isinstance(t, torch.Tensor) != isinstance(b, torch.Tensor):  # (a tensor's == would be a tensor)
+        def kind(v):
+            return f"tensor {list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+        return CheckResult("structure", "error", message=f"target {kind(t)} vs bench {kind(b)}")
+    if not isinstance(t, torch.Tensor):
         both_nan = isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)
         same = both_nan or t == b
         return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
