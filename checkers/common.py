@@ -51,15 +51,13 @@ def dtype_thresholds(key: str, overrides: dict | None = None) -> dict[str, float
 
 def to_f64(x: Any) -> np.ndarray:
     """A tensor, array or scalar as a float64 NumPy array (bf16/fp8 through float32; complex kept)."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is not None and isinstance(x, torch.Tensor):
+    import torch
+
+    if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         if x.is_complex():
             return x.resolve_conj().numpy().astype(np.complex128)
-        if x.dtype == torch.bool or not x.is_floating_point():
+        if not x.is_floating_point():  # integers and bool
             return x.numpy().astype(np.float64)
         return x.to(torch.float64).numpy()
     return np.asarray(x, dtype=np.float64)

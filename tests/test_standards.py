@@ -321,6 +321,7 @@ def test_absolute_threshold():
     assert two.message == "inf_nan_err_ratio 1, rel_err_ratio 1, abs_err_ratio 1"
     assert std(_t(1.0), _t(1.0)).status == "pass"  # the bench stands in for a missing oracle
     assert std(_t(), None, _t()).passing == {"rtol": 0.0, "small_value_atol": 0.0}
+    assert std(_t(1.0, 2.0, 2.0 ** -11), None, _t(1.0, 2.0, 0.0)).metrics["rel_err_ratio"] == 0.0
 
 
 def test_accumulative():
@@ -409,6 +410,13 @@ def test_benchmark_ratios_against_the_bench_error_floored_at_one_rounding():
     assert big(oracle * (1 + 2.5 * U8), bench, oracle).status == "pass"
 
 
+def test_benchmark_rmse_floor_below_unit_scale():
+    std = make_standard("benchmark", torch.bfloat16, "x")
+    oracle = torch.full((100,), 0.5, dtype=torch.float64)
+    r = std(oracle * (1 + 2.5 * U8), oracle, oracle)  # the floor is min_err x 0.5, not min_err
+    assert r.passing["rmse"] == pytest.approx(2.5, rel=1e-3) and r.status == "error"
+
+
 def test_benchmark_rmse_floor_scales_with_the_data():
     std = make_standard("benchmark", torch.bfloat16, "x")
     oracle = torch.full((100,), 5.5, dtype=torch.float64)
@@ -426,6 +434,15 @@ def test_benchmark_small_values_and_inf_nan():
     assert r.status == "error" and r.message == f"small_value_err ratio {1 / U8:.3g} > 2"
     assert std(oracle + 1e-17, oracle, oracle).status == "pass"  # within small_value_atol 1e-16
     assert r.metrics["target_rmse"] == 0.0  # small elements are left out of the RMSE
+    assert r.metrics["target_max_rel_err"] == 0.0 and r.metrics["target_mean_rel_err"] == 0.0
+    at_atol = std(torch.full((4,), 1e-16, dtype=torch.float64), torch.zeros(4, dtype=torch.float64),
+                  torch.zeros(4, dtype=torch.float64))
+    assert at_atol.metrics["target_small_value_err"] == 0.0  # an error of exactly atol is within
+    edge = torch.full((4,), 2.0 ** -10, dtype=torch.float64)  # |oracle| at small_value is small
+    assert std(edge + 1e-12, edge, edge).metrics["target_small_value_err"] == 1.0
+    empty = std(_t(), _t(), _t())
+    assert empty.status == "pass" and empty.metrics["target_rmse"] == 0.0 and empty.metrics["target_max_rel_err"] \
+        == 0.0
     both = torch.tensor([1.0, INF, NAN], dtype=torch.float64)
     ok = std(both.clone(), both.clone(), both.clone())
     assert ok.status == "pass" and ok.metrics["target_max_rel_err"] == 0.0
@@ -433,7 +450,14 @@ def test_benchmark_small_values_and_inf_nan():
         r = std(torch.tensor(t, dtype=torch.float64), both.clone(), both.clone())
         assert r.status == "error" and r.message == "inf/nan positions differ from the bench", t
     r = std(torch.tensor([1.5, NAN, NAN], dtype=torch.float64), both.clone(), both.clone())
-    assert r.message.startswith("inf/nan positions differ from the bench; max_rel_err ratio ")
+    assert r.message == ("inf/nan positions differ from the bench; max_rel_err ratio 128 > 10, mean_rel_err ratio "
+                         "128 > 2, rmse ratio 128 > 2")
+    ref = torch.ones(100, dtype=torch.float64)
+    ref[-1] = NAN
+    t = torch.ones(100, dtype=torch.float64)
+    t[0] += 11 * U8  # one element 11 roundings off (max ratio 11 > 10, mean and RMSE within), one NaN missing
+    r = std(t, ref, ref)
+    assert r.message == "inf/nan positions differ from the bench; max_rel_err ratio 11 > 10"
     r = std(torch.tensor([2.0, INF, NAN]), both.clone(), both.clone())  # same positions: the ratios alone
     assert r.message == "max_rel_err ratio 256 > 10, mean_rel_err ratio 256 > 2, rmse ratio 256 > 2"
 
@@ -454,12 +478,18 @@ def test_benchmark_error_scale_and_row_floor():
     assert ROW_FLOOR == 0.5
     assert _row_floor(row)[0, 0] == pytest.approx(0.5 * math.sqrt((1e-12 + 3) / 4))
     assert _row_floor(row)[0, 1] == 1.0 and _row_floor(np.array([3.0])).tolist() == [3.0]
+    two = _row_floor(np.array([[0.0, 2.0], [0.0, 4.0]]))  # rows of two are floored, each by its own RMS
+    assert two.tolist() == [[0.5 * math.sqrt(2), 2.0], [0.5 * math.sqrt(8), 4.0]]
     assert _row_floor(np.float64(2.0)) == 2.0
     # the row floor serves the max relative error only; the mean keeps each element's own scale
     t2 = oracle + torch.tensor([1e-3 * U8, 0, 0, 0], dtype=torch.float64)
     small_scale = torch.tensor([1e-3, 1.0, 1.0, 2.0], dtype=torch.float64)
     r = std(t2, oracle, oracle, scale=small_scale)
     assert r.metrics["target_mean_rel_err"] == pytest.approx(U8 / 4, rel=1e-6)
+    mixed = torch.tensor([1e-5, 1.0, 1e-5, 1.0], dtype=torch.float64)  # small elements take no part in the max
+    rm = std(mixed + torch.tensor([1e-6, 0, 1e-6, 0], dtype=torch.float64), mixed, mixed,
+             scale=torch.tensor([1e-5, 1.0, 1e-5, 1.0], dtype=torch.float64))
+    assert rm.metrics["target_max_rel_err"] == 0.0 and rm.metrics["target_small_value_err"] == 1.0
     floor = 0.5 * math.sqrt((1e-6 + 1 + 1 + 4) / 4)
     assert r.metrics["target_max_rel_err"] == pytest.approx(1e-3 * U8 / floor, rel=1e-6)
     # with a scale, an element is small only where its terms are small too
@@ -623,3 +653,78 @@ def test_accumulation_floor_and_scale():
     assert accumulation_scale("sum", torch.sum, [torch.ones(2, dtype=torch.int64)], {}) is None
     assert accumulation_scale("sum", torch.sum, [], {}) is None and accumulation_scale("sum", torch.sum, [3.0], {}) \
         is None
+
+
+# ------------------------------------------------------------------------------ boundaries the tests above miss
+def test_standards_default_to_fp32_and_keep_their_names():
+    from msprobe_ci.checkers import (AbsoluteThresholdStandard, AccumulativeStandard, BenchmarkStandard,
+                                     BinaryStandard, DropoutStandard)
+
+    fp32 = dtype_thresholds("fp32")
+    assert AbsoluteThresholdStandard().rtol == fp32["rtol"] and AccumulativeStandard().bound == \
+        fp32["accumulative_bound"]
+    assert BenchmarkStandard().min_err == fp32["min_err"] and BenchmarkStandard().level == "L0"
+    assert BinaryStandard().max_rate == 0.0 and DropoutStandard().p == 0.5
+    assert make_standard("accumulative", torch.bfloat16, accumulative_bound=0.5).bound == 0.5
+    few = make_standard("dropout", torch.float32)(torch.ones(0))
+    assert few.standard == "dropout" and few.metrics["zero_share"] == 0.0
+    assert make_standard("dropout", torch.float32)(torch.ones(1000)).standard == "dropout"
+    assert to_f64([1, 2]).tolist() == [1.0, 2.0] and float(to_f64(3)) == 3.0
+
+
+def test_dropout_tie_passes():
+    x = torch.ones(100)
+    x[:76] = 0  # |0.76 - 0.5| is exactly 5 sigma + 1/n
+    assert make_standard("dropout", torch.float32)(x).status == "pass"
+    x[:77] = 0
+    assert make_standard("dropout", torch.float32)(x).status == "error"
+
+
+def test_accumulative_error_balance_boundaries():
+    std = make_standard("accumulative", torch.bfloat16)
+    e = 2.0 ** -9
+
+    def with_signs(pos, neg, zero=0):
+        d = torch.tensor([e] * pos + [-e] * neg + [0.0] * zero, dtype=torch.float64)
+        return std((torch.ones(len(d), dtype=torch.float64) + d).numpy(), None, torch.ones(len(d)).numpy())
+
+    at = with_signs(70, 30)  # EB 0.4 = 4 / sqrt(100): at the limit passes
+    assert at.metrics["error_balance"] == pytest.approx(0.4) and at.status == "pass"
+    assert at.message == f"max relative error {at.passing['rtol']:.3g} <= {2.0 ** -7:.3g}"
+    assert set(at.passing) == {"rtol", "small_value_atol", "eb_threshold"}
+    assert with_signs(72, 28).status == "error"  # EB 0.44 > 0.4 (5 sigma would let it pass)
+    assert with_signs(65, 35).status == "pass"  # EB 0.3: under 4 sigma, over msprobe's 2^-7
+    zeros = with_signs(200, 100, zero=100)  # exact elements are no part of the sign test
+    assert zeros.metrics["error_balance"] == pytest.approx(100 / 300)
+    # numpy inputs (no dtype to round to) and mixed exact / inexact elements of a rounded target
+    half = torch.full((200,), 1.0 + 2.0 ** -12, dtype=torch.float64)
+    t = half.to(torch.bfloat16).clone()
+    t[:150] += 2.0 ** -7
+    r = std(t, None, half)
+    assert r.metrics["error_balance"] == 1.0 and r.status == "error"  # 150 inexact, all one way; 50 exact
+    assert std(t.double().numpy(), None, half).metrics["error_balance"] == 0.5  # no dtype: the 50 count (down)
+    assert std(half.to(torch.bfloat16), half).metrics["error_balance"] == 0.0  # the bench rounds too
+    assert std(half.to(torch.bfloat16), None, half.numpy()).metrics["error_balance"] == 1.0  # no tensor to round
+    assert std(torch.ones(200, dtype=torch.int32), None, half).metrics["error_balance"] == 1.0
+    ints = torch.full((200,), 257, dtype=torch.int32)  # an integer reference is never rounded to the target
+    assert std(torch.full((200,), 256.0, dtype=torch.bfloat16), None, ints).metrics["error_balance"] == 1.0
+    empty = std(_t(), None, _t())
+    assert empty.thresholds["eb_threshold"] == 2.0 ** -7 and empty.metrics["error_balance"] == 0.0
+
+
+def test_legacy_cosine_details():
+    std = make_standard("legacy", torch.float32)
+    eps = np.finfo(np.float64).eps
+    at = torch.tensor([eps, eps], dtype=torch.float64)  # at eps both count as zero: equal
+    assert std(at, at).metrics["cosine"] == 1.0
+    assert std(at, torch.tensor([1.0, 1.0], dtype=torch.float64)).metrics["cosine"] == 0.0
+    assert std(torch.tensor([1.0, 1.0], dtype=torch.float64), at).metrics["cosine"] == 0.0
+    big = torch.tensor([1e200, 2e200], dtype=torch.float64)  # normalised first: no overflow
+    assert std(big, big * 1.0001).metrics["cosine"] == pytest.approx(1.0)
+    assert make_standard("legacy", torch.float32, cosine_min=0.5)(_t(1.0, 2.0), _t(2.0, 1.0)).metrics["cosine"] == \
+        pytest.approx(0.8)
+    assert make_standard("legacy", torch.float32, cosine_min=0.5)(_t(1.0, 4.0), _t(2.0, 1.0)).metrics["cosine"] == \
+        pytest.approx(6 / math.sqrt(17 * 5))
+    v = torch.tensor([-0.1321048632913019, 0.6404226504432821, 0.10490011715303971, -0.535669373161111,
+                      0.36159505490948474], dtype=torch.float64)  # rounding puts its cosine with itself past 1
+    assert std(v, v).metrics["cosine"] == 1.0 and std(-v, v).metrics["cosine"] == -1.0

@@ -39,6 +39,16 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
         "thousandth", "ulp")], _STANDARD_TESTS),
+    "judge": (["msprobe_ci/replay/runner.py"], ["tests/test_standards.py"]),
+    "isolated": (["msprobe_ci/compare/isolated.py"], [
+        "tests/test_rules.py",
+        "tests/test_isolation.py::test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_range"]),
+}
+
+#: for a file that holds more than rules: the only module-level functions mutated (the others are fenced off)
+ONLY: dict[str, tuple[str, ...]] = {
+    "msprobe_ci/replay/runner.py": ("judge_pair", "_own_scale", "judged_as", "saturate", "accumulation_floor",
+                                    "accumulation_scale"),
 }
 
 _PIPELINE = ("pipeline, not a rule: it runs models and writes dumps, and the rules it calls are mutated where they "
@@ -99,8 +109,16 @@ def _workspace(workdir: str, files: list[str], tests: list[str]) -> None:
     with open(os.path.join(workdir, "pyproject.toml"), "w", encoding="utf-8") as fh:
         fh.write(pytest_section + mutmut)
     for f in files:
-        if f in OUT_OF_SCOPE:
-            _fence(os.path.join(workdir, f), OUT_OF_SCOPE[f])
+        fenced = dict(OUT_OF_SCOPE.get(f, {}))
+        if f in ONLY:
+            import ast
+
+            with open(os.path.join(workdir, f), encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            fenced.update({n.name: "not a rule of this module's judge" for n in tree.body
+                           if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in ONLY[f]})
+        if fenced:
+            _fence(os.path.join(workdir, f), fenced)
 
 
 def _fence(path: str, functions: dict[str, str]) -> None:
@@ -190,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for f in files:
         for fn, why in OUT_OF_SCOPE.get(f, {}).items():
             print(f"  not mutated: {f}: {fn}: {why}")
+        if f in ONLY:
+            print(f"  mutated in {f}: only {', '.join(ONLY[f])} (the per-API judge; the replayer is a pipeline)")
     for name, status in survivors:
         print(f"  {status}: {name}: {_diff(args.workdir, name)}")
     return 0 if worst >= args.goal else 1
