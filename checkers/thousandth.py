@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .common import to_f64
@@ -27,7 +29,7 @@ class ThousandthStandard:
         n = re.size
         share = float((re <= self.tol).sum() / n) if n else 1.0
         status = "pass" if share >= self.min_ratio else "error"
-        q = float(np.quantile(re[np.isfinite(re)], self.min_ratio)) if np.isfinite(re).any() else float("inf")
+        q = float(np.quantile(re[np.isfinite(re)], self.min_ratio)) if np.isfinite(re).any() else math.inf
         return CheckResult(self.name, status, {"rel_err_thousandth": share},
                            {"rel_tol": self.tol, "min_ratio": self.min_ratio}, {"rel_tol": q},
                            f"{share:.4%} of elements within {self.tol:g} relative error")

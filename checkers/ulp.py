@@ -43,8 +43,7 @@ class UlpStandard:
             f = to_f64(floor)
             if f.shape == err.shape:
                 err = np.maximum(err - np.abs(f), 0.0)
-        with np.errstate(invalid="ignore"):
-            ulp = np.ldexp(err, (int(self.bits) - e).astype(np.int32))
+        ulp = np.ldexp(err, (int(self.bits) - e).astype(np.int32))
         ulp = ulp if finite.all() else ulp[finite]
         inconsistent = int((~finite & ~((np.isnan(t) & np.isnan(ref)) | (t == ref))).sum())
         mean = float(ulp.mean()) if ulp.size else 0.0

@@ -728,3 +728,61 @@ def test_legacy_cosine_details():
     v = torch.tensor([-0.1321048632913019, 0.6404226504432821, 0.10490011715303971, -0.535669373161111,
                       0.36159505490948474], dtype=torch.float64)  # rounding puts its cosine with itself past 1
     assert std(v, v).metrics["cosine"] == 1.0 and std(-v, v).metrics["cosine"] == -1.0
+
+
+def test_boundaries_at_exact_ties_and_denominators():
+    from msprobe_ci.checkers import LegacyStandard
+
+    # thousandth: an error of exactly 0.1% (against |ref| + fp32 eps) is within; fp32's eps, not fp64's
+    th = make_standard("thousandth", torch.float32)
+    tie = th(_t(0.001 * 2.0 ** -23), None, _t(0.0))
+    assert tie.status == "pass" and tie.metrics["rel_err_thousandth"] == 1.0
+    assert th(_t(1e-11), None, _t(0.0)).status == "pass"  # 8.4e-5 against fp32's eps
+    assert th(_t(NAN), None, _t(1.0)).status == "error"  # NaN on one side only is no match
+    # legacy: relative errors against |bench| + the dtype's eps (bf16 2^-8, fp16 fp32's, fp32/fp64 fp64's)
+    b = torch.cat([torch.zeros(20, dtype=torch.float64), torch.linspace(10, 20, 980, dtype=torch.float64)])
+    b[-1] = 1000.0
+
+    def at_zeros(v):
+        t = b.clone()
+        t[:20] = v
+        t[-1] = 1000.002  # max abs error over 0.001: the chain decides
+        return t
+
+    bf16 = make_standard("legacy", torch.bfloat16)
+    assert bf16(at_zeros(3e-5), b).status == "warning"  # 3e-5 / 2^-8 = 0.8%: within 1%, not within 0.1%
+    assert bf16(at_zeros(6e-5), b).status == "error"  # 1.5% on 2% of the elements
+    fp16 = make_standard("legacy", torch.float16)
+    assert fp16(at_zeros(1e-10), b).status == "pass"  # 1e-10 / fp32 eps: 0.08%
+    for std in (make_standard("legacy", torch.float32), make_standard("legacy", torch.float64), LegacyStandard()):
+        assert std(at_zeros(1e-14), b).status == "error"  # 1e-14 / fp64 eps: 45x
+    tie = make_standard("legacy", torch.float32, max_abs_pass=0)(_t(0.001 * 2.0 ** -52, 0.0), _t(0.0, 0.0))
+    assert tie.status == "error" and tie.metrics["dual_thousandth"] == 0.5  # exactly 0.1% is not within 0.1%
+    at_abs = make_standard("legacy", torch.float32, max_abs_pass=2.0 ** -10)(_t(1.0 + 2.0 ** -10, 1.0), _t(1.0, 1.0))
+    assert at_abs.status == "warning"  # max abs error at the threshold is not under it: the chain decides
+    v = torch.linspace(1, 2, 16, dtype=torch.float64)
+    cos = make_standard("legacy", torch.float32)(v, v).metrics["cosine"]
+    at_cos = make_standard("legacy", torch.float32, cosine_min=cos)(v, v)
+    assert at_cos.status == "error" and at_cos.standard == "legacy" and at_cos.thresholds["cosine_min"] == cos
+    chain = make_standard("legacy", torch.float32)(v * 1.01, v)
+    assert chain.standard == "legacy" and chain.status == "error"
+    # ulp: the bench stands in for a missing oracle; NaN against a number is inconsistent
+    ulp = make_standard("ulp", torch.bfloat16)
+    one = torch.full((4,), 1.5, dtype=torch.float64)
+    assert ulp(one + 2.0 ** -7, one).metrics["max_ulp"] == 1.0
+    assert ulp(_t(NAN, 1.0), None, _t(1.0, 1.0)).metrics["inf_nan_mismatches"] == 1.0
+    # benchmark: a 0-d tensor; the bench exactly at its floor; msprobe's RMSE correction
+    std = make_standard("benchmark", torch.float32, "x")
+    zero_d = std(torch.tensor(1.5, dtype=torch.float64), torch.tensor(1.5, dtype=torch.float64),
+                 torch.tensor(1.5, dtype=torch.float64))
+    assert zero_d.status == "pass" and zero_d.metrics["target_max_rel_err"] == 0.0
+    oracle = torch.full((4,), 2.0, dtype=torch.float64)
+    bench = oracle.clone()
+    bench[0] += 2.0 ** -13  # relative error 2^-14 = fp32's min_err, exactly
+    at_floor = std(oracle, bench, oracle)
+    assert at_floor.metrics["bench_max_rel_err"] == 2.0 ** -14 and at_floor.metrics["bench_at_floor"] == 1.0
+    small = torch.tensor([1.0, 1.0, 1.0, 1e-8], dtype=torch.float64)  # one small element of four
+    t = small + torch.tensor([1e-3, 0, 0, 0], dtype=torch.float64)
+    r = std(t, small, small)
+    ae = float(t[0] - small[0])
+    assert r.metrics["target_rmse"] == pytest.approx(math.sqrt(ae ** 2 / 4 * (4 / (3 + 1e-4) + 1e-4)), rel=1e-9)
