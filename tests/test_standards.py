@@ -786,3 +786,74 @@ def test_boundaries_at_exact_ties_and_denominators():
     r = std(t, small, small)
     ae = float(t[0] - small[0])
     assert r.metrics["target_rmse"] == pytest.approx(math.sqrt(ae ** 2 / 4 * (4 / (3 + 1e-4) + 1e-4)), rel=1e-9)
+
+
+def test_judge_pair_scaling_paths():
+    from msprobe_ci.replay.runner import judge_pair
+
+    empty = judge_pair("x", torch.ones(0), torch.ones(0), None)
+    assert empty.message == "empty tensor: shapes agree, nothing to compare"
+    o = torch.linspace(1, 2, 64, dtype=torch.float64)
+    assert judge_pair("some_api", o.bfloat16(), o.bfloat16(), o).standard == "benchmark"
+    # without a floating oracle the bench is the reference
+    assert judge_pair("add", (o * 1.01).float(), o.float(), None).status == "error"
+    assert judge_pair("add", o.float(), o.float(), torch.ones(64, dtype=torch.int64)).status == "pass"
+    # the oracle saturates only for a floating target
+    idx = torch.tensor([1, 2])
+    assert judge_pair("argmax", idx, idx, torch.tensor([1e39, 1.0], dtype=torch.float64)).status == "pass"
+    # gradients: scaled by the largest finite |oracle| (NaN and inf left out), the error scale with them
+    g = o * 1e-6
+    g_nan = torch.cat([g, torch.tensor([NAN, INF], dtype=torch.float64)])
+    t_nan = torch.cat([(g * 1.05).bfloat16(), torch.tensor([NAN, INF], dtype=torch.bfloat16)])
+    b_nan = torch.cat([g.bfloat16(), torch.tensor([NAN, INF], dtype=torch.bfloat16)])
+    assert judge_pair("mul", t_nan, b_nan, g_nan, backward=True).status == "error"
+    assert judge_pair("mul", b_nan.clone(), b_nan, g_nan, backward=True).status == "pass"
+    big_terms = torch.full((64,), 1e-4, dtype=torch.float64)  # 100x the gradient: a 5% error is small there
+    bad = (g * 1.05).bfloat16()
+    assert judge_pair("mul", bad, g.bfloat16(), g, backward=True).status == "error"
+    assert judge_pair("mul", bad, g.bfloat16(), g, backward=True, terms=big_terms).status == "pass"
+    assert judge_pair("mul", bad, g.bfloat16(), g, backward=True, terms=lambda: big_terms).status == "pass"
+    assert judge_pair("mul", bad, g.bfloat16(), g, backward=True, terms=big_terms * 1e-4).status == "error"
+    # forward outputs under scale 1 likewise, the error scale divided by the same unit (thousandth too)
+    v = o * 1e-3
+    bad_v = (v * 1.05).bfloat16()
+    assert judge_pair("some_api", bad_v, v.bfloat16(), v).status == "error"
+    assert judge_pair("some_api", bad_v, v.bfloat16(), v, terms=v * 100).status == "pass"
+    assert judge_pair("some_api", bad_v, v.bfloat16(), v, terms=lambda: v * 100).status == "pass"
+    assert judge_pair("some_api", bad_v, v.bfloat16(), v, terms=lambda: v * 1e-3).status == "error"
+    w = torch.linspace(0.5, 1.0, 64, dtype=torch.float64) * 2.0 ** -30  # conv2d fp32: thousandth, own scale
+    tw = (w * (1 + 2e-4)).float()
+    assert judge_pair("conv2d", tw, w.float(), w).standard == "thousandth"
+    assert judge_pair("conv2d", tw, w.float(), w).status == "pass"
+    assert judge_pair("conv2d", (w * 1.01).float(), w.float(), w).status == "error"
+    one = torch.linspace(0.5, 1.0, 64, dtype=torch.float64)  # top |oracle| 1: no rescaling
+    assert judge_pair("some_api", (one * 1.05).bfloat16(), one.bfloat16(), one).status == "error"
+    # the ULP standard takes the accumulation floor when given
+    lin = torch.full((8,), 1.0, dtype=torch.float64)
+    off = (lin + 2.0 ** -6).bfloat16()
+    assert judge_pair("linear", off, lin.bfloat16(), lin).status == "error"
+    assert judge_pair("linear", off, lin.bfloat16(), lin, floor=torch.full((8,), 2.0 ** -6)).status == "pass"
+    assert judge_pair("add", off, lin.bfloat16(), lin, floor=torch.full((8,), 2.0 ** -6)).status == "error"
+
+
+def test_judge_pair_accumulative_in_units_of_the_terms():
+    from msprobe_ci.replay.runner import judge_pair
+
+    mean = torch.full((256,), 1e-5, dtype=torch.float64)  # a mean of terms of size 1e-5
+    terms = torch.full((256,), 1e-5, dtype=torch.float64)
+    signs = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0).double()
+    bad = (mean * (1 + 0.05 * signs)).float()  # 5% either way: no bias for the error balance to see
+    assert judge_pair("mean", bad, mean.float(), mean).standard == "accumulative"
+    assert judge_pair("mean", bad, mean.float(), mean).status == "pass"  # absolute below 1: 5% passes unscaled
+    r = judge_pair("mean", bad, mean.float(), mean, scale=terms)
+    assert r.status == "error" and r.metrics["abs_err_ratio"] == 1.0  # 5% of the terms: over the bound
+    assert judge_pair("mean", mean.float(), mean.float(), mean, scale=terms).status == "pass"
+    assert judge_pair("mean", bad, mean.float(), mean, scale=terms, backward=True).standard == "benchmark"
+    assert judge_pair("mean", bad, mean.float(), mean, scale=torch.ones(3)).status == "pass"  # wrong shape: unscaled
+    assert judge_pair("mean", bad, mean.float(), mean, scale=terms.numpy()).status == "pass"  # not a tensor
+    zero = judge_pair("mean", bad, mean.float(), mean, scale=torch.zeros(256, dtype=torch.float64))
+    assert zero.status == "pass"  # zero terms count as unit terms
+    tiny = torch.full((256,), 1e-12, dtype=torch.float64)  # terms below what fp16 can hold: clamped
+    t16 = torch.full((256,), 1e-12, dtype=torch.float64).half()  # 0 in fp16
+    assert judge_pair("mean", t16, t16, tiny, scale=tiny).status == "pass"
+    assert judge_pair("sum", bad, mean.float(), None, scale=terms).status == "error"  # the bench as reference
