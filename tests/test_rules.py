@@ -779,6 +779,9 @@ def test_call_sites_and_twins():
     assert _call_site(_frames("/a/b/model.py", 12, "forward")) == "model.py:line 12:in forward"
     assert _call_site(["File /x.py, line 3"]) is None and _call_site([]) is None and _call_site(None) is None
     assert _call_site([{"not": "a string"}]) is None and _call_site(["x.py, line 3, in f"]) is None
+    assert _call_site(["  File /a/m.py, line 7, in g,\n  x = 1"]) == "m.py:line 7:in g"  # indented, comma-ended
+    assert _call_site(["File m.py, line 7, in g, extra"]) == "m.py:line 7:in g"
+    assert _call_site(["File m.py, line 7"]) is None and _call_site(["file m.py, line 7, in g"]) is None
     stack = {"Torch.clamp.0.forward": _frames("m.py", 5, "f"), "Torch.clamp.1.forward": _frames("m.py", 9, "f"),
              "Torch.clamp.2.forward": _frames("m.py", 5, "f"), "Torch.clamp.10.forward": _frames("m.py", 5, "f"),
              "Module.x.forward.0": _frames("m.py", 5, "f"), "Torch.clamp.3.backward": _frames("m.py", 5, "f"),
@@ -902,4 +905,54 @@ def test_isolation_files_and_replayed_records(tmp_path):
     assert is_tensor_dump(Dump(folder=".", task="tensor", level="L1", data={"a": {"output": {"k": {"data_name": "x"}}}}))
     assert not is_tensor_dump(Dump(folder=".", task="tensor", level="L1", data={
         "a": {"x": [[[[[[[{"data_name": "too deep"}]]]]]]]}}))
+
+    def nested(k, as_list):
+        v = {"data_name": "x"}
+        for _ in range(k):
+            v = [v] if as_list else {"m": v}
+        return Dump(folder=".", task="tensor", level="L1", data={"a": v})
+
+    # searched six levels below an entry
+    assert [is_tensor_dump(nested(k, False)) for k in (5, 6, 7)] == [True, True, False]
+    assert [is_tensor_dump(nested(k, True)) for k in (5, 6, 7)] == [True, True, False]
+    assert is_tensor_dump(Dump(folder=".", task="tensor", level="L1", data={"a": [], "b": {"data_name": "x"}}))
     assert not is_tensor_dump(Dump(folder=".", task="statistics", level="L1", data={"a": {"output": [_rec(1.0)]}}))
+
+
+def test_finfo_roles_and_scalar_rules():
+    import torch
+
+    from msprobe_ci.compare import isolated
+
+    isolated._FINFO_CONSTANTS.clear()  # built once per process: rebuilt here from the table
+    roles = isolated._finfo_roles()
+    f16, bf16, f32, f64 = (torch.finfo(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    assert roles[f16.max] == {"max"} and roles[f16.min] == {"min"} and roles[f16.eps] == {"eps"}
+    assert roles[f16.tiny] == {"tiny"} and roles[-f16.tiny] == {"-tiny"}
+    assert roles[bf16.max] == {"max"} and roles[bf16.eps] == {"eps"} and roles[f32.tiny] == {"tiny"}  # bf16's too
+    assert roles[f32.max] == {"max"} and roles[f32.min] == {"min"} and roles[f64.max] == {"max"}
+    assert roles[f64.eps] == {"eps"} and roles[-f64.tiny] == {"-tiny"} and roles[f32.eps] == {"eps"}
+    assert len(roles) == 18  # 4 dtypes x 5 constants, bf16's tiny and -tiny shared with fp32's
+    assert isolated._finfo_roles() is roles
+    differs = isolated._scalar_differs
+
+    def d(t, b):
+        return differs(t, b, 1e-6)
+
+    assert not d(True, True) and d(True, False) and d(True, 1.5)
+    assert d(1, True) is False  # 1 == True in Python: equal before the type rules
+    assert not d("a", "a") and d("a", "b") and d(None, 0) and not d(None, None)
+    assert d([1], [2]) and not d([1], [1]) and not d("1", 1)  # non-numbers compare as text
+    assert not d(math.nan, math.nan) and d(math.nan, 1.0) and d(1.0, math.nan)
+    assert not differs(1.0, 1.0 + 1e-7, 1e-6) and differs(1.0, 1.0 + 2e-6, 1e-6)
+    assert not differs(0.0, 1e-37, 1e-6)  # relative to at least 1e-30
+    assert differs(0.0, 1e-35, 1e-6) and not differs(-2.0, -2.0 * (1 + 1e-7), 1e-6)
+    assert differs(f16.max, f16.min, 1e-6) and not differs(f16.min, f32.min, 1e-6)
+    assert not differs(-f16.tiny, -f32.tiny, 1e-6) and differs(f16.tiny, -f32.tiny, 1e-6)
+    # the top-binade allowance: bench beyond the target's range, target in [t_max / 2, t_max], same sign
+    top = f16.max
+    assert not differs(top, 1e6, 1e-6, t_max=top) and not differs(top / 2, 1e6, 1e-6, t_max=top)
+    assert differs(top / 2 - 1, 1e6, 1e-6, t_max=top) and differs(top * 1.5, 1e6, 1e-6, t_max=top)
+    assert differs(top, top, 0, t_max=top) is False and differs(-top, 1e6, 1e-6, t_max=top)
+    assert not differs(-top, -1e6, 1e-6, t_max=top) and differs(top, 1e6, 1e-6)  # no range given: a difference
+    assert differs(top, top * 1.5, 1e-6, t_max=top * 1.5)  # the bench within the range: compared as numbers

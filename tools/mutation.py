@@ -58,6 +58,9 @@ _PIPELINE = ("pipeline, not a rule: it runs models and writes dumps, and the rul
 OUT_OF_SCOPE: dict[str, dict[str, str]] = {
     "msprobe_ci/check.py": {f: _PIPELINE for f in ("run_side", "judge", "evaluate", "run_training", "run_decode",
                                                    "unapplied_faults")},
+    "msprobe_ci/compare/isolated.py": {"replay": "pipeline, not a rule: it builds an ApiReplayer and runs every call "
+                                                 "(the judge it uses is mutated as 'judge'); pinned end to end by "
+                                                 "tests/test_isolation.py and test_msprobe_interop.py"},
 }
 
 #: mutant name -> why it cannot change what the program does (left out of the score)

@@ -138,8 +138,8 @@ def _scalar_differs(t: Any, b: Any, tol: float, t_max: float = math.inf) -> bool
             not isinstance(b, (int, float)):
         return str(t) != str(b)
     t, b = float(t), float(b)
-    if math.isnan(t) and math.isnan(b):
-        return False
+    if math.isnan(t) or math.isnan(b):
+        return not (math.isnan(t) and math.isnan(b))  # NaN against a number differs (every comparison was False)
     roles = _finfo_roles()
     if roles.get(t, frozenset()) & roles.get(b, frozenset()):
         return False  # a dtype's own constant (finfo(dtype).min as a mask value) on each side
