@@ -857,3 +857,49 @@ def test_judge_pair_accumulative_in_units_of_the_terms():
     t16 = torch.full((256,), 1e-12, dtype=torch.float64).half()  # 0 in fp16
     assert judge_pair("mean", t16, t16, tiny, scale=tiny).status == "pass"
     assert judge_pair("sum", bad, mean.float(), None, scale=terms).status == "error"  # the bench as reference
+
+
+def test_judge_pair_units_and_references_exactly():
+    import warnings
+
+    from msprobe_ci.replay.runner import judge_pair
+
+    # the lazy error scale in a forward of scale 1 or more is taken as it is (unit 1)
+    o = torch.linspace(1, 2, 64, dtype=torch.float64)
+    bad = (o * 1.03).bfloat16()
+    assert judge_pair("some_api", bad, o.bfloat16(), o, terms=lambda: torch.full((64,), 10.0)).status == "pass"
+    assert judge_pair("some_api", bad, o.bfloat16(), o, terms=lambda: torch.full((64,), 5.0)).status == "error"
+    # a gradient divided by its (non power of two) scale in float64: a target equal to the oracle stays at 0 ULP
+    g = torch.tensor([0.75, -1.5, 3.0], dtype=torch.float64)  # bf16-exact, largest |g| 3
+    r = judge_pair("x", g.bfloat16(), g.bfloat16(), g, backward=True, standards={"x": "ulp"})
+    assert r.standard == "ulp" and r.metrics["max_ulp"] == 0.0
+    # the ULP standard with a floor: against the oracle, never the bench
+    lin = torch.full((8,), 1.0, dtype=torch.float64)
+    floor = torch.full((8,), 2.0 ** -9, dtype=torch.float64)
+    worse_bench = (lin + 2.0 ** -6).bfloat16()
+    assert judge_pair("linear", lin.bfloat16(), worse_bench, lin, floor=floor).status == "pass"
+    assert judge_pair("linear", worse_bench, lin.bfloat16(), lin, floor=floor).status == "error"
+    # the benchmark standard against the oracle, the bench's own error its allowance
+    assert judge_pair("some_api", o.bfloat16(), (o * (1 + 3 * 2.0 ** -8)).bfloat16(), o).status == "pass"
+    # accumulative in units of the terms: the target, the bench and the oracle all divided by the same terms
+    mean = torch.full((256,), 1e-5, dtype=torch.float64)
+    terms = torch.full((256,), 1e-5, dtype=torch.float64)
+    signs = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0).double()
+    close = (mean * (1 + 1e-5 * signs)).float()  # within the bound in units of the terms, not correctly rounded
+    assert not torch.equal(close, mean.float())
+    assert judge_pair("mean", close, mean.float(), mean, scale=terms).status == "pass"
+    assert judge_pair("mean", close, close.clone(), None, scale=terms).status == "pass"  # the bench as reference
+    # terms below what fp16 can hold are clamped at fp16's smallest normal x eps / bound: half a subnormal passes,
+    # three subnormals do not
+    tiny = torch.full((128,), 1e-12, dtype=torch.float64)
+    z16 = torch.zeros(128, dtype=torch.float16)
+    assert judge_pair("mean", z16, z16, torch.full((128,), 2.9e-8, dtype=torch.float64), scale=tiny).status == "pass"
+    assert judge_pair("mean", z16, z16, torch.full((128,), 2e-7, dtype=torch.float64), scale=tiny).status == "error"
+    # nothing in the standards warns on overflowed or NaN outputs (a user's -W error run must not fail on them)
+    x = torch.tensor([1.0, INF, -INF, NAN, 0.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("benchmark", "absolute_threshold", "ulp", "thousandth", "accumulative", "legacy", "binary"):
+            for t in (x.float(), torch.tensor([NAN, 1.0, INF, 1.0, INF])):
+                judge_pair("x", t, x.float(), x, standards={"x": name})
+                judge_pair("x", t, x.float(), x, standards={"x": name}, backward=True)

@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
     parser.add_argument("--workdir", default=os.path.join(ROOT, ".mutation"))
     parser.add_argument("--goal", type=float, default=0.9, help="least killed share per module (default 0.9)")
+    parser.add_argument("--report", action="store_true",
+                        help="score the work folder's last run again (after editing EQUIVALENT), without running")
     args = parser.parse_args(argv)
     try:
         import mutmut  # noqa: F401
@@ -183,16 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     files = [f for m in args.modules for f in MODULES[m][0]]
     tests = [t for m in args.modules for t in MODULES[m][1]]
-    _workspace(args.workdir, files, tests)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)],
-                         cwd=args.workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    took = time.perf_counter() - start
-    if run.returncode != 0:
-        print(run.stderr[-3000:], file=sys.stderr)
-        print(f"mutation: mutmut run failed (exit {run.returncode})", file=sys.stderr)
-        return 2
+    took = 0.0
+    if not args.report:
+        _workspace(args.workdir, files, tests)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.jobs)],
+                             cwd=args.workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        took = time.perf_counter() - start
+        if run.returncode != 0:
+            print(run.stderr[-3000:], file=sys.stderr)
+            print(f"mutation: mutmut run failed (exit {run.returncode})", file=sys.stderr)
+            return 2
     results = _results(args.workdir, files)
     worst = 1.0
     print(f"{'module':42} {'mutants':>8} {'killed':>7} {'equiv.':>7} {'survived':>9} {'score':>7}")
