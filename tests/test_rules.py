@@ -956,3 +956,118 @@ def test_finfo_roles_and_scalar_rules():
     assert differs(top, top, 0, t_max=top) is False and differs(-top, 1e6, 1e-6, t_max=top)
     assert not differs(-top, -1e6, 1e-6, t_max=top) and differs(top, 1e6, 1e-6)  # no range given: a difference
     assert differs(top, top * 1.5, 1e-6, t_max=top * 1.5)  # the bench within the range: compared as numbers
+
+
+def _cnode(name, status="pass", **kw):
+    base = dict(value=0.01, threshold=0.02, budget=0.013, input_error=0.004, worst_row=f"{name}.output.0",
+                metrics={"Cosine": 0.99}, message=f"{name}: drift msg")
+    return CompareResult(name, status, **{**base, **kw})
+
+
+def _report(nodes, rows=(), **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(nodes=list(nodes), rows=list(rows), target_stack={}, entry_pairs={}, **kw)
+
+
+def test_apply_isolation_keeps_each_nodes_numbers():
+    from msprobe_ci.compare.isolated import apply_isolation
+
+    construct = {"Functional.f.0.forward": "Module.m.forward.0", "Module.m.forward.0": "Module.top.forward.0",
+                 "Functional.g.0.forward": "Module.n.forward.0"}
+    nodes = [_cnode("Functional.w.0.forward", "warning"), _cnode("Functional.nostatus.0.forward", "error"),
+             _cnode("Functional.f.0.forward", "error"), _cnode("Functional.g.0.forward", "warning"),
+             _cnode("Module.m.forward.0", "warning"), _cnode("Module.top.forward.0", "pass"),
+             _cnode("Module.n.forward.0", "error"), _cnode("Module.u.forward.0", "unmatched"),
+             _cnode("Module.m.parameters_grad", "warning"), _cnode("Module.iso.forward.0", "error")]
+    isolation = {"Functional.nostatus.0.forward": {},
+                 "Functional.f.0.forward": {"status": "error", "standard": "ulp", "value": "inf", "threshold": 1.0,
+                                   "seconds": 0.25},
+                 "Functional.g.0.forward": {"status": "warning", "standard": "benchmark", "metric": "rmse", "value": 1.1,
+                                   "threshold": 1.2, "row": "Functional.g.0.forward.output.1", "message": "close"},
+                 "Module.iso.forward.0": {"status": "error", "standard": "benchmark", "value": 3, "threshold": 2}}
+    report = _report(nodes)
+    apply_isolation(report, isolation, construct)
+    out = {n.name: n for n in report.nodes}
+    drift = {"drift_status", "drift_RelativeErr", "drift_threshold"}
+    w = out["Functional.w.0.forward"]  # a drift warning without a record: passes, saying so
+    assert w.status == "pass" and w.message == "Functional.w.0.forward: not isolated; drift warning (Functional.w.0.forward: drift msg)"
+    assert w.metrics == {"Cosine": 0.99, "drift_status": "warning", "drift_RelativeErr": 0.01, "drift_threshold": 0.02}
+    ns = out["Functional.nostatus.0.forward"]  # a record without a status is a skip
+    assert (ns.status, ns.metric, ns.input_error, ns.worst_row, ns.passing_threshold) == \
+        ("pass", "isolation", 0.004, "Functional.nostatus.0.forward.output.0", 0.0)
+    assert ns.message == "Functional.nostatus.0.forward: not isolated (); drift error" and ns.metrics["Cosine"] == 0.99
+    assert drift <= set(ns.metrics)
+    f = out["Functional.f.0.forward"]
+    assert (f.status, f.metric, f.value, f.threshold, f.input_error, f.worst_row) == \
+        ("error", "ulp", math.inf, 1.0, 0.004, "Functional.f.0.forward.output.0")  # metric: the standard; row: the node's
+    assert f.message == ("Functional.f.0.forward: ulp standard on its own inputs: ulp inf > 1 at "
+                         "Functional.f.0.forward.output.0 ()")
+    assert f.metrics["Cosine"] == 0.99 and f.metrics["standard"] == "ulp" and drift <= set(f.metrics)
+    g = out["Functional.g.0.forward"]
+    assert (g.status, g.metric, g.worst_row, g.message) == ("warning", "rmse", "Functional.g.0.forward.output.1",
+                                                            "Functional.g.0.forward: benchmark standard on its own inputs: "
+                                                            "rmse 1.1 <= 1.2 at Functional.g.0.forward.output.1 (close)")
+    m = out["Module.m.forward.0"]  # holds the failing call
+    assert (m.status, m.metric, m.value, m.threshold, m.budget, m.input_error, m.worst_row, m.passing_threshold) == \
+        ("error", "contains", 0.01, 0.02, 0.013, 0.004, "Module.m.forward.0.output.0", 0.01)
+    assert m.metrics == {"Cosine": 0.99, "drift_status": "warning", "drift_RelativeErr": 0.01,
+                         "drift_threshold": 0.02, "rollup": "Functional.f.0.forward"}
+    assert out["Module.top.forward.0"].metrics["rollup"] == "Functional.f.0.forward"
+    n = out["Module.n.forward.0"]
+    assert n.status == "pass" and n.message == "Module.n.forward.0: every isolated API inside passes; drift error"
+    assert n.metrics == {"Cosine": 0.99, "drift_status": "error", "drift_RelativeErr": 0.01, "drift_threshold": 0.02}
+    assert out["Module.u.forward.0"].status == "unmatched" and out["Module.u.forward.0"].message.endswith("drift msg")
+    pg = out["Module.m.parameters_grad"]
+    assert pg.status == "pass" and pg.metrics == {"Cosine": 0.99, "drift_status": "warning"}
+    iso = out["Module.iso.forward.0"]  # isolated whole and failing on its own: its own message stays
+    assert iso.status == "error" and iso.message.startswith("Module.iso.forward.0: benchmark standard on its own")
+    assert report.seconds == {"Functional.f.0.forward": 0.25, "Module.m.forward.0": 0.25, "Module.top.forward.0": 0.25}
+    # records without sources never look for a twin, whatever bench data is given
+    report = _report([_cnode("Functional.f.0.forward")])
+    apply_isolation(report, {"Functional.f.0.forward": {"status": "pass", "standard": "ulp"}}, construct, bench_data={"x": {}},
+                    bench_stack={"Functional.f.0.forward": ["File a.py, line 1, in f"]})
+    assert report.nodes[0].status == "pass"
+
+
+def test_roll_up_is_bounded_on_a_construct_cycle_and_reaches_1000_ancestors():
+    from msprobe_ci.compare.isolated import apply_isolation
+
+    cycle = {"Functional.f.0.forward": "Module.a.forward.0", "Module.a.forward.0": "Module.b.forward.0",
+             "Module.b.forward.0": "Module.a.forward.0"}
+    report = _report([_cnode("Functional.f.0.forward"), _cnode("Module.a.forward.0"), _cnode("Module.b.forward.0")])
+    apply_isolation(report, {"Functional.f.0.forward": {"status": "error", "standard": "ulp", "value": 2, "threshold": 1}},
+                    cycle)
+    assert [n.status for n in report.nodes] == ["error", "error", "error"]
+    chain = {"Functional.f.0.forward": "Module.m0.forward.0"}
+    chain.update({f"Module.m{i}.forward.0": f"Module.m{i + 1}.forward.0" for i in range(1001)})
+    report = _report([_cnode("Functional.f.0.forward"), _cnode("Module.m999.forward.0"), _cnode("Module.m1000.forward.0")])
+    apply_isolation(report, {"Functional.f.0.forward": {"status": "error", "standard": "ulp", "value": 2, "threshold": 1}},
+                    chain)
+    assert [n.status for n in report.nodes] == ["error", "error", "pass"]  # 1000 ancestors, not one more
+
+
+def test_top_binade_allowance_reads_the_target_range_from_its_rows():
+    from msprobe_ci.compare import compare_dumps
+    from msprobe_ci.compare.isolated import apply_isolation
+
+    f16max, f32max = 65504.0, 3.4028234663852886e38
+
+    def dump(dt, clamp):
+        return Dump(folder=".", task="statistics", level="L1", data={"Torch.clamp.0.forward": {
+            "input_args": [_rec(1.0, dt), {"type": "float", "value": clamp}], "input_kwargs": {},
+            "output": [_rec(1.0, dt)]}})
+
+    rec = {"status": "pass", "standard": "ulp", "value": 0.1, "threshold": 1,
+           "sources": {"Torch.clamp.0.forward.input.1": {"kind": "scalar", "id": "c"}}}
+    for t_clamp, status in ((f16max - 1000, "pass"), (f16max / 4, "error")):
+        report = compare_dumps(dump("torch.float16", t_clamp), dump("torch.float32", f32max - 1000))
+        apply_isolation(report, {"Torch.clamp.0.forward": rec})
+        assert report.nodes[0].status == status, t_clamp
+    scalars_only = Dump(folder=".", task="statistics", level="L1", data={"Torch.clamp.0.forward": {
+        "input_args": [{"type": "float", "value": 2.0}], "input_kwargs": {}, "output": [{"type": "float",
+                                                                                          "value": 2.0}]}})
+    report = compare_dumps(scalars_only, scalars_only)  # no tensor row: the range is unbounded
+    apply_isolation(report, {"Torch.clamp.0.forward": dict(rec, sources={
+        "Torch.clamp.0.forward.input.0": {"kind": "scalar", "id": "s"}})})
+    assert report.nodes[0].status == "pass"

@@ -228,13 +228,14 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
                                            worst_row=node.worst_row, passing_threshold=0.0,
                                            metrics=dict(node.metrics, **drift), message=msg))
             continue
-        msg = (f"{node.name}: {rec.get('standard')} standard on its own inputs: {rec.get('metric')} "
-               f"{_fmt(value)} {'>' if status == 'error' else '<='} {_fmt(threshold)} at {rec.get('row')} "
+        metric, row = str(rec.get("metric") or rec.get("standard")), str(rec.get("row") or node.worst_row)
+        msg = (f"{node.name}: {rec.get('standard')} standard on its own inputs: {metric} "
+               f"{_fmt(value)} {'>' if status == 'error' else '<='} {_fmt(threshold)} at {row} "
                f"({rec.get('message', '')})")
         new_nodes.append(CompareResult(
-            name=node.name, status=status, metric=str(rec.get("metric") or rec.get("standard")),
+            name=node.name, status=status, metric=metric,
             value=value, threshold=threshold, budget=threshold, input_error=node.input_error,
-            worst_row=str(rec.get("row") or node.worst_row),
+            worst_row=row,
             passing_threshold=value,
             metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True,
                          **({"rank": rec["rank"]} if "rank" in rec else {})), message=msg))
