@@ -894,7 +894,10 @@ def test_judge_pair_units_and_references_exactly():
     tiny = torch.full((128,), 1e-12, dtype=torch.float64)
     z16 = torch.zeros(128, dtype=torch.float16)
     assert judge_pair("mean", z16, z16, torch.full((128,), 2.9e-8, dtype=torch.float64), scale=tiny).status == "pass"
-    assert judge_pair("mean", z16, z16, torch.full((128,), 2e-7, dtype=torch.float64), scale=tiny).status == "error"
+    flush = torch.where(torch.arange(128) % 2 == 0, 3.2e-8, -3.2e-8).double()  # a kernel flushing one subnormal
+    assert judge_pair("mean", z16, z16, flush, scale=tiny).status == "pass"
+    alt = torch.where(torch.arange(128) % 2 == 0, 2e-7, -2e-7).double()  # no bias: the bound alone decides
+    assert judge_pair("mean", z16, z16, alt, scale=tiny).status == "error"
     # nothing in the standards warns on overflowed or NaN outputs (a user's -W error run must not fail on them)
     x = torch.tensor([1.0, INF, -INF, NAN, 0.0], dtype=torch.float64)
     with warnings.catch_warnings():
@@ -903,3 +906,44 @@ def test_judge_pair_units_and_references_exactly():
             for t in (x.float(), torch.tensor([NAN, 1.0, INF, 1.0, INF])):
                 judge_pair("x", t, x.float(), x, standards={"x": name})
                 judge_pair("x", t, x.float(), x, standards={"x": name}, backward=True)
+
+
+def test_judge_pair_references_and_helpers_more():
+    from msprobe_ci.replay.runner import FMA, accumulation_floor, accumulation_scale, judge_pair, judged_as
+
+    o = torch.linspace(1, 2, 64, dtype=torch.float64)
+    # the target's error against the oracle is weighed against the bench's own: both 3% off, either way
+    t, b = (o * 1.03).bfloat16(), (o * 0.97).bfloat16()
+    assert judge_pair("some_api", t, b, o).status == "pass"
+    asked = []
+    assert judge_pair("some_api", t, b, o, terms=lambda: asked.append(1) or torch.zeros(64)).status == "pass"
+    assert asked  # the bench is off its floor: the error scale is asked for, and judged against the oracle
+    asked.clear()
+    near = (o * (1 + 2.0 ** -9)).bfloat16()
+    assert judge_pair("some_api", near, o.bfloat16(), o, terms=lambda: asked.append(1) or torch.zeros(64)).status == \
+        "pass" and not asked  # a plain pass against a bench at its floor needs no error scale
+    # a gradient divided by a scale that is not a power of two: in float64
+    g = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    assert judge_pair("x", g.bfloat16(), g.bfloat16(), g, backward=True, standards={"x": "ulp"}).metrics["max_ulp"] \
+        == 0.0
+    # judged_as: a float the target's dtype cannot hold, even if fp32 can
+    x = torch.ones(3, dtype=torch.bfloat16)
+    assert judged_as("add", [x, 1 + 2.0 ** -10], {}) == FMA and judged_as("add", [x.float(), 1 + 2.0 ** -10], {}) \
+        == "add"
+    # the accumulation floor: the contracted dimension of a batched matmul, None arguments, grouped GEMMs, sqrt
+    a3, b3 = torch.ones(2, 5, 3), torch.ones(2, 3, 4)
+    f = accumulation_floor("bmm", torch.bmm, [a3, b3], {})
+    assert f.shape == (2, 5, 4) and float(f[0, 0, 0]) == pytest.approx(math.sqrt(3) * 4 * math.sqrt(3) * 2.0 ** -24)
+    w = torch.ones(2, 3)
+    assert accumulation_floor("linear", torch.nn.functional.linear, [torch.ones(1, 3), w, None], {}).shape == (1, 2)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    gm = accumulation_floor("_grouped_mm", torch._grouped_mm, [torch.ones(4, 8).bfloat16(), torch.ones(8, 6).bfloat16()],
+                            {"offs": offs})
+    assert gm is not None and gm.dtype == torch.float64 and gm.shape == (2, 4, 6)
+    small = accumulation_floor("mm", torch.mm, [torch.full((1, 4), 0.01), torch.full((4, 1), 0.01)], {})
+    assert float(small) == pytest.approx(math.sqrt(4e-8) * 4 * 2 * 2.0 ** -24)  # no floor of 1 under the sqrt
+    # the accumulation scale keeps the call's other arguments, never its out or dtype
+    y = torch.tensor([[1.0, -2.0], [3.0, -4.0]])
+    s = accumulation_scale("sum", torch.sum, [y, 1], {"keepdim": True, "dtype": torch.float32,
+                                                       "out": torch.empty(2, 1)})
+    assert s.shape == (2, 1) and s.dtype == torch.float64 and s.flatten().tolist() == [3.0, 7.0]

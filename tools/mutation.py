@@ -64,6 +64,18 @@ OUT_OF_SCOPE: dict[str, dict[str, str]] = {
 }
 
 #: mutant name -> why it cannot change what the program does (left out of the score)
+_DEFAULT_DTYPE = "the constructor's default dtype key: any key the table lacks takes fp32's thresholds, the default's own"
+_L0 = "the API name that picks the benchmark level: '' and 'XXXX' are both on no list, level L0"
+_SENTINEL = "the marker of a non-normal element (-1 or -2): every negative value is dropped before the mean and max"
+_NAN_TO_NUM = "torch.nan_to_num turns NaN into 0 by default"
+_F64 = "a tensor divided by the float64 scale is float64 whatever its own dtype (the scale comes in float64)"
+_BINARY = "the binary standard takes and ignores the oracle: both branches call it alike"
+_ULP_BENCH = "the ULP standard measures against the oracle when there is one: the bench argument is unused"
+_OUT = "out=: the squared call writes the same values into it, and returns them"
+_UNREACHED_EMPTY = "an empty output never reaches the share: its max abs error (0) passes first"
+_FIRST_LINE = "the first line of a frame string: the same for maxsplit 1, 2 or none"
+_HOPS = ("the hop bound on construct.json cycles (1000 / 10,000): shifting it by one or two hops changes nothing "
+         "but how far a cycle is followed; test_roll_up_is_bounded_on_a_construct_cycle pins that it ends")
 _UTF8 = "the encoding: the same where the locale is UTF-8 (this machine, CI); 'UTF-8' is 'utf-8'"
 _XML = ("the junit-xml report's encoding: ElementTree parses the str or the bytes alike, and the declaration is "
         "written again below")
@@ -83,6 +95,88 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_347": _XML,
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_349": _XML,
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_351": _XML,
+    # checkers/
+    **{f"msprobe_ci.checkers.{m}.xǁ{cls}ǁ__init____mutmut_{i}": _DEFAULT_DTYPE
+       for m, cls in (("absolute", "AbsoluteThresholdStandard"), ("accumulative", "AccumulativeStandard"),
+                      ("benchmark", "BenchmarkStandard"), ("binary", "BinaryStandard"), ("dropout", "DropoutStandard"),
+                      ("thousandth", "ThousandthStandard"), ("ulp", "UlpStandard")) for i in (1, 2)},
+    "msprobe_ci.checkers.x_make_standard__mutmut_1": _L0,
+    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__init____mutmut_3": _L0,
+    "msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_25":
+        "the relative error of a non-normal element (0 or 1): read only under the normal mask",
+    "msprobe_ci.checkers.accumulative.xǁAccumulativeStandardǁ__call____mutmut_32":
+        "count_nonzero of an empty array is 0 with or without the size test",
+    "msprobe_ci.checkers.accumulative.xǁAccumulativeStandardǁ__call____mutmut_51":
+        "the name given to judge_absolute: the result is rebuilt under this standard's own name",
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_15":
+        "without a scale, den is |ref|: the same finite and small masks as ref's",
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_29":
+        "+ eps on a denominator of at least the row floor: moves a relative error by 2^-52 of itself",
+    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_26": _SENTINEL,
+    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_39": _SENTINEL,
+    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_28":
+        "recomputing re_max where it is re: the same array",
+    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_71":
+        "zeros left out of the max: the max of non-negative values is the same, 0 when none remain",
+    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_81":
+        "scale_rms 1 instead of 0 with no normal element: the RMSE floor is min_err x 1 = min_err either way",
+    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_11":
+        "to_f64(None) is a 0-d NaN, dropped by the shape test for every non-scalar output (0-d ones are judged "
+        "without a scale by the same test)",
+    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_34":
+        "without an oracle the bench is the reference: its metrics against itself are all 0",
+    "msprobe_ci.checkers.common.x_to_f64__mutmut_4": "numpy's astype(None) is float64",
+    "msprobe_ci.checkers.legacy.x__share_within__mutmut_2": _UNREACHED_EMPTY,
+    "msprobe_ci.checkers.legacy.x__share_within__mutmut_6": _UNREACHED_EMPTY,
+    "msprobe_ci.checkers.ulp.xǁUlpStandardǁ__call____mutmut_20":
+        "the exponent at non-finite positions (0 or 1): those positions are dropped from the ULP errors",
+    "msprobe_ci.checkers.ulp.xǁUlpStandardǁ__call____mutmut_67":
+        "indexing by an all-true mask: the same array (the test skips the copy)",
+    # replay/runner.py: the per-API judge
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_108": _L0,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_183":
+        "an error scale of another shape: the benchmark standard drops it itself",
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_202": _NAN_TO_NUM,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_205": _NAN_TO_NUM,
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_3": _NAN_TO_NUM,
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_6": _NAN_TO_NUM,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_209":
+        "an all-zero gradient divided by 0: every element turns NaN or inf on all three sides alike",
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_238": "dividing by a unit of 1: the same values",
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_239": "_own_scale never returns more than 1",
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_242":
+        "the unit is a power of two: dividing in the target's dtype is exact",
+    **{f"msprobe_ci.replay.runner.x_judge_pair__mutmut_{i}": _F64 for i in (260, 290, 292, 297)},
+    **{f"msprobe_ci.replay.runner.x_judge_pair__mutmut_{i}":
+       "the judge's errstate: the standards suppress their own masked inf - inf, and nothing else in them warns "
+       "(test_judge_pair_units_and_references_exactly runs every standard on inf/NaN with warnings as errors)"
+       for i in (308, 309, 311, 312)},
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_320": _BINARY,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_321": _BINARY,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_332": _ULP_BENCH,
+    "msprobe_ci.replay.runner.x_judge_pair__mutmut_336": _ULP_BENCH,
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_14": "an empty oracle: scale 1 either way (0 or 1 both return 1)",
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_18": "a top of exactly 1 gives 2^0 = 1 either way",
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_19": "a top in [1, 2) gives 2^0 = 1 either way",
+    "msprobe_ci.replay.runner.x__own_scale__mutmut_36":
+        "min with 1 or 2: 2^floor(log2(max(top, lowest))) is under 1 for every top under 1 (lowest < 1)",
+    "msprobe_ci.replay.runner.x_judged_as__mutmut_19": "checker_key reads dtype names case-insensitively",
+    "msprobe_ci.replay.runner.x_saturate__mutmut_9":
+        "a peak exactly at the dtype's max: rounding overflows nothing, the oracle comes back unchanged",
+    "msprobe_ci.replay.runner.x_saturate__mutmut_25":
+        "torch.where promotes the rounded values back to the oracle's float64",
+    "msprobe_ci.replay.runner.x_accumulation_floor__mutmut_36": _OUT,
+    "msprobe_ci.replay.runner.x_accumulation_floor__mutmut_37": _OUT,
+    "msprobe_ci.replay.runner.x_accumulation_scale__mutmut_24": "sum/mean/cumsum always return a tensor",
+    # compare/isolated.py
+    **{f"msprobe_ci.compare.isolated.x_load_isolation__mutmut_{i}": _UTF8 for i in (9, 11, 13)},
+    "msprobe_ci.compare.isolated.x__call_site__mutmut_10": _FIRST_LINE,
+    "msprobe_ci.compare.isolated.x__call_site__mutmut_14": _FIRST_LINE,
+    "msprobe_ci.compare.isolated.x__call_site__mutmut_16": "rstrip of a set of characters that holds ','",
+    "msprobe_ci.compare.isolated.x_apply_isolation__mutmut_98":
+        "getattr without a default: every compare report has target_stack",
+    **{f"msprobe_ci.compare.isolated.x_apply_isolation__mutmut_{i}": _HOPS for i in (332, 334, 335, 341)},
+    **{f"msprobe_ci.compare.isolated.x__seconds__mutmut_{i}": _HOPS for i in (16, 19, 20, 31)},
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_355":
         "iter(None) walks every element: the others (suites, properties, failures) carry no classname, so the "
         "property lookup misses them as before",
