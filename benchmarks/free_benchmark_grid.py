@@ -40,19 +40,10 @@ def build(name: str, dtype: torch.dtype, seed: int):
 
 
 def run(model, ids, faults=()):
-    from msprobe_ci.capture import CaptureSession
-    from msprobe_ci.config import DumpConfig
-    from msprobe_ci.free_benchmark import FreeBenchmark
+    from msprobe_ci.free_benchmark import run_forward
 
-    fb = FreeBenchmark("improve_precision")
     with tempfile.TemporaryDirectory() as out:
-        cs = CaptureSession(DumpConfig(dump_path=out, level="L1", task="statistics"), faults=faults, free_bench=fb)
-        cs.start(model)
-        with torch.no_grad():
-            model(input_ids=ids)
-        cs.stop()
-        cs.close()
-    return fb
+        return run_forward(model, {"input_ids": ids}, out, faults=faults)
 
 
 def main(argv: list[str] | None = None) -> int:

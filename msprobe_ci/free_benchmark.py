@@ -248,3 +248,33 @@ class FreeBenchmark:
                 "thresholds": {str(k): v for k, v in self.thresholds.items()},
                 "nodes": {k: {f: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
                               for f, v in rec.items()} for k, rec in self.results.items()}}
+
+
+def run_forward(model: Any, inputs: dict, dump_path: str, *, faults: tuple = (), mode: str = "improve_precision",
+                level: str = "L1") -> FreeBenchmark:
+    """One forward of ``model(**inputs)`` under capture (statistics) with the free benchmark; returns its verdicts.
+
+    Args:
+        model: the model on its device and in its dtype (run as it is, under ``torch.no_grad``).
+        inputs: keyword inputs of the forward.
+        dump_path: where the capture writes its dump (a fresh folder).
+        faults: :class:`~msprobe_ci.capture.inject.Fault` list applied to the run (tests, benchmarks).
+        mode: ``improve_precision`` (default) or ``to_cpu``.
+        level: the capture level (default ``L1``: API calls).
+
+    Raises:
+        ValueError: an unknown mode. MsprobeError: a dump folder that holds files.
+    """
+    from .capture import CaptureSession
+    from .config import DumpConfig
+
+    fb = FreeBenchmark(mode)
+    cs = CaptureSession(DumpConfig(dump_path=dump_path, level=level, task="statistics"), faults=faults, free_bench=fb)
+    cs.start(model)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        cs.stop()
+        cs.close()
+    return fb

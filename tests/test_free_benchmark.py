@@ -11,7 +11,7 @@ import torch
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
 from msprobe_ci.config import DumpConfig
-from msprobe_ci.free_benchmark import FreeBenchmark, bit_noise
+from msprobe_ci.free_benchmark import FreeBenchmark, bit_noise, run_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,15 +38,7 @@ def _llama(dtype, seed=0):
 
 
 def _run(model, ids, faults=(), mode="improve_precision", tmp_path=None):
-    fb = FreeBenchmark(mode)
-    cs = CaptureSession(DumpConfig(dump_path=str(tmp_path), level="L1", task="statistics"), faults=faults,
-                        free_bench=fb)
-    cs.start(model)
-    with torch.no_grad():
-        model(input_ids=ids)
-    cs.stop()
-    cs.close()
-    return fb
+    return run_forward(model, {"input_ids": ids}, str(tmp_path), faults=faults, mode=mode)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
