@@ -1071,3 +1071,38 @@ def test_top_binade_allowance_reads_the_target_range_from_its_rows():
     apply_isolation(report, {"Torch.clamp.0.forward": dict(rec, sources={
         "Torch.clamp.0.forward.input.0": {"kind": "scalar", "id": "s"}})})
     assert report.nodes[0].status == "pass"
+
+
+def test_source_rule_details():
+    rec = dict(_ERR, status="pass", value=0.1)
+    weight = "Functional.linear.0.forward.input.1"
+    t, b = _pair(t_weight=2.0 * 1.02)
+    # no kind given: a tensor; rows the bench lacks and ids already judged are passed over, the next one still judged
+    sources = {"Functional.linear.0.forward.input.9": {"id": "missing"}, weight: {"id": "w"}}
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=sources)})
+    lin = nodes["Functional.linear.0.forward"]
+    assert lin.status == "error" and f"its input {weight} (tensor, not computed" in lin.message
+    assert lin.passing_threshold == lin.value and lin.value > 0.019
+    seen_first = {"Functional.linear.0.forward.input.0": {"id": "x"}, "Functional.relu.0.forward.input.0": {"id": "x"},
+                  weight: {"id": "w"}}
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=seen_first)})
+    assert nodes["Functional.linear.0.forward"].status == "error"
+    # a shape that differs from the bench's is a difference whatever the values
+    t, b = _pair()
+    t.data["Functional.linear.0.forward"]["input_args"][1]["shape"] = [5]
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources={weight: {"id": "w"}})})
+    lin = nodes["Functional.linear.0.forward"]
+    assert lin.status == "error" and lin.message.endswith("differs from the bench: shape [5] vs bench [4]")
+    # a tensor on one side and a scalar on the other is not compared as a source
+    t, b = _pair()
+    b.data["Functional.linear.0.forward"]["input_args"][1] = {"type": "float", "value": 2.0}
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources={weight: {"id": "w"}})})
+    assert nodes["Functional.linear.0.forward"].status == "pass"
+    # float64 sources: fp64's roundoff, and fp64 statistics' own accumulation allowance
+    t, b = _pair(t_weight=2.0 * (1 + 1e-6))
+    for d in (t, b):
+        for r in d.data["Functional.linear.0.forward"]["input_args"]:
+            r["dtype"] = "torch.float64"
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources={weight: {"id": "w"}})})
+    lin = nodes["Functional.linear.0.forward"]
+    assert lin.status == "error" and lin.threshold == pytest.approx(4 * 2.0 ** -53 + 1e-7 + 2.0 ** -53 * 2)
