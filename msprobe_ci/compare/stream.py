@@ -92,6 +92,40 @@ _BLOCK = 1 << 20   # bytes read at a time
 _CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
 
 
+# NaN, Infinity and -Infinity as Python's json (and so msprobe) writes them: bare tokens JSON lacks, which orjson and
+# yajl refuse. Every dump of a model with an attention mask holds some (-Infinity minima, NaN means).
+_NONFINITE = re.compile(rb"([:,\[]\s*)(NaN|-Infinity|Infinity)(?=\s*[,\]}])")
+_MARK = b"@msprobe-ci-nonfinite:"
+_MARKED = {f"@msprobe-ci-nonfinite:{k}": v for k, v in (("NaN", math.nan), ("Infinity", math.inf),
+                                                         ("-Infinity", -math.inf))}
+
+
+def _mark_nonfinite(body: bytes) -> tuple[bytes | None, bool]:
+    """``body`` with each bare ``NaN``/``Infinity``/``-Infinity`` value token made a marker string orjson reads, and
+    whether there was one; ``(None, False)`` when the text already holds the marker (it could not be told apart).
+
+    Only tokens in value position (after ``:``, ``,`` or ``[``, before ``,``, ``]`` or ``}``) are marked. Such a
+    sequence inside a JSON string would get the marker's quotes, which end that string and leave the marker text
+    bare: invalid JSON, so the chunk goes to the slower readers, never misread."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return body, False
+    if _MARK in body:
+        return None, False
+    marked, n = _NONFINITE.subn(lambda m: m.group(1) + b'"' + _MARK + m.group(2) + b'"', body)
+    return marked, n > 0
+
+
+def _unmark(v: Any) -> Any:
+    """A parsed value with :func:`_mark_nonfinite`'s marker strings back as the floats they stand for."""
+    if isinstance(v, str):
+        return _MARKED.get(v, v)
+    if isinstance(v, dict):
+        return {k: _unmark(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unmark(x) for x in v]
+    return v
+
+
 def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool | None]:
     """``(name, entry)`` of ``data``, parsed by ``orjson`` a chunk of whole entries at a time; returns True after
     the last entry, None at the first chunk it cannot vouch for (the caller reads on with ijson).
@@ -102,7 +136,8 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
     each chunk, wrapped in ``{}``, must parse as an object with one key per cut inside it, and end in ``,``
     before the next cut (or in data's and the document's closing braces at the end of the file). A chunk that
     starts after a complete member and parses as complete members ends after one, so every cut is at an entry
-    boundary. Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, ``NaN``, an
+    boundary. ``NaN``/``Infinity``/``-Infinity`` value tokens are read as Python's json reads them
+    (:func:`_mark_nonfinite`). Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, an
     integer of 19 digits or more, or anything orjson refuses ends this path where it stands."""
     import orjson
 
@@ -143,10 +178,15 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
             body, entries = buf[pos:tail.start()], 1
         if _LONG_INT in body.translate(_INT_MAP):
             return
+        body, marked = _mark_nonfinite(body)
+        if body is None:
+            return
         try:
             items = orjson.loads(b"{" + body + b"}")
         except orjson.JSONDecodeError:
             return
+        if marked:
+            items = {k: _unmark(v) for k, v in items.items()}
         if len(items) != entries:
             return
         yield from items.items()
