@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import json
+import math
 import os
 import re
 import shutil
@@ -66,10 +67,31 @@ def _layer(name: str, construct: dict, depth: int = 0) -> int | None:
 _API = re.compile(r"^(?P<base>[A-Za-z_]+\.[^.]+)\.(?P<call>\d+)\.(?P<dir>forward|backward)$")
 
 
-def deepen(src: str, dst: str, layers: int) -> int:
-    """Write a ``layers``-block version of the dump in ``src`` (a rank folder) to ``dst``; returns its entries."""
+def mask_statistics(data: dict) -> int:
+    """Give every attention call (softmax, scaled_dot_product_attention) the statistics a masked attention dumps
+    (msprobe writes them as bare ``-Infinity``, ``Infinity`` and ``NaN`` tokens): its first input's Min and Mean
+    -inf and Norm inf (scores with a -inf mask), its backward's first output Mean NaN; on both sides alike.
+    Returns the entries changed."""
+    changed = 0
+    for name, entry in data.items():
+        if not ("softmax" in name or "scaled_dot_product_attention" in name) or not isinstance(entry, dict):
+            continue
+        key, field = ("input_args", ("Min", "Mean", "Norm")) if name.endswith(".forward") else ("output", ("Mean",))
+        recs = entry.get(key) or []
+        if recs and isinstance(recs[0], dict):
+            for f, v in zip(field, (-math.inf, -math.inf, math.inf) if len(field) == 3 else (math.nan,)):
+                recs[0][f] = v
+            changed += 1
+    return changed
+
+
+def deepen(src: str, dst: str, layers: int, nonfinite: bool = False) -> int:
+    """Write a ``layers``-block version of the dump in ``src`` (a rank folder) to ``dst``; returns its entries
+    (``nonfinite``: with :func:`mask_statistics`)."""
     with open(os.path.join(src, "dump.json"), encoding="utf-8") as fh:
         dump = json.load(fh)
+    if nonfinite:
+        mask_statistics(dump["data"])
     with open(os.path.join(src, "construct.json"), encoding="utf-8") as fh:
         construct = json.load(fh)
     with open(os.path.join(src, "stack.json"), encoding="utf-8") as fh:
@@ -175,6 +197,8 @@ def main() -> None:
     ap.add_argument("--graph", action="store_true", help="also time graph build+compare")
     ap.add_argument("--keep", help="keep the dumps under this folder")
     ap.add_argument("--repeat", type=int, default=1, help="runs per tool and size, the tools taking turns")
+    ap.add_argument("--nonfinite", action="store_true",
+                    help="softmax statistics as a masked attention dumps them: -Infinity, Infinity, NaN tokens")
     args = ap.parse_args()
     import msprobe_ci
 
@@ -196,11 +220,11 @@ def main() -> None:
     print(head)
     for n in args.entries:
         layers = max(1, round(n / per_layer))
-        folder = os.path.join(root, f"n{n}")
+        folder = os.path.join(root, f"n{n}{'-nonfinite' if args.nonfinite else ''}")
         t, b = os.path.join(folder, "target", "step0", "rank"), os.path.join(folder, "bench", "step0", "rank")
         if not os.path.exists(os.path.join(t, "dump.json")):
-            entries = deepen(target0, t, layers)
-            deepen(bench0, b, layers)
+            entries = deepen(target0, t, layers, args.nonfinite)
+            deepen(bench0, b, layers, args.nonfinite)
         else:
             with open(os.path.join(t, "dump.json"), encoding="utf-8") as fh:
                 entries = len(json.load(fh)["data"])

@@ -460,3 +460,32 @@ def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):
     streamed, loaded = _both_graphs(tmp_path, tmp_path / "t", tmp_path / "b")
     assert streamed == loaded and set(n["node_name"] for n in streamed[0].values()) == {
         "DefaultModel", "Module.a.A.forward.0"}
+
+
+@pytest.mark.parametrize("chunk", [8, 1 << 16])
+def test_nonfinite_tokens_are_read_as_pythons_json_reads_them(tmp_path, chunk):
+    """NaN, Infinity and -Infinity values in every position, next to strings that hold those words: the streamed
+    entries are json.loads's. A string holding the token in value position (': NaN,') or the marker text itself
+    stops the fast path there (never misread); yajl then refuses the NaN and the in-memory reader takes the file."""
+    from unittest import mock
+
+    from msprobe_ci.compare import stream
+    from msprobe_ci.dump.writer import dump_json_text
+
+    items = {"A.x.0.forward": {"Max": math.nan, "Min": -math.inf, "Mean": math.inf, "Norm": [math.nan, 1.5]},
+             "A.z.0.forward": {"value": "Infinity or NaN", "n": math.nan, "s": "NaN"}}
+    path = tmp_path / "dump.json"
+    path.write_text(dump_json_text({"task": "statistics", "level": "mix"}, items))
+    want = list(json.loads(path.read_text())["data"].items())
+    with mock.patch.object(stream, "_CHUNK", chunk):
+        got = list(stream._items(str(path)))
+    assert json.dumps(got) == json.dumps(want)
+    assert math.isnan(got[0][1]["Max"]) and got[0][1]["Min"] == -math.inf and got[1][1]["s"] == "NaN"
+    for tricky in ("x: NaN, y", "[Infinity]", "@msprobe-ci-nonfinite:NaN"):
+        path.write_text(dump_json_text({"task": "statistics", "level": "mix"},
+                                       {**items, "A.m.0.forward": {"value": tricky, "n": math.nan}}))
+        with mock.patch.object(stream, "_CHUNK", 8), open(path, "rb") as fh:
+            fast = list(stream._chunked_items(fh))
+        assert json.dumps(fast) == json.dumps(want)  # up to the tricky entry, and not past it
+        with pytest.raises(stream.NotStreamable):
+            list(stream._items(str(path)))
