@@ -18,24 +18,6 @@ from .session import session_key
 STATUS_PROPERTY = "msprobe.status"
 
 
-def dump_files(path: str) -> list[str]:
-    """The dump.json files named by ``--msprobe-api-check`` (a file, a rank folder or a step folder).
-
-    Raises:
-        pytest.UsageError: nothing readable there.
-    """
-    from ..dump.reader import rank_folders
-    from ..errors import MsprobeError
-
-    path = os.path.abspath(path)
-    if os.path.isfile(path):
-        return [path]
-    try:
-        return [os.path.join(f, "dump.json") for f in rank_folders(path)]
-    except MsprobeError as exc:
-        raise pytest.UsageError(f"msprobe: --msprobe-api-check: {exc}") from None
-
-
 class ApiCheckFailure(Exception):
     """An API whose verdict is error."""
 

@@ -13,14 +13,9 @@ from typing import Any, Callable
 
 import pytest
 
-from .session import RESULT_PROPERTY, ProbeSession
+from .session import CHECK_OPTIONS, RESULT_PROPERTY, ProbeSession
 
 _NO_MODEL = object()  # _begin() without a model to check
-
-CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "bench_kernel", "output_rtol", "round_factor", "propagation", "error_factor", "rel_floor", "atol", "api_standards",
-                 "api_thresholds", "free_benchmark", "monitor")
-
 
 class MsprobeFixture:
     """What a test sees as ``msprobe``. Options: per call > ``@pytest.mark.msprobe(...)`` > command line > ini."""

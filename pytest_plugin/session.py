@@ -8,6 +8,30 @@ from typing import Any
 
 import pytest
 
+#: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
+CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
+                 "compile", "isolate", "bench_kernel", "output_rtol", "round_factor", "propagation", "error_factor",
+                 "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
+
+
+def dump_files(path: str) -> list[str]:
+    """The dump.json files named by ``--msprobe-api-check`` (a file, a rank folder or a step folder).
+
+    Raises:
+        pytest.UsageError: nothing readable there.
+    """
+    from ..dump.reader import rank_folders
+    from ..errors import MsprobeError
+
+    path = os.path.abspath(path)
+    if os.path.isfile(path):
+        return [path]
+    try:
+        return [os.path.join(f, "dump.json") for f in rank_folders(path)]
+    except MsprobeError as exc:
+        raise pytest.UsageError(f"msprobe: --msprobe-api-check: {exc}") from None
+
+
 _BAD_MARKER = pytest.StashKey[str]()  # an item's unknown @pytest.mark.msprobe options, said at its setup
 
 session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
@@ -97,8 +121,6 @@ class ProbeSession:
         self.api_warnings: list[tuple[str, str]] = []
         api_check = _opt(config, "msprobe_api_check")
         if api_check:
-            from .apicheck import dump_files
-
             self.api_files = dump_files(api_check)
             self.api_root = os.path.dirname(os.path.commonpath([os.path.dirname(f) for f in self.api_files]))
             explicit = config.args_source == pytest.Config.ArgsSource.ARGS
@@ -190,8 +212,6 @@ class ProbeSession:
         """``@pytest.mark.msprobe(...)`` keys are checked at collection: a typo is that test's error, one line at
         its setup, before it runs anything; the other tests run (a usage error would stop the whole session, and
         under xdist end it in an internal error)."""
-        from .fixture import CHECK_OPTIONS
-
         for item in items:
             for mark in item.iter_markers("msprobe"):
                 unknown = sorted(set(mark.kwargs) - set(CHECK_OPTIONS))
