@@ -247,6 +247,7 @@ class ProbeSession:
 
     api_nothing = ""
     no_checks = ""
+    step_summary = None  # where the GitHub job summary went ($GITHUB_STEP_SUMMARY), or why it did not
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
         if self.api_nothing:
@@ -304,6 +305,8 @@ class ProbeSession:
                           "(TensorBoard with tb-graph-ascend's plugin; red boxes lead to the first divergence)")
         if self.junitxml:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
+        if self.step_summary:
+            tr.write_line(f"msprobe job summary ($GITHUB_STEP_SUMMARY): {self.step_summary}")
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
         c = self.api_counts
@@ -324,6 +327,14 @@ class ProbeSession:
             self.api_nothing = (f"msprobe: --msprobe-api-check judged nothing: all {c['items']} API calls were "
                                 f"skipped ({c['reason']}); add --msprobe-api-live (re-runs the target on "
                                 "--msprobe-target) or check a dump recorded with --msprobe-task=tensor")
+        if controller and (self.results or self.no_checks):
+            from .summary import append_to_step_summary, markdown
+
+            try:
+                self.step_summary = append_to_step_summary(markdown(self.results, self.out, self.junitxml,
+                                                                    self.no_checks))
+            except OSError as exc:
+                self.step_summary = f"not written ({exc})"
         if not self.junitxml or hasattr(session.config, "workerinput"):
             return
         from .junit import write_junit

@@ -126,3 +126,57 @@ def test_require_checks_is_quiet_when_a_check_ran(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-require-checks", "-k", "plain")
     assert result.ret == 1  # -k deselected the only check
     result.stdout.fnmatch_lines(["msprobe: no msprobe check ran in this session (2 test(s) collected*"])
+
+
+SUMMARY_TESTS = textwrap.dedent('''
+    import pytest
+    import torch
+
+    def _x():
+        return torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+
+    def test_clean(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), _x())
+
+    @pytest.mark.msprobe(inject="faults.yaml")
+    def test_faulty(msprobe):
+        torch.manual_seed(0)
+        msprobe.check(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), _x())
+''')
+
+
+def test_github_job_summary_is_appended_when_asked(pytester, monkeypatch):
+    """With $GITHUB_STEP_SUMMARY set (GitHub Actions), a Markdown table of the checks is appended to that file:
+    one row per check with its verdict and first divergence, then where the artifacts are; without it, nothing."""
+    pytester.makepyfile(test_gate=SUMMARY_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.relu, call: 0, perturb: scale, value: 1.5}\n")
+    summary = pytester.path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-junitxml=j.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([f"msprobe job summary ($GITHUB_STEP_SUMMARY): {summary}"])
+    text = summary.read_text()
+    assert text.startswith("earlier step\n## msprobe accuracy gate\n")  # appended, never overwritten
+    rows = [line for line in text.splitlines() if line.startswith("| test_gate.py::")]
+    assert len(rows) == 2
+    assert "| ✅ pass |" in rows[0] and "| none | none |" in rows[0]
+    assert "| ❌ fail |" in rows[1] and "| Functional.relu.0.forward |" in rows[1]
+    assert "2 check(s), 1 failing." in text and f"JUnit XML: `{pytester.path / 'j.xml'}`" in text
+    assert f"Artifacts (CSV, dumps, graphs): `{pytester.path / 'msprobe-out'}`" in text
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY")
+    summary.unlink()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-k", "clean")
+    result.assert_outcomes(passed=1)
+    assert not summary.exists() and "job summary" not in result.stdout.str()
+
+
+def test_github_job_summary_says_when_no_check_ran(pytester, monkeypatch):
+    pytester.makepyfile(test_plain="def test_nothing():\n    assert True\n")
+    summary = pytester.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target=npu")
+    result.assert_outcomes(passed=1)
+    assert "**msprobe: no msprobe check ran in this session" in summary.read_text()

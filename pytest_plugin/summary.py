@@ -1,0 +1,68 @@
+"""The Markdown summary a CI job page shows (GitHub Actions' ``$GITHUB_STEP_SUMMARY``): one table row per check
+with its verdict, the first divergence and overflow, then where the artifacts are."""
+
+from __future__ import annotations
+
+import os
+
+
+def _cell(value) -> str:
+    """A table cell: pipes escaped, newlines flattened (Markdown tables are one line a row)."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_checks: str = "") -> str:
+    """The summary of a session's check results (the plugin's serialisable summaries).
+
+    Args:
+        results: one dict per check (``msprobe-result.json``'s content).
+        out_dir: ``--msprobe-out`` (artifacts, graphs).
+        junitxml: the ``--msprobe-junitxml`` path, if any.
+        no_checks: the "no msprobe check ran" line, when the session checked nothing.
+
+    Returns:
+        Markdown text ending in a newline; a heading and the no-checks line when there are no results.
+    """
+    lines = ["## msprobe accuracy gate", ""]
+    if no_checks:
+        lines += [f"**{no_checks}**", ""]
+    if results:
+        lines += ["| test | check | verdict | bench → target | nodes | pass | warning | error | first divergence "
+                  "| first overflow |", "|---|---|---|---|---|---|---|---|---|---|"]
+    failed = 0
+    for r in results:
+        head = f"| {_cell(r['test'])} | {r['index']} "
+        if r.get("skipped"):
+            lines.append(head + f"| skipped: {_cell(r['skipped'])} | | | | | | | |")
+            continue
+        if r.get("recorded"):
+            lines.append(head + f"| recorded the bench ({_cell(r.get('baseline', ''))}) | | | | | | | |")
+            continue
+        c = r["counts"]
+        bad = bool(r.get("first_divergence") or r.get("overflow_failed") or r.get("unapplied") or
+                   any(m["status"] == "error" for m in r.get("model") or ()) or
+                   any(a["status"] == "error" for a in r.get("api_checks") or ()))
+        failed += bad
+        lines.append(head + f"| {'❌ fail' if bad else '✅ pass'} | {_cell(r['bench'])} → {_cell(r['target'])} "
+                     f"| {r['nodes_compared']} | {c['pass']} | {c['warning']} | {c['error']} "
+                     f"| {_cell(r.get('first_divergence') or 'none')} "
+                     f"| {_cell(r.get('overflow_first') or 'none') if r.get('overflow_failed') else 'none'} |")
+    if results:
+        lines += ["", f"{len(results)} check(s), {failed} failing."]
+        lines.append(f"Artifacts (CSV, dumps, graphs): `{os.path.abspath(out_dir)}`")
+        if any(r.get("graph") for r in results):
+            lines.append(f"Open the graphs: `msprobe-ci view {os.path.join(os.path.abspath(out_dir), 'graphs')}`")
+        if junitxml:
+            lines.append(f"JUnit XML: `{os.path.abspath(junitxml)}`")
+    return "\n".join(lines) + "\n"
+
+
+def append_to_step_summary(text: str) -> str | None:
+    """Append ``text`` to the file ``$GITHUB_STEP_SUMMARY`` names; returns its path, or None where it is unset.
+    An unwritable path is reported by the caller's terminal, never raised (a summary never fails a gate)."""
+    path = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not path:
+        return None
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+    return path
