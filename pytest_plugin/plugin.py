@@ -25,6 +25,7 @@ REQUIRE_DEVICE, BENCH_KERNEL = "--msprobe-require-device", "--msprobe-bench-kern
 REQUIRE_COVERAGE, REQUIRE_CHECKS = "--msprobe-require-coverage", "--msprobe-require-checks"
 API_CHECK, API_LIVE, FUZZ = "--msprobe-api-check", "--msprobe-api-live", "--msprobe-fuzz"
 FREE_BENCHMARK, MONITOR = "--msprobe-free-benchmark", "--msprobe-monitor"
+REPORT = "--msprobe-report"
 
 from ..config import BENCH_KERNELS as _KERNELS  # noqa: E402 - torch-free
 from ..dtypes import OPTION_NAMES as _DTYPES  # noqa: E402 - torch-free
@@ -75,6 +76,7 @@ OPTIONS = [
     (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
     (BENCH_KERNEL, "msprobe_bench_kernel", _choice(_KERNELS), None, "KERNEL", "the same-dtype bench the benchmark standard compares each isolated API with: 'device' (the bench device's kernels), 'upcast' (one precision up, rounded once: a GPU-like kernel), 'rounded' (fp64, correctly rounded), 'decomposed' (core-ATen decompositions with oneDNN off: other real CPU kernels). Default: 'device', or 'upcast' where the target runs on the bench device's own kernels while named as an accelerator (the stand-in npu)."),
     (OUTPUT_RTOL, "msprobe_output_rtol", _float, None, "RTOL", "model-level testcase: the relative L2 error of the final outputs (and loss) that fails a check (default: 16 x the coarser dtype's unit roundoff, at least 1e-5)."),
+    (REPORT, "msprobe_report", str, None, "PATH|off", "the session's HTML report (one self-contained page: every check's verdict, first divergence, a plot of each node's error against its threshold, worst nodes, model-level cases, links). Default: <msprobe-out>/report.html; 'off' writes none."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
 FLAGS = [

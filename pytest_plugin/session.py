@@ -77,6 +77,8 @@ class ProbeSession:
         if self.task not in ("statistics", "tensor", "md5"):
             raise pytest.UsageError(f"msprobe: ini msprobe_task: expected statistics, tensor or md5, got {self.task!r}")
         self.out = os.path.abspath(_opt(config, "msprobe_out") or "msprobe-out")
+        report = _opt(config, "msprobe_report")
+        self.report = None if report == "off" else os.path.abspath(report or os.path.join(self.out, "report.html"))
         self.junitxml = _opt(config, "msprobe_junitxml")
         self._check_outputs(config)
         self.config_path = _opt(config, "msprobe_config")
@@ -248,6 +250,7 @@ class ProbeSession:
     api_nothing = ""
     no_checks = ""
     step_summary = None  # where the GitHub job summary went ($GITHUB_STEP_SUMMARY), or why it did not
+    report_written = None  # the HTML report's path, or why it was not written
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
         if self.api_nothing:
@@ -305,6 +308,8 @@ class ProbeSession:
                           "(TensorBoard with tb-graph-ascend's plugin; red boxes lead to the first divergence)")
         if self.junitxml:
             tr.write_line(f"msprobe JUnit XML: {os.path.abspath(self.junitxml)}")
+        if self.report_written:
+            tr.write_line(f"msprobe report: {self.report_written}")
         if self.step_summary:
             tr.write_line(f"msprobe job summary ($GITHUB_STEP_SUMMARY): {self.step_summary}")
 
@@ -327,12 +332,21 @@ class ProbeSession:
             self.api_nothing = (f"msprobe: --msprobe-api-check judged nothing: all {c['items']} API calls were "
                                 f"skipped ({c['reason']}); add --msprobe-api-live (re-runs the target on "
                                 "--msprobe-target) or check a dump recorded with --msprobe-task=tensor")
+        if controller and self.results and self.report:
+            from ..errors import MsprobeError
+            from .report import write_report
+
+            try:
+                self.report_written = write_report(self.report, self.results, self.out, self.junitxml)
+            except (MsprobeError, OSError) as exc:
+                self.report_written = f"not written ({exc})"
         if controller and (self.results or self.no_checks):
             from .summary import append_to_step_summary, markdown
 
             try:
+                written = self.report_written if self.report_written == self.report else None
                 self.step_summary = append_to_step_summary(markdown(self.results, self.out, self.junitxml,
-                                                                    self.no_checks))
+                                                                    self.no_checks, written))
             except OSError as exc:
                 self.step_summary = f"not written ({exc})"
         if not self.junitxml or hasattr(session.config, "workerinput"):

@@ -11,7 +11,8 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_checks: str = "") -> str:
+def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_checks: str = "",
+             report: str | None = None) -> str:
     """The summary of a session's check results (the plugin's serialisable summaries).
 
     Args:
@@ -19,6 +20,7 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
         out_dir: ``--msprobe-out`` (artifacts, graphs).
         junitxml: the ``--msprobe-junitxml`` path, if any.
         no_checks: the "no msprobe check ran" line, when the session checked nothing.
+        report: the HTML report's path, when one was written.
 
     Returns:
         Markdown text ending in a newline; a heading and the no-checks line when there are no results.
@@ -54,6 +56,8 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
             lines.append(f"Open the graphs: `msprobe-ci view {os.path.join(os.path.abspath(out_dir), 'graphs')}`")
         if junitxml:
             lines.append(f"JUnit XML: `{os.path.abspath(junitxml)}`")
+        if report:
+            lines.append(f"Report (one HTML page; upload it as an artifact): `{report}`")
     return "\n".join(lines) + "\n"
 
 

@@ -180,3 +180,61 @@ def test_github_job_summary_says_when_no_check_ran(pytester, monkeypatch):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target=npu")
     result.assert_outcomes(passed=1)
     assert "**msprobe: no msprobe check ran in this session" in summary.read_text()
+
+
+def test_html_report_of_a_failing_gate(pytester):
+    """Every session that ran checks writes <msprobe-out>/report.html: one self-contained page (no script, no
+    stylesheet or image fetched from anywhere) with each check's verdict, the first divergence with its message,
+    a plot of the judged nodes, the worst nodes and links; --msprobe-report moves it, =off skips it."""
+    import html.parser
+
+    pytester.makepyfile(test_gate=SUMMARY_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.relu, call: 0, perturb: scale, value: 1.5}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-junitxml=j.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    report = pytester.path / "msprobe-out" / "report.html"
+    result.stdout.fnmatch_lines([f"msprobe report: {report}"])
+    text = report.read_text(encoding="utf-8")
+
+    class Tags(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.hrefs = [], []
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            self.hrefs += [v for k, v in attrs if k in ("href", "src")]
+
+    tags = Tags()
+    tags.feed(text)
+    assert "script" not in tags.tags and "link" not in tags.tags and "img" not in tags.tags
+    assert not [h for h in tags.hrefs if "://" in h]  # every link is a relative path into the artifacts
+    assert tags.tags.count("svg") == 2 and tags.tags.count("h2") == 2
+    assert "2 check(s), 1 failing" in text and "Functional.relu.0.forward" in text
+    assert "First divergence: <b>Functional.relu.0.forward</b> &mdash; Functional.relu.0.forward: " in text
+    assert "../j.xml" in tags.hrefs and any(h.endswith(".csv") and (report.parent / h).is_file() for h in tags.hrefs)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-k", "clean",
+                                           "--msprobe-report=elsewhere/r.html")
+    assert (pytester.path / "elsewhere" / "r.html").is_file()
+    report.unlink()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "clean", "--msprobe-report=off")
+    result.assert_outcomes(passed=1)
+    assert not report.exists() and "msprobe report" not in result.stdout.str()
+
+
+@pytest.mark.skipif(not (__import__("shutil").which("chromium") or __import__("shutil").which("chromium-browser")),
+                    reason="needs chromium (the Debian package) for a headless screenshot; not installed here")
+def test_html_report_renders_in_headless_chromium(pytester):
+    import shutil
+    import subprocess
+
+    pytester.makepyfile(test_gate=SUMMARY_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.relu, call: 0, perturb: scale, value: 1.5}\n")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    shot = pytester.path / "report.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                    "--window-size=1200,900", (pytester.path / "msprobe-out" / "report.html").as_uri()], check=True,
+                   capture_output=True, timeout=120)
+    assert shot.stat().st_size > 5000  # a rendered page, not a blank one

@@ -1,0 +1,200 @@
+"""``report.html``: one self-contained page per gate run (inline CSS, inline SVG plots, nothing loaded from the
+network), rendered by Jinja2 from the plugin's per-check summaries; plots by matplotlib's SVG backend."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import math
+import os
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>msprobe accuracy gate</title>
+<style>
+body { font-family: system-ui, sans-serif; margin: 2em; color: #1b1f23; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
+td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; font-weight: bold; }
+.muted { color: #57606a; } code { background: #f3f4f6; padding: 0 0.2em; }
+.plot svg { max-width: 100%; height: auto; }
+</style></head><body>
+<h1>msprobe accuracy gate</h1>
+<p class="muted">{{ when }} &middot; {{ checks|length }} check(s), {{ failing }} failing &middot; artifacts:
+<code>{{ out_dir }}</code>{% if junit %} &middot; JUnit XML: <a href="{{ junit.href }}">{{ junit.name }}</a>{% endif %}</p>
+{% if no_checks %}<p class="fail">{{ no_checks }}</p>{% endif %}
+<table><tr><th>test</th><th>check</th><th>verdict</th><th>bench &rarr; target</th><th>nodes</th><th>pass</th>
+<th>warning</th><th>error</th><th>first divergence</th></tr>
+{% for c in checks %}<tr><td><a href="#check{{ loop.index }}">{{ c.test }}</a></td><td>{{ c.index }}</td>
+<td class="{{ 'fail' if c.failed else 'pass' }}">{{ c.verdict }}</td><td>{{ c.sides }}</td><td>{{ c.nodes }}</td>
+<td>{{ c.counts.pass }}</td><td>{{ c.counts.warning }}</td><td>{{ c.counts.error }}</td>
+<td>{{ c.first or "none" }}</td></tr>
+{% endfor %}</table>
+{% for c in checks %}
+<h2 id="check{{ loop.index }}">{{ c.test }} &middot; check {{ c.index }}: <span class="{{ 'fail' if c.failed else 'pass' }}">{{ c.verdict }}</span></h2>
+{% if c.note %}<p class="muted">{{ c.note }}</p>{% else %}
+<p>{{ c.sides }}, {{ c.mode }}{% if c.isolated %}, isolated verdicts (each API on its own inputs; drift is context){% else %}, drift rule{% endif %}.
+First divergence: <b>{{ c.first or "none" }}</b>{% if c.first_node %} &mdash; {{ c.first_node.message }}{% endif %}.
+First overflow: {{ c.overflow or "none" }}.</p>
+{% if c.plot %}<div class="plot">{{ c.plot }}</div>
+<p class="muted">Each judged node's error as a share of the threshold it had to meet, in run order (forward, then
+backward); above the line fails; the first divergence is marked.</p>{% elif c.plot_note %}<p class="muted">{{ c.plot_note }}</p>{% endif %}
+{% if c.worst %}<table><tr><th>worst nodes</th><th>status</th><th>metric</th><th>value</th><th>threshold</th><th>standard</th><th>row</th></tr>
+{% for n in c.worst %}<tr><td>{{ n.name }}</td><td class="{{ 'fail' if n.status == 'error' else '' }}">{{ n.status }}</td>
+<td>{{ n.metric }}</td><td>{{ n.value }}</td><td>{{ n.threshold }}</td><td>{{ n.standard }}</td><td>{{ n.worst_row }}</td></tr>
+{% endfor %}</table>{% endif %}
+{% if c.model %}<table><tr><th>model-level</th><th>status</th><th>relative L2 error</th><th>tolerance</th></tr>
+{% for m in c.model %}<tr><td>{{ m.name }}</td><td class="{{ 'fail' if m.status == 'error' else 'pass' }}">{{ m.status }}</td>
+<td>{{ m.value }}</td><td>{{ m.threshold }}</td></tr>{% endfor %}</table>{% endif %}
+{% for note in c.notes %}<p class="muted">note: {{ note }}</p>{% endfor %}
+<p>{% if c.csv %}<a href="{{ c.csv.href }}">compare CSV</a> &middot; {% endif %}artifacts <code>{{ c.dir }}</code>
+{% if c.graph %} &middot; graph <code>{{ c.graph }}</code> (open: <code>msprobe-ci view {{ graphs_dir }}</code>){% endif %}</p>
+{% endif %}
+{% endfor %}
+</body></html>
+"""
+
+
+def _ratio(n: dict) -> float | None:
+    try:
+        v, t = float(n["value"]), float(n["threshold"])
+    except (TypeError, ValueError, KeyError):
+        return None
+    if math.isnan(v) or math.isnan(t) or math.isinf(t) or t < 0:
+        return None
+    if t == 0:  # an exact standard (binary: no element may differ)
+        return math.inf if v > 0 else 0.0
+    return v / t if math.isfinite(v) else math.inf
+
+
+def _plot(nodes: list[dict], first: str | None) -> str | None:
+    """An inline SVG: each judged node's value/threshold in run order (log scale), the line at 1, failing nodes
+    red and the first divergence named; None without matplotlib or without a judged node."""
+    try:
+        import matplotlib
+
+        matplotlib.use("svg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    points = [(i, r, n) for i, n in enumerate(nodes) if (r := _ratio(n)) is not None]
+    if not points:
+        return None
+    top = max((r for _, r, _ in points if math.isfinite(r)), default=1.0)
+    cap = max(top, 1.0) * 2
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    try:
+        for status, color in (("pass", "#2da44e"), ("warning", "#bf8700"), ("error", "#cf222e")):
+            xs = [i for i, _, n in points if (n["status"] == status or (status == "pass" and n["status"] not in
+                                                                         ("warning", "error")))]
+            ys = [max(min(r, cap), 1e-3) for i, r, n in points if i in set(xs)]
+            if xs:
+                ax.scatter(xs, ys, s=9, color=color, label=status)
+        ax.axhline(1.0, color="#cf222e", linewidth=0.8, linestyle="--")
+        ax.set_yscale("log")
+        ax.set_ylim(top=cap * 6)  # room for the first divergence's name
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("node, in run order")
+        ax.set_ylabel("error / threshold")
+        for i, r, n in points:
+            if n["name"] == first:
+                ax.annotate(first, (i, max(min(r, cap), 1e-3)), xytext=(5, 5), textcoords="offset points",
+                            fontsize=8, color="#cf222e")
+        ax.legend(loc="lower right", fontsize=7)
+        fig.tight_layout()
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg")
+    finally:
+        plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg"):]  # the inline element, without the XML prolog and doctype
+
+
+def _fmt(x) -> str:
+    try:
+        return f"{float(x):.4g}"
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _link(path: str | None, base: str) -> dict | None:
+    if not path:
+        return None
+    return {"href": os.path.relpath(os.path.abspath(path), base).replace(os.sep, "/"), "name": os.path.basename(path)}
+
+
+def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | None = None,
+           no_checks: str = "") -> str:
+    """The report's HTML for a session's check summaries (``msprobe-result.json`` contents).
+
+    Args:
+        results: one dict per check, as the plugin stores them.
+        out_dir: ``--msprobe-out``. report_path: where the page goes (links are made relative to it).
+        junitxml: the ``--msprobe-junitxml`` path, if any. no_checks: the "no msprobe check ran" line, if any.
+    """
+    from markupsafe import Markup
+
+    import jinja2
+
+    base = os.path.dirname(os.path.abspath(report_path))
+    checks = []
+    for r in results:
+        c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
+        if r.get("skipped") or r.get("recorded"):
+            c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
+                     nodes="", counts={"pass": "", "warning": "", "error": ""}, first=None,
+                     note=r.get("skipped") or f"recorded the bench in {r.get('baseline', '')}")
+            checks.append(c)
+            continue
+        nodes = r.get("nodes") or []
+        first = r.get("first_divergence")
+        failed = bool(first or r.get("overflow_failed") or r.get("unapplied") or
+                      any(m["status"] == "error" for m in r.get("model") or ()) or
+                      any(a["status"] == "error" for a in r.get("api_checks") or ()))
+        judged = sorted((n for n in nodes if _ratio(n) is not None), key=_ratio, reverse=True)[:10]
+        plot = _plot(nodes, first)
+        c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r['bench']} → {r['target']}",
+                 nodes=r.get("nodes_compared", len(nodes)), counts=r["counts"], first=first, mode=r.get("mode", ""),
+                 first_node=next((n for n in nodes if n["name"] == first), None), isolated=r.get("isolated"),
+                 overflow=r.get("overflow_first") if r.get("overflow_failed") else None,
+                 plot=Markup(plot) if plot else None,
+                 plot_note=None if plot else "no plot: matplotlib is not installed, or no node was judged",
+                 worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
+                 model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
+                        for m in r.get("model") or ()],
+                 csv=_link(r.get("csv"), base), graph=r.get("graph"), note=None)
+        checks.append(c)
+    env = jinja2.Environment(autoescape=True)
+    return env.from_string(_TEMPLATE).render(
+        checks=checks, failing=sum(c["failed"] for c in checks), out_dir=os.path.abspath(out_dir),
+        junit=_link(junitxml, base), no_checks=no_checks, graphs_dir=os.path.join(os.path.abspath(out_dir), "graphs"),
+        when=datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def write_report(path: str, results: list[dict], out_dir: str, junitxml: str | None = None,
+                 no_checks: str = "") -> str:
+    """Write :func:`render`'s page to ``path`` (atomically; an existing file is replaced only when it is one of
+    ours); returns the path.
+
+    Raises:
+        MsprobeError: ``path`` is a folder or a file msprobe-ci did not write.
+    """
+    from ..outputs import atomic_write, make_output_dir
+
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        from ..errors import MsprobeError
+
+        raise MsprobeError(f"{path}: --msprobe-report is a folder, expected a file path")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            if "<title>msprobe accuracy gate</title>" not in fh.read(4096):
+                from ..errors import MsprobeError
+
+                raise MsprobeError(f"{path}: --msprobe-report exists and was not written by msprobe-ci")
+    make_output_dir(os.path.dirname(path))
+    with atomic_write(path, "w", encoding="utf-8") as fh:
+        fh.write(render(results, out_dir, path, junitxml, no_checks))
+    return path
