@@ -173,8 +173,10 @@ def test_mlp(msprobe):
     assert suites["test_model.test_net check 0"].failures >= 1
     mlp = {c.name: c for c in suites["test_mlp.test_mlp check 0"]}
     assert [n for n, c in mlp.items() if c.result and c.result[0].__class__.__name__ == "Failure"] == ["injected-faults"]
-    folders = sorted(p.name for p in (suite.path / "art").iterdir() if p.name != "graphs")
+    folders = sorted(p.name for p in (suite.path / "art").iterdir() if p.name not in ("graphs", "report.html"))
     assert folders == ["test_mlp.py_test_mlp", "test_model.py_test_net"]
+    report = (suite.path / "art" / "report.html").read_text(encoding="utf-8")  # one page, by the controller
+    assert "2 check(s), 2 failing" in report and "test_model.py::test_net" in report and "test_mlp.py::test_mlp" in report
     assert sorted(p.name for p in (suite.path / "art" / "graphs").iterdir()) == [
         "test_mlp.py_test_mlp.check0", "test_model.py_test_net.check0"]
     assert all((suite.path / "art" / f / ".msprobe-ci").is_file() for f in folders)
