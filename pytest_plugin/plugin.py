@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from .session import ProbeSession, session_key
+from .session import RESULT_PROPERTY, ProbeSession, session_key
 
 # flag spellings, reused by the tests
 BENCH, TARGET = "--msprobe-bench", "--msprobe-target"
@@ -140,6 +140,31 @@ def pytest_collect_file(file_path, parent):
         return ApiDumpFile.from_parent(parent, path=file_path,
                                        nodeid=os.path.relpath(str(file_path), session.api_root).replace(os.sep, "/"))
     return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With pytest-html active, each check's verdict, first divergence, plot and worst nodes go on the test's row
+    (its ``extras``), read from the check summaries the fixture published."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not item.config.pluginmanager.hasplugin("html") or \
+            not item.config.getoption("htmlpath", None):  # installed, but no --html page asked for
+        return
+    paths = [v for k, v in item.user_properties if k == RESULT_PROPERTY]
+    if not paths:
+        return
+    import json
+
+    import pytest_html
+
+    from .report import extra_html
+
+    extras = list(getattr(report, "extras", []))
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            extras.append(pytest_html.extras.html(extra_html(json.load(fh))))
+    report.extras = extras
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

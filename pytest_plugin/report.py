@@ -125,6 +125,56 @@ def _link(path: str | None, base: str) -> dict | None:
     return {"href": os.path.relpath(os.path.abspath(path), base).replace(os.sep, "/"), "name": os.path.basename(path)}
 
 
+def _view(r: dict, base: str) -> dict:
+    """What the templates show of one check summary (links relative to ``base``)."""
+    from markupsafe import Markup
+
+    c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
+    if r.get("skipped") or r.get("recorded"):
+        c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
+                 nodes="", counts={"pass": "", "warning": "", "error": ""}, first=None,
+                 note=r.get("skipped") or f"recorded the bench in {r.get('baseline', '')}")
+        return c
+    nodes = r.get("nodes") or []
+    first = r.get("first_divergence")
+    failed = bool(first or r.get("overflow_failed") or r.get("unapplied") or
+                  any(m["status"] == "error" for m in r.get("model") or ()) or
+                  any(a["status"] == "error" for a in r.get("api_checks") or ()))
+    judged = sorted((n for n in nodes if _ratio(n) is not None), key=_ratio, reverse=True)[:10]
+    plot = _plot(nodes, first)
+    c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r['bench']} → {r['target']}",
+             nodes=r.get("nodes_compared", len(nodes)), counts=r["counts"], first=first, mode=r.get("mode", ""),
+             first_node=next((n for n in nodes if n["name"] == first), None), isolated=r.get("isolated"),
+             overflow=r.get("overflow_first") if r.get("overflow_failed") else None,
+             plot=Markup(plot) if plot else None,
+             plot_note=None if plot else "no plot: matplotlib is not installed, or no node was judged",
+             worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
+             model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
+                    for m in r.get("model") or ()],
+             csv=_link(r.get("csv"), base), graph=r.get("graph"), note=None)
+    return c
+
+
+_EXTRA = """<div><p><b>msprobe check {{ c.index }}: <span style="color:{{ '#b42318' if c.failed else '#116329' }}">{{ c.verdict }}</span></b>
+{% if c.note %}({{ c.note }}){% else %}&middot; {{ c.sides }} &middot; first divergence: <b>{{ c.first or "none" }}</b>
+{% if c.first_node %}&mdash; {{ c.first_node.message }}{% endif %}{% endif %}</p>
+{% if c.plot %}<div style="max-width:900px">{{ c.plot }}</div>{% endif %}
+{% if c.worst %}<table><tr><th>worst nodes</th><th>status</th><th>metric</th><th>value</th><th>threshold</th></tr>
+{% for n in c.worst[:5] %}<tr><td>{{ n.name }}</td><td>{{ n.status }}</td><td>{{ n.metric }}</td><td>{{ n.value }}</td>
+<td>{{ n.threshold }}</td></tr>{% endfor %}</table>{% endif %}
+<p>artifacts: <code>{{ c.dir }}</code></p></div>
+"""
+
+
+def extra_html(result: dict) -> str:
+    """One check's verdict, first divergence, plot and worst nodes as an HTML fragment (pytest-html's extras on the
+    test's row)."""
+    import jinja2
+
+    view = _view(result, os.getcwd())
+    return jinja2.Environment(autoescape=True).from_string(_EXTRA).render(c=view)
+
+
 def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | None = None,
            no_checks: str = "") -> str:
     """The report's HTML for a session's check summaries (``msprobe-result.json`` contents).
@@ -134,38 +184,10 @@ def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | 
         out_dir: ``--msprobe-out``. report_path: where the page goes (links are made relative to it).
         junitxml: the ``--msprobe-junitxml`` path, if any. no_checks: the "no msprobe check ran" line, if any.
     """
-    from markupsafe import Markup
-
     import jinja2
 
     base = os.path.dirname(os.path.abspath(report_path))
-    checks = []
-    for r in results:
-        c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
-        if r.get("skipped") or r.get("recorded"):
-            c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
-                     nodes="", counts={"pass": "", "warning": "", "error": ""}, first=None,
-                     note=r.get("skipped") or f"recorded the bench in {r.get('baseline', '')}")
-            checks.append(c)
-            continue
-        nodes = r.get("nodes") or []
-        first = r.get("first_divergence")
-        failed = bool(first or r.get("overflow_failed") or r.get("unapplied") or
-                      any(m["status"] == "error" for m in r.get("model") or ()) or
-                      any(a["status"] == "error" for a in r.get("api_checks") or ()))
-        judged = sorted((n for n in nodes if _ratio(n) is not None), key=_ratio, reverse=True)[:10]
-        plot = _plot(nodes, first)
-        c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r['bench']} → {r['target']}",
-                 nodes=r.get("nodes_compared", len(nodes)), counts=r["counts"], first=first, mode=r.get("mode", ""),
-                 first_node=next((n for n in nodes if n["name"] == first), None), isolated=r.get("isolated"),
-                 overflow=r.get("overflow_first") if r.get("overflow_failed") else None,
-                 plot=Markup(plot) if plot else None,
-                 plot_note=None if plot else "no plot: matplotlib is not installed, or no node was judged",
-                 worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
-                 model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
-                        for m in r.get("model") or ()],
-                 csv=_link(r.get("csv"), base), graph=r.get("graph"), note=None)
-        checks.append(c)
+    checks = [_view(r, base) for r in results]
     env = jinja2.Environment(autoescape=True)
     return env.from_string(_TEMPLATE).render(
         checks=checks, failing=sum(c["failed"] for c in checks), out_dir=os.path.abspath(out_dir),

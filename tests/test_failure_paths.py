@@ -238,3 +238,26 @@ def test_html_report_renders_in_headless_chromium(pytester):
                     "--window-size=1200,900", (pytester.path / "msprobe-out" / "report.html").as_uri()], check=True,
                    capture_output=True, timeout=120)
     assert shot.stat().st_size > 5000  # a rendered page, not a blank one
+
+
+def test_pytest_html_rows_carry_each_checks_verdict_and_plot(pytester):
+    """With pytest-html active (--html), the failing test's row carries its check's verdict, first divergence and
+    plot as extras; the page still loads nothing from the network for them."""
+    pytest.importorskip("pytest_html")
+    pytester.makepyfile(test_gate=SUMMARY_TESTS)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.relu, call: 0, perturb: scale, value: 1.5}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--html=page.html", "--self-contained-html")
+    result.assert_outcomes(passed=1, failed=1)
+    import html as html_module
+    import json
+    import re
+
+    page = (pytester.path / "page.html").read_text(encoding="utf-8")
+    blob = json.loads(html_module.unescape(re.search(r'data-jsonblob="([^"]*)"', page).group(1)))
+    extras = {test: [e["content"] for run in runs for e in run.get("extras", [])]
+              for test, runs in blob["tests"].items()}
+    (clean,), (faulty,) = extras["test_gate.py::test_clean"], extras["test_gate.py::test_faulty"]
+    assert "msprobe check 0: <span style=\"color:#116329\">pass</span>" in clean and "<svg" in clean
+    assert "msprobe check 0: <span style=\"color:#b42318\">fail</span>" in faulty and "<svg" in faulty
+    assert "first divergence: <b>Functional.relu.0.forward</b>" in faulty
