@@ -1106,3 +1106,65 @@ def test_source_rule_details():
     nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources={weight: {"id": "w"}})})
     lin = nodes["Functional.linear.0.forward"]
     assert lin.status == "error" and lin.threshold == pytest.approx(4 * 2.0 ** -53 + 1e-7 + 2.0 ** -53 * 2)
+
+
+def test_isolation_roll_up_and_helper_edges():
+    from types import SimpleNamespace
+
+    from msprobe_ci.compare.isolated import _record_at, _same_call, _seconds, _site_twin, apply_isolation
+
+    err = {"status": "error", "standard": "ulp", "value": 2, "threshold": 1}
+    construct = {"Functional.f.0.forward": "Module.m.forward.0", "Module.m.forward.0": "Module.top.forward.0",
+                 "Functional.g.0.forward": "Module.n.forward.0", "Module.n.forward.0": "Module.ntop.forward.0",
+                 "Functional.h.0.forward": "Module.iso.forward.0"}
+    report = _report([_cnode("Functional.f.0.forward"), _cnode("Functional.g.0.forward"),
+                      _cnode("Functional.h.0.forward"), _cnode("Module.m.forward.0"),
+                      _cnode("Module.ntop.forward.0", "warning"), _cnode("Module.iso.forward.0")])
+    apply_isolation(report, {"Functional.f.0.forward": err, "Functional.g.0.forward": dict(err, status="pass"),
+                             "Functional.h.0.forward": err, "Module.m.forward.0": {"status": "skip"},
+                             "Module.iso.forward.0": dict(err, standard="benchmark")}, construct)
+    out = {n.name: n for n in report.nodes}
+    assert out["Module.m.forward.0"].status == "error"  # a skipped module record: the roll-up still names the API
+    assert out["Module.m.forward.0"].metrics["rollup"] == "Functional.f.0.forward"
+    assert out["Module.ntop.forward.0"].message.startswith(
+        "Module.ntop.forward.0: every isolated API inside passes")  # two levels up
+    iso = out["Module.iso.forward.0"]  # failing on its own and holding a failing call: its own message stays
+    assert iso.status == "error" and iso.message.startswith("Module.iso.forward.0: benchmark standard on its own")
+    # sources: a failing source's node keeps its metrics and rolls up by name
+    rec = dict(_ERR, status="pass", value=0.1)
+    t, b = _pair(t_weight=2.0 * 1.02)
+    nodes, drift = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources={
+        "Functional.linear.0.forward.input.1": {"kind": "tensor", "id": "w"}})})
+    lin = nodes["Functional.linear.0.forward"]
+    assert lin.metrics["isolated"] is True and lin.metrics["drift_status"] == drift[lin.name].status
+    assert set(drift[lin.name].metrics) <= set(lin.metrics)
+    assert nodes["Module.m.Block.forward.0"].metrics["rollup"] == "Functional.linear.0.forward"
+    # seconds on a construct cycle: bounded
+    secs = _seconds({"a": {"seconds": 1.0}}, {"a": "b", "b": "a"})
+    assert set(secs) == {"a", "b"} and secs["a"] + secs["b"] == 10_000
+    # the bench call of the same name where nothing pairs them
+    here = _frames("m.py", 5, "f")
+    assert _same_call("A.f.0.forward", SimpleNamespace(target_stack={"A.f.0.forward": here}, entry_pairs={}),
+                      {"A.f.0.forward": here})
+    stack = {"Torch.clamp.0.forward": here}
+    assert _site_twin("Torch.clamp.0.forward", {}, {}, stack) is None  # no index entry on either side
+    mine = {("Torch.clamp", "forward", "m.py:line 5:in f"): ["Torch.clamp.0.forward"]}
+    assert _site_twin("Torch.clamp.0.forward", mine, {}, stack) is None
+    assert _record_at({"input_args": [[{"type": "int", "value": 1}, {"type": "int", "value": 2}]]}, "0.2") is None
+
+
+def test_twin_scalars_after_other_sources():
+    """The twin's scalar is judged whatever sources come before it: tensors, other calls' rows, rows not dumped."""
+    t, b = _pair(t_scalar=0.5, b_scalar=0.7)
+    b.data["Torch.clamp.1.forward"] = dict(b.data["Torch.clamp.0.forward"],
+                                           input_args=[_rec(3.0, "torch.float32"), {"type": "float", "value": 0.6}])
+    t.stack = {"Torch.clamp.0.forward": _frames("m.py", 5, "f")}
+    b.stack = {"Torch.clamp.0.forward": _frames("m.py", 9, "f"), "Torch.clamp.1.forward": _frames("m.py", 5, "f")}
+    sources = {"Torch.clamp.0.forward.input.0": {"kind": "tensor", "id": "t"},
+               "Functional.relu.0.forward.input.1": {"kind": "scalar", "id": "r"},
+               "Torch.clamp.0.forward.input.7": {"kind": "scalar", "id": "gone"},
+               "Torch.clamp.0.forward.input.1": {"kind": "scalar", "id": "s"}}
+    rec = dict(_ERR, status="pass", value=0.1, sources=sources)
+    nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data=b.data)
+    assert nodes["Torch.clamp.0.forward"].status == "error"
+    assert "(Torch.clamp.1.forward): value 0.5 vs bench 0.6" in nodes["Torch.clamp.0.forward"].message

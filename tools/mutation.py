@@ -177,6 +177,12 @@ EQUIVALENT: dict[str, str] = {
         "getattr without a default: every compare report has target_stack",
     **{f"msprobe_ci.compare.isolated.x_apply_isolation__mutmut_{i}": _HOPS for i in (332, 334, 335, 341)},
     **{f"msprobe_ci.compare.isolated.x__seconds__mutmut_{i}": _HOPS for i in (16, 19, 20, 31)},
+    "msprobe_ci.compare.isolated.x__seconds__mutmut_17":
+        "the None test of the walk: a node that is not a name ends it one line later anyway",
+    **{f"msprobe_ci.compare.isolated.x_apply_isolation__mutmut_{i}":
+       "a skip record's threshold, budget and passing threshold: the dataclass defaults are the same (inf, inf, 0)"
+       for i in (211, 212, 213, 216)},
+    "msprobe_ci.compare.isolated.x__site_twin__mutmut_35": "k = -1 or -2: any negative index finds no twin",
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_355":
         "iter(None) walks every element: the others (suites, properties, failures) carry no classname, so the "
         "property lookup misses them as before",
