@@ -8,6 +8,8 @@ import io
 import math
 import os
 
+from .summary import check_failed  # one rule for the page and the job summary
+
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msprobe accuracy gate</title>
 <style>
@@ -85,11 +87,10 @@ def _plot(nodes: list[dict], first: str | None) -> str | None:
     fig, ax = plt.subplots(figsize=(9, 2.6))
     try:
         for status, color in (("pass", "#2da44e"), ("warning", "#bf8700"), ("error", "#cf222e")):
-            xs = [i for i, _, n in points if (n["status"] == status or (status == "pass" and n["status"] not in
-                                                                         ("warning", "error")))]
-            ys = [max(min(r, cap), 1e-3) for i, r, n in points if i in set(xs)]
-            if xs:
-                ax.scatter(xs, ys, s=9, color=color, label=status)
+            mine = [(i, max(min(r, cap), 1e-3)) for i, r, n in points
+                    if (n["status"] if n["status"] in ("warning", "error") else "pass") == status]
+            if mine:
+                ax.scatter([i for i, _ in mine], [y for _, y in mine], s=9, color=color, label=status)
         ax.axhline(1.0, color="#cf222e", linewidth=0.8, linestyle="--")
         ax.set_yscale("log")
         ax.set_ylim(top=cap * 6)  # room for the first divergence's name
@@ -137,9 +138,7 @@ def _view(r: dict, base: str) -> dict:
         return c
     nodes = r.get("nodes") or []
     first = r.get("first_divergence")
-    failed = bool(first or r.get("overflow_failed") or r.get("unapplied") or
-                  any(m["status"] == "error" for m in r.get("model") or ()) or
-                  any(a["status"] == "error" for a in r.get("api_checks") or ()))
+    failed = check_failed(r)
     judged = sorted((n for n in nodes if _ratio(n) is not None), key=_ratio, reverse=True)[:10]
     plot = _plot(nodes, first)
     c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r['bench']} → {r['target']}",

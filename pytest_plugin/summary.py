@@ -6,6 +6,14 @@ from __future__ import annotations
 import os
 
 
+def check_failed(r: dict) -> bool:
+    """Whether a check summary failed its test: a first divergence, a new overflow, a fault that never fired, or a
+    failing model-level case or per-API pre-check."""
+    return bool(r.get("first_divergence") or r.get("overflow_failed") or r.get("unapplied") or
+                any(m["status"] == "error" for m in r.get("model") or ()) or
+                any(a["status"] == "error" for a in r.get("api_checks") or ()))
+
+
 def _cell(value) -> str:
     """A table cell: pipes escaped, newlines flattened (Markdown tables are one line a row)."""
     return str(value).replace("|", "\\|").replace("\n", " ")
@@ -41,9 +49,7 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
             lines.append(head + f"| recorded the bench ({_cell(r.get('baseline', ''))}) | | | | | | | |")
             continue
         c = r["counts"]
-        bad = bool(r.get("first_divergence") or r.get("overflow_failed") or r.get("unapplied") or
-                   any(m["status"] == "error" for m in r.get("model") or ()) or
-                   any(a["status"] == "error" for a in r.get("api_checks") or ()))
+        bad = check_failed(r)
         failed += bad
         lines.append(head + f"| {'❌ fail' if bad else '✅ pass'} | {_cell(r['bench'])} → {_cell(r['target'])} "
                      f"| {r['nodes_compared']} | {c['pass']} | {c['warning']} | {c['error']} "
