@@ -1,10 +1,11 @@
 """``msprobe-ci`` command line with msprobe's flag spellings.
 
-    msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm]
+    msprobe-ci compare -tp TARGET -gp GOLDEN -o OUT [-fm] [-n N] [--scheduler ADDRESS|local]
     msprobe-ci overflow -i STEP_OR_RANK_DIR_OR_ROOT [-o OUT]
-    msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm]
+    msprobe-ci graph -tp TARGET [-gp GOLDEN] -o OUT [-oc] [-fm] [-n N] [--scheduler ADDRESS|local]
     msprobe-ci view LOGDIR [--port 6006] [--host 127.0.0.1]
-    msprobe-ci api-check -api_info DUMP [-o OUT] [--junitxml PATH] [-n WORKERS] [--live] [--bench-kernel K]
+    msprobe-ci api-check -api_info DUMP [-o OUT] [--junitxml PATH] [-n N] [--scheduler ADDRESS|local] [--live]
+                         [--bench-kernel K]
 
 Paths are dump.json files, rank folders, step folders or dump roots (``step<N>`` folders); compare pairs folders
 by (step, rank). Exit status: 0 when no node is an error (compare, api-check) / no NaN-Inf (overflow), 1
@@ -25,10 +26,13 @@ from .errors import MsprobeError
 
 _EXAMPLES = {
     "compare": "examples: msprobe-ci compare -tp out/target/step0 -gp out/bench/step0 -o out/compare\n"
+               "          msprobe-ci compare -tp out/target -gp out/bench -o out/compare -n 4    (4 processes)\n"
                "          msprobe-ci compare -tp ms_dump/step0 -gp torch_dump/step0 -o out    (MindSpore vs PyTorch)",
     "overflow": "example: msprobe-ci overflow -i out/target/step0 -o out/overflow",
     "graph": "examples: msprobe-ci graph -tp out/target -o out/graphs/run1    (build)\n"
-             "          msprobe-ci graph -tp out/target -gp out/bench -o out/graphs/run1    (compare)",
+             "          msprobe-ci graph -tp out/target -gp out/bench -o out/graphs/run1    (compare)\n"
+             "          msprobe-ci graph -tp /shared/target -gp /shared/bench -o /shared/graphs --scheduler "
+             "tcp://head:8786",
     "view": "example: msprobe-ci view msprobe-out/graphs    (then open http://127.0.0.1:6006)",
     "api-check": "examples: msprobe-ci api-check -api_info out/target/step0/rank0/dump.json -o out/api\n"
                  "          msprobe-ci api-check -api_info out/target --live -n 2    (statistics dump: re-run on CPU)",
@@ -65,6 +69,16 @@ def _workers(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1 worker, got {n}")
     return n
+
+
+def _worker_args(p: argparse.ArgumentParser, unit: str) -> None:
+    """``-n/--num_workers`` and ``--scheduler`` (see :mod:`msprobe_ci.workers`)."""
+    p.add_argument("-n", "--num_workers", type=_workers, default=1, metavar="N",
+                   help=f"worker processes, one {unit} a task (default 1: serial); results identical to serial")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run each task on a dask.distributed cluster: a scheduler address (tcp://host:8786; dumps "
+                        "and the output folder on shared storage) or 'local' (a LocalCluster of -n one-thread "
+                        "workers); needs msprobe-ci[dask]")
 
 
 def _mapping_args(p: argparse.ArgumentParser) -> None:
@@ -163,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("-fm", "--fuzzy_match", action="store_true", help="ignore call indices when matching")
     _mapping_args(c)
     _parallel_args(c)
+    _worker_args(c, "(step, rank) pair")
     o = command("overflow", "find NaN/Inf (overflow) and the first node where it appears",
                 "Scan every tensor record for NaN/Inf (statistics or tensor dumps) and name the first node in "
                 "execution order where it appears: the same rule the pytest plugin reports.")
@@ -179,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-fm", "--fuzzy_match", action="store_true", help="match nodes ignoring call indices")
     _mapping_args(g)
     _parallel_args(g)
+    _worker_args(g, "(step, rank) pair")
     a = command("api-check", "replay every API of a dump alone on CPU and judge it by its own standard",
                 "msprobe's api_accuracy_checker: rebuild each API call's inputs from the dump, run it alone in "
                 "higher precision and at the target's dtype, and judge the dumped (or, with --live, re-run) "
@@ -187,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="dump.json, rank folder, step folder or dump root")
     a.add_argument("-o", "--out_path", default="./output", help="output folder for the two CSVs (default ./output)")
     a.add_argument("--junitxml", default=None, help="also write a JUnit XML file (one testcase per API call)")
-    a.add_argument("-n", "--num_workers", type=_workers, default=1, help="worker processes (default 1)")
+    _worker_args(a, "share of each folder's API calls")
     a.add_argument("--live", action="store_true", help="re-run the target side on CPU (statistics dumps)")
     a.add_argument("--bench-kernel", choices=BENCH_KERNELS, default="device",
                    help="the same-dtype bench of the benchmark standard: device (the API on CPU in the dumped "
@@ -249,38 +265,46 @@ def _run(args) -> int:
 
 
 def _compare(args) -> int:
-    from .check import judge
+    from . import workers
     from .compare.ranks import first_divergence_across_ranks
 
-    worst = 0
     mappings = _mappings(args)
     parallel = _parallel(args, (args.target_path, args.golden_path))
     if parallel is not None:
         return _compare_merged(args, parallel)
-    lines, compared = [], {}
     pairs = _pairs(args.target_path, args.golden_path)
     if len(pairs) == 1 and not args.fuzzy_match and not any((mappings.data, mappings.layer, mappings.cell,
                                                               mappings.api)):
         streamed = _stream(pairs[0], args)
         if streamed is not None:
             return streamed
-    for t, g, rank, key in pairs:
-        # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
-        report, target, _ = judge(g, t, fuzzy=args.fuzzy_match, mappings=mappings)
-        path = report.write_csv(args.output_path, prefix=f"compare_result_{rank}" if rank else "compare_result")
-        first = report.first_divergence
-        lines.append(_summary_line(path, len(report.nodes), report.counts(), first, report.isolated))
-        compared[key] = (report, target)
-        worst = max(worst, 0 if first is None else 1)
-    if len(compared) > 1:  # many ranks or steps: one summary first, naming the rank whose own computation diverged
-        result = first_divergence_across_ranks(compared)
+    # one task per (step, rank): serial, a process pool (-n) or dask (--scheduler); the same lines either way
+    jobs = [(t, g, rank, key, args.output_path, args.fuzzy_match, mappings) for t, g, rank, key in pairs]
+    done = workers.run(_compare_pair, jobs, [f"step{k[0]} rank{k[1]}" for _, _, _, k in pairs],
+                       workers=args.num_workers, scheduler=args.scheduler)
+    if len(done) > 1:  # many ranks or steps: one summary first, naming the rank whose own computation diverged
+        result = first_divergence_across_ranks([summary for _, summary in done])
         print(result.headline)
         for d in result.ranks:
             if d is not result.first:
                 print(f"  also: {d.message}")
-    for line in lines:
+    for line, _ in done:
         print(line)
-    return worst
+    return 1 if any(summary.first is not None for _, summary in done) else 0
+
+
+def _compare_pair(job: tuple) -> tuple:
+    """One (step, rank) pair of ``compare``: its CSV written, ``(summary line, RankSummary)`` returned (a task of
+    :func:`msprobe_ci.workers.run`)."""
+    from .check import judge
+    from .compare.ranks import summarize
+
+    t, g, rank, key, out, fuzzy, mappings = job
+    # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
+    report, target, _ = judge(g, t, fuzzy=fuzzy, mappings=mappings)
+    path = report.write_csv(out, prefix=f"compare_result_{rank}" if rank else "compare_result")
+    line = _summary_line(path, len(report.nodes), report.counts(), report.first_divergence, report.isolated)
+    return line, summarize(*key, report, target)
 
 
 def _compare_merged(args, parallel) -> int:
@@ -290,6 +314,7 @@ def _compare_merged(args, parallel) -> int:
 
     if args.fuzzy_match or args.data_mapping or args.api_mapping:
         raise MsprobeError("compare: --rank_size/--tp/--pp merging combines with -lm/-cm, not with -fm, -dm or -am")
+    _serial_only(args, "compare")
     results = evaluate_merged(args.target_path, args.golden_path, args.output_path, *parallel,
                               mappings=_mappings(args))
     lines, firsts = [], []
@@ -304,6 +329,12 @@ def _compare_merged(args, parallel) -> int:
     for line in lines:
         print(line)
     return 1 if firsts else 0
+
+
+def _serial_only(args, command: str) -> None:
+    if args.num_workers > 1 or args.scheduler:
+        raise MsprobeError(f"{command}: --rank_size/--tp/--pp merging runs in one process (each group needs every "
+                           "rank of its step at once); drop -n/--scheduler")
 
 
 def _stream(pair, args) -> int | None:
@@ -364,14 +395,19 @@ def _overflow(args) -> int:
 def _graph(args) -> int:
     from .graph import build_vis_db, compare_vis_db
 
+    spread = {"workers": args.num_workers, "scheduler": args.scheduler}
     if args.golden_path:
+        par = _parallel(args, (args.target_path, args.golden_path))
+        if par is not None:
+            _serial_only(args, "graph")
         path = compare_vis_db(args.target_path, args.golden_path, args.output_path, overflow=args.overflow_check,
-                              fuzzy=args.fuzzy_match, mappings=_mappings(args),
-                              parallel=_parallel(args, (args.target_path, args.golden_path)))
+                              fuzzy=args.fuzzy_match, mappings=_mappings(args), parallel=par, **spread)
     else:
         par = _parallel(args, (args.target_path,))
+        if par is not None:
+            _serial_only(args, "graph")
         path = build_vis_db(args.target_path, args.output_path, overflow=args.overflow_check, merge=par is not None,
-                            parallel=par[0] if par else None)
+                            parallel=par[0] if par else None, **spread)
     print(path)
     print(f"open it with: msprobe-ci view {os.path.dirname(os.path.dirname(os.path.abspath(path)))}")
     return 0
@@ -410,49 +446,31 @@ def _api_check(args) -> int:
     return 1 if counts["error"] else 0
 
 
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _worker_threads(n: int) -> None:
-    """A worker replays with the parent's torch thread count: the benchmark standard's bench is CPU arithmetic in
-    the target dtype whose rounding depends on how reductions are split across threads (a bf16 layer_norm backward
-    with 1 thread instead of 2 fails 4 of 109 GPT-2 calls), so verdicts must not depend on ``-n``. OpenMP threads
-    wait passively: N workers x all-core pools otherwise spin against each other (3x slower than one process)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-
-    torch.set_num_threads(n)
-
-
 def _api_check_folders(folders: list[str], args) -> list:
-    """Every folder's API calls checked, reports written per folder; with ``-n N`` one pool of N spawned workers
-    serves every folder (each folder's calls split in N chunks, all chunks queued at once), so the ~1.7 s torch
-    import per worker is paid once per run, not per folder."""
+    """Every folder's API calls checked, reports written per folder; with ``-n N`` (or ``--scheduler``) each
+    folder's calls are split in N shares, all queued at once on one pool of N spawned workers (the ~1.7 s torch
+    import per worker paid once per run, not per folder), each worker pinned to this process's torch thread count:
+    the benchmark standard's bench is CPU arithmetic in the target dtype whose rounding follows how reductions are
+    split across threads (a bf16 layer_norm backward with 1 thread instead of 2 fails 4 of 109 GPT-2 calls), so
+    verdicts do not depend on ``-n``."""
+    from . import workers as engine
     from .dump.reader import load_dump
     from .replay.report import write_reports
     from .replay.runner import ApiReplayer
 
     workers = args.num_workers
     jobs: list[tuple[int, tuple[str, list[str], bool, str]]] = []
+    labels = []
     names_by_folder = []
     for i, folder in enumerate(folders):
         names = ApiReplayer(load_dump(folder, skip_bad_entries=True), live=args.live).api_names()
         names_by_folder.append(names)
         chunks = [names] if workers == 1 else [names[k::workers] for k in range(workers)]
-        jobs += [(i, (folder, c, args.live, args.bench_kernel)) for c in chunks if c]
-    if workers == 1:
-        parts = [_check_chunk(job) for _, job in jobs]
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        # spawn, not fork: a forked copy of a process whose torch thread pools are running can deadlock
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_threads,
-                                 initargs=(_threads(),)) as pool:
-            parts = list(pool.map(_check_chunk, [job for _, job in jobs]))
+        for k, c in enumerate(chunks):
+            if c:
+                jobs.append((i, (folder, c, args.live, args.bench_kernel)))
+                labels.append(f"{folder} (share {k + 1} of {len(chunks)})")
+    parts = engine.run(_check_chunk, [job for _, job in jobs], labels, workers=workers, scheduler=args.scheduler)
     results = []
     for i, names in enumerate(names_by_folder):
         by_name = {r.name: r for (j, _), part in zip(jobs, parts) if j == i for r in part}

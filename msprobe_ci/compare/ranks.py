@@ -64,26 +64,30 @@ class CrossRankResult:
         return f"first divergence: {self.first.message}" if self.first else "first divergence: none"
 
 
-def _group_ranks(entry: dict, world: list[int]) -> list[int]:
-    """The ranks of a collective's process group, from its recorded ``group`` argument (default: every rank)."""
+def _group_ranks(entry: dict) -> tuple[int, ...] | None:
+    """The ranks of a collective's process group, from its recorded ``group`` argument (None: the default group,
+    every rank)."""
     values = list(entry.get("input_args") or []) + list((entry.get("input_kwargs") or {}).values())
     for v in values:
         if isinstance(v, dict) and v.get("type") == "torch.ProcessGroup" and v.get("group_ranks"):
-            return [int(r) for r in v["group_ranks"]]
-    return world
+            return tuple(int(r) for r in v["group_ranks"])
+    return None
 
 
-def _inputs_diverged(report, node_name: str) -> bool:
+def _diverged_inputs(report) -> frozenset[str]:
+    """The communication nodes one of whose inputs diverged from the bench (beyond the drift rule's budget)."""
     from .verdict import unit_roundoff
 
     th = report.thresholds
+    out = set()
     for rr in report.rows:
-        if rr.target.entry != node_name or rr.target.side != "input" or rr.bench is None:
+        name = rr.target.entry
+        if rr.target.side != "input" or rr.bench is None or name in out or not name.startswith(COMM_PREFIX):
             continue
         u = unit_roundoff(rr.target.dtype, rr.bench.dtype)
         if rr.error > th.error_factor * (th.round_factor * u + th.rel_floor):
-            return True
-    return False
+            out.add(name)
+    return frozenset(out)
 
 
 def _epoch(dump, node_name: str) -> int:
@@ -96,35 +100,72 @@ def _epoch(dump, node_name: str) -> int:
     return n
 
 
-def first_divergence_across_ranks(compared: dict[tuple[int, int], tuple[Any, Any]]) -> CrossRankResult:
+@dataclass(frozen=True)
+class RankSummary:
+    """What the cross-rank answer needs of one compared (step, rank): small enough to come back from a worker
+    process instead of the whole report and dump.
+
+    Attributes:
+        step, rank: where.
+        first: the rank's first divergence (a :class:`~msprobe_ci.compare.verdict.CompareResult`), or None.
+        epoch: communication ops before ``first`` in the rank's dump.
+        group: the recorded process group of ``first`` when it is a collective (None: every rank).
+        comm_names: the rank's communication nodes.
+        diverged_inputs: those whose inputs diverged from the bench.
+    """
+
+    step: int
+    rank: int
+    first: Any
+    epoch: int = 0
+    group: tuple[int, ...] | None = None
+    comm_names: frozenset[str] = frozenset()
+    diverged_inputs: frozenset[str] = frozenset()
+
+
+def summarize(step: int, rank: int, report, dump) -> RankSummary:
+    """The :class:`RankSummary` of one compared pair (``report``: its CompareReport; ``dump``: the target Dump)."""
+    first = report.first_divergence
+    comm = frozenset(k for k in dump.data if k.startswith(COMM_PREFIX))
+    if first is None:
+        return RankSummary(step, rank, None, comm_names=comm, diverged_inputs=_diverged_inputs(report))
+    entry = dump.data.get(first.name)
+    group = _group_ranks(entry) if isinstance(entry, dict) and first.name.startswith(COMM_PREFIX) else None
+    return RankSummary(step, rank, first, _epoch(dump, first.name), group, comm, _diverged_inputs(report))
+
+
+def first_divergence_across_ranks(compared) -> CrossRankResult:
     """Find the first own divergence over ranks.
 
     Args:
-        compared: ``{(step, rank): (report, target dump)}`` of every compared pair.
+        compared: a :class:`RankSummary` per compared pair (any order), or ``{(step, rank): (report, target
+            dump)}``.
     """
+    if isinstance(compared, dict):
+        compared = [summarize(step, rank, report, dump) for (step, rank), (report, dump) in compared.items()]
+    by_key = {(s.step, s.rank): s for s in compared}
     world_by_step: dict[int, list[int]] = {}
-    for step, rank in compared:
+    for step, rank in by_key:
         world_by_step.setdefault(step, []).append(rank)
     found: list[RankDivergence] = []
-    for (step, rank), (report, dump) in sorted(compared.items()):
-        node = report.first_divergence
+    for (step, rank), s in sorted(by_key.items()):
+        node = s.first
         if node is None:
             continue
         received = None
-        if node.name.startswith(COMM_PREFIX) and not _inputs_diverged(report, node.name):
+        if node.name.startswith(COMM_PREFIX) and node.name not in s.diverged_inputs:
             p = names.parse(node.name, any_prefix=True)
-            group = _group_ranks(dump.data.get(node.name) or {}, sorted(world_by_step[step]))
+            group = s.group if s.group is not None else tuple(sorted(world_by_step[step]))
             sources = []
             for other in group:
-                pair = compared.get((step, other))
-                if other == rank or pair is None or p is None:
+                o = by_key.get((step, other))
+                if other == rank or o is None or p is None:
                     continue
-                o_report, o_dump = pair
-                if node.name in o_dump.data and _inputs_diverged(o_report, node.name):
+                if node.name in o.comm_names and node.name in o.diverged_inputs:
                     sources.append(other)
             if sources:
                 received = (node.name, tuple(sources))
-        found.append(RankDivergence(step, rank, node, _epoch(dump, node.name), received))
+        found.append(RankDivergence(step, rank, node, s.epoch, received))
     own = [d for d in found if d.received_from is None]
     pool = own or found
     first = min(pool, key=lambda d: (d.step, d.epoch, d.rank)) if pool else None

@@ -77,11 +77,13 @@ class VisDbWriter:
 
     BATCH = 5000
 
-    def __init__(self, path: str):
-        if os.path.lexists(path):
+    def __init__(self, path: str, *, part: bool = False):
+        """``part``: write the tables straight into ``path``, an empty temporary file (a worker's share of one
+        graph file: :meth:`close_part`, then the parent's :meth:`append_part`)."""
+        if not part and os.path.lexists(path):
             raise MsprobeError(f"{path}: exists; msprobe-ci never overwrites a graph file")
         self.path = path
-        self.tmp = temp_path(path)
+        self.tmp = path if part else temp_path(path)
         try:
             self.conn = sqlite3.connect(self.tmp, isolation_level=None)  # transactions are explicit below
         except sqlite3.Error as exc:
@@ -132,6 +134,32 @@ class VisDbWriter:
         if self._stacks:
             self.conn.executemany("INSERT INTO tb_stack VALUES (?, ?)", self._stacks)
             self._stacks.clear()
+
+    def close_part(self) -> None:
+        """Commit the rows written so far and close (a part: no indexes, no ``tb_config``)."""
+        try:
+            self._flush()
+            self.conn.execute("COMMIT")
+            self.conn.close()
+        except BaseException:
+            self.abort()
+            raise
+
+    def append_part(self, part: str) -> None:
+        """Copy every ``tb_nodes`` and ``tb_stack`` row of the part file ``part`` here, in the order it wrote them
+        (so the file holds what one writer writing the parts one after another would)."""
+        self._flush()
+        src = sqlite3.connect(f"file:{part}?mode=ro", uri=True)
+        try:
+            for table, width in (("tb_nodes", 22), ("tb_stack", 2)):
+                rows = src.execute(f"SELECT * FROM {table} ORDER BY rowid")
+                insert = f"INSERT INTO {table} VALUES ({','.join('?' * width)})"
+                while batch := rows.fetchmany(self.BATCH):
+                    self.conn.executemany(insert, batch)
+        except sqlite3.Error as exc:
+            raise MsprobeError(f"{part}: a worker's part of {self.path} cannot be read ({exc})") from None
+        finally:
+            src.close()
 
     def finish(self, *, compare: bool, task: str, overflow_check: bool, micro_steps: int, ranks: list[int],
                steps: list[int]) -> str:
@@ -198,6 +226,17 @@ def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, outp
             g.step, g.rank, int(node.name.startswith("Distributed")))
 
 
+def add_graph(out: VisDbWriter, g: Graph) -> None:
+    """Every node and stack row of a built graph, in post-order (stack ids numbered in that order)."""
+    stacks: dict[str, str] = {}
+    for node in g.post_order():
+        key = _encode(list(node.stack))
+        if key not in stacks:
+            stacks[key] = f"{g.graph_id}_{len(stacks)}"
+            out.add_stack(stacks[key], key)
+        out.add_node(node_row(g, node, stacks[key]))
+
+
 def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str = "statistics",
                  overflow_check: bool = False) -> str:
     """Write ``graphs`` (every side, step and rank) to ``path``; returns ``path``.
@@ -215,13 +254,7 @@ def write_vis_db(path: str, graphs: Iterable[Graph], *, compare: bool, task: str
     graphs = list(graphs)
     with VisDbWriter(path) as out:
         for g in graphs:
-            stacks: dict[str, str] = {}
-            for node in g.post_order():
-                key = _encode(list(node.stack))
-                if key not in stacks:
-                    stacks[key] = f"{g.graph_id}_{len(stacks)}"
-                    out.add_stack(stacks[key], key)
-                out.add_node(node_row(g, node, stacks[key]))
+            add_graph(out, g)
         return out.finish(compare=compare, task=task, overflow_check=overflow_check,
                           micro_steps=max((g.micro_steps for g in graphs), default=1),
                           ranks=[g.rank for g in graphs], steps=[g.step for g in graphs])

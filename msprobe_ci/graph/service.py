@@ -17,8 +17,8 @@ from ..overflow import check_overflow
 from .builder import Graph, build_graph
 from .compare import compare_graphs
 from ..outputs import release
-from .db import out_path, write_vis_db
-from .distributed import link as link_distributed
+from .db import VisDbWriter, add_graph, out_path, write_vis_db
+from .parts import RankPart, assemble, comm_graph
 
 
 def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Graph:
@@ -66,7 +66,7 @@ def _streamed(write, out_dir: str, kind: str) -> str | None:
 
 @gc_paused()
 def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bool = False, parallel=None,
-                 stream: bool = True) -> str:
+                 stream: bool = True, workers: int = 1, scheduler: str | None = None) -> str:
     """``build_<ts>.vis.db`` for every step and rank under ``target``; returns its path.
 
     PyTorch dumps (not merged) are written while they stream (:func:`~msprobe_ci.graph.stream.stream_build_vis_db`,
@@ -76,31 +76,57 @@ def build_vis_db(target: str, out_dir: str, *, overflow: bool = False, merge: bo
     ``parallel`` (a :class:`~msprobe_ci.compare.merge.Parallel`; ``None``: inferred from the collectives). The
     graph's ``rank`` column is the group index; shards keep their per-rank shapes, there being no other side to
     tell the split dimension.
+
+    ``workers``/``scheduler``: (step, rank) pairs written by worker processes (:mod:`msprobe_ci.workers`; the
+    same file, node for node); merging runs in this process.
     """
     if not merge and stream:
         from .stream import stream_build_vis_db
 
-        done = _streamed(lambda path: stream_build_vis_db(target, path, overflow=overflow), out_dir, "build")
+        done = _streamed(lambda path: stream_build_vis_db(target, path, overflow=overflow, workers=workers,
+                                                           scheduler=scheduler), out_dir, "build")
         if done is not None:
             return done
-    graphs, comms = [], {}
     if merge:
         from ..compare.merge import merged_groups
 
         graphs = [_graph(m.dump, "NPU", step, i, overflow) for step, i, m in merged_groups(target, parallel)]
         return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
-    for (step, rank), folder in sorted(layout(target).items()):
-        dump = load_dump(folder)
-        graphs.append(_graph(dump, "NPU", step, rank, overflow))
-        comms[(step, rank)] = _comm_entries(dump)
-    link_distributed(graphs, comms)
-    return write_vis_db(out_path(out_dir, "build"), graphs, compare=False, overflow_check=overflow)
+    keys = sorted(layout(target).items())
+    return assemble(out_path(out_dir, "build"), _build_rank, [(key, folder, overflow) for key, folder in keys],
+                    [k for k, _ in keys], compare=False, overflow=overflow, workers=workers, scheduler=scheduler)
+
+
+def _build_rank(out: VisDbWriter, job: tuple) -> RankPart:
+    """One (step, rank) of a build graph, loaded whole (a rank writer of :func:`~msprobe_ci.graph.parts.assemble`)."""
+    (step, rank), folder, overflow = job
+    dump = load_dump(folder)
+    g = _graph(dump, "NPU", step, rank, overflow)
+    add_graph(out, g)
+    return RankPart((step, rank), "statistics", g.micro_steps, {"NPU": comm_graph(g)}, {"NPU": _comm_entries(dump)})
+
+
+def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
+    """One (step, rank) of a compare graph, loaded whole: both dumps, their compare (unless ``report`` is given),
+    the two graphs matched and annotated."""
+    key, t_folder, g_folder, overflow, fuzzy, thresholds, mappings, report = job
+    t_dump, g_dump = load_dump(t_folder), load_dump(g_folder)
+    if report is None:
+        kwargs = {"thresholds": thresholds} if thresholds is not None else {}
+        report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
+    t_graph, g_graph = _compared(t_dump, g_dump, report, key, overflow, fuzzy)
+    add_graph(out, t_graph)
+    add_graph(out, g_graph)
+    return RankPart(key, report.mode, max(t_graph.micro_steps, g_graph.micro_steps),
+                    {"NPU": comm_graph(t_graph), "Bench": comm_graph(g_graph)},
+                    {"NPU": _comm_entries(t_dump), "Bench": _comm_entries(g_dump)})
 
 
 @gc_paused()
 def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = False, fuzzy: bool = False,
                    thresholds=None, reports: dict[tuple[int, int], CompareReport] | None = None,
-                   mappings=None, parallel=None, stream: bool = True) -> str:
+                   mappings=None, parallel=None, stream: bool = True, workers: int = 1,
+                   scheduler: str | None = None) -> str:
     """``compare_<ts>.vis.db`` of every (step, rank) the two sides share; returns its path.
 
     PyTorch dumps without ``fuzzy``, ``mappings``, ``parallel`` or ``reports`` are compared and written while they
@@ -120,6 +146,8 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             into one graph per data-parallel group (:func:`~msprobe_ci.compare.merge.merged_pairs`; the graphs'
             ``rank`` is the group index, ``reports`` keyed by (step, group)).
         stream: False forces the in-memory path.
+        workers, scheduler: (step, rank) pairs written by worker processes (:mod:`msprobe_ci.workers`; the same
+            file, node for node); merging (``parallel``) and ``reports`` run in this process.
 
     Raises:
         MsprobeError: no (step, rank) in common, unreadable dumps, construct.json missing, dangling parents or
@@ -141,7 +169,8 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
         from .stream import stream_compare_vis_db
 
         done = _streamed(lambda path: stream_compare_vis_db(target, golden, path, overflow=overflow,
-                                                            thresholds=thresholds), out_dir, "compare")
+                                                            thresholds=thresholds, workers=workers,
+                                                            scheduler=scheduler), out_dir, "compare")
         if done is not None:
             return done
     t_layout, g_layout = layout(target), layout(golden)
@@ -149,20 +178,12 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
     if not common:
         raise MsprobeError(f"{target} and {golden} share no step/rank folder (target has {sorted(t_layout)}, "
                            f"golden has {sorted(g_layout)})")
-    graphs, mode = [], "statistics"
-    comms: dict[str, dict] = {"NPU": {}, "Bench": {}}
-    for key in common:
-        t_dump, g_dump = load_dump(t_layout[key]), load_dump(g_layout[key])
-        comms["NPU"][key], comms["Bench"][key] = _comm_entries(t_dump), _comm_entries(g_dump)
-        report = (reports or {}).get(key)
-        if report is None:
-            kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-            report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
-        mode = report.mode
-        graphs += _compared(t_dump, g_dump, report, key, overflow, fuzzy)
-    for source in ("NPU", "Bench"):
-        link_distributed([g for g in graphs if g.data_source == source], comms[source])
-    return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
+    if reports:
+        workers, scheduler = 1, None
+    jobs = [(key, t_layout[key], g_layout[key], overflow, fuzzy, thresholds, mappings, (reports or {}).get(key))
+            for key in common]
+    return assemble(out_path(out_dir, "compare"), _compare_rank, jobs, common, compare=True, overflow=overflow,
+                    workers=workers, scheduler=scheduler)
 
 
 @gc_paused()

@@ -22,7 +22,6 @@ behind) when found mid-way (a ``NaN`` token); the caller then uses the in-memory
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -33,7 +32,7 @@ from ..overflow import check_entry
 from .builder import API, COLLECTION, ROOT, Graph, build_graph, node_data, node_frames, rows_data
 from .compare import _match_exact, _roll_up, annotate
 from .db import VisDbWriter, _encode, node_row
-from .distributed import link as link_distributed
+from .parts import RankPart, assemble, comm_graph
 
 
 def _names(file: str) -> dict[str, None]:
@@ -107,25 +106,50 @@ class _Side:
             if node.name not in self.written:
                 self.write(node.name, {}, {})
 
-    def comm_graph(self) -> Graph:
-        """The communication nodes alone (what cross-rank linking reads and fills)."""
-        nodes = {n: node for n, node in self.g.nodes.items() if n.startswith("Distributed.")}
-        return Graph(nodes, self.g.data_source, self.g.step, self.g.rank, self.g.dump_data_dir)
 
 
-def _link_ranks(out: VisDbWriter, comm_graphs: list[Graph], comms: dict) -> None:
-    if len({g.rank for g in comm_graphs}) < 2:
-        return
-    link_distributed(comm_graphs, comms)
-    out.update("matched_distributed", [(json.dumps(node.matched_distributed), f"{g.graph_id}_{name}")
-                                       for g in comm_graphs for name, node in g.nodes.items()
-                                       if node.matched_distributed])
+def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
+    """One (step, rank) of a compare graph, streamed into ``out`` (a rank writer of
+    :func:`~msprobe_ci.graph.parts.assemble`)."""
+    (step, rank), files, heads, overflow, thresholds, progress = job
+    tg = _skeleton(files[0], heads[0], "NPU", step, rank)
+    bg = _skeleton(files[1], heads[1], "Bench", step, rank)
+    pairs = _match_exact(tg, bg)
+    t_comm, b_comm = {}, {}
+    bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm)
+    side = _Side(tg, {}, out, overflow, pairs, t_comm)
+    bar = progress_bar(files[0], "graph", progress)
+    try:
+        nodes = NodeStream(files, heads, thresholds, bar=bar, on_target=side.seen, on_bench=bench.entry,
+                           drain_bench=True)
+        side.stack = nodes.report.target_stack
+        for name, own, verdict in nodes:
+            node = tg.nodes.get(name)
+            if node is None or name in side.written:
+                continue
+            inputs, outputs = rows_data([rr.target for rr in own])
+            if name in pairs and node.type != COLLECTION and name != ROOT:
+                annotate(node, inputs, outputs, {rr.target.name: rr for rr in own}, verdict, nodes.mode)
+            side.write(name, inputs, outputs)
+    finally:
+        if bar is not None:
+            bar.close()
+    _roll_up(tg, ROOT, pairs)
+    out.update("precision_index", [(tg.nodes[n].precision_index, f"{tg.graph_id}_{n}")
+                                   for n in side.written if tg.nodes[n].type != API])
+    side.rest()
+    bench.rest()
+    return RankPart((step, rank), nodes.mode, max(tg.micro_steps, bg.micro_steps),
+                    {"NPU": comm_graph(tg), "Bench": comm_graph(bg)}, {"NPU": t_comm, "Bench": b_comm})
 
 
 def stream_compare_vis_db(target: str, golden: str, path: str, *, overflow: bool = False, thresholds=None,
-                          progress: bool | None = None) -> str:
+                          progress: bool | None = None, workers: int = 1, scheduler: str | None = None) -> str:
     """Write ``path`` (a ``.vis.db`` that does not exist; a :func:`~msprobe_ci.outputs.reserve` name), the compare
     graph of every (step, rank) the two dump paths share, streaming; returns ``path``.
+
+    ``workers``/``scheduler``: (step, rank) pairs written by worker processes
+    (:func:`~msprobe_ci.graph.parts.assemble`; the same file).
 
     Raises:
         MsprobeError: no (step, rank) in common, bad dumps, construct.json missing, dangling parents or cycles.
@@ -137,75 +161,39 @@ def stream_compare_vis_db(target: str, golden: str, path: str, *, overflow: bool
     if not common:
         raise MsprobeError(f"{target} and {golden} share no step/rank folder (target has {sorted(t_layout)}, "
                            f"golden has {sorted(g_layout)})")
-    checked = [(key, stream_files(t_layout[key], g_layout[key])) for key in common]
-    comm_graphs: dict[str, list[Graph]] = {"NPU": [], "Bench": []}
-    comms: dict[str, dict] = {"NPU": {}, "Bench": {}}
-    micro, mode = 1, "statistics"
-    with VisDbWriter(path) as out:
-        for (step, rank), (files, heads) in checked:
-            tg = _skeleton(files[0], heads[0], "NPU", step, rank)
-            bg = _skeleton(files[1], heads[1], "Bench", step, rank)
-            pairs = _match_exact(tg, bg)
-            t_comm, b_comm = comms["NPU"].setdefault((step, rank), {}), comms["Bench"].setdefault((step, rank), {})
-            bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm)
-            side = _Side(tg, {}, out, overflow, pairs, t_comm)
-            bar = progress_bar(files[0], "graph", progress)
-            try:
-                nodes = NodeStream(files, heads, thresholds, bar=bar, on_target=side.seen, on_bench=bench.entry,
-                                   drain_bench=True)
-                side.stack = nodes.report.target_stack
-                mode = nodes.mode
-                for name, own, verdict in nodes:
-                    node = tg.nodes.get(name)
-                    if node is None or name in side.written:
-                        continue
-                    inputs, outputs = rows_data([rr.target for rr in own])
-                    if name in pairs and node.type != COLLECTION and name != ROOT:
-                        annotate(node, inputs, outputs, {rr.target.name: rr for rr in own}, verdict, mode)
-                    side.write(name, inputs, outputs)
-            finally:
-                if bar is not None:
-                    bar.close()
-            _roll_up(tg, ROOT, pairs)
-            out.update("precision_index", [(tg.nodes[n].precision_index, f"{tg.graph_id}_{n}")
-                                           for n in side.written if tg.nodes[n].type != API])
-            side.rest()
-            bench.rest()
-            micro = max(micro, tg.micro_steps, bg.micro_steps)
-            comm_graphs["NPU"].append(side.comm_graph())
-            comm_graphs["Bench"].append(bench.comm_graph())
-        for source in ("NPU", "Bench"):
-            _link_ranks(out, comm_graphs[source], comms[source])
-        return out.finish(compare=True, task=mode, overflow_check=overflow, micro_steps=micro,
-                          ranks=[r for _, r in common], steps=[s for s, _ in common])
+    checked = [(key, *stream_files(t_layout[key], g_layout[key])) for key in common]
+    serial = workers <= 1 and not scheduler
+    jobs = [(key, files, heads, overflow, thresholds, progress if serial else False) for key, files, heads in checked]
+    return assemble(path, _compare_rank, jobs, common, compare=True, overflow=overflow, workers=workers,
+                    scheduler=scheduler, reraise=(NotStreamable,))
 
 
-def stream_build_vis_db(target: str, path: str, *, overflow: bool = False) -> str:
+def _build_rank(out: VisDbWriter, job: tuple) -> RankPart:
+    """One (step, rank) of a build graph, streamed into ``out``."""
+    (step, rank), folder, file, head, overflow = job
+    comm: dict = {}
+    g = _skeleton(file, head, "NPU", step, rank)
+    side = _Side(g, read_stack(folder), out, overflow, None, comm)
+    for name, entry in _entries(file, head):
+        side.entry(name, entry)
+    side.rest()
+    return RankPart((step, rank), "statistics", g.micro_steps, {"NPU": comm_graph(g)}, {"NPU": comm})
+
+
+def stream_build_vis_db(target: str, path: str, *, overflow: bool = False, workers: int = 1,
+                        scheduler: str | None = None) -> str:
     """Write ``path``, the build graph of every (step, rank) under ``target``, streaming; returns ``path``.
 
     Raises:
         MsprobeError, NotStreamable: as :func:`stream_compare_vis_db`.
     """
     keys = sorted(layout(target).items())
-    heads = []
-    for _, folder in keys:
+    jobs = []
+    for key, folder in keys:
         file = os.path.join(folder, "dump.json")
         head = _header(file)
         if str(head.get("framework") or "pytorch").lower() != "pytorch":
             raise NotStreamable(f"{file}: framework {head.get('framework')!r}")
-        heads.append((file, head))
-    comm_graphs: list[Graph] = []
-    comms: dict = {}
-    micro = 1
-    with VisDbWriter(path) as out:
-        for ((step, rank), folder), (file, head) in zip(keys, heads):
-            g = _skeleton(file, head, "NPU", step, rank)
-            side = _Side(g, read_stack(folder), out, overflow, None, comms.setdefault((step, rank), {}))
-            for name, entry in _entries(file, head):
-                side.entry(name, entry)
-            side.rest()
-            micro = max(micro, g.micro_steps)
-            comm_graphs.append(side.comm_graph())
-        _link_ranks(out, comm_graphs, comms)
-        return out.finish(compare=False, task="statistics", overflow_check=overflow, micro_steps=micro,
-                          ranks=[r for (_, r), _ in keys], steps=[s for (s, _), _ in keys])
+        jobs.append((key, folder, file, head, overflow))
+    return assemble(path, _build_rank, jobs, [k for k, _ in keys], compare=False, overflow=overflow,
+                    workers=workers, scheduler=scheduler, reraise=(NotStreamable,))
