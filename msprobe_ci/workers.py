@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from ._perf import gc_paused
 from .errors import MsprobeError
 
 DASK_HINT = "pip install 'msprobe-ci[dask]' (or: pip install 'dask[distributed]')"
@@ -37,24 +38,38 @@ def threads(load: bool = False) -> int | None:
     return torch.get_num_threads()
 
 
-def pin_threads(n: int | None) -> None:
-    """Run torch with ``n`` intra-op threads in this (worker) process, whether torch is loaded yet or later
-    (``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which torch reads when it loads); OpenMP threads wait passively (N
-    workers with all-core pools otherwise spin against each other: 3x slower than one process). ``None``: leave
-    the defaults."""
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def pin_threads(n: int | dict | None) -> None:
+    """Run torch in this (worker) process with the thread count serial would use: ``n`` threads, whether torch
+    is loaded yet or later (``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, which torch reads when it loads); a dict: the
+    parent's values of those variables (None: unset), for a worker on the parent's machine whose torch is not
+    loaded yet (a dask nanny sets them to 1). OpenMP threads wait passively (N workers with all-core pools
+    otherwise spin against each other: 3x slower than one process). ``None``: the defaults."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if isinstance(n, dict):
+        for key, value in n.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        return
     if n is None:
         return
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    for key in _THREAD_VARS:
+        os.environ[key] = str(n)
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 
-def _pinned(fn: Callable, job: Any, n: int) -> Any:
-    """``fn(job)`` in a dask worker, torch pinned to ``n`` threads first."""
+def _pinned(fn: Callable, job: Any, n: int | dict | None) -> Any:
+    """``fn(job)`` in a dask worker, torch pinned to ``n`` threads first, the cyclic collector paused as in the
+    serial run (:func:`~msprobe_ci._perf.gc_paused`)."""
     pin_threads(n)
-    return fn(job)
+    with gc_paused():
+        return fn(job)
 
 
 def _tracked(fn: Callable, job: Any, label: str, started) -> Any:
@@ -62,7 +77,8 @@ def _tracked(fn: Callable, job: Any, label: str, started) -> Any:
     worker that dies can be named."""
     started.put((label, True))
     try:
-        return fn(job)
+        with gc_paused():  # as the serial run (msprobe_ci.cli.main)
+            return fn(job)
     finally:
         started.put((label, False))
 
@@ -149,7 +165,7 @@ def _dask(fn, jobs, labels, workers: int, scheduler: str, reraise: tuple[type, .
     try:
         if scheduler == "local":
             cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                                   dashboard_address=None, silence_logs=logging.ERROR)
+                                   dashboard_address=None, silence_logs=logging.CRITICAL)
             client = Client(cluster)
         else:
             try:
@@ -158,7 +174,9 @@ def _dask(fn, jobs, labels, workers: int, scheduler: str, reraise: tuple[type, .
                 raise MsprobeError(f"--scheduler {scheduler}: cannot connect to a dask scheduler there "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         with client:
-            n = threads(load=True)  # a dask worker's default is 1 thread (the nanny sets OMP_NUM_THREADS=1)
+            # a dask worker starts with 1 thread (its nanny sets OMP_NUM_THREADS=1): pin workers to this process's
+            # count; a local cluster's workers, while torch is not loaded here, to this process's environment
+            n = threads(load=scheduler != "local") or {key: os.environ.get(key) for key in _THREAD_VARS}
             futures = [client.submit(_pinned, fn, job, n, key=f"msprobe-ci {label} {i} {os.getpid()}", pure=False)
                        for i, (job, label) in enumerate(zip(jobs, labels))]
             results = []

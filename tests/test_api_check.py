@@ -231,22 +231,25 @@ def test_cli_writes_msprobe_csvs_and_workers_agree(fixtures_dir, tmp_path, capsy
 
 
 def test_cli_pool_serves_every_step_folder_once(fixtures_dir, tmp_path, capsys):
-    """A dump root with two steps: ``-n 2`` checks both folders in one pool and writes what ``-n 1`` writes."""
+    """A dump root with two steps: ``-n 2`` checks both folders in one pool and writes what ``-n 1`` writes; so
+    do two one-thread dask workers (``--scheduler local``, whose workers start with 1 torch thread and are pinned
+    to ours)."""
     import shutil
 
     src = os.path.join(fixtures_dir, "bf16_tensor", "step0")
     for step in ("step0", "step1"):
         shutil.copytree(src, tmp_path / "root" / step)
     out = {}
-    for n in ("1", "2"):
-        assert cli_main(["api-check", "-api_info", str(tmp_path / "root"), "-o", str(tmp_path / n), "-n", n]) == 0
+    for n in ("1", "2", "local"):
+        how = ["-n", "2", "--scheduler", "local"] if n == "local" else ["-n", n]
+        assert cli_main(["api-check", "-api_info", str(tmp_path / "root"), "-o", str(tmp_path / n), *how]) == 0
         printed = capsys.readouterr().out
         assert "50 API calls: pass 50" in printed, printed
         files = sorted(os.listdir(tmp_path / n))
         assert len([f for f in files if f.startswith("accuracy_checking_result_")]) == 2
         out[n] = sorted(tuple(map(tuple, csv.reader(read_lines(tmp_path / n / f))))
                         for f in files if f.startswith("accuracy_checking_result_"))
-    assert out["1"] == out["2"]
+    assert out["1"] == out["2"] == out["local"]
 
 
 def test_fuzzing_finds_a_faulty_kernel_and_writes_a_reproducer(fixtures_dir, tmp_path):

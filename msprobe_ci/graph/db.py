@@ -147,19 +147,23 @@ class VisDbWriter:
 
     def append_part(self, part: str) -> None:
         """Copy every ``tb_nodes`` and ``tb_stack`` row of the part file ``part`` here, in the order it wrote them
-        (so the file holds what one writer writing the parts one after another would)."""
+        (so the file holds what one writer writing the parts one after another would). SQLite copies them itself
+        (``INSERT ... SELECT`` from the attached part); the file has no journal, so committing between parts
+        changes nothing but lets the part be attached."""
         self._flush()
-        src = sqlite3.connect(f"file:{part}?mode=ro", uri=True)
         try:
-            for table, width in (("tb_nodes", 22), ("tb_stack", 2)):
-                rows = src.execute(f"SELECT * FROM {table} ORDER BY rowid")
-                insert = f"INSERT INTO {table} VALUES ({','.join('?' * width)})"
-                while batch := rows.fetchmany(self.BATCH):
-                    self.conn.executemany(insert, batch)
+            self.conn.execute("COMMIT")
+            self.conn.execute("ATTACH DATABASE ? AS part", (part,))
+            try:
+                self.conn.execute("BEGIN")
+                for table in ("tb_nodes", "tb_stack"):
+                    self.conn.execute(f"INSERT INTO main.{table} SELECT * FROM part.{table} ORDER BY rowid")
+                self.conn.execute("COMMIT")
+            finally:
+                self.conn.execute("DETACH DATABASE part")
+            self.conn.execute("BEGIN")
         except sqlite3.Error as exc:
             raise MsprobeError(f"{part}: a worker's part of {self.path} cannot be read ({exc})") from None
-        finally:
-            src.close()
 
     def finish(self, *, compare: bool, task: str, overflow_check: bool, micro_steps: int, ranks: list[int],
                steps: list[int]) -> str:
