@@ -169,7 +169,7 @@ def _dask(fn, jobs, labels, workers: int, scheduler: str, reraise: tuple[type, .
             client = Client(cluster)
         else:
             try:
-                client = Client(scheduler, timeout="20s")
+                client = Client(scheduler, timeout="10s")
             except (OSError, ValueError, TypeError) as exc:
                 raise MsprobeError(f"--scheduler {scheduler}: cannot connect to a dask scheduler there "
                                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
