@@ -117,6 +117,34 @@ def run(fn: Callable[[Any], Any], jobs: Sequence[Any], labels: Sequence[str], *,
     return _pool(fn, jobs, labels, workers, reraise)
 
 
+def _collect(futures, labels, reraise: tuple[type, ...], died: type, death: Callable[[str], str]) -> list:
+    """The futures' results in order; the first failure raised, naming its task (``died``: the engine's error
+    for a dead worker, worded by ``death(label)``)."""
+    results = []
+    for future, label in zip(futures, labels):
+        try:
+            results.append(future.result())
+        except died:
+            raise MsprobeError(death(label)) from None
+        except reraise:
+            raise
+        except Exception as exc:
+            raise _failed(label, exc) from None
+    return results
+
+
+def _running(started) -> str:
+    """The tasks that announced their start and not their end on the queue ``started``, comma-separated."""
+    running: dict[str, None] = {}
+    while not started.empty():
+        name, begun = started.get()
+        if begun:
+            running[name] = None
+        else:
+            running.pop(name, None)
+    return ", ".join(running)
+
+
 def _pool(fn, jobs, labels, workers: int, reraise: tuple[type, ...]) -> list:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -129,26 +157,9 @@ def _pool(fn, jobs, labels, workers: int, reraise: tuple[type, ...]) -> list:
                                    initargs=(threads(),))
         try:
             futures = [pool.submit(_tracked, fn, job, label, started) for job, label in zip(jobs, labels)]
-            results = []
-            for future, label in zip(futures, labels):
-                try:
-                    results.append(future.result())
-                except BrokenProcessPool:
-                    running: dict[str, None] = {}
-                    while not started.empty():
-                        name, begun = started.get()
-                        if begun:
-                            running[name] = None
-                        else:
-                            running.pop(name, None)
-                    names = ", ".join(running) or label
-                    raise MsprobeError(f"{names}: a worker process died while running it (killed, or out of "
-                                       "memory); nothing of it is kept") from None
-                except reraise:
-                    raise
-                except Exception as exc:
-                    raise _failed(label, exc) from None
-            return results
+            return _collect(futures, labels, reraise, BrokenProcessPool, lambda label: (
+                f"{_running(started) or label}: a worker process died while running it (killed, or out of "
+                "memory); nothing of it is kept"))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -179,21 +190,11 @@ def _dask(fn, jobs, labels, workers: int, scheduler: str, reraise: tuple[type, .
             n = threads(load=scheduler != "local") or {key: os.environ.get(key) for key in _THREAD_VARS}
             futures = [client.submit(_pinned, fn, job, n, key=f"msprobe-ci {label} {i} {os.getpid()}", pure=False)
                        for i, (job, label) in enumerate(zip(jobs, labels))]
-            results = []
             try:
-                for future, label in zip(futures, labels):
-                    try:
-                        results.append(future.result())
-                    except KilledWorker:
-                        raise MsprobeError(f"{label}: the dask workers running it died (killed, or out of "
-                                           "memory); nothing of it is kept") from None
-                    except reraise:
-                        raise
-                    except Exception as exc:
-                        raise _failed(label, exc) from None
+                return _collect(futures, labels, reraise, KilledWorker, lambda label: (
+                    f"{label}: the dask workers running it died (killed, or out of memory); nothing of it is kept"))
             finally:
                 client.cancel(futures)
-            return results
     finally:
         if cluster is not None:
             cluster.close()
