@@ -475,11 +475,16 @@ class MsprobeFixture:
         except MsprobeError as exc:
             raise pytest.fail.Exception(f"msprobe: {exc}. Artifacts: {check_dir}", pytrace=False) from None
         props = self.request.node.user_properties
+        cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
+        per_rank = {d.rank: d for d in cross.ranks}
         for rank, outcome in outcomes.items():
             row = {"test": nodeid, "index": f"{index} rank{rank}", "dir": os.path.join(check_dir, f"rank{rank}"),
                    "bench": f"{bench.label} x{world_size}", "target": f"{target.label} x{world_size}",
                    "level": level, "bench_kernel": job.bench_kernel if job.isolate else None,
-                   "notes": list(outcome.notes)}
+                   "notes": list(outcome.notes), "rank": rank,
+                   # the cross-rank answer, for the report: this rank's own divergence or what it received
+                   "rank_divergence": per_rank[rank].message if rank in per_rank else None,
+                   "rank_first": cross.first is not None and cross.first.rank == rank}
             row.update(outcome.summary(), unapplied=[])
             props.append((RESULT_PROPERTY, _publish(row)))
         if graph:
@@ -487,7 +492,6 @@ class MsprobeFixture:
         unapplied = unapplied_faults_on_ranks(faults, world_size, check_dir)
         if unapplied:
             _fail_unapplied(c.inject, unapplied, check_dir)
-        cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
         if cross.first is not None:
             lines = [f"msprobe: {cross.headline}"]
             lines += [f"  also: {d.message}" for d in cross.ranks if d is not cross.first]

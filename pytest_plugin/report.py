@@ -8,6 +8,8 @@ import io
 import math
 import os
 
+from markupsafe import Markup
+
 from .summary import check_failed  # one rule for the page and the job summary
 
 _TEMPLATE = """<!DOCTYPE html>
@@ -32,6 +34,14 @@ th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; fo
 <td>{{ c.counts.pass }}</td><td>{{ c.counts.warning }}</td><td>{{ c.counts.error }}</td>
 <td>{{ c.first or "none" }}</td></tr>
 {% endfor %}</table>
+{% for g in groups %}
+<h2>{{ g.test }} &middot; check {{ g.index }}: {{ g.title }}</h2>
+{% if g.plot %}<div class="plot">{{ g.plot }}</div>{% endif %}
+<table><tr>{% for h in g.head %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in g.rows %}<tr>{% for cell in row.cells %}<td{% if loop.index == row.mark %} class="{{ row.cls }}"{% endif %}>{{ cell }}</td>{% endfor %}</tr>
+{% endfor %}</table>
+{% if g.note %}<p class="muted">{{ g.note }}</p>{% endif %}
+{% endfor %}
 {% for c in checks %}
 <h2 id="check{{ loop.index }}">{{ c.test }} &middot; check {{ c.index }}: <span class="{{ 'fail' if c.failed else 'pass' }}">{{ c.verdict }}</span></h2>
 {% if c.note %}<p class="muted">{{ c.note }}</p>{% else %}
@@ -72,12 +82,8 @@ def _ratio(n: dict) -> float | None:
 def _plot(nodes: list[dict], first: str | None) -> str | None:
     """An inline SVG: each judged node's value/threshold in run order (log scale), the line at 1, failing nodes
     red and the first divergence named; None without matplotlib or without a judged node."""
-    try:
-        import matplotlib
-
-        matplotlib.use("svg", force=False)
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     points = [(i, r, n) for i, n in enumerate(nodes) if (r := _ratio(n)) is not None]
     if not points:
@@ -104,6 +110,16 @@ def _plot(nodes: list[dict], first: str | None) -> str | None:
                 ax.annotate(first, (i, max(min(r, cap), 1e-3)), xytext=(5, 5), textcoords="offset points",
                             fontsize=8, color="#cf222e")
         ax.legend(loc="lower right", fontsize=7)
+    except BaseException:
+        plt.close(fig)
+        raise
+    return _svg(fig)
+
+
+def _svg(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    try:
         fig.tight_layout()
         buf = io.StringIO()
         fig.savefig(buf, format="svg")
@@ -111,6 +127,110 @@ def _plot(nodes: list[dict], first: str | None) -> str | None:
         plt.close(fig)
     svg = buf.getvalue()
     return svg[svg.index("<svg"):]  # the inline element, without the XML prolog and doctype
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("svg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _training_plot(steps: list[int], bench: list[float], target: list[float], cosine: list[float | None]) -> str | None:
+    """Both sides' loss per step and the lowest gradient cosine per step (a second panel); None without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 2.6))
+    ax.plot(steps, bench, marker="o", color="#0969da", label="bench")
+    ax.plot(steps, target, marker="x", color="#cf222e", linestyle="--", label="target")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    cs = [(s, c) for s, c in zip(steps, cosine) if c is not None]
+    if cs:
+        bx.plot([s for s, _ in cs], [c for _, c in cs], marker="o", color="#8250df")
+    bx.set_xlabel("step")
+    bx.set_ylabel("lowest gradient cosine")
+    for a in (ax, bx):
+        from matplotlib.ticker import MaxNLocator
+
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _svg(fig)
+
+
+def _group_key(r: dict) -> tuple[str, str] | None:
+    """``(test, check index)`` of a loop step's or a rank's row (``index`` ``"0 step2"`` / ``"0 rank1"``); None for
+    a single check."""
+    index = str(r.get("index", ""))
+    head, _, tail = index.partition(" ")
+    if not tail or r.get("skipped") or r.get("recorded"):
+        return None
+    if "loss_bench" in r or "token_agrees" in r or "rank" in r:
+        return r["test"], head
+    return None
+
+
+def _groups(results: list[dict]) -> list[dict]:
+    """The loop and multi-rank views: per training check its loss curves and per-step gradient cosine, per
+    generation check its token agreement per step, per multi-rank check each rank's first divergence."""
+    by_key: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        key = _group_key(r)
+        if key is not None:
+            by_key.setdefault(key, []).append(r)
+    out = []
+    for (test, index), rows in by_key.items():
+        if "loss_bench" in rows[0]:
+            rows = sorted(rows, key=lambda r: r.get("step", 0))
+            steps = [r.get("step", i) for i, r in enumerate(rows)]
+            lows = []
+            for r in rows:
+                grads = [g for g in r.get("grads") or () if isinstance(g.get("cosine"), (int, float))]
+                lows.append(min(grads, key=lambda g: g["cosine"]) if grads else None)
+            plot = _training_plot(steps, [r["loss_bench"] for r in rows], [r["loss_target"] for r in rows],
+                                  [g["cosine"] if g else None for g in lows])
+            out.append({"test": test, "index": index, "title": "training loop",
+                        "plot": Markup(plot) if plot else None,
+                        "head": ["step", "loss bench", "loss target", "lowest gradient cosine (parameter)",
+                                 "verdict", "first divergence"],
+                        "rows": [{"cells": [s, _fmt(r["loss_bench"]), _fmt(r["loss_target"]),
+                                            f"{g['cosine']:.6f} ({g.get('param', '')})" if g else "-",
+                                            "fail" if check_failed(r) else "pass", r.get("first_divergence") or "none"],
+                                  "mark": 5, "cls": "fail" if check_failed(r) else "pass"}
+                                 for s, r, g in zip(steps, rows, lows)],
+                        "note": "Losses and gradient cosines are context, never failed on: each step's verdict "
+                                "is its isolated API verdicts."})
+        elif "token_agrees" in rows[0]:
+            rows = sorted(rows, key=lambda r: r.get("step", 0))
+            agree = sum(bool(r["token_agrees"]) for r in rows)
+            out.append({"test": test, "index": index, "title": f"generation, token agreement {agree}/{len(rows)}",
+                        "plot": None, "head": ["step", "token agrees", "verdict", "first divergence"],
+                        "rows": [{"cells": [f"{r.get('step', '')}" + (" (prefill)" if r.get("step") == 0 else ""),
+                                            "yes" if r["token_agrees"] else "no",
+                                            "fail" if check_failed(r) else "pass", r.get("first_divergence") or "none"],
+                                  "mark": 3, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
+                        "note": "The target is teacher-forced on the bench's tokens; whether its own greedy pick "
+                                "agrees is context, never failed on."})
+        else:
+            rows = sorted(rows, key=lambda r: r.get("rank", 0))
+            first = next((r for r in rows if r.get("rank_first")), None)
+            out.append({"test": test, "index": index,
+                        "title": f"{len(rows)} ranks, first divergence: "
+                                 + (f"rank{first['rank']}" if first else "none"),
+                        "plot": None, "head": ["rank", "verdict", "first divergence over ranks", "own first node"],
+                        "rows": [{"cells": [f"rank{r.get('rank')}" + (" (first)" if r.get("rank_first") else ""),
+                                            "fail" if check_failed(r) else "pass",
+                                            r.get("rank_divergence") or "none", r.get("first_divergence") or "none"],
+                                  "mark": 2, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
+                        "note": "A rank that only received diverged data through a collective is said to have "
+                                "received it, and from which rank; the first is the earliest own divergence."})
+    return out
 
 
 def _fmt(x) -> str:
@@ -128,8 +248,6 @@ def _link(path: str | None, base: str) -> dict | None:
 
 def _view(r: dict, base: str) -> dict:
     """What the templates show of one check summary (links relative to ``base``)."""
-    from markupsafe import Markup
-
     c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
     if r.get("skipped") or r.get("recorded"):
         c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
@@ -189,7 +307,8 @@ def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | 
     checks = [_view(r, base) for r in results]
     env = jinja2.Environment(autoescape=True)
     return env.from_string(_TEMPLATE).render(
-        checks=checks, failing=sum(c["failed"] for c in checks), out_dir=os.path.abspath(out_dir),
+        checks=checks, groups=_groups(results), failing=sum(c["failed"] for c in checks),
+        out_dir=os.path.abspath(out_dir),
         junit=_link(junitxml, base), no_checks=no_checks, graphs_dir=os.path.join(os.path.abspath(out_dir), "graphs"),
         when=datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"))
 

@@ -213,6 +213,14 @@ def test_check_parallel_names_ranks(pytester):
     assert "check_parallel: rank 1 raised: ValueError: shard 1 has no weights" in out
     assert "check_parallel: rank(s) [0, 1] still running after 10 s (hung in a collective?); terminated" in out
     assert "must be picklable (module-level functions)" in out
+    page = (pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8")  # per check, each rank
+    body = page.split("test_par.py::test_fault_on_rank_1 &middot; check 0: 2 ranks, first divergence: rank1</h2>",
+                      1)[1].split("<h2", 1)[0]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", r, re.S) for r in re.findall(r"<tr>(.*?)</tr>", body, re.S)][1:]
+    assert [r[0] for r in rows] == ["rank0", "rank1 (first)"] and [r[1] for r in rows] == ["pass", "fail"]
+    assert rows[0][2:] == ["none", "none"]  # isolated: rank 0's all_reduce of rank 1's diverged data is exact
+    assert rows[1][2].startswith("step0 rank1 Functional.gelu.0.forward: ") and rows[1][3] == "Functional.gelu.0.forward"
+    assert "test_par.py::test_clean &middot; check 0: 2 ranks, first divergence: none</h2>" in page
     junit = (pytester.path / "j.xml").read_text()
     assert "test_par.test_clean check 0 rank1" in junit
 

@@ -237,7 +237,15 @@ def test_html_report_renders_in_headless_chromium(pytester):
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                     "--window-size=1200,900", (pytester.path / "msprobe-out" / "report.html").as_uri()], check=True,
                    capture_output=True, timeout=120)
-    assert shot.stat().st_size > 5000  # a rendered page, not a blank one
+    import matplotlib.image
+    import numpy as np
+
+    pixels = matplotlib.image.imread(str(shot))[..., :3]  # a rendered page, not a blank one: text, table, plot
+    inked = (pixels.min(axis=-1) < 0.9).mean()
+    colours = len(np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0))
+    assert inked > 0.01 and colours > 50, (inked, colours)
+    red = ((pixels[..., 0] > 0.6) & (pixels[..., 1] < 0.35) & (pixels[..., 2] < 0.35)).sum()
+    assert red > 50  # the failing verdict and the plot's failing point, in red
 
 
 def test_pytest_html_rows_carry_each_checks_verdict_and_plot(pytester):

@@ -3,6 +3,7 @@ folder per step judged with isolated verdicts: msprobe.check_training (three Ada
 msprobe.check_generate (prefill + four teacher-forced decode steps with the KV cache)."""
 
 import json
+import re
 
 import pytest
 
@@ -82,6 +83,23 @@ def test_benign_loops_pass_and_a_step_2_fault_is_named(pytester, kernel, dtype):
     assert sorted(r["step"] for r in results) == [0, 1, 2]
     assert all(r["grads"] and {"cosine", "sign_agreement", "bench_norm", "target_norm"} <= set(r["grads"][0])
                for r in results)
+    # report.html: per loop check its steps, the training checks' loss curves and gradient cosines plotted
+    page = (pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8")
+    assert page.count(" check 0: training loop</h2>") == 2 and page.count(" check 0: generation, token agreement ") == 2
+
+    def section(title):
+        body = page.split(title, 1)[1].split("<h2", 1)[0]
+        return body, [re.findall(r"<td[^>]*>(.*?)</td>", row, re.S) for row in re.findall(r"<tr>(.*?)</tr>", body,
+                                                                                          re.S)][1:]
+
+    body, rows = section("test_train.py::test_train_with_a_faulty_silu_at_step_2 &middot; check 0: training loop")
+    assert "<svg" in body and [r[0] for r in rows] == ["0", "1", "2"]
+    assert [r[4] for r in rows] == ["pass", "pass", "fail"] and rows[2][5] == "Functional.silu.0.forward"
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and 0.9 < float(r[3].split()[0]) <= 1 for r in rows)
+    body, rows = section("test_train.py::test_generate_with_a_faulty_silu_at_decode_step_2 &middot; check 0: "
+                         "generation")
+    assert [r[0] for r in rows] == ["0 (prefill)", "1", "2", "3", "4"] and all(r[1] in ("yes", "no") for r in rows)
+    assert [r[2] for r in rows] == ["pass", "pass", "fail", "pass", "pass"]
 
 
 def test_a_fault_in_adamws_second_moment_is_named(pytester):
