@@ -162,10 +162,13 @@ def _parser() -> argparse.ArgumentParser:
                                 "input. Run 'msprobe-ci <command> -h' for a command's options and an example.")
     p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    p.commands = {}  # name -> (summary, parser): what the generated CLI reference (docs/reference/cli.md) reads
 
     def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=summary, description=description, epilog=_EXAMPLES[name],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.commands[name] = (summary, sub.add_parser(name, help=summary, description=description,
+                                                    epilog=_EXAMPLES[name],
+                                                    formatter_class=argparse.RawDescriptionHelpFormatter))
+        return p.commands[name][1]
 
     c = command("compare", "compare a target dump against a golden (bench) dump",
                 "Match every node of the target dump with the bench's by name and write msprobe's compare CSV "

@@ -94,12 +94,15 @@ FLAGS = [
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("msprobe", "msprobe accuracy checks")
+    # argparse formats help texts with %: a literal one ("coverage below 100%") must be doubled, or `pytest --help`
+    # dies with "unsupported format character"
     for flag, ini, typ, default, metavar, help_text in OPTIONS:
         group.addoption(flag, dest=ini, type=typ, default=None, metavar=metavar,
-                        help=f"{help_text} Default: {default!r} (ini: {ini}).")
+                        help=f"{help_text} Default: {default!r} (ini: {ini}).".replace("%", "%%"))
         parser.addini(ini, help=f"default for {flag}", default=default)
     for flag, ini, help_text in FLAGS:
-        group.addoption(flag, dest=ini, action="store_true", default=None, help=f"{help_text} (ini: {ini}).")
+        group.addoption(flag, dest=ini, action="store_true", default=None,
+                        help=f"{help_text} (ini: {ini}).".replace("%", "%%"))
         parser.addini(ini, help=f"default for {flag}", type="bool", default=False)
     group.addoption(FREE_BENCHMARK, dest="msprobe_free_benchmark", nargs="?", const="improve_precision", default=None,
                     type=_choice(("improve_precision", "to_cpu")), metavar="MODE",
