@@ -34,7 +34,7 @@ class PrecisionDebugger:
             default ``True``, ``False`` to capture only): ``isolation.json`` is written beside each ``dump.json``,
             and ``msprobe-ci compare`` or ``msprobe.compare_dumps`` of this dump against a bench dump uses those
             verdicts (:mod:`msprobe_ci.isolate`) instead of inferring them from drift. It costs what the gate's
-            isolation costs (README, "Cost").
+            isolation costs (docs/verdicts.md, "Cost").
         bench_kernel: with ``isolate``, the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`;
             default ``device``: the API on the CPU in the model's dtypes).
         inject: faults to inject into the captured run (not in msprobe): a fault YAML file

@@ -70,7 +70,7 @@ OPTIONS = [
     (CONFIG, "msprobe_config", str, None, "PATH", "an msprobe config.json (task, level, scope, list, data_mode, summary_mode)."),
     (OUT, "msprobe_out", str, "msprobe-out", "DIR", "folder for all artifacts, one sub-folder per test."),
     (JUNIT, "msprobe_junitxml", str, None, "PATH", "write a JUnit XML file: one testsuite per test, one testcase per compared node."),
-    (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (see README) to prove the gate catches a regression."),
+    (INJECT, "msprobe_inject", str, None, "FAULTS.yaml", "perturb chosen target-side API outputs (docs/gate-your-model.md) to prove the gate catches a regression."),
     (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
     (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
     (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
