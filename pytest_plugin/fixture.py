@@ -277,6 +277,10 @@ class MsprobeFixture:
         row.setdefault("notes", []).extend(outcome.notes)
         first = outcome.first_divergence
         row.update(outcome.summary(), unapplied=unapplied)
+        replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live {target_flag}"
+                      + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
+        if first is not None and re.match(r"^(Tensor|Torch|Functional)\.", first.name):
+            row["replay"] = f"{replay_cmd} -k '{first.name}'"  # the report shows it, as the failure message does
         props = self.request.node.user_properties
         props.append((RESULT_PROPERTY, _publish(row)))
         c = report.counts()
@@ -292,8 +296,6 @@ class MsprobeFixture:
         if unapplied:
             _fail_unapplied(inject, unapplied, check_dir)
         if first is not None:
-            replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live {target_flag}"
-                          + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
             pytest.fail(_failure_message(report, check_dir, target_dump, graph_path, replay_cmd), pytrace=False)
         if outcome.overflow_failed:
             ov = outcome.overflow.first

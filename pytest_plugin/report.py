@@ -61,6 +61,7 @@ backward); above the line fails; the first divergence is marked.</p>{% elif c.pl
 {% for note in c.notes %}<p class="muted">note: {{ note }}</p>{% endfor %}
 <p>{% if c.csv %}<a href="{{ c.csv.href }}">compare CSV</a> &middot; {% endif %}artifacts <code>{{ c.dir }}</code>
 {% if c.graph %} &middot; graph <code>{{ c.graph }}</code> (open: <code>msprobe-ci view {{ graphs_dir }}</code>){% endif %}</p>
+{% if c.replay %}<p>replay the first divergence alone: <code>{{ c.replay }}</code></p>{% endif %}
 {% endif %}
 {% endfor %}
 </body></html>
@@ -268,7 +269,7 @@ def _view(r: dict, base: str) -> dict:
              worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
              model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
                     for m in r.get("model") or ()],
-             csv=_link(r.get("csv"), base), graph=r.get("graph"), note=None)
+             csv=_link(r.get("csv"), base), graph=r.get("graph"), replay=r.get("replay"), note=None)
     return c
 
 

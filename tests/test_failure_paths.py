@@ -5,6 +5,7 @@ test_plugin.py and test_baseline.py; here the model-level testcases (drift beyon
 NaN/Inf on one side only, which used to crash the fixture with a format error) and the overflow check.
 """
 
+import re
 import textwrap
 import xml.etree.ElementTree as ET
 
@@ -214,6 +215,9 @@ def test_html_report_of_a_failing_gate(pytester):
     assert "2 check(s), 1 failing" in text and "Functional.relu.0.forward" in text
     assert "First divergence: <b>Functional.relu.0.forward</b> &mdash; Functional.relu.0.forward: " in text
     assert "../j.xml" in tags.hrefs and any(h.endswith(".csv") and (report.parent / h).is_file() for h in tags.hrefs)
+    replay = re.search(r"replay the first divergence alone: <code>(.*?)</code>", text).group(1)
+    assert replay.startswith("pytest --msprobe-api-check=") and "--msprobe-api-live" in replay
+    assert replay.endswith(" -k &#39;Functional.relu.0.forward&#39;") and text.count("replay the first") == 1
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16", "-k", "clean",
                                            "--msprobe-report=elsewhere/r.html")
     assert (pytester.path / "elsewhere" / "r.html").is_file()
