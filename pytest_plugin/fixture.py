@@ -279,8 +279,10 @@ class MsprobeFixture:
         row.update(outcome.summary(), unapplied=unapplied)
         replay_cmd = (f"pytest --msprobe-api-check={target_dump.folder} --msprobe-api-live {target_flag}"
                       + (f" --msprobe-inject={os.path.abspath(inject)}" if inject else ""))
-        if first is not None and re.match(r"^(Tensor|Torch|Functional)\.", first.name):
-            row["replay"] = f"{replay_cmd} -k '{first.name}'"  # the report shows it, as the failure message does
+        if first is not None:  # the report shows where and how to replay, as the failure message does
+            row["first_where"] = _where(first.name, target_dump)
+            if re.match(r"^(Tensor|Torch|Functional)\.", first.name):
+                row["replay"] = f"{replay_cmd} -k '{first.name}'"
         props = self.request.node.user_properties
         props.append((RESULT_PROPERTY, _publish(row)))
         c = report.counts()
@@ -1065,22 +1067,31 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+def _where(name: str, target_dump) -> str:
+    """``in <module>; at <file, line, function>`` of a node: its module (construct.json) and the source line that
+    called it (the first stack frame outside torch), as far as the dump knows them; empty when it knows neither."""
+    construct = getattr(target_dump, "construct", {}) or {}
+    stack = getattr(target_dump, "stack", {}) or {}
+    where = []
+    module = construct.get(name)
+    if module:
+        where.append(f"in {module}")
+    frames = [str(f).split(", \n")[0].replace("File ", "") for f in stack.get(name) or []]
+    user = [f for f in frames if f"{os.sep}torch{os.sep}" not in f]  # the line that called the API
+    # a model made of torch's own modules has no frame outside torch: its module's line, not the dispatcher's
+    torch_module = [f for f in frames if f"{os.sep}nn{os.sep}modules{os.sep}" in f]
+    if frames:
+        where.append(f"at {(user or torch_module or frames)[0]}")
+    return "; ".join(where)
+
+
 def _failure_message(report, check_dir: str, target_dump=None, graph_path: str | None = None,
                      replay: str = "") -> str:
     """First line: the API, its module, the source line, the standard, metric, value and threshold; then where to
     look (graph, replay command) and the other failing nodes."""
     first = report.first_divergence
-    construct = getattr(target_dump, "construct", {}) or {}
-    stack = getattr(target_dump, "stack", {}) or {}
-    where = []
-    module = construct.get(first.name)
-    if module:
-        where.append(f"in {module}")
-    frames = [str(f).split(", \n")[0].replace("File ", "") for f in stack.get(first.name) or []]
-    user = [f for f in frames if f"{os.sep}torch{os.sep}" not in f]  # the line that called the API
-    if user or frames:
-        where.append(f"at {(user or frames)[0]}")
-    loc = f" ({'; '.join(where)})" if where else ""
+    where = _where(first.name, target_dump)
+    loc = f" ({where})" if where else ""
     if report.isolated and first.metrics.get("isolated"):
         detail = first.message.split(": ", 1)[-1]
     else:

@@ -46,7 +46,7 @@ th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; fo
 <h2 id="check{{ loop.index }}">{{ c.test }} &middot; check {{ c.index }}: <span class="{{ 'fail' if c.failed else 'pass' }}">{{ c.verdict }}</span></h2>
 {% if c.note %}<p class="muted">{{ c.note }}</p>{% else %}
 <p>{{ c.sides }}, {{ c.mode }}{% if c.isolated %}, isolated verdicts (each API on its own inputs; drift is context){% else %}, drift rule{% endif %}.
-First divergence: <b>{{ c.first or "none" }}</b>{% if c.first_node %} &mdash; {{ c.first_node.message }}{% endif %}.
+First divergence: <b>{{ c.first or "none" }}</b>{% if c.first_where %} ({{ c.first_where }}){% endif %}{% if c.first_node %} &mdash; {{ c.first_node.message }}{% endif %}.
 First overflow: {{ c.overflow or "none" }}.</p>
 {% if c.plot %}<div class="plot">{{ c.plot }}</div>
 <p class="muted">Each judged node's error as a share of the threshold it had to meet, in run order (forward, then
@@ -269,7 +269,8 @@ def _view(r: dict, base: str) -> dict:
              worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
              model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
                     for m in r.get("model") or ()],
-             csv=_link(r.get("csv"), base), graph=r.get("graph"), replay=r.get("replay"), note=None)
+             csv=_link(r.get("csv"), base), graph=r.get("graph"), replay=r.get("replay"),
+             first_where=r.get("first_where"), note=None)
     return c
 
 

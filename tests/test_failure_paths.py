@@ -213,7 +213,10 @@ def test_html_report_of_a_failing_gate(pytester):
     assert not [h for h in tags.hrefs if "://" in h]  # every link is a relative path into the artifacts
     assert tags.tags.count("svg") == 2 and tags.tags.count("h2") == 2
     assert "2 check(s), 1 failing" in text and "Functional.relu.0.forward" in text
-    assert "First divergence: <b>Functional.relu.0.forward</b> &mdash; Functional.relu.0.forward: " in text
+    where = re.search(r"First divergence: <b>Functional.relu.0.forward</b> \((.*?)\) &mdash; Functional.relu.0.forward: ",
+                      text).group(1)  # its module and the line that called it (torch's own ReLU module: its forward)
+    assert where.startswith("in Module.1.ReLU.forward.0; at ") and re.search(
+        r"torch/nn/modules/activation.py, line \d+, in forward$", where), where
     assert "../j.xml" in tags.hrefs and any(h.endswith(".csv") and (report.parent / h).is_file() for h in tags.hrefs)
     replay = re.search(r"replay the first divergence alone: <code>(.*?)</code>", text).group(1)
     assert replay.startswith("pytest --msprobe-api-check=") and "--msprobe-api-live" in replay
