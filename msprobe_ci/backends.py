@@ -66,12 +66,15 @@ class DeviceKind:
         torch_attr: the ``torch.<attr>`` namespace with ``is_available()`` and ``device_count()``; tensors move
             to ``"<attr>:<index>"``.
         install_hint: what to do where the device is missing (shown in the skip reason).
+        oracle_max: the highest floating precision the device computes in (``float64`` on CUDA, ``float32`` on
+            an NPU: what ``--msprobe-oracle-device=target`` runs the oracle in at most).
     """
 
     name: str
     runtime: str | None
     torch_attr: str
     install_hint: str
+    oracle_max: str = "float64"
 
     def namespace(self) -> Any:
         """Import the runtime and return ``torch.<attr>``; raises MsprobeError naming what is missing."""
@@ -94,7 +97,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
     "cuda": DeviceKind("cuda", None, "cuda", "install a CUDA build of torch on a GPU runner, or use a recorded "
                        "baseline: --msprobe-baseline=DIR"),
     "npu": DeviceKind("npu", "torch_npu", "npu", "pip install torch_npu on an Ascend runner, or use a recorded "
-                      "baseline: --msprobe-baseline=DIR"),
+                      "baseline: --msprobe-baseline=DIR", "float32"),
 }
 
 
@@ -184,6 +187,15 @@ class Backend:
         attr = DEVICE_KINDS[self.kind].torch_attr if self.kind in DEVICE_KINDS else self.kind
         index = self.device.partition(":")[2]
         return f"{attr}:{index}" if index else attr
+
+    @property
+    def oracle_max(self) -> "torch.dtype":
+        """The highest floating precision this device computes in (float64 on the CPU; its :class:`DeviceKind`'s
+        ``oracle_max`` on an accelerator)."""
+        import torch
+
+        kind = DEVICE_KINDS.get(self.kind)
+        return getattr(torch, kind.oracle_max) if kind is not None else torch.float64
 
     def check_available(self) -> None:
         """Raise :class:`MsprobeError` when the device cannot run here (runtime missing, no device, bad index)."""

@@ -95,10 +95,17 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 def precision_notes(capture, backend) -> tuple[str, ...]:
     """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
     ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""
-    return tuple(f"{backend.label}: {api} has no float64 kernel: " + (
+    notes = tuple(f"{backend.label}: {api} has no float64 kernel: " + (
         "it ran in float64 as its reference decomposition (one matmul per group)" if how == "reference" else
         f"it ran in {how} (the best precision it supports), its outputs cast back to float64")
         for api, how in capture.precision_fallbacks.items())
+    isolator = getattr(capture, "isolator", None)
+    if isolator is not None and isolator.oracle_on_target:  # --msprobe-oracle-device=target
+        notes += (f"oracle on {isolator.oracle_label} (at most {str(isolator.oracle_max).replace('torch.', '')}); "
+                  f"{len(isolator.oracle_fallbacks)} API(s) fell back to the CPU oracle" +
+                  "".join(f"; {api}: {why}" for api, why in list(isolator.oracle_fallbacks.items())[:5]) +
+                  (" ..." if len(isolator.oracle_fallbacks) > 5 else ""),)
+    return notes
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,

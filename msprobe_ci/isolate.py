@@ -169,7 +169,12 @@ class Isolator:
 
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
                  bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",
-                 budget_draws: int = kernels.DRAWS):
+                 budget_draws: int = kernels.DRAWS, oracle_device: str = "cpu",
+                 oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None):
+        self.oracle_device = str(oracle_device)
+        self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
+        self.oracle_max = oracle_max
+        self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device
         self.standards = dict(standards or {})
         self.thresholds = {k: dict(v) for k, v in (thresholds or {}).items()}
         self.target_device = str(target_device)
@@ -304,7 +309,7 @@ class Isolator:
             if note:
                 self.results[name]["oracle"] = note
             try:
-                call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
+                call.oracle_in, call.oracle_out, _ = self._oracle(func, args, kw, dtype, want_grad)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
@@ -415,7 +420,8 @@ class Isolator:
                                                     self.thresholds)))
             self._store(call.name, results)
             return
-        oracles = dict(_flat_outputs(call.oracle_out, stem)) if call.oracle_out is not None else {}
+        oracles = {row: _cpu(o) for row, o in _flat_outputs(call.oracle_out, stem)} if call.oracle_out is not None \
+            else {}  # judged on CPU wherever the oracle ran
         bench = dict(_flat_outputs(call.bench_out, stem))
         results = []
         scale = None
@@ -451,6 +457,33 @@ class Isolator:
         if not call.taps:
             call.oracle_out = call.bench_out = None  # nothing will read the graphs
 
+    @property
+    def oracle_on_target(self) -> bool:
+        """Whether the oracle runs on the target's device (``--msprobe-oracle-device=target``) rather than as the
+        CPU float64 oracle (a stand-in device whose tensors live on the CPU still has its precision limit)."""
+        return self.oracle_device != "cpu" or self.oracle_max != torch.float64
+
+    def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool):
+        """:func:`~msprobe_ci.kernels.reference` in ``dtype`` on :attr:`oracle_device`, or on CPU where that device
+        offers no such precision (:attr:`oracle_max`: float32 on an NPU, as msprobe's own bench upcast) or the
+        call fails there; each API that fell back is kept in :attr:`oracle_fallbacks` with the reason."""
+        device = self.oracle_device
+        if self.oracle_on_target:
+            name = kernels._qualified(func)
+            if dtype.itemsize > self.oracle_max.itemsize:
+                self.oracle_fallbacks.setdefault(name, f"{self.oracle_label} offers no "
+                                                       f"{str(dtype).replace('torch.', '')} "
+                                                       f"(at most {str(self.oracle_max).replace('torch.', '')})")
+                device = "cpu"
+            else:
+                try:
+                    return kernels.reference(func, args, kw, dtype, device, grad)
+                except Exception as exc:  # noqa: BLE001 - the device lacks the op in this dtype: CPU then
+                    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+                    self.oracle_fallbacks.setdefault(name, f"{type(exc).__name__} on {self.oracle_label}: {first}")
+                    device = "cpu"
+        return kernels.reference(func, args, kw, dtype, device, grad)
+
     def _unchanged(self, call: _Call) -> bool:
         """Whether the call's inputs still hold the values it was called with (no in-place write since)."""
         return call.inputs is not None and \
@@ -480,7 +513,7 @@ class Isolator:
         (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
         return self._lazy_budget(call, n, lambda: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
-            self.budget_draws, base=call.oracle_out))
+            self.budget_draws, base=_cpu_tree(call.oracle_out)))
 
     def _with_floor(self, call: _Call, res, t, b, o):
         from .replay.runner import accumulation_floor, judge_pair
@@ -778,6 +811,7 @@ class Isolator:
         context = kernels.decomposed if self.bench_kernel == "decomposed" else None
         bench = oracle if call.bench_in is call.oracle_in else \
             kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context)
+        oracle = [_cpu(g) for g in oracle]  # judged (and its budget drawn) on CPU wherever the oracle ran
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
         for i, t in enumerate(targets):
@@ -852,6 +886,17 @@ class _EagerForward(torch.nn.Module):
 def _cpu(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().cpu() if v.device.type != "cpu" else v.detach()
+    return v
+
+
+def _cpu_tree(v: Any) -> Any:
+    """``v`` with every tensor in its lists, tuples and dicts detached on CPU (the structure kept)."""
+    if isinstance(v, torch.Tensor):
+        return _cpu(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_cpu_tree(x) for x in v) if not hasattr(v, "_fields") else type(v)(*(_cpu_tree(x) for x in v))
+    if isinstance(v, dict):
+        return {k: _cpu_tree(x) for k, x in v.items()}
     return v
 
 

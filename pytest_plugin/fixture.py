@@ -43,7 +43,7 @@ class MsprobeFixture:
         merged = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
                   "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                   "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
-                  "bench_kernel": s.bench_kernel,
+                  "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device,
                   "output_rtol": s.output_rtol,
                   "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark,
                   "monitor": s.monitor}
@@ -944,12 +944,30 @@ def _bench_kernel(st: dict, bench, target) -> str:
                                 target.device)
 
 
+def _oracle_device(st: dict, target) -> tuple[str, Any]:
+    """``(device, highest dtype)`` of a check's oracle: ``oracle_device`` ``cpu`` (float64 on the CPU) or
+    ``target`` (the target's device, at most its :attr:`~msprobe_ci.backends.Backend.oracle_max`); unset:
+    ``target`` on CUDA, ``cpu`` elsewhere."""
+    import torch
+
+    from ..errors import MsprobeError
+
+    choice = st.get("oracle_device") or ("target" if target.kind == "cuda" else "cpu")
+    if choice not in ("cpu", "target"):
+        raise MsprobeError(f"option 'oracle_device': expected 'cpu' or 'target', got {choice!r}")
+    if choice == "cpu" or target.kind == "cpu":
+        return "cpu", torch.float64
+    return target.torch_device, target.oracle_max
+
+
 def _make_isolator(st: dict, bench, target, backward: bool):
     from ..isolate import Isolator
 
+    device, limit = _oracle_device(st, target)
     return Isolator(standards=dict(st["api_standards"] or {}), thresholds=dict(st["api_thresholds"] or {}),
                     target_device=target.torch_device, bench_device=bench.torch_device if _available(bench) else "cpu",
-                    backward=backward, bench_kernel=_bench_kernel(st, bench, target))
+                    backward=backward, bench_kernel=_bench_kernel(st, bench, target), oracle_device=device,
+                    oracle_max=limit, oracle_label=target.device)
 
 
 def _fail_unapplied(inject: str | None, unapplied: list, artifacts: str) -> None:

@@ -75,6 +75,7 @@ OPTIONS = [
     (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
     (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
     (BENCH_KERNEL, "msprobe_bench_kernel", _choice(_KERNELS), None, "KERNEL", "the same-dtype bench the benchmark standard compares each isolated API with: 'device' (the bench device's kernels), 'upcast' (one precision up, rounded once: a GPU-like kernel), 'rounded' (fp64, correctly rounded), 'decomposed' (core-ATen decompositions with oneDNN off: other real CPU kernels). Default: 'device', or 'upcast' where the target runs on the bench device's own kernels while named as an accelerator (the stand-in npu)."),
+    ("--msprobe-oracle-device", "msprobe_oracle_device", _choice(("cpu", "target")), None, "cpu|target", "where each isolated API's oracle runs: 'cpu' (float64, or float32 for half-precision calls) or 'target' (the target's device in the highest precision it offers: float64 on CUDA, float32 on an NPU as msprobe's own bench upcast; per API on the CPU where the device lacks that precision or the op, said in the report). Default: 'target' on CUDA, 'cpu' elsewhere (unmeasured on an accelerator here)."),
     (OUTPUT_RTOL, "msprobe_output_rtol", _float, None, "RTOL", "model-level testcase: the relative L2 error of the final outputs (and loss) that fails a check (default: 16 x the coarser dtype's unit roundoff, at least 1e-5)."),
     (REPORT, "msprobe_report", str, None, "PATH|off", "the session's HTML report (one self-contained page: every check's verdict, first divergence, a plot of each node's error against its threshold, worst nodes, model-level cases, links). Default: <msprobe-out>/report.html; 'off' writes none."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
@@ -126,9 +127,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
-                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, bench_kernel, output_rtol, round_factor, "
-                            "propagation, "
-                            "error_factor, rel_floor, api_standards, api_thresholds, free_benchmark)")
+                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, bench_kernel, "
+                            "oracle_device, output_rtol, round_factor, propagation, error_factor, rel_floor, "
+                            "api_standards, api_thresholds, free_benchmark)")
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")

@@ -10,7 +10,7 @@ import pytest
 
 #: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "bench_kernel", "output_rtol", "round_factor", "propagation", "error_factor",
+                 "compile", "isolate", "bench_kernel", "oracle_device", "output_rtol", "round_factor", "propagation", "error_factor",
                  "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
 
 
@@ -101,6 +101,10 @@ class ProbeSession:
         if self.bench_kernel not in (None, *BENCH_KERNELS):
             raise pytest.UsageError(f"msprobe: ini msprobe_bench_kernel: expected one of {', '.join(BENCH_KERNELS)}, "
                                     f"got {self.bench_kernel!r}")
+        self.oracle_device = _opt(config, "msprobe_oracle_device")
+        if self.oracle_device not in (None, "cpu", "target"):
+            raise pytest.UsageError(f"msprobe: ini msprobe_oracle_device: expected cpu or target, got "
+                                    f"{self.oracle_device!r}")
         rtol = _opt(config, "msprobe_output_rtol")
         try:
             self.output_rtol = float(rtol) if rtol is not None else None

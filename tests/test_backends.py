@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 import torch
-from _suites import MODEL_TEST
+from _suites import FAULT, MODEL_TEST
 
 from msprobe_ci import MsprobeError
 from msprobe_ci.backends import (DEVICE_KINDS, Backend, DeviceKind, compile_regions, deterministic, parse_device)
@@ -67,6 +67,46 @@ DEVICE_KINDS["npu"] = DeviceKind("npu", "{STAND_IN}", "cpu", "stand-in")
     # the stand-in runs on the bench device's own kernels: the bench is a foreign kernel by default, so the run
     # takes the path a real NPU target takes (every call judged on its numbers, none assumed identical)
     result.stdout.fnmatch_lines(["*isolation: * API calls judged on their own inputs (bench kernel: upcast)*"])
+
+
+ORACLE_TESTS = MODEL_TEST + """
+
+def test_faulty(msprobe):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    msprobe.check(build(), x, loss_fn=lambda out: out.float().pow(2).mean(), inject="faults.yaml")
+"""
+
+
+def test_oracle_on_the_target_device(pytester):
+    """--msprobe-oracle-device=target through the backend interface: a stand-in npu whose highest precision is
+    float32 (an NPU's, as msprobe's bench upcast). A bf16 target's oracle runs there in float32 (every call; the
+    benign run passes, a 2% fault is named); an fp32 target needs float64, which the device lacks, so each API
+    falls back to the CPU oracle and the report says so; the verdicts are those of the CPU oracle."""
+    pytester.makepyfile(**{STAND_IN: "LOADED = True\n", "test_model": ORACLE_TESTS})
+    pytester.makefile(".yaml", faults=FAULT)
+    pytester.makeconftest(f"""
+from msprobe_ci.backends import DEVICE_KINDS, DeviceKind
+DEVICE_KINDS["npu"] = DeviceKind("npu", "{STAND_IN}", "cpu", "stand-in", "float32")
+""")
+    common = ["--msprobe-target=npu", "-p", "no:cacheprovider", "-rA"]
+    half = pytester.runpytest_subprocess(*common, "--msprobe-target-dtype=bf16", "--msprobe-oracle-device=target")
+    half.assert_outcomes(passed=1, failed=1)
+    half.stdout.fnmatch_lines(["*first divergence at Functional.layer_norm.0.forward*"])
+    # the model's calls are bf16 (a float32 oracle, on the device); the loss function's are fp32 (float64: CPU)
+    note = [ln for ln in half.stdout.lines if "note: oracle on npu" in ln]
+    assert len(note) == 2 and note[0].endswith("note: oracle on npu (at most float32); 2 API(s) fell back to the CPU "
+                                               "oracle; torch.pow: npu offers no float64 (at most float32); "
+                                               "torch.mean: npu offers no float64 (at most float32)"), note
+    full = pytester.runpytest_subprocess(*common, "--msprobe-oracle-device=target", "-k", "test_net")
+    full.assert_outcomes(passed=1)
+    full.stdout.fnmatch_lines(["*oracle on npu (at most float32); 5 API(s) fell back to the CPU oracle; "
+                               "torch._C._nn.linear: npu offers no float64 (at most float32); "
+                               "torch.nn.functional.layer_norm: npu offers no float64*"])
+    default = pytester.runpytest_subprocess(*common, "--msprobe-target-dtype=bf16", "-k", "test_net")
+    default.assert_outcomes(passed=1)  # not CUDA: the CPU oracle unless asked
+    assert "oracle on npu" not in default.stdout.str()
+    bad = pytester.runpytest_subprocess(*common, "--msprobe-oracle-device=gpu")
+    assert bad.ret == 4 and "expected one of cpu, target, got 'gpu'" in bad.stderr.str()
 
 
 def test_compile_regions():
