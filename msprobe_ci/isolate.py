@@ -402,7 +402,7 @@ class Isolator:
         if call is None:
             return
         from .checkers import make_standard
-        from .replay.runner import _LINEAR_REDUCTIONS, accumulation_scale, judge_pair
+        from .replay.runner import judge_pair, judge_rows
 
         stem = f"{call.name}.output"
         targets = _flat_outputs(out, stem)
@@ -423,14 +423,7 @@ class Isolator:
         oracles = {row: _cpu(o) for row, o in _flat_outputs(call.oracle_out, stem)} if call.oracle_out is not None \
             else {}  # judged on CPU wherever the oracle ran
         bench = dict(_flat_outputs(call.bench_out, stem))
-        results = []
-        scale = None
-        if call.short in _LINEAR_REDUCTIONS and call.inputs is not None and len(targets) == 1:
-            try:
-                scale = accumulation_scale(call.short, call.func, *call.inputs)
-            except Exception:  # noqa: BLE001 - msprobe's unit scale then
-                scale = None
-        budget = self._forward_budget(call, stem, len(targets))
+        rows = []
         for i, (row, t) in enumerate(targets):
             b = bench.get(row)
             if call.bench_round:
@@ -441,12 +434,10 @@ class Isolator:
             region = call.unwritten.get("output", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            res = judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, scale=scale,
-                             terms=lambda i=i: budget(i))
-            if res.standard == "ulp" and res.status == "error" and call.inputs is not None and len(targets) == 1:
-                # only when it matters: the accumulation allowance costs one more pass over |inputs|
-                res = self._with_floor(call, res, t, b, o)
-            results.append((row, res))
+            rows.append((row, _cpu(t), _cpu(b), o))
+        results = judge_rows(call.short, rows, standards=self.standards, thresholds=self.thresholds,
+                             inputs=(call.func, *call.inputs) if call.inputs is not None else None,
+                             budget=self._forward_budget(call, stem, len(targets)))
         if not call.taps:
             call.inputs = None
         self._store(call.name, results, oracles)
@@ -514,18 +505,6 @@ class Isolator:
         return self._lazy_budget(call, n, lambda: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
             self.budget_draws, base=_cpu_tree(call.oracle_out)))
-
-    def _with_floor(self, call: _Call, res, t, b, o):
-        from .replay.runner import accumulation_floor, judge_pair
-
-        try:
-            floor = accumulation_floor(call.short, call.func, *call.inputs,
-                                       dtype=o.dtype if isinstance(o, torch.Tensor) else torch.float64)
-        except Exception:  # noqa: BLE001 - no allowance then: the verdict stands
-            return res
-        if floor is None:
-            return res
-        return judge_pair(call.short, _cpu(t), _cpu(b), o, False, self.standards, self.thresholds, floor=floor)
 
     def _store(self, name: str, results: list, refs: dict | None = None) -> None:
         """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the

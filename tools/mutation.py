@@ -47,7 +47,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 
 #: for a file that holds more than rules: the only module-level functions mutated (the others are fenced off)
 ONLY: dict[str, tuple[str, ...]] = {
-    "msprobe_ci/replay/runner.py": ("judge_pair", "_own_scale", "judged_as", "saturate", "accumulation_floor",
+    "msprobe_ci/replay/runner.py": ("judge_pair", "judge_rows", "_own_scale", "judged_as", "saturate", "accumulation_floor",
                                     "accumulation_scale"),
 }
 

@@ -300,6 +300,50 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         return std(t, b, oracle)
 
 
+def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dict | None = None,
+               thresholds: dict | None = None, inputs: tuple | None = None, budget=None,
+               floor_dtype: Any = None) -> list:
+    """Judge every output row of one API call: the one per-API step of isolation and replay alike.
+
+    Each row goes through :func:`judge_pair`; a forward linear reduction with one output is judged in units of
+    its terms (:func:`accumulation_scale`), and a row the ULP standard fails is judged once more with the fp32
+    accumulation allowance (:func:`accumulation_floor`), computed only then.
+
+    Args:
+        short: the API name without prefix and call number.
+        rows: ``[(row name, target, bench, oracle)]``, on the CPU, the bench already rounded where it must be.
+        backward: the rows are gradients.
+        inputs: ``(func, args, kwargs)`` of the call (None: no scale, no allowance).
+        budget: ``budget(i)``, the benchmark standard's error scale of row ``i`` (asked lazily), or None.
+        floor_dtype: the dtype the allowance is computed in: the oracle row's dtype when None (float64 for a
+            non-tensor oracle).
+
+    Returns:
+        ``[(row name, CheckResult)]`` in the order of ``rows``.
+    """
+    scale = None
+    single = inputs is not None and len(rows) == 1
+    if short in _LINEAR_REDUCTIONS and not backward and single:
+        try:
+            scale = accumulation_scale(short, *inputs)
+        except Exception:  # noqa: BLE001 - msprobe's unit scale then
+            scale = None
+    out = []
+    for i, (row, t, b, o) in enumerate(rows):
+        res = judge_pair(short, t, b, o, backward, standards, thresholds, scale=scale,
+                         terms=(lambda i=i: budget(i)) if budget is not None else None)
+        if res.standard == "ulp" and res.status == "error" and single:
+            dtype = floor_dtype or (o.dtype if isinstance(o, torch.Tensor) else torch.float64)
+            try:  # cancelling sums: the fp32 accumulation allowance, computed only when it matters
+                floor = accumulation_floor(short, *inputs, dtype=dtype)
+            except Exception:  # noqa: BLE001 - no allowance then: the verdict stands
+                floor = None
+            if floor is not None:
+                res = judge_pair(short, t, b, o, backward, standards, thresholds, floor=floor)
+        out.append((row, res))
+    return out
+
+
 def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
     """The power of two at or under the largest finite ``|oracle|``, at least the dtype's smallest normal number
     over its ``small_value`` threshold (so the scaled small-value band never reaches into subnormals); 1.0 for a
@@ -579,30 +623,18 @@ class ApiReplayer:
         if len(targets) != len(benches):
             return ApiResult(name, "error", [(name, CheckResult("structure", "error", message=(
                 f"{len(targets)} target outputs vs {len(benches)} bench outputs")))])
-        results, info = [], {}
-        scale = None
-        if short in _LINEAR_REDUCTIONS and not backward and inputs is not None and len(targets) == 1:
-            try:
-                scale = accumulation_scale(short, inputs[0], inputs[1], inputs[2])
-            except Exception:  # noqa: BLE001 - msprobe's unit scale then
-                scale = None
         from ..kernels import round_to
 
-        for i, ((row, t), (_, b), (_, o)) in enumerate(zip(targets, benches, oracles)):
+        rows = []
+        info = {}
+        for (row, t), (_, b), (_, o) in zip(targets, benches, oracles):
             if self.bench_kernel in ("upcast", "rounded"):
                 b = round_to(b, t)
-            res = judge_pair(short, t, b, o, backward, self.standards, self.thresholds, scale=scale,
-                             terms=(lambda i=i: budget(i)) if budget is not None else None)
-            if res.standard == "ulp" and res.status == "error" and inputs is not None and len(targets) == 1:
-                try:  # cancelling sums: the fp32 accumulation allowance, computed only when it matters
-                    floor = accumulation_floor(short, inputs[0], inputs[1], inputs[2])
-                except Exception:  # noqa: BLE001 - no allowance then: the verdict stands
-                    floor = None
-                if floor is not None:
-                    res = judge_pair(short, t, b, o, backward, self.standards, self.thresholds, floor=floor)
-            results.append((row, res))
+            rows.append((row, t, b, o))
             if isinstance(t, torch.Tensor):
                 info[row] = (str(getattr(o, "dtype", " ")), str(t.dtype), str(tuple(t.shape)))
+        results = judge_rows(short, rows, backward=backward, standards=self.standards, thresholds=self.thresholds,
+                             inputs=inputs, budget=budget, floor_dtype=torch.float64)
         return ApiResult(name, worst([r for _, r in results]), results, info=info)
 
     def _pair(self, short: str, t: Any, b: Any, o: Any, backward: bool = False) -> CheckResult:
