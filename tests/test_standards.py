@@ -947,3 +947,93 @@ def test_judge_pair_references_and_helpers_more():
     s = accumulation_scale("sum", torch.sum, [y, 1], {"keepdim": True, "dtype": torch.float32,
                                                        "out": torch.empty(2, 1)})
     assert s.shape == (2, 1) and s.dtype == torch.float64 and s.flatten().tolist() == [3.0, 7.0]
+
+
+def test_judge_rows_scale_allowance_and_budget():
+    """The one per-API step: rows judged in order; a single-output linear reduction in units of its terms; a
+    ULP failure judged again with the accumulation allowance (in the oracle's dtype unless told); the benchmark
+    standard's error scale asked per row index."""
+    from msprobe_ci.replay.runner import judge_pair, judge_rows
+
+    x = torch.full((256, 8), 1e-5, dtype=torch.float64)
+    mean = x.mean(1)
+    signs = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0).double()
+    bad = (mean * (1 + 0.05 * signs)).float()
+    rows = [("mean.0.output.0", bad, mean.float(), mean)]
+    assert judge_rows("mean", rows)[0][1].status == "pass"  # no inputs: msprobe's absolute rule below 1
+    got = judge_rows("mean", rows, inputs=(torch.mean, [x, 1], {}))
+    assert got[0][0] == "mean.0.output.0" and got[0][1].status == "error"  # 5% of the terms
+    assert judge_rows("mean", rows, inputs=(torch.mean, [x, 1], {}), backward=True)[0][1].standard == "benchmark"
+    two = judge_rows("mean", rows * 2, inputs=(torch.mean, [x, 1], {}))  # not a single output: unscaled
+    assert [r.status for _, r in two] == ["pass", "pass"]
+    assert judge_rows("mean", rows, inputs=(torch.mean, ["not a tensor"], {}))[0][1].status == "pass"
+
+    a = torch.tensor([[1e4, -1e4, 1.0]], dtype=torch.float64)
+    w = torch.ones(3, 1, dtype=torch.float64)
+    ref = a @ w  # 1, from terms of 1e4: a cancelling sum
+    t = (ref + 100 * 2.0 ** -23).float()  # 100 ULP at the result's size, far inside the allowance
+    mm = [("mm.0.output.0", t, ref.float(), ref)]
+    assert judge_rows("mm", mm)[0][1].status == "error"
+    allowed = judge_rows("mm", mm, inputs=(torch.mm, [a, w], {}))[0][1]
+    assert allowed.status == "pass" and allowed.message.endswith("beyond the accumulation allowance of cancelling sums")
+    assert judge_rows("mm", mm, inputs=(torch.mm, [a, w], {}), floor_dtype=torch.float32)[0][1].status == "pass"
+    assert judge_rows("mm", mm, inputs=(torch.add, [a, w], {}))[0][1].status == "error"  # no contracted dim known
+    assert judge_rows("mm", mm * 2, inputs=(torch.mm, [a, w], {}))[0][1].status == "error"  # several outputs
+    far = [("mm.0.output.0", (ref * 1.01).float(), ref.float(), ref)]
+    assert judge_rows("mm", far, inputs=(torch.mm, [a, w], {}))[0][1].status == "error"  # 1%: beyond it
+
+    asked = []
+
+    def budget(i):
+        asked.append(i)
+        return None
+
+    g = torch.linspace(-3, 3, 64, dtype=torch.float64)
+    ref = torch.nn.functional.gelu(g)
+    noisy = [(f"gelu.0.output.{i}", (ref * (1 + 0.03 * (i + 1))).bfloat16(), ref.bfloat16(), ref) for i in range(2)]
+    results = judge_rows("gelu", noisy, budget=budget)
+    assert asked == [0, 1] and [r.standard for _, r in results] == ["benchmark", "benchmark"]
+    assert [r.status for _, r in results] == [judge_pair("gelu", t, b, o).status for _, t, b, o in noisy]
+
+
+def test_judge_rows_passes_overrides_and_references_through_both_judgements():
+    from msprobe_ci.replay.runner import judge_rows
+
+    x = torch.full((256, 8), 1e-5, dtype=torch.float64)
+    mean = x.mean(1)
+    signs = torch.where(torch.arange(256) % 2 == 0, 1.0, -1.0).double()
+    bad = (mean * (1 + 0.05 * signs)).float()
+    same = judge_rows("mean", [("r", bad, bad, mean)], inputs=(torch.mean, [x, 1], {}))
+    assert same[0][1].status == "error"  # judged against the oracle, not against an equally wrong bench
+    g = torch.linspace(-3, 3, 64, dtype=torch.float64)
+    rows = [("gelu.0.output.0", torch.nn.functional.gelu(g).float(), torch.nn.functional.gelu(g).float(),
+             torch.nn.functional.gelu(g))]
+    over = judge_rows("gelu", rows, standards={"gelu": "absolute_threshold"},
+                      thresholds={"absolute_threshold": {"rtol": 0.5}})[0][1]
+    assert over.standard == "absolute_threshold" and over.thresholds["rtol"] == 0.5
+
+    a = torch.tensor([[1e4, -1e4, 1.0]], dtype=torch.float64)
+    w = torch.ones(3, 1, dtype=torch.float64)
+    ref = a @ w
+    t = (ref + 100 * 2.0 ** -23).float()
+    wrong_bench = [("mm.0.output.0", t, (ref * 1.01).float(), ref)]  # the retry's reference is the oracle
+    assert judge_rows("mm", wrong_bench, inputs=(torch.mm, [a, w], {}))[0][1].status == "pass"
+    loose = judge_rows("mm", [("mm.0.output.0", t, ref.float(), ref)], inputs=(torch.mm, [a, w], {}),
+                       thresholds={"ulp": {"ulp_max_mean": 63}})[0][1]
+    assert loose.status == "pass" and loose.thresholds["mean_ulp"] == 63  # overrides kept in the retry
+    grad = judge_rows("mm", [("mm.0.output.0", t, ref.float(), ref)], backward=True, standards={"mm": "ulp"},
+                      inputs=(torch.mm, [a, w], {}))[0][1]
+    assert grad.standard == "ulp" and grad.status == "pass"  # a gradient whose standard the user chose: kept
+    no_oracle = judge_rows("mm", [("mm.0.output.0", t, ref.float(), None)], inputs=(torch.mm, [a, w], {}))[0][1]
+    assert no_oracle.standard == "ulp"  # the bench as reference; the allowance in float64
+
+    # the allowance's dtype: the oracle's (float64 here) unless told; squares of 1e20 overflow float32 (an
+    # infinite allowance) and fit float64 (a tight one: a 1% error stays an error)
+    big = torch.tensor([[1e20, 1.0]], dtype=torch.float32)
+    small = torch.tensor([[1e-20], [1.0]], dtype=torch.float32)
+    two = big.double() @ small.double()
+    off = [("mm.0.output.0", (two * 1.01).float(), two.float(), two)]
+    assert judge_rows("mm", off, inputs=(torch.mm, [big, small], {}))[0][1].status == "error"
+    assert judge_rows("mm", off, inputs=(torch.mm, [big, small], {}), floor_dtype=torch.float32)[0][1].status == "pass"
+    off32 = [("mm.0.output.0", (two * 1.01).float(), two.float(), two.float())]  # an fp32 oracle: fp32 allowance
+    assert judge_rows("mm", off32, inputs=(torch.mm, [big, small], {}))[0][1].status == "pass"
