@@ -1,0 +1,152 @@
+"""The gate at a realistic size against the plain steps it gates, side by side in one run, and where its memory goes.
+
+Stock GPT-2 small (124M; ``--config gpt2-medium``: 350M), built from its config (no weights), 1 x ``--tokens``
+tokens, forward+backward (the LM loss), statistics, mix level. Each way runs as a fresh process under
+/usr/bin/time (wall seconds, peak resident memory):
+
+* ``plain fp32`` / ``plain bf16``: one step of the model in that dtype, no capture;
+* ``check``: what ``msprobe.check`` runs: the fp32 bench side captured, the bf16 target side captured with
+  isolation (the CPU oracle, bench kernel ``device``), then the judgement (compare, isolated verdicts, CSV, graph,
+  model-level cases); ``check, isolation off``: the same with the drift rule.
+
+For the check runs a sampler thread reads the process's resident memory every 20 ms and the run marks its
+phases, so the table says which phase set the peak. Issue 31's goals: check time <= 2x (plain fp32 + plain bf16),
+peak memory <= 1.5x plain fp32.
+
+    python benchmarks/realistic_size.py [--tokens 1024] [--config gpt2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+class Sampler(threading.Thread):
+    """Resident memory every 20 ms; ``mark(phase)`` starts a phase; ``peaks()`` is the peak per phase."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.phase, self.peak, self.stop = "start", {}, False
+
+    def run(self):
+        while not self.stop:
+            self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), _rss_mb())
+            time.sleep(0.02)
+
+    def mark(self, phase: str) -> None:
+        self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), _rss_mb())
+        self.phase = phase
+
+
+def _model(config: str, tokens: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(11)
+    cfg = transformers.GPT2Config.from_dict(transformers.GPT2Config().to_dict()) if config == "gpt2" else \
+        transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16)  # gpt2-medium's shape, 350M
+    cfg.n_positions = max(cfg.n_positions, tokens)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(12))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def child(mode: str, config: str, tokens: int, threads: int) -> None:
+    """One way, in this process; prints a JSON line of its phases' peak memory (check modes)."""
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    model, batch = _model(config, tokens)
+    start = time.perf_counter()  # the step, not the process start and the model's construction
+    if mode.startswith("plain"):
+        m = model.to(torch.bfloat16 if mode == "plain-bf16" else torch.float32)
+        m(**batch).loss.backward()
+        print(json.dumps({"seconds": time.perf_counter() - start}))
+        return
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.check import evaluate, run_side
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    sampler = Sampler()
+    sampler.start()
+    tmp = tempfile.mkdtemp(prefix="realistic-")
+    try:
+        cfg = DumpConfig(task="statistics", level="mix")
+        bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "bf16")
+        sampler.mark("bench side")
+        b = run_side(model, (batch,), lambda out: out.loss, bench, cfg.with_overrides(
+            dump_path=os.path.join(tmp, "bench")))
+        sampler.mark("target side")
+        iso = Isolator(backward=True, bench_kernel="device") if mode == "check" else None
+        t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
+            dump_path=os.path.join(tmp, "target")), isolator=iso)
+        del iso
+        sampler.mark("judgement")
+        outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
+                           graph_dir=os.path.join(tmp, "graphs"))
+        sampler.mark("end")
+        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak,
+                          "first": outcome.first_divergence.name
+                          if outcome.first_divergence is not None else None}))
+    finally:
+        sampler.stop = True
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def timed(args: list[str]) -> tuple[float, float, str]:
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", tf.name, sys.executable, __file__, *args],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{args} failed:\n{proc.stderr[-3000:]}")
+        wall, rss = tf.read().split()[-2:]
+    return float(wall), float(rss) / 1024, proc.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--config", choices=("gpt2", "gpt2-medium"), default="gpt2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.config, args.tokens, args.threads)
+        return
+    common = ["--config", args.config, "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    print(f"{args.config}, 1 x {args.tokens} tokens, forward+backward, {args.threads} threads, "
+          f"{os.cpu_count()} cores; each way a fresh process")
+    res = {}
+    for mode in ("plain-fp32", "plain-bf16", "check", "check-noiso"):
+        wall, rss, out = timed(["--child", mode, *common])
+        info = json.loads(out.strip().splitlines()[-1])
+        res[mode] = (info["seconds"], rss)
+        line = f"  {mode:<12} step {info['seconds']:7.1f} s (process {wall:6.1f} s) {rss:8.0f} MB peak"
+        if mode.startswith("check"):
+            plain = res["plain-fp32"][0] + res["plain-bf16"][0]
+            line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
+                     f"{rss / res['plain-fp32'][1]:4.2f}x (plain fp32); first divergence {info['first']}; peak by "
+                     "phase: " + ", ".join(f"{k} {v:.0f} MB" for k, v in info["peaks"].items() if k != "start"))
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
