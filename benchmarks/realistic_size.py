@@ -39,7 +39,7 @@ class Sampler(threading.Thread):
 
     def __init__(self):
         super().__init__(daemon=True)
-        self.phase, self.peak, self.stop = "start", {}, False
+        self.phase, self.peak, self.at, self.stop = "start", {}, {}, False
 
     def run(self):
         while not self.stop:
@@ -47,8 +47,10 @@ class Sampler(threading.Thread):
             time.sleep(0.02)
 
     def mark(self, phase: str) -> None:
-        self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), _rss_mb())
+        now = _rss_mb()
+        self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), now)
         self.phase = phase
+        self.at[phase] = now  # what is still resident when the phase starts
 
 
 def _model(config: str, tokens: int):
@@ -99,11 +101,14 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
         t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
             dump_path=os.path.join(tmp, "target")), isolator=iso)
         del iso
+        import gc
+
+        gc.collect()
         sampler.mark("judgement")
         outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
-        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak,
+        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at,
                           "first": outcome.first_divergence.name
                           if outcome.first_divergence is not None else None}))
     finally:
@@ -144,7 +149,9 @@ def main() -> None:
             plain = res["plain-fp32"][0] + res["plain-bf16"][0]
             line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
                      f"{rss / res['plain-fp32'][1]:4.2f}x (plain fp32); first divergence {info['first']}; peak by "
-                     "phase: " + ", ".join(f"{k} {v:.0f} MB" for k, v in info["peaks"].items() if k != "start"))
+                     "phase (resident at its start): " + ", ".join(
+                         f"{k} {v:.0f} MB ({info['at'].get(k, 0):.0f})" for k, v in info["peaks"].items()
+                         if k != "start"))
         print(line, flush=True)
 
 
