@@ -138,6 +138,8 @@ class _Call:
     # grouped GEMMs over a padded buffer: {"output": {i: (dim, end)}, "grad": {tap: (dim, end)}}, the elements
     # past ``end`` are uninitialised memory (kernels.unwritten) and judged as 0 on every side
     unwritten: dict = field(default_factory=dict)
+    # how the oracle ran at the call, to run it again for the backward pass: (dtype, on the CPU only)
+    oracle_how: tuple | None = None
 
 
 class Isolator:
@@ -296,7 +298,10 @@ class Isolator:
             call.inputs = (tuple(args), dict(kwargs))
             return call, args, kwargs
         kw = {k: v for k, v in kwargs.items() if k != "out"}
+        # an in-place call (``relu_``, or ``F.relu(x, inplace=True)``) is judged forward only: tapping its input
+        # for the gradient would hand it a view torch forbids writing in place
         want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
+                     kw.get("inplace") is not True and
                      any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kw)))
         from .checkers import standard_for
 
@@ -308,18 +313,26 @@ class Isolator:
             note = kernels.reference_note(func) if dtype == torch.float64 else None
             if note:
                 self.results[name]["oracle"] = note
+            # no graphs now: the forward is judged on values; the backward runs the oracle and the bench again on
+            # the call's inputs when its gradient arrives (holding every call's graphs until then cost more memory
+            # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
             try:
-                call.oracle_in, call.oracle_out, _ = self._oracle(func, args, kw, dtype, want_grad)
+                call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False)
+                call.oracle_how = (dtype, False)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
-                    call.oracle_in, call.oracle_out, _ = kernels.reference(func, args, kw, dtype, "cpu", want_grad)
+                    call.oracle_in, call.oracle_out, copies = kernels.reference(func, args, kw, dtype, "cpu", False)
+                    call.oracle_how = (dtype, True)
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
                     return None, args, kwargs
+            ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
+            if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
+                want_grad = False  # it returned an input: it wrote in place (F.leaky_relu(x, 0.1, True)), as above
         try:
-            self._bench(call, func, args, kw, want_grad)
+            self._bench(call, func, args, kw, False)
         except Exception as exc:  # noqa: BLE001
             self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
                                               f"{self.bench_device}: {type(exc).__name__}")
@@ -445,8 +458,7 @@ class Isolator:
             call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
             for i, t in enumerate(call.out_tensors):
                 t.register_hook(self._grad_out_hook(call, i))
-        if not call.taps:
-            call.oracle_out = call.bench_out = None  # nothing will read the graphs
+        call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
 
     @property
     def oracle_on_target(self) -> bool:
@@ -786,6 +798,8 @@ class Isolator:
         if not call.grad_out:
             self.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
             return
+        if not self._regraph(call, name):
+            return
         oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out)
         context = kernels.decomposed if self.bench_kernel == "decomposed" else None
         bench = oracle if call.bench_in is call.oracle_in else \
@@ -816,6 +830,26 @@ class Isolator:
                 call.oracle_in[0].dtype == torch.float64 else None
             if note:
                 self.results[name]["oracle"] = note
+
+    def _regraph(self, call: _Call, name: str) -> bool:
+        """Run the call's oracle and bench again on its inputs, with graphs, for the vector-Jacobian products;
+        False (the gradient skipped, the reason said) where the inputs were written in place since the call or
+        the oracle cannot run."""
+        if call.inputs is None or call.oracle_how is None:
+            self.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
+            return False
+        if not self._unchanged(call):
+            self.skip(name, "its inputs were written in place after the call: its gradient is not isolated")
+            return False
+        args, kw = call.inputs
+        dtype, cpu_only = call.oracle_how
+        with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
+            if cpu_only:
+                call.oracle_in, call.oracle_out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
+            else:
+                call.oracle_in, call.oracle_out, _ = self._oracle(call.func, args, kw, dtype, True)
+            self._bench(call, call.func, args, kw, True)
+        return True
 
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily

@@ -176,7 +176,7 @@ def _dask(fn, jobs, labels, workers: int, scheduler: str, reraise: tuple[type, .
     try:
         if scheduler == "local":
             cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                                   dashboard_address=None, silence_logs=logging.CRITICAL)
+                                   dashboard_address=":0", silence_logs=logging.CRITICAL)  # a free port: never 8787 twice
             client = Client(cluster)
         else:
             try:

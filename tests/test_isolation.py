@@ -335,3 +335,42 @@ def test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_ran
     assert not _scalar_differs(f16.max / 2, 1e5, 1e-6, t_max=f16.max)  # its bottom
     assert _scalar_differs(-(f16.max - 1000), f32.max - 1000, 1e-6, t_max=f16.max)  # opposite sign
     assert not _scalar_differs(0.5, 0.5 * (1 + 1e-7), 1e-6) and _scalar_differs(0.5, 0.6, 1e-6)
+
+
+def test_an_in_place_call_by_argument_is_judged_forward_and_left_untapped(tmp_path):
+    """``F.leaky_relu(x, 0.1, True)`` writes its input in place (told by a positional argument): its forward is
+    judged, its input is not tapped for the gradient (torch forbids writing a hook's view in place), and the run's
+    loss and gradients are those of the uncaptured run, bit for bit. The backward of the calls around it is
+    judged from their inputs, run again when their gradients arrive."""
+    import json
+
+    from msprobe_ci import PrecisionDebugger
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.nn.functional.leaky_relu(self.a(x), 0.1, True)).sum()
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 4)
+
+    def run(dbg=None):
+        net.zero_grad(set_to_none=True)
+        if dbg is not None:
+            dbg.start(net)
+        loss = net(x)
+        loss.backward()
+        if dbg is not None:
+            dbg.stop()
+        return loss.detach(), [p.grad.clone() for p in net.parameters()]
+
+    loss0, grads0 = run()
+    loss1, grads1 = run(PrecisionDebugger(dump_path=str(tmp_path), level="mix"))
+    assert torch.equal(loss0, loss1) and all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    nodes = json.loads((tmp_path / "step0" / "rank" / "isolation.json").read_text())["nodes"]
+    assert nodes["Functional.leaky_relu.0.forward"]["status"] == "pass"
+    assert "Functional.leaky_relu.0.backward" not in nodes
+    assert nodes["Functional.linear.0.backward"]["status"] == nodes["Functional.linear.1.backward"]["status"] == "pass"
