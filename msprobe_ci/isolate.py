@@ -516,7 +516,7 @@ class Isolator:
         (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
         return self._lazy_budget(call, n, lambda: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
-            self.budget_draws, base=_cpu_tree(call.oracle_out)))
+            self.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))
 
     def _store(self, name: str, results: list, refs: dict | None = None) -> None:
         """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
@@ -899,17 +899,6 @@ class _EagerForward(torch.nn.Module):
 def _cpu(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().cpu() if v.device.type != "cpu" else v.detach()
-    return v
-
-
-def _cpu_tree(v: Any) -> Any:
-    """``v`` with every tensor in its lists, tuples and dicts detached on CPU (the structure kept)."""
-    if isinstance(v, torch.Tensor):
-        return _cpu(v)
-    if isinstance(v, (list, tuple)):
-        return type(v)(_cpu_tree(x) for x in v) if not hasattr(v, "_fields") else type(v)(*(_cpu_tree(x) for x in v))
-    if isinstance(v, dict):
-        return {k: _cpu_tree(x) for k, x in v.items()}
     return v
 
 

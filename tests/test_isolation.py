@@ -366,3 +366,35 @@ def test_an_in_place_call_by_argument_is_judged_forward_and_left_untapped(tmp_pa
     assert nodes["Functional.leaky_relu.0.forward"]["status"] == "pass"
     assert "Functional.leaky_relu.0.backward" not in nodes
     assert nodes["Functional.linear.0.backward"]["status"] == nodes["Functional.linear.1.backward"]["status"] == "pass"
+
+
+def test_a_gradient_whose_inputs_were_written_in_place_since_is_skipped_saying_so(tmp_path):
+    """The backward runs a call's oracle again on the call's inputs; where the model wrote one of them in place
+    after the call (torch allows it for an add, whose backward needs no input), that gradient is skipped with the
+    reason, not judged against a different computation; the others are judged."""
+    import json
+
+    from msprobe_ci import PrecisionDebugger
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.a(x)
+            z = y + 1.0
+            y.mul_(2.0)  # y was the add's input: written after the add
+            return (self.b(z) + y).sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    dbg = PrecisionDebugger(dump_path=str(tmp_path), level="mix")
+    dbg.start(net)
+    net(torch.randn(3, 4)).backward()
+    dbg.stop()
+    nodes = json.loads((tmp_path / "step0" / "rank" / "isolation.json").read_text())["nodes"]
+    add = nodes["Tensor.__add__.0.backward"]
+    assert add["status"] == "skip" and "written in place after the call" in add["message"]
+    assert nodes["Tensor.__add__.0.forward"]["status"] == "pass"
+    assert nodes["Functional.linear.1.backward"]["status"] == "pass"
