@@ -30,6 +30,7 @@ class RowResult:
     bench: Row | None
     metrics: dict[str, Any]
     error: float
+    norm_error: float = math.nan  # statistics mode: the Norm's own relative error (NaN: it says nothing)
 
 
 @dataclass
@@ -394,13 +395,13 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump, re
         both_none = t.record is None and b.record is None
         cols = {c: M.UNSUPPORTED for c in M.TENSOR_COLUMNS} if mode == "tensor" else \
             M.stats_metrics(t.stats(), b.stats())
-        return RowResult(t, b, cols, 0.0 if both_none else math.inf)
+        return RowResult(t, b, cols, 0.0 if both_none else math.inf, 0.0 if both_none else math.nan)
     if not t.is_tensor or not b.is_tensor:
         tv, bv = t.stats()[0], b.stats()[0]
         err = 0.0 if str(tv) == str(bv) else _scalar_err(tv, bv)
         cols = {c: M.UNSUPPORTED for c in M.TENSOR_COLUMNS} if mode == "tensor" else \
             M.stats_metrics(t.stats(), b.stats())
-        return RowResult(t, b, cols, err)
+        return RowResult(t, b, cols, err, err if math.isfinite(err) else math.nan)
     if mode == "md5":
         return RowResult(t, b, {}, 0.0 if t.md5 == b.md5 else 1.0)
     if mode == "tensor" and t.data_name != "-1" and b.data_name != "-1":
@@ -418,8 +419,9 @@ def _compare_row(t: Row, b: Row | None, mode: str, target: Dump, bench: Dump, re
     t_max = _dtype_max(t.dtype)
     if reach < t_max:
         t_max = reach
-    cols, err = M.stats_pair(ts, bs, t.numel, t_max, _tiny(t.dtype, b.dtype))
-    return RowResult(t, b, cols, err)
+    tiny = _tiny(t.dtype, b.dtype)
+    cols, err = M.stats_pair(ts, bs, t.numel, t_max, tiny)
+    return RowResult(t, b, cols, err, M.norm_error(ts, bs, t.numel, t_max, tiny) if err else 0.0)
 
 
 def carried_range(t: Row, b: Row | None, reach: float) -> float:
@@ -515,22 +517,113 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
     if api in POWER_APIS and ".forward" in name:
         r_in *= max(1.0, _exponent(api, own))
     kappa = 1.0
+    routed = 0.0
+    incoming: list = []
+    saved: list = []
     if gradient:
         incoming, saved = _gradient_operands(name, own, by_entry)
         if api in ROUTING_APIS and saved:
-            r_in = max(r_in, routing_error(max(o[0] for o in saved)))
+            routed = routing_error(max(o[0] for o in saved))
+            r_in = max(r_in, routed)
         scatter = api in SCATTER_APIS or ".Embedding." in name
-        worst, kappa = max(((r, cancellation(_operand(r), incoming, saved, scatter)) for r in outputs),
-                           key=lambda rk: (rk[0].error / rk[1] if not math.isnan(rk[0].error) else -1.0))
+        kappas = [(r, cancellation(_operand(r), incoming, saved, scatter)) for r in outputs]
+        worst, kappa = max(kappas, key=lambda rk: (rk[0].error / rk[1] if not math.isnan(rk[0].error) else -1.0))
     else:
+        kappas = [(r, 1.0) for r in outputs]
         worst = max(outputs, key=lambda r: (r.error if not math.isnan(r.error) else -1.0))
     if api in LIPSCHITZ_APIS and not gradient:  # a property of the forward function, not of its gradient
         r_in = max(r_in, _absolute_input_error(inputs, worst))
     u = floor
-    if name.startswith("Module.") and ".parameters_grad" not in name:
+    module = name.startswith("Module.") and ".parameters_grad" not in name
+    if module:
         r_in += u  # a module's parameters are inputs its entry does not show: they carry at least their rounding
-    return judge(name, worst.error, r_in, u, th, worst.target.name, worst.metrics,
-                 statistics=mode == "statistics", condition=kappa)
+    statistics = mode == "statistics"
+
+    def verdict(u_eff: float) -> tuple[CompareResult, CompareResult | None]:
+        drift = judge(name, worst.error, r_in, u_eff, th, worst.target.name, worst.metrics, statistics=statistics,
+                      condition=kappa)
+        if not statistics:
+            return drift, None
+        scale = _scale_test(name, inputs, own, kappas, api, gradient, module, routed, u_eff, r_in, th)
+        return (scale if scale is not None and _SEVERITY[scale.status] > _SEVERITY[drift.status] else drift), scale
+
+    result, scale = verdict(u)
+    if result.status == "error" and gradient and statistics:
+        result = _gradient_allowances(result, scale, verdict, outputs, incoming, u)
+    return result
+
+
+def _gradient_allowances(result: CompareResult, scale: CompareResult | None, verdict, outputs: list[RowResult],
+                         incoming: list, u: float) -> CompareResult:
+    """A gradient's error (statistics mode) that a benign kernel or the statistics themselves can explain becomes
+    a warning saying how:
+
+    * a sum over K broadcast rows (a bias's or a normalization weight's gradient) accumulated in the target's
+      dtype, as CPU kernels may (GPU and NPU kernels accumulate in float32): worst case about ``u · K / 2``, so both
+      tests are judged again with that roundoff (CPU bf16 LayerNorm weight gradients of GPT-2 small: 6% at 512
+      tokens, 33% at 2048, measured by ``benchmarks/drift_calibration.py``);
+    * the worst statistic failing (a Max, Min or Mean: one element, or a sum with cancellation) while the scale test
+      passes: each element of a gradient sums several products, each carrying its operands' own error, which the
+      operands' statistics do not bound (their Max and Min are other elements). Measured on stock OPT at bf16:
+      a weight gradient's Max 2.7x, a positional embedding gradient's Min 4.4x its inputs' worst statistic, with
+      the norms within 0.5%. A gradient scaled by a fault moves its norm and fails the scale test."""
+    from dataclasses import replace
+
+    row = next((r for r in outputs if r.target.name == result.worst_row), None)
+    if row is None:
+        return result
+    k = reduction_length(_operand(row), incoming)
+    if k > 1:
+        wide, _ = verdict(u * k / 2)
+        if wide.status != "error":
+            return replace(result, status="warning", message=(
+                f"{result.message}; within what a sum over {k} rows accumulated in the target's dtype can reach "
+                f"(u x {k}/2 = {u * k / 2:.3g}; CPU kernels may accumulate so, GPU and NPU kernels accumulate in "
+                f"float32): a warning, not an error"))
+    if scale is not None and scale.status != "error" and result.metrics.get("test") != "scale":
+        return replace(result, status="warning", message=(
+            f"{result.message}; its norm agrees with its inputs' ({scale.value:.3g} <= {scale.threshold:.3g}), and "
+            f"one element of a gradient may err more than its inputs' statistics show: a warning, not an error"))
+    return result
+
+
+_SEVERITY = {"pass": 0, "unmatched": 0, "warning": 1, "error": 2}
+
+
+def _scale_test(name: str, inputs: list[RowResult], own: list[RowResult], kappas: list, api: str, gradient: bool,
+                module: bool, routed: float, u: float, r_in_drift: float, th: Thresholds) -> CompareResult | None:
+    """The drift rule's scale test (statistics mode): the output's Norm error (:func:`metrics.norm_error`)
+    against the inputs' Norm errors, as the node rule judges the worst statistic (round_factor, propagation,
+    statistics slack, error_factor, a gradient's cancellation factor), plus the inputs' drift error squared (noise
+    that is not a change of scale moves a norm to second order). Rounding moves a norm by at most ``u``, so a
+    fault that scales an output by 2% stands out against bf16's ``u`` 0.4% even where the inputs' Max and Min
+    carry as much: the worst-statistic test alone let such faults pass. None where an input's or every output's
+    Norm says nothing (masked, missing, out of range): the inputs' scale error is then unknown."""
+    ins = []
+    for r in inputs:
+        if math.isnan(r.norm_error):
+            return None
+        ins.append(r.norm_error)
+    outs = [(r, k) for r, k in kappas if not math.isnan(r.norm_error)]
+    if not outs:
+        return None
+    ins.sort(reverse=True)
+    r_in = sum(ins[:3] if gradient else ins[:2])
+    if api in POWER_APIS and not gradient:
+        r_in *= max(1.0, _exponent(api, own))
+    r_in = max(r_in, routed)
+    worst, kappa = max(outs, key=lambda rk: rk[0].norm_error / rk[1])
+    if api in LIPSCHITZ_APIS and not gradient:
+        r_in = max(r_in, _absolute_input_error(inputs, worst, norm=True))
+    if module:
+        r_in += u
+    res = judge(name, worst.norm_error, r_in, u, th, worst.target.name, dict(worst.metrics, test="scale"),
+                statistics=True, condition=kappa, second_order=r_in_drift * r_in_drift, test="Norm")
+    if r_in_drift > res.input_error:  # after a first divergence, inputs that carried error explain a node
+        from dataclasses import replace  # (engine._blame_first), whichever statistic shows it
+
+        res = replace(res, input_error=r_in_drift)
+    return res
 
 
 def _operand(r: RowResult) -> tuple[float, float, int, list] | None:
@@ -590,12 +683,35 @@ def cancellation(out: tuple | None, incoming: list[tuple], saved: list[tuple], s
                     kappa = max(kappa, n_g * n_x / math.sqrt(size_x) / n_out)
         if size_out != size_g:
             for _, n_x, size_x, dims_x in saved:
-                k2 = size_g * size_x // size_out if size_out else 0
-                k = math.isqrt(k2)
-                if k >= 2 and k * k == k2 and k2 * size_out == size_g * size_x and _contracted(k, dims_g) \
-                        and _contracted(k, dims_x):
+                k = _contraction(size_g, dims_g, size_x, dims_x, size_out)
+                if k:
                     kappa = max(kappa, n_g * n_x / math.sqrt(k) / n_out)
     return kappa
+
+
+def _contraction(size_g: int, dims_g: tuple, size_x: int, dims_x: tuple, size_out: int) -> int:
+    """K when a gradient of ``size_out`` elements contracts ``g`` with a saved ``x`` over K (``K² = numel(g) ·
+    numel(x) / numel(out)``, K a dimension of both or their flattened rows), else 0."""
+    k2 = size_g * size_x // size_out if size_out else 0
+    k = math.isqrt(k2)
+    if k >= 2 and k * k == k2 and k2 * size_out == size_g * size_x and _contracted(k, dims_g) \
+            and _contracted(k, dims_x):
+        return k
+    return 0
+
+
+def contraction_length(out: tuple | None, incoming: list[tuple], saved: list[tuple]) -> int:
+    """K of a gradient output that contracts an incoming gradient with a saved operand over K (a weight gradient
+    summing K tokens' products; :func:`cancellation`), else 0."""
+    if out is None:
+        return 0
+    size_out = out[2]
+    k = 0
+    for _, _, size_g, dims_g in incoming:
+        if size_out != size_g:
+            for _, _, size_x, dims_x in saved:
+                k = max(k, _contraction(size_g, dims_g, size_x, dims_x, size_out))
+    return k
 
 
 def _contracted(k: int, dims: tuple) -> bool:
@@ -669,17 +785,34 @@ def _api_name(node: str) -> str:
     return parts[1] if len(parts) > 2 and parts[0] in ("Tensor", "Torch", "Functional") else ""
 
 
-def _absolute_input_error(inputs: list[RowResult], out: RowResult) -> float:
-    """Worst input error expressed relative to the output's scale: ``r_in · ‖in‖ / ‖out‖`` (Norm statistics)."""
+def _absolute_input_error(inputs: list[RowResult], out: RowResult, norm: bool = False) -> float:
+    """Worst input error expressed relative to the output's scale: ``r_in · ‖in‖ / ‖out‖`` (Norm statistics;
+    ``norm``: the inputs' Norm errors instead of their drift errors)."""
     out_norm = _norm(out.bench)
     if not out_norm:
         return 0.0
     worst = 0.0
     for r in inputs:
         n = _norm(r.bench)
-        if n and not math.isnan(r.error):
-            worst = max(worst, r.error * n / out_norm)
+        err = r.norm_error if norm else r.error
+        if n and not math.isnan(err):
+            worst = max(worst, err * n / out_norm)
     return worst
+
+
+def reduction_length(out: tuple | None, incoming: list[tuple]) -> int:
+    """How many incoming-gradient elements a gradient output sums into each of its own: ``numel(g) / numel(out)``
+    where the output is ``g`` summed over broadcast axes (a bias's or a normalization weight's gradient: the
+    tokens of a batch), else 1 (a contraction is a GEMM, which accumulates in float32 on every device)."""
+    if out is None:
+        return 1
+    _, _, size_out, dims_out = out
+    free = sorted(d for d in dims_out if d != 1)
+    k = 1
+    for _, _, size_g, dims_g in incoming:
+        if 0 < size_out < size_g and size_g % size_out == 0 and _sub_multiset(free, dims_g):
+            k = max(k, size_g // size_out)
+    return k
 
 
 def _norm(row: Row | None) -> float:

@@ -328,6 +328,27 @@ def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: floa
     return worst
 
 
+def norm_error(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None = None,
+               tiny: float = 0.0) -> float:
+    """The relative error of the L2 norm alone, ``|Norm_t - Norm_b| / max(|Norm_b|, sqrt(numel) * tiny)``, or NaN
+    where it says nothing: either Norm missing or not finite, or the bench holding values beyond ``t_max`` (the
+    target cannot hold them; see :func:`relative_error_stats`).
+
+    Rounding every element once moves a norm by at most ``u`` relative, and noise that is not a change of scale
+    moves it only to second order, while a fault that scales a tensor moves it by the whole factor: the drift
+    rule's scale test (:mod:`msprobe_ci.compare.verdict`) judges this error against the inputs' own."""
+    if t_max is not None and _beyond(b_stats, t_max):
+        return math.nan
+    t, b = _number(t_stats[3]), _number(b_stats[3])
+    if t is None or b is None or not math.isfinite(t) or not math.isfinite(b):
+        return math.nan
+    d = abs(t - b)
+    if d == 0.0:
+        return 0.0
+    scale = max(abs(b), tiny * math.sqrt(max(numel, 1)))
+    return d / scale if scale > 0 else math.inf
+
+
 def _number(v: Any) -> float | None:
     if v is None or isinstance(v, bool):
         return None

@@ -289,7 +289,7 @@ class _TwinTarget:
 
 def _twin_row(r) -> tuple:
     b = r.bench
-    return (r.error, engine._norm(b), r.target.side, b.numel, b.dims)
+    return (r.error, engine._norm(b), r.target.side, b.numel, b.dims, r.norm_error)
 
 
 def _first_tensor_md5(entry: Any) -> bool | None:
@@ -425,8 +425,8 @@ class NodeStream:
 
         def node_of(slot: list) -> None:
             name, own = slot[0], slot[1]
-            by_entry = {tw: [engine.RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err)
-                             for err, norm, side, numel, dims in twins[tw]]
+            by_entry = {tw: [engine.RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err, nerr)
+                             for err, norm, side, numel, dims, nerr in twins[tw]]
                         for tw in engine._twin_entries(name) if tw in twins}
             slot[2] = engine._judge_node(name, own, by_entry, mode, th, slot[4])
             if name.startswith(_API_PREFIXES) and name.endswith(".backward"):

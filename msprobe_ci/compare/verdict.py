@@ -150,11 +150,13 @@ def unit_roundoff(*dtypes: str) -> float:
 
 def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_row: str = "",
           metrics: Mapping[str, Any] | None = None, statistics: bool = False,
-          condition: float = 1.0) -> CompareResult:
+          condition: float = 1.0, second_order: float = 0.0, test: str = "") -> CompareResult:
     """Apply the node rule to measured errors (``statistics``: the errors come from statistics only;
-    ``condition``: a gradient's cancellation factor, >= 1, multiplying its rounding and propagation terms)."""
+    ``condition``: a gradient's cancellation factor, >= 1, multiplying its rounding and propagation terms;
+    ``second_order``: added to the budget (the scale test's noise term); ``test``: ``"Norm"`` for the scale
+    test, whose message names the statistic)."""
     prop = th.propagation * (th.statistics_slack if statistics else 1.0)
-    budget = condition * (th.round_factor * u + prop * r_in) + th.rel_floor
+    budget = condition * (th.round_factor * u + prop * r_in) + second_order + th.rel_floor
     limit = th.error_factor * budget
     if math.isnan(r_out):
         r_out = math.inf
@@ -164,11 +166,16 @@ def judge(name: str, r_out: float, r_in: float, u: float, th: Thresholds, worst_
         status = "warning"
     else:
         status = "error"
-    terms = f"{th.round_factor:g}*u {u:.3g} + {prop:g}*input error {_fmt(r_in)}"
+    what = f"{test} " if test else ""
+    terms = f"{th.round_factor:g}*u {u:.3g} + {prop:g}*input {what}error {_fmt(r_in)}"
     if condition != 1.0:
         terms = f"cancellation {condition:.3g} x ({terms})"
-    msg = (f"{name}: RelativeErr {_fmt(r_out)} at {worst_row or 'output'} vs threshold {_fmt(limit)} "
+    if second_order:
+        terms += f" + input error^2 {second_order:.3g}"
+    msg = (f"{name}: {what}RelativeErr {_fmt(r_out)} at {worst_row or 'output'} vs threshold {_fmt(limit)} "
            f"(= {th.error_factor:g} x ({terms} + rel_floor {th.rel_floor:g}))")
+    if test == "Norm" and status != "pass":
+        msg += ": its scale moved more than its inputs' did"
     return CompareResult(name=name, status=status, value=r_out, threshold=limit, budget=budget, input_error=r_in,
                          worst_row=worst_row, passing_threshold=r_out, metrics=dict(metrics or {}), message=msg,
                          roundoff=u)

@@ -1,0 +1,128 @@
+"""The drift rule (statistics dumps without ``isolation.json``) at realistic sizes.
+
+Stock GPT-2 configs (``small``: 124M, 12 layers x 768; ``medium``: 355M, 24 layers x 1024; no weights
+downloaded), 1 x T tokens, forward and backward (LM loss), a bf16 or fp16 target against an fp32 bench, both dumped
+with ``msprobe_ci.PrecisionDebugger(task="statistics", level="mix", isolate=False)`` as a user's training script
+would (or msprobe's own debugger: the same files), then judged offline by ``check.judge`` as ``msprobe-ci compare``
+does. For each run: the benign pair's errors and warnings, the node closest to its threshold, and for each fault
+(2% scale on one forward API output) the first divergence and the other errors.
+
+    python benchmarks/drift_calibration.py [--sizes small,medium] [--tokens 512,1024,2048]
+                                           [--dtypes bf16,fp16] [--faults Functional.layer_norm:11,Torch.addmm:20,...]
+                                           [--threads 2] [--worst 5]
+
+A row per (size, tokens, dtype): benign errors / warnings / worst value-over-budget; then per fault: named
+exactly (yes/no), first divergence, other error nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import tempfile
+import time
+import warnings
+
+import torch
+import transformers
+
+from msprobe_ci import PrecisionDebugger
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.check import judge, unapplied_faults
+
+warnings.filterwarnings("ignore")
+SIZES = {"small": dict(n_embd=768, n_layer=12, n_head=12), "medium": dict(n_embd=1024, n_layer=24, n_head=16)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build(size: str, seed: int = 11):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(n_positions=2048, **SIZES[size])
+    cfg._attn_implementation = "sdpa"
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def dump(model, ids, dtype, folder, faults=()):
+    m = copy.deepcopy(model).to(dtype)
+    dbg = PrecisionDebugger(dump_path=folder, level="mix", task="statistics", isolate=False,
+                            inject=list(faults) or None)
+    torch.manual_seed(1234)
+    dbg.start(m)
+    m(input_ids=ids, labels=ids).loss.backward()
+    dbg.stop()
+    del m
+    if faults:
+        missed = unapplied_faults(tuple(faults), dbg.session)
+        if missed:
+            raise SystemExit(f"fault not applied: {missed}")
+    return os.path.join(folder, "step0", "rank")
+
+
+def verdicts(bench, target):
+    report, _, _ = judge(bench, target, isolate=False)
+    errors = [n for n in report.nodes if n.status == "error"]
+    warns = [n for n in report.nodes if n.status == "warning"]
+    worst = report.worst(args_worst)
+    return report, errors, warns, worst
+
+
+args_worst = 5
+
+
+def main() -> None:
+    global args_worst
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small")
+    ap.add_argument("--tokens", default="512")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--faults", default="Functional.layer_norm:11,Torch.addmm:20,Functional.scaled_dot_product_attention:5,Torch.tanh:3,Tensor.__add__:30")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worst", type=int, default=5)
+    ap.add_argument("--keep", default="")
+    args = ap.parse_args()
+    args_worst = args.worst
+    torch.set_num_threads(args.threads)
+    for size in args.sizes.split(","):
+        model = build(size)
+        for tokens in map(int, args.tokens.split(",")):
+            ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(12))
+            tmp = args.keep or tempfile.mkdtemp(prefix="driftcal-")
+            t0 = time.perf_counter()
+            bench = dump(model, ids, torch.float32, os.path.join(tmp, "bench"))
+            tb = time.perf_counter() - t0
+            for dname in args.dtypes.split(","):
+                dtype = DTYPES[dname]
+                t0 = time.perf_counter()
+                target = dump(model, ids, dtype, os.path.join(tmp, f"target-{dname}"))
+                tt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                report, errors, warns, worst = verdicts(bench, target)
+                tj = time.perf_counter() - t0
+                print(f"{size} {tokens} {dname}: benign {len(errors)} errors, {len(warns)} warnings of "
+                      f"{len(report.nodes)} nodes; dump bench {tb:.0f} s target {tt:.0f} s, judge {tj:.0f} s",
+                      flush=True)
+                for n in worst:
+                    print(f"    worst {n.status:7s} {n.value / n.budget if n.budget else float('inf'):6.2f}x "
+                          f"{n.message[:230]}", flush=True)
+                for spec in filter(None, args.faults.split(",")):
+                    api, call = spec.split(":")
+                    fault = Fault(api, int(call), "forward", "scale", 1.02)
+                    folder = dump(model, ids, dtype, os.path.join(tmp, f"fault-{dname}-{api}{call}"), (fault,))
+                    report, errors, warns, _ = verdicts(bench, folder)
+                    want = f"{api}.{call}.forward"
+                    first = report.first_divergence
+                    name = first.name if first is not None else None
+                    others = [n.name for n in errors if n.name != want and not n.name.startswith("Module.")]
+                    print(f"    fault {want} x1.02: {'named' if name == want else 'MISSED'}; first {name}; "
+                          f"{len(others)} other API errors {others[:4]}", flush=True)
+                    if first is not None and name != want:
+                        print(f"        {first.message[:230]}")
+                    shutil.rmtree(os.path.dirname(os.path.dirname(folder)), ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
