@@ -134,3 +134,51 @@ def test_a_clean_run_stays_below_its_drift_budget(tmp_path):
     judged = [n for n in report.nodes if n.budget and n.status != "unmatched"]
     assert judged and max(n.value / n.budget for n in judged) < 1.0
     assert report.first_divergence is None
+
+
+def _gpt2_dumps(tmp_path, dtype, tokens, faults=()):
+    folders = {}
+    for side, d, fl in (("bench", torch.float32, ()), ("target", dtype, faults)):
+        torch.manual_seed(3)
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=tokens, vocab_size=256)
+        model = transformers.GPT2LMHeadModel(cfg).eval().to(d)
+        ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(4))
+        cs = CaptureSession(DumpConfig(dump_path=str(tmp_path / side), level="mix", task="statistics"), faults=fl)
+        cs.start(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        cs.stop()
+        cs.close()
+        folders[side] = str(tmp_path / side / "step0" / "rank")
+    return compare_dumps(load_dump(folders["target"]), load_dump(folders["bench"]))
+
+
+def test_layer_norm_weight_gradients_summed_in_bf16_are_warnings_not_errors(tmp_path):
+    # torch's CPU bf16 LayerNorm backward sums its weight and bias gradients over the tokens in bf16: 6% off at 512
+    # tokens on GPT-2 small, 33% at 2048 (benchmarks/drift_calibration.py). A benign kernel of the dtype can do that:
+    # a warning that says so, not an error; a forward fault is still named at its node
+    report = _gpt2_dumps(tmp_path, torch.bfloat16, 512)
+    assert report.first_divergence is None, report.first_divergence.message
+    summed = [n for n in report.nodes if n.status == "warning" and "accumulated in the target's dtype" in n.message]
+    assert any(n.name.startswith("Functional.layer_norm.") and n.name.endswith(".backward") for n in summed)
+
+
+def test_a_scale_fault_hidden_by_its_inputs_max_and_min_is_named_by_its_norm(tmp_path):
+    # the worst-statistic test alone put this 2% fault at 1.12x its budget (a warning): its inputs' Max and Min
+    # carry as much; their norms do not, so the scale test names it
+    report = _dumps(tmp_path, "qwen2", 0, torch.bfloat16, (Fault("Functional.linear", call=6, value=1.02),))
+    first = report.first_divergence
+    assert first is not None and first.name == "Functional.linear.6.forward", first
+    assert first.metrics.get("test") == "scale" and "Norm RelativeErr" in first.message
+    assert "its scale moved more than its inputs' did" in first.message
+
+
+def test_norm_error_says_nothing_where_the_bench_is_out_of_range_or_missing():
+    from msprobe_ci.compare.metrics import norm_error
+
+    assert norm_error((1.0, -1.0, 0.0, 10.2), (1.0, -1.0, 0.0, 10.0), 100) == pytest.approx(0.02)
+    assert math.isnan(norm_error((1.0, -1.0, 0.0, None), (1.0, -1.0, 0.0, 10.0), 100))
+    assert math.isnan(norm_error((1.0, -65504.0, 0.0, 1e6), (1.0, -3.4e38, 0.0, 1e38), 100, t_max=65504.0))
+    assert math.isnan(norm_error((1.0, -1.0, 0.0, math.inf), (1.0, -1.0, 0.0, 10.0), 100))
+    # below the dtype's smallest normal the norm is measured against sqrt(numel) * tiny
+    assert norm_error((0.0, 0.0, 0.0, 2e-6), (0.0, 0.0, 0.0, 1e-6), 100, tiny=2.0 ** -14) == pytest.approx(
+        1e-6 / (10 * 2.0 ** -14))
