@@ -465,7 +465,7 @@ class NodeStream:
                 if node.status == "error" and node.metric == "RelativeErr":
                     if first_error is None:
                         first_error = name
-                    elif node.input_error > th.round_factor * node.roundoff + th.rel_floor:
+                    elif node.input_error > th.round_factor * node.roundoff:
                         node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
                                                                         f"({node.message})",
                                        metrics=dict(node.metrics, propagated_from=first_error))
