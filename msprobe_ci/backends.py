@@ -68,6 +68,8 @@ class DeviceKind:
         install_hint: what to do where the device is missing (shown in the skip reason).
         oracle_max: the highest floating precision the device computes in (``float64`` on CUDA, ``float32`` on
             an NPU: what ``--msprobe-oracle-device=target`` runs the oracle in at most).
+        dist_backend: the ``torch.distributed`` backend of ``check_parallel``'s ranks on this device (``nccl``
+            on CUDA, ``hccl`` on an NPU; default ``gloo``).
     """
 
     name: str
@@ -75,6 +77,7 @@ class DeviceKind:
     torch_attr: str
     install_hint: str
     oracle_max: str = "float64"
+    dist_backend: str = "gloo"
 
     def namespace(self) -> Any:
         """Import the runtime and return ``torch.<attr>``; raises MsprobeError naming what is missing."""
@@ -95,9 +98,9 @@ class DeviceKind:
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "cuda": DeviceKind("cuda", None, "cuda", "install a CUDA build of torch on a GPU runner, or use a recorded "
-                       "baseline: --msprobe-baseline=DIR"),
+                       "baseline: --msprobe-baseline=DIR", dist_backend="nccl"),
     "npu": DeviceKind("npu", "torch_npu", "npu", "pip install torch_npu on an Ascend runner, or use a recorded "
-                      "baseline: --msprobe-baseline=DIR", "float32"),
+                      "baseline: --msprobe-baseline=DIR", "float32", dist_backend="hccl"),
 }
 
 

@@ -433,6 +433,7 @@ class MsprobeFixture:
         """
         __tracebackhide__ = True
         from ..check import SideRun, evaluate
+        from ..backends import DEVICE_KINDS
         from ..compare.ranks import first_divergence_across_ranks
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
@@ -452,13 +453,15 @@ class MsprobeFixture:
         session = self.session
         os.makedirs(check_dir, exist_ok=True)
         level, task = st["level"], st["task"]
-        dist_backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(target.kind, "gloo")
+        kind = DEVICE_KINDS.get(target.kind)
+        dist_backend = kind.dist_backend if kind is not None else "gloo"
         job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
                       sides=(("bench", st["bench"], st["bench_dtype"]), ("target", st["target"], st["target_dtype"])),
                       level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
                       isolate=c.isolate, standards=dict(st["api_standards"] or {}),
                       thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend,
-                      bench_kernel=_bench_kernel(st, c.bench, c.target))
+                      bench_kernel=_bench_kernel(st, c.bench, c.target),
+                      oracle_device=_oracle_choice(st, c.target))
         if merged:
             return self._check_merged(c, job, world_size, bench_world_size, tp, pp, float(timeout))
         outcomes = {}
@@ -950,14 +953,19 @@ def _oracle_device(st: dict, target) -> tuple[str, Any]:
     ``target`` on CUDA, ``cpu`` elsewhere."""
     import torch
 
+    if _oracle_choice(st, target) == "cpu":
+        return "cpu", torch.float64
+    return target.torch_device, target.oracle_max
+
+
+def _oracle_choice(st: dict, target) -> str:
+    """``cpu`` or ``target`` (see :func:`_oracle_device`; a CPU target's oracle is the CPU's)."""
     from ..errors import MsprobeError
 
     choice = st.get("oracle_device") or ("target" if target.kind == "cuda" else "cpu")
     if choice not in ("cpu", "target"):
         raise MsprobeError(f"option 'oracle_device': expected 'cpu' or 'target', got {choice!r}")
-    if choice == "cpu" or target.kind == "cpu":
-        return "cpu", torch.float64
-    return target.torch_device, target.oracle_max
+    return "cpu" if target.kind == "cpu" else choice
 
 
 def _make_isolator(st: dict, bench, target, backward: bool):

@@ -592,3 +592,24 @@ def test_check_parallel_says_when_the_bench_ran_an_api_below_its_dtype(pytester)
                                  "reference decomposition (one matmul per group)*"] * 2)
     csv = (pytester.path / "msprobe-out" / "test_grouped.py_test_experts" / "check0" / "rank1").glob("*.csv")
     assert "Torch._grouped_mm.0.forward" in next(csv).read_text()
+
+
+def test_check_parallel_runs_each_ranks_oracle_on_its_target_device(pytester):
+    """--msprobe-oracle-device=target reaches check_parallel's ranks: each rank's Isolator runs its oracle on that
+    rank's target device (a stand-in accelerator kind on gloo, registered where the test module is imported, so in
+    every spawned rank too), at most float32; a clean bf16 run passes, a rank's 5% fault is named, and the ranks'
+    notes say where the oracle ran."""
+    stand_in = "msprobe_ci_stand_in_runtime"
+    register = ("from msprobe_ci.backends import DEVICE_KINDS, DeviceKind\n"
+                f"DEVICE_KINDS['npu'] = DeviceKind('npu', '{stand_in}', 'cpu', 'stand-in', 'float32', 'gloo')\n")
+    pytester.makepyfile(**{stand_in: "LOADED = True\n", "test_par": register + PARALLEL_TESTS})
+    pytester.makeconftest(register)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.gelu, call: 0, perturb: scale, value: 1.05, "
+                                      "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", "--msprobe-target=npu",
+                                           "--msprobe-target-dtype=bf16", "--msprobe-oracle-device=target",
+                                           "-k", "test_clean or test_fault_on_rank_1")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
+    assert "oracle on npu (at most float32)" in out, out
