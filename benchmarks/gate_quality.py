@@ -328,15 +328,14 @@ def _measure(args, failures: list, kernel: str) -> dict:
                         failures.append(f"{kernel}: fault {dname} {mname} seed {seed} {fault.api}.{fault.call} "
                                         f"{fault.direction} {fault.perturb} {fault.value}: first "
                                         f"{first.name if first is not None else None}")
-                    if LEVEL == "L0":  # modules enclosing the faulty one (forward and backward) may fail
-                        chain, parent = set(), expected
-                        while parent:
-                            chain.update({parent, parent.replace(".forward.", ".backward."),
-                                          parent.replace(".backward.", ".forward.")})
-                            parent = rep_construct(rep, parent, ref)
-                        others = [n for n in own if n not in chain]
-                    else:
-                        others = [n for n in own if n != node]
+                    # modules enclosing the faulty node (forward and backward) may fail: by roll-up with isolation,
+                    # on their own output's drift without it
+                    chain, parent = set(), expected
+                    while parent:
+                        chain.update({parent, parent.replace(".forward.", ".backward."),
+                                      parent.replace(".backward.", ".forward.")})
+                        parent = rep_construct(rep, parent, ref)
+                    others = [n for n in own if n not in chain and n != node]
                     s["other_api_fails"] += len(others)
                     if others and args.verbose:
                         failures.append(f"  others for {kernel} {dname} {mname} seed {seed} {fault.api}.{fault.call} "

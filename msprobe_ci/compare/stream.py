@@ -465,7 +465,7 @@ class NodeStream:
                 if node.status == "error" and node.metric == "RelativeErr":
                     if first_error is None:
                         first_error = name
-                    elif node.input_error > th.round_factor * node.roundoff:
+                    elif node.input_error > 0.0:
                         node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
                                                                         f"({node.message})",
                                        metrics=dict(node.metrics, propagated_from=first_error))
