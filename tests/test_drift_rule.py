@@ -182,3 +182,26 @@ def test_norm_error_says_nothing_where_the_bench_is_out_of_range_or_missing():
     # below the dtype's smallest normal the norm is measured against sqrt(numel) * tiny
     assert norm_error((0.0, 0.0, 0.0, 2e-6), (0.0, 0.0, 0.0, 1e-6), 100, tiny=2.0 ** -14) == pytest.approx(
         1e-6 / (10 * 2.0 ** -14))
+
+
+def test_an_accumulated_parameter_gradient_is_not_the_first_divergence_while_a_computed_node_fails():
+    # a tied weight's parameters_grad entry stands where its gradient was first accumulated but holds the final sum,
+    # which includes calls made after it (BERT's decoder tied to the word embeddings)
+    from msprobe_ci.compare.engine import CompareReport, _blame_first
+    from msprobe_ci.compare.verdict import CompareResult, Thresholds
+
+    def node(name, input_error=0.01):
+        return CompareResult(name=name, status="error", value=0.05, threshold=0.01, input_error=input_error,
+                             roundoff=2.0 ** -8)
+
+    nodes = _blame_first([node("Module.decoder.Linear.parameters_grad.0"), node("Tensor.__add__.9.backward"),
+                          node("Functional.linear.3.backward")], Thresholds())
+    assert [n.status for n in nodes] == ["error", "error", "warning"]
+    assert "propagated from Tensor.__add__.9.backward" in nodes[2].message
+    report = CompareReport(mode="statistics", rows=[], nodes=nodes)
+    assert report.first_divergence.name == "Tensor.__add__.9.backward"
+    alone = CompareReport(mode="statistics", rows=[], nodes=nodes[:1])
+    assert alone.first_divergence.name == "Module.decoder.Linear.parameters_grad.0"
+    # after a first divergence, a node on inputs equal to the bench's stays an error: an independent one
+    later = _blame_first([node("Tensor.__add__.9.backward"), node("Functional.linear.3.forward", 0.0)], Thresholds())
+    assert [n.status for n in later] == ["error", "error"]

@@ -63,7 +63,7 @@ class CompareReport:
         is never the first divergence when that API is in the report."""
         errors = [n for n in self.nodes if n.status == "error"]
         own = [n for n in errors if "rollup" not in n.metrics]
-        return (own or errors or [None])[0]
+        return (computed_first(own) or own or errors or [None])[0]
 
     @property
     def unmatched(self) -> list[str]:
@@ -364,8 +364,17 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
                          thresholds=th, frameworks=(t_fw, b_fw), entry_pairs=entry_pairs)
 
 
+def computed_first(errors: list[CompareResult]) -> list[CompareResult]:
+    """``errors`` without the accumulated parameter gradients (``parameters_grad`` entries). Such an entry stands
+    where its parameter's gradient was first accumulated but holds the final sum: a weight tied to an embedding
+    (BERT's decoder, T5's shared embedding) sums the gradients of calls made after its place in the dump, so its
+    error is the first divergence only where no computed node fails."""
+    return [n for n in errors if ".parameters_grad" not in n.name]
+
+
 def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResult]:
-    """After the first error, an error node whose inputs differ from the bench's at all (input error above 0) is
+    """After the first error, an error node whose inputs differ from the bench's at all (input error above 0), or
+    are not in the dump (an accumulated parameter gradient whose module's incoming gradient is unseen), is
     explained by what came before: it becomes a warning "propagated from X" (X: the first divergence). An error on
     inputs equal to the bench's stays an error (a second, independent divergence).
 
@@ -380,8 +389,9 @@ def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResu
     for n in nodes:
         if n.status == "error" and n.metric == "RelativeErr":
             if first is None:
-                first = n.name
-            elif n.input_error > 0.0:
+                if ".parameters_grad" not in n.name:  # see CompareReport.first_divergence
+                    first = n.name
+            elif n.input_error > 0.0 or n.metrics.get("inputs_unseen"):
                 n = replace(n, status="warning", message=f"{n.name}: propagated from {first} ({n.message})",
                             metrics=dict(n.metrics, propagated_from=first))
         out.append(n)
@@ -557,6 +567,12 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
     result, scale = verdict(u)
     if result.status == "error" and gradient and statistics:
         result = _gradient_allowances(result, scale, verdict, outputs, incoming, u)
+    if result.status == "error" and ".parameters_grad" in name and not incoming:
+        # the gradient its module's backward received is not in the dump (an embedding's: its input is integer
+        # ids), so what this accumulated gradient was computed from is unseen, not clean (_blame_first)
+        from dataclasses import replace
+
+        result = replace(result, metrics=dict(result.metrics, inputs_unseen=True))
     return result
 
 

@@ -464,8 +464,9 @@ class NodeStream:
                 name, own, node = slot[0], slot[1], slot[2]
                 if node.status == "error" and node.metric == "RelativeErr":
                     if first_error is None:
-                        first_error = name
-                    elif node.input_error > 0.0:
+                        if ".parameters_grad" not in name:  # engine.computed_first
+                            first_error = name
+                    elif node.input_error > 0.0 or node.metrics.get("inputs_unseen"):
                         node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
                                                                         f"({node.message})",
                                        metrics=dict(node.metrics, propagated_from=first_error))
@@ -519,8 +520,9 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
                 for name, own, node in nodes:
                     result.counts[node.status] += 1
                     result.nodes += 1
-                    if node.status == "error" and result.first_divergence is None:
-                        result.first_divergence = node
+                    if node.status == "error" and (result.first_divergence is None or (
+                            not engine.computed_first([result.first_divergence]) and engine.computed_first([node]))):
+                        result.first_divergence = node  # a computed node before an accumulated gradient
                     done: set[str] = set()
                     for rr in own:
                         writer.write(rr, node, done)
