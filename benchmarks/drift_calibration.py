@@ -60,19 +60,16 @@ def dump(model, ids, dtype, folder, faults=()):
     return os.path.join(folder, "step0", "rank")
 
 
-def verdicts(bench, target):
+def verdicts(bench, target, worst: int = 5):
+    """``(report, errors, warnings, the worst nodes)`` of the target judged against the bench as ``msprobe-ci
+    compare`` judges two statistics dumps without isolation records."""
     report, _, _ = judge(bench, target, isolate=False)
     errors = [n for n in report.nodes if n.status == "error"]
     warns = [n for n in report.nodes if n.status == "warning"]
-    worst = report.worst(args_worst)
-    return report, errors, warns, worst
-
-
-args_worst = 5
+    return report, errors, warns, report.worst(worst)
 
 
 def main() -> None:
-    global args_worst
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small")
     ap.add_argument("--tokens", default="512")
@@ -82,7 +79,6 @@ def main() -> None:
     ap.add_argument("--worst", type=int, default=5)
     ap.add_argument("--keep", default="")
     args = ap.parse_args()
-    args_worst = args.worst
     torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         model = build(size)
@@ -98,7 +94,7 @@ def main() -> None:
                 target = dump(model, ids, dtype, os.path.join(tmp, f"target-{dname}"))
                 tt = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                report, errors, warns, worst = verdicts(bench, target)
+                report, errors, warns, worst = verdicts(bench, target, args.worst)
                 tj = time.perf_counter() - t0
                 print(f"{size} {tokens} {dname}: benign {len(errors)} errors, {len(warns)} warnings of "
                       f"{len(report.nodes)} nodes; dump bench {tb:.0f} s target {tt:.0f} s, judge {tj:.0f} s",
