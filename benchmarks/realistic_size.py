@@ -43,7 +43,8 @@ class Sampler(threading.Thread):
 
     def run(self):
         while not self.stop:
-            self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), _rss_mb())
+            phase = self.phase  # read once: a phase marked between two reads must not inherit the last one's peak
+            self.peak[phase] = max(self.peak.get(phase, 0.0), _rss_mb())
             time.sleep(0.02)
 
     def mark(self, phase: str) -> None:
