@@ -45,10 +45,10 @@ Statistics mode adds a **scale test** (``engine._scale_test``): the output's Nor
 a norm by at most ``u`` and noise moves it to second order, while a fault that scales an output moves it whole: on
 GPT-2 small in bf16, benign forward Norms stay within 0.09u of the bench while Max and Min move by up to 4.5u, so a
 2% fault is named even where its inputs' Max and Min carry as much. Two gradient allowances turn an error into a
-warning that says why (``engine._gradient_allowances``): a sum over K broadcast rows judged again with
-``u · K / 2`` (accumulated in the target's dtype, as torch's CPU bf16 LayerNorm backward does), and a failing Max,
-Min or Mean whose Norm passes the scale test (one gradient element sums products the operands' statistics do not
-bound). Calibrated on GPT-2 small and medium at 512-2048 tokens by ``benchmarks/drift_calibration.py``.
+warning that says why (``engine._gradient_allowances``, each test on its own failing row): a sum over K broadcast
+rows judged again with ``u · K / 2`` and a weight gradient contracting K products with ``u · sqrt(K)`` (accumulated
+in the target's dtype, as torch's CPU bf16 LayerNorm and fp16 conv2d backward kernels do), and a failing Max, Min or
+Mean whose Norm passes the scale test (one gradient element sums products the operands' statistics do not bound). Calibrated on GPT-2 small and medium at 512-2048 tokens by ``benchmarks/drift_calibration.py``.
 
 md5 mode can only say equal or not: a node whose output CRC differs while every input CRC matches (and the dtypes
 agree) is an error; a difference that its inputs already carried passes; differing dtypes give a warning.
