@@ -205,3 +205,28 @@ def test_an_accumulated_parameter_gradient_is_not_the_first_divergence_while_a_c
     # after a first divergence, a node on inputs equal to the bench's stays an error: an independent one
     later = _blame_first([node("Tensor.__add__.9.backward"), node("Functional.linear.3.forward", 0.0)], Thresholds())
     assert [n.status for n in later] == ["error", "error"]
+
+
+def test_gradient_sums_in_the_target_dtype_are_warnings_each_test_on_its_own_row(monkeypatch):
+    """Two benign fp16 gradients that failed the drift rule: a T5 RMSNorm's per-row scale gradient (a sum over 64
+    elements) failed the scale test while the worst statistic failed on another row; a CNN's conv2d weight gradient
+    (1,024 positions) failed the scale test. Both are sums a CPU kernel may accumulate in fp16: warnings that say
+    so, with the stock configs of benchmarks/gate_quality.py."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import gate_quality as gq
+
+    monkeypatch.setattr(gq, "ISOLATE", False)
+    monkeypatch.setattr(gq, "LEVEL", "mix")
+    monkeypatch.setattr(gq, "TASK", "statistics")
+    monkeypatch.setattr(gq, "COMPILE", False)
+    monkeypatch.setattr(gq, "FORWARD_ONLY", False)
+    for kind, seed, node, how in (("t5", 100, "Tensor.__mul__.0.backward", "a sum over 64 rows"),
+                                  ("cnn", 101, "Functional.conv2d.0.backward", "a contraction over 1024")):
+        model, inputs, loss_fn = gq.case(kind, seed)
+        report = gq._one(model, inputs, loss_fn, torch.float32, torch.float16, ())[0]
+        assert report.first_divergence is None, report.first_divergence.message
+        judged = next(n for n in report.nodes if n.name == node)
+        assert judged.status == "warning" and how in judged.message, judged.message
