@@ -71,6 +71,47 @@ def test_budget_is_round_factor_u_plus_propagation_times_input_error_plus_floor(
     assert r.threshold == pytest.approx(2 * r.budget)
 
 
+def test_the_scale_tests_terms_and_message():
+    th = Thresholds()
+    r = judge("n", 0.02, 0.001, U16, th, statistics=True, second_order=1e-4, test="Norm", worst_row="n.output.0")
+    assert r.budget == pytest.approx(2 * U16 + 1.25 * 0.001 + 1e-4 + 1e-6, rel=1e-12)
+    assert r.status == "error" and r.message == (
+        f"n: Norm RelativeErr 0.02 at n.output.0 vs threshold {r.threshold:.4g} (= 1.5 x (2*u 0.00391 + "
+        "1.25*input Norm error 0.001 + input error^2 0.0001 + rel_floor 1e-06)): its scale moved more than its "
+        "inputs' did")
+    # the second-order term is added outside a gradient's cancellation factor
+    assert judge("n", 0, 0.0, U16, th, condition=2.0, second_order=1e-3).budget == pytest.approx(
+        2 * 2 * U16 + 1e-3 + 1e-6)
+    ok = judge("n", 0.0, 0.001, U16, th, statistics=True, test="Norm")
+    assert ok.status == "pass" and ok.message.endswith("rel_floor 1e-06))") and "input error^2" not in ok.message
+    warn = judge("n", 1.2 * (2 * U16 + 1e-6), 0.0, U16, th, test="Norm")
+    assert warn.status == "warning" and warn.message.endswith("its scale moved more than its inputs' did")
+
+
+def test_model_cases_in_slices_match_the_whole(monkeypatch):
+    import torch
+
+    import msprobe_ci.check as check
+
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(37, 11, generator=g) * 1e20
+    t = b * (1 + 1e-3 * torch.randn(37, 11, generator=g))
+    b[3, 4] = t[3, 4] = float("inf")  # a shared overflow, in the first slice, left out of both norms
+    whole = check.model_cases([("o", b)], [("o", t)], 1.0)[0]
+    keep = torch.isfinite(b)
+    expected = float(torch.linalg.vector_norm((t.double() - b.double())[keep]) /
+                     torch.linalg.vector_norm(b.double()[keep]))
+    assert whole["value"] == pytest.approx(expected, rel=1e-12)
+    monkeypatch.setattr(check, "_CHUNK", 50)  # 9 slices, the last one short
+    sliced = check.model_cases([("o", b)], [("o", t)], 1.0)[0]
+    assert sliced["value"] == pytest.approx(expected, rel=1e-12)
+    t[30, 0] = float("nan")  # one side only, in a later slice: counted over every slice
+    t[0, 0] = float("-inf")
+    (bad,) = check.model_cases([("o", b)], [("o", t)], 1.0)
+    assert bad["message"] == "o: 2 element(s) NaN/Inf on one side only (target 3, bench 1 of 407 non-finite)"
+    assert check._l2_in_chunks(t, b)[:4] == (2, 3, 1, 404)
+
+
 def test_pass_warning_error_at_the_exact_lines():
     th = Thresholds(rel_floor=0.0)
     budget = 2 * U16
