@@ -175,8 +175,6 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     below that dtype's normal range (a random-init MobileNetV2 whose fp32 logits are 1e-26, 0 in fp16) are
     judged by their absolute rounding, as :func:`msprobe_ci.compare.metrics.relative_error_arrays` does.
     """
-    import torch
-
     from .compare.verdict import unit_roundoff
     from .dtypes import smallest_normal
 
