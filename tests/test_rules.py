@@ -110,6 +110,38 @@ def test_model_cases_in_slices_match_the_whole(monkeypatch):
     (bad,) = check.model_cases([("o", b)], [("o", t)], 1.0)
     assert bad["message"] == "o: 2 element(s) NaN/Inf on one side only (target 3, bench 1 of 407 non-finite)"
     assert check._l2_in_chunks(t, b)[:4] == (2, 3, 1, 404)
+    # the difference of two float32 outputs is taken in float64: opposite values near float32's range do not overflow
+    (far,) = check.model_cases([("o", torch.tensor([3e38, 1.0]))], [("o", torch.tensor([-3e38, 1.0]))], 10.0)
+    assert far["value"] == pytest.approx(2.0, rel=1e-12) and far["status"] == "pass"
+
+
+def test_precision_notes_name_the_oracle_device_and_at_most_five_fallbacks():
+    from types import SimpleNamespace
+
+    import torch
+
+    from msprobe_ci.check import precision_notes
+    from msprobe_ci.isolate import Isolator
+
+    backend = SimpleNamespace(label="cpu/fp64")
+    capture = SimpleNamespace(precision_fallbacks={"torch._grouped_mm": "reference", "torch.foo": "torch.float32"},
+                              isolator=Isolator(oracle_max=torch.float32, oracle_label="npu:0"))
+    capture.isolator.oracle_fallbacks.update({f"torch.op{i}": f"why {i}" for i in range(7)})
+    grouped, foo, oracle = precision_notes(capture, backend)
+    assert grouped == ("cpu/fp64: torch._grouped_mm has no float64 kernel: it ran in float64 as its reference "
+                       "decomposition (one matmul per group)")
+    assert foo == ("cpu/fp64: torch.foo has no float64 kernel: it ran in torch.float32 (the best precision it "
+                   "supports), its outputs cast back to float64")
+    assert oracle == ("oracle on npu:0 (at most float32); 7 API(s) fell back to the CPU oracle; "
+                      + "; ".join(f"torch.op{i}: why {i}" for i in range(5)) + " ...")
+    capture.isolator.oracle_fallbacks.pop("torch.op6")
+    assert precision_notes(capture, backend)[2].endswith("torch.op4: why 4 ...")  # six: one left out
+    capture.isolator.oracle_fallbacks.pop("torch.op5")
+    assert precision_notes(capture, backend)[2].endswith("torch.op4: why 4")  # five: no ellipsis
+    capture.isolator = Isolator()  # the CPU float64 oracle: no note
+    assert len(precision_notes(capture, backend)) == 2
+    capture.isolator = None
+    assert len(precision_notes(SimpleNamespace(precision_fallbacks={}), backend)) == 0
 
 
 def test_pass_warning_error_at_the_exact_lines():

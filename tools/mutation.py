@@ -83,8 +83,8 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.overflow.x_check_entry__mutmut_39":
         "bad_out = None instead of [] for ignored outputs: both are falsy and bad_out is only read for truth "
         "or when truthy",
-    "msprobe_ci.check.x_model_cases__mutmut_38":
-        "t.to(None) keeps the target's dtype: every use meets the float64 bench (promoted) or isfinite (the same)",
+    "msprobe_ci.check.x__l2_in_chunks__mutmut_20":
+        "tc.to(None) keeps the target's dtype: every use meets the float64 bench (promoted) or isfinite (the same)",
     "msprobe_ci.check.x_read_coverage__mutmut_15": _UTF8,
     "msprobe_ci.check.x_read_coverage__mutmut_17": _UTF8,
     "msprobe_ci.check.x_read_coverage__mutmut_19": _UTF8,
