@@ -200,6 +200,21 @@ class Backend:
         kind = DEVICE_KINDS.get(self.kind)
         return getattr(torch, kind.oracle_max) if kind is not None else torch.float64
 
+    @property
+    def dist_backend(self) -> str:
+        """The ``torch.distributed`` backend of ranks on this device (its :class:`DeviceKind`'s; ``gloo`` on the
+        CPU)."""
+        kind = DEVICE_KINDS.get(self.kind)
+        return kind.dist_backend if kind is not None else "gloo"
+
+    def oracle_options(self, choice: str) -> dict:
+        """The :class:`~msprobe_ci.isolate.Isolator` keywords of ``--msprobe-oracle-device`` ``choice`` on this
+        (target) backend: ``{}`` (the CPU float64 oracle) for ``cpu`` or a CPU target; for ``target`` this
+        device, at most its :attr:`oracle_max`, labelled as the user named it."""
+        if choice != "target" or self.kind == "cpu":
+            return {}
+        return dict(oracle_device=self.torch_device, oracle_max=self.oracle_max, oracle_label=self.device)
+
     def check_available(self) -> None:
         """Raise :class:`MsprobeError` when the device cannot run here (runtime missing, no device, bad index)."""
         if self.kind == "cpu":

@@ -67,13 +67,9 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
             if side == "target" and job.isolate:
                 from .isolate import Isolator
 
-                oracle = {}
-                if job.oracle_device == "target" and backend.kind != "cpu":
-                    oracle = dict(oracle_device=backend.torch_device, oracle_max=backend.oracle_max,
-                                  oracle_label=backend.device)
                 isolator = Isolator(standards=dict(job.standards), thresholds=dict(job.thresholds),
                                     target_device=backend.torch_device, backward=job.loss_fn is not None,
-                                    bench_kernel=job.bench_kernel, **oracle)
+                                    bench_kernel=job.bench_kernel, **backend.oracle_options(job.oracle_device))
             cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
             run = run_side(job.build(rank, world), job.inputs, job.loss_fn, backend, cfg,
                            faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator)

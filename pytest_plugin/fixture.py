@@ -433,7 +433,6 @@ class MsprobeFixture:
         """
         __tracebackhide__ = True
         from ..check import SideRun, evaluate
-        from ..backends import DEVICE_KINDS
         from ..compare.ranks import first_divergence_across_ranks
         from ..errors import MsprobeError
         from ..graph.service import compare_vis_db
@@ -453,13 +452,11 @@ class MsprobeFixture:
         session = self.session
         os.makedirs(check_dir, exist_ok=True)
         level, task = st["level"], st["task"]
-        kind = DEVICE_KINDS.get(target.kind)
-        dist_backend = kind.dist_backend if kind is not None else "gloo"
         job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
                       sides=(("bench", st["bench"], st["bench_dtype"]), ("target", st["target"], st["target_dtype"])),
                       level=level, task=task, seed=int(st["seed"]), faults=tuple(faults),
                       isolate=c.isolate, standards=dict(st["api_standards"] or {}),
-                      thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=dist_backend,
+                      thresholds=dict(st["api_thresholds"] or {}), port=free_port(), backend=target.dist_backend,
                       bench_kernel=_bench_kernel(st, c.bench, c.target),
                       oracle_device=_oracle_choice(st, c.target))
         if merged:
@@ -947,19 +944,10 @@ def _bench_kernel(st: dict, bench, target) -> str:
                                 target.device)
 
 
-def _oracle_device(st: dict, target) -> tuple[str, Any]:
-    """``(device, highest dtype)`` of a check's oracle: ``oracle_device`` ``cpu`` (float64 on the CPU) or
-    ``target`` (the target's device, at most its :attr:`~msprobe_ci.backends.Backend.oracle_max`); unset:
-    ``target`` on CUDA, ``cpu`` elsewhere."""
-    import torch
-
-    if _oracle_choice(st, target) == "cpu":
-        return "cpu", torch.float64
-    return target.torch_device, target.oracle_max
-
-
 def _oracle_choice(st: dict, target) -> str:
-    """``cpu`` or ``target`` (see :func:`_oracle_device`; a CPU target's oracle is the CPU's)."""
+    """``cpu`` (float64 on the CPU) or ``target`` (the target's device, at most its
+    :attr:`~msprobe_ci.backends.Backend.oracle_max`: :meth:`~msprobe_ci.backends.Backend.oracle_options`); unset:
+    ``target`` on CUDA, ``cpu`` elsewhere; a CPU target's oracle is the CPU's."""
     from ..errors import MsprobeError
 
     choice = st.get("oracle_device") or ("target" if target.kind == "cuda" else "cpu")
@@ -971,11 +959,10 @@ def _oracle_choice(st: dict, target) -> str:
 def _make_isolator(st: dict, bench, target, backward: bool):
     from ..isolate import Isolator
 
-    device, limit = _oracle_device(st, target)
     return Isolator(standards=dict(st["api_standards"] or {}), thresholds=dict(st["api_thresholds"] or {}),
                     target_device=target.torch_device, bench_device=bench.torch_device if _available(bench) else "cpu",
-                    backward=backward, bench_kernel=_bench_kernel(st, bench, target), oracle_device=device,
-                    oracle_max=limit, oracle_label=target.device)
+                    backward=backward, bench_kernel=_bench_kernel(st, bench, target),
+                    **target.oracle_options(_oracle_choice(st, target)))
 
 
 def _fail_unapplied(inject: str | None, unapplied: list, artifacts: str) -> None:

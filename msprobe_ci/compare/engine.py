@@ -6,7 +6,7 @@ import functools
 import json
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..dump import names
@@ -364,12 +364,17 @@ def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
                          thresholds=th, frameworks=(t_fw, b_fw), entry_pairs=entry_pairs)
 
 
+def accumulated(name: str) -> bool:
+    """An accumulated parameter gradient (a ``parameters_grad`` entry). Such an entry stands where its parameter's
+    gradient was first accumulated but holds the final sum: a weight tied to an embedding (BERT's decoder, T5's
+    shared embedding) sums the gradients of calls made after its place in the dump, so its error is the first
+    divergence only where no computed node fails."""
+    return ".parameters_grad" in name
+
+
 def computed_first(errors: list[CompareResult]) -> list[CompareResult]:
-    """``errors`` without the accumulated parameter gradients (``parameters_grad`` entries). Such an entry stands
-    where its parameter's gradient was first accumulated but holds the final sum: a weight tied to an embedding
-    (BERT's decoder, T5's shared embedding) sums the gradients of calls made after its place in the dump, so its
-    error is the first divergence only where no computed node fails."""
-    return [n for n in errors if ".parameters_grad" not in n.name]
+    """``errors`` without the :func:`accumulated` ones."""
+    return [n for n in errors if not accumulated(n.name)]
 
 
 def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResult]:
@@ -382,14 +387,12 @@ def _blame_first(nodes: list[CompareResult], th: Thresholds) -> list[CompareResu
     cannot tell a node's own error from an amplified one, and statistics understate what an input carries element
     by element (a fault's noise two layers on moved a GPT-2 projection's inputs' statistics by 1u in fp16 and its
     output's Max by 6u), so later blame goes to the first cause; fix it and run again to see a second one."""
-    from dataclasses import replace
-
     first = None
     out = []
     for n in nodes:
         if n.status == "error" and n.metric == "RelativeErr":
             if first is None:
-                if ".parameters_grad" not in n.name:  # see CompareReport.first_divergence
+                if not accumulated(n.name):
                     first = n.name
             elif n.input_error > 0.0 or n.metrics.get("inputs_unseen"):
                 n = replace(n, status="warning", message=f"{n.name}: propagated from {first} ({n.message})",
@@ -571,9 +574,7 @@ def _judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowRes
     if result.status == "error" and ".parameters_grad" in name and not incoming:
         # the gradient its module's backward received is not in the dump (an embedding's: its input is integer
         # ids), so what this accumulated gradient was computed from is unseen, not clean (_blame_first)
-        from dataclasses import replace
-
-        result = replace(result, metrics=dict(result.metrics, inputs_unseen=True))
+            result = replace(result, metrics=dict(result.metrics, inputs_unseen=True))
     return result
 
 
@@ -593,8 +594,6 @@ def _gradient_allowances(result: CompareResult, drift: CompareResult, scale: Com
       operands' statistics do not bound (their Max and Min are other elements). Measured on stock OPT at bf16:
       a weight gradient's Max 2.7x, a positional embedding gradient's Min 4.4x its inputs' worst statistic, with
       the norms within 0.5%. A gradient scaled by a fault moves its norm and fails the scale test."""
-    from dataclasses import replace
-
     why = []
 
     def summed(test: CompareResult, pick: int) -> bool:
@@ -661,8 +660,7 @@ def _scale_test(name: str, inputs: list[RowResult], own: list[RowResult], kappas
     res = judge(name, worst.norm_error, r_in, u, th, worst.target.name, dict(worst.metrics, test="scale"),
                 statistics=True, condition=kappa, second_order=r_in_drift * r_in_drift, test="Norm")
     if r_in_drift > res.input_error:  # after a first divergence, inputs that carried error explain a node
-        from dataclasses import replace  # (engine._blame_first), whichever statistic shows it
-
+        # (_blame_first), whichever statistic shows it
         res = replace(res, input_error=r_in_drift)
     return res
 
@@ -717,7 +715,7 @@ def cancellation(out: tuple | None, incoming: list[tuple], saved: list[tuple], s
     for _, n_g, size_g, dims_g in incoming:
         if scatter:
             kappa = max(kappa, n_g / n_out)
-        if size_out < size_g and size_g % size_out == 0 and _sub_multiset(free, dims_g):
+        if _summed_over_broadcast(size_out, free, size_g, dims_g):
             kappa = max(kappa, n_g / n_out)  # x = ones
             for _, n_x, size_x, _ in saved:
                 if size_x == size_g:
@@ -846,16 +844,22 @@ def _absolute_input_error(inputs: list[RowResult], out: RowResult, norm: bool = 
 def reduction_length(out: tuple | None, incoming: list[tuple]) -> int:
     """How many incoming-gradient elements a gradient output sums into each of its own: ``numel(g) / numel(out)``
     where the output is ``g`` summed over broadcast axes (a bias's or a normalization weight's gradient: the
-    tokens of a batch), else 1 (a contraction is a GEMM, which accumulates in float32 on every device)."""
+    tokens of a batch), else 1 (a contraction: :func:`contraction_length`)."""
     if out is None:
         return 1
     _, _, size_out, dims_out = out
     free = sorted(d for d in dims_out if d != 1)
     k = 1
     for _, _, size_g, dims_g in incoming:
-        if 0 < size_out < size_g and size_g % size_out == 0 and _sub_multiset(free, dims_g):
+        if _summed_over_broadcast(size_out, free, size_g, dims_g):
             k = max(k, size_g // size_out)
     return k
+
+
+def _summed_over_broadcast(size_out: int, free: list[int], size_g: int, dims_g: tuple) -> bool:
+    """An output of ``size_out`` elements (its dimensions other than 1: ``free``) is ``g`` summed over the axes
+    it was broadcast along: smaller, dividing ``g``'s size, its dimensions among ``g``'s."""
+    return 0 < size_out < size_g and size_g % size_out == 0 and _sub_multiset(free, dims_g)
 
 
 def _norm(row: Row | None) -> float:

@@ -339,8 +339,12 @@ def norm_error(t_stats: tuple, b_stats: tuple, numel: int, t_max: float | None =
     rule's scale test (:mod:`msprobe_ci.compare.verdict`) judges this error against the inputs' own."""
     if t_max is not None and _beyond(b_stats, t_max):
         return math.nan
-    t, b = _number(t_stats[3]), _number(b_stats[3])
-    if t is None or b is None or not math.isfinite(t) or not math.isfinite(b):
+    t, b = t_stats[3], b_stats[3]
+    if type(t) is not float or type(b) is not float:  # the common row has floats: no conversion
+        t, b = _number(t), _number(b)
+        if t is None or b is None:
+            return math.nan
+    if not (math.isfinite(t) and math.isfinite(b)):
         return math.nan
     d = abs(t - b)
     if d == 0.0:

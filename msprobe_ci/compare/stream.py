@@ -464,7 +464,7 @@ class NodeStream:
                 name, own, node = slot[0], slot[1], slot[2]
                 if node.status == "error" and node.metric == "RelativeErr":
                     if first_error is None:
-                        if ".parameters_grad" not in name:  # engine.computed_first
+                        if not engine.accumulated(name):
                             first_error = name
                     elif node.input_error > 0.0 or node.metrics.get("inputs_unseen"):
                         node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
@@ -521,7 +521,7 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
                     result.counts[node.status] += 1
                     result.nodes += 1
                     if node.status == "error" and (result.first_divergence is None or (
-                            not engine.computed_first([result.first_divergence]) and engine.computed_first([node]))):
+                            engine.accumulated(result.first_divergence.name) and not engine.accumulated(name))):
                         result.first_divergence = node  # a computed node before an accumulated gradient
                     done: set[str] = set()
                     for rr in own:
