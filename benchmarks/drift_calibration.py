@@ -9,7 +9,9 @@ does. For each run: the benign pair's errors and warnings, the node closest to i
 
     python benchmarks/drift_calibration.py [--sizes small,medium] [--tokens 512,1024,2048]
                                            [--dtypes bf16,fp16] [--faults Functional.layer_norm:11,Torch.addmm:20,...]
-                                           [--threads 2] [--worst 5]
+                                           [--threads 2] [--worst 5] [--msprobe]
+
+``--msprobe``: the benign pairs dumped by msprobe's own ``PrecisionDebugger`` (mindstudio-probe) instead.
 
 A row per (size, tokens, dtype): benign errors / warnings / worst value-over-budget; then per fault: named
 exactly (yes/no), first divergence, other error nodes.
@@ -60,6 +62,40 @@ def dump(model, ids, dtype, folder, faults=()):
     return os.path.join(folder, "step0", "rank")
 
 
+def dump_msprobe(size: str, tokens: int, dtype: str, folder: str) -> str:
+    """The same step dumped by msprobe's own ``PrecisionDebugger`` (statistics, mix), in a fresh process (its
+    debugger is one per process); returns the rank folder holding its dump.json."""
+    import glob
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child-msprobe", size, str(tokens), dtype, folder],
+                   check=True, capture_output=True)
+    return os.path.dirname(sorted(glob.glob(os.path.join(folder, "**", "dump.json"), recursive=True))[0])
+
+
+def _child_msprobe(size: str, tokens: str, dtype: str, folder: str) -> None:
+    import json
+
+    from msprobe.pytorch import PrecisionDebugger as MsprobeDebugger
+
+    model = build(size)
+    ids = torch.randint(0, model.config.vocab_size, (1, int(tokens)), generator=torch.Generator().manual_seed(12))
+    m = model.to({"fp32": torch.float32, **DTYPES}[dtype])
+    os.makedirs(folder, exist_ok=True)
+    cfg = os.path.join(folder, "config.json")
+    with open(cfg, "w") as fh:
+        json.dump({"task": "statistics", "dump_path": os.path.join(folder, "dump"), "level": "mix", "rank": [],
+                   "step": [], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
+                                              "summary_mode": "statistics"}}, fh)
+    dbg = MsprobeDebugger(config_path=cfg)
+    torch.manual_seed(1234)
+    dbg.start(m)
+    m(input_ids=ids, labels=ids).loss.backward()
+    dbg.stop()
+    dbg.step()
+
+
 def verdicts(bench, target, worst: int = 5):
     """``(report, errors, warnings, the worst nodes)`` of the target judged against the bench as ``msprobe-ci
     compare`` judges two statistics dumps without isolation records."""
@@ -78,7 +114,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worst", type=int, default=5)
     ap.add_argument("--keep", default="")
+    ap.add_argument("--msprobe", action="store_true",
+                    help="benign pairs dumped by msprobe's own PrecisionDebugger instead (no faults: it injects none)")
+    ap.add_argument("--child-msprobe", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_msprobe:
+        torch.set_num_threads(args.threads)
+        _child_msprobe(*args.child_msprobe)
+        return
     torch.set_num_threads(args.threads)
     for size in args.sizes.split(","):
         model = build(size)
@@ -86,12 +129,16 @@ def main() -> None:
             ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(12))
             tmp = args.keep or tempfile.mkdtemp(prefix="driftcal-")
             t0 = time.perf_counter()
-            bench = dump(model, ids, torch.float32, os.path.join(tmp, "bench"))
+            if args.msprobe:
+                bench = dump_msprobe(size, tokens, "fp32", os.path.join(tmp, "bench"))
+            else:
+                bench = dump(model, ids, torch.float32, os.path.join(tmp, "bench"))
             tb = time.perf_counter() - t0
             for dname in args.dtypes.split(","):
                 dtype = DTYPES[dname]
                 t0 = time.perf_counter()
-                target = dump(model, ids, dtype, os.path.join(tmp, f"target-{dname}"))
+                target = dump_msprobe(size, tokens, dname, os.path.join(tmp, f"target-{dname}")) if args.msprobe \
+                    else dump(model, ids, dtype, os.path.join(tmp, f"target-{dname}"))
                 tt = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 report, errors, warns, worst = verdicts(bench, target, args.worst)
@@ -102,7 +149,7 @@ def main() -> None:
                 for n in worst:
                     print(f"    worst {n.status:7s} {n.value / n.budget if n.budget else float('inf'):6.2f}x "
                           f"{n.message[:230]}", flush=True)
-                for spec in filter(None, args.faults.split(",")):
+                for spec in filter(None, [] if args.msprobe else args.faults.split(",")):
                     api, call = spec.split(":")
                     fault = Fault(api, int(call), "forward", "scale", 1.02)
                     folder = dump(model, ids, dtype, os.path.join(tmp, f"fault-{dname}-{api}{call}"), (fault,))
