@@ -126,10 +126,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "msprobe(**options): per-test msprobe options (bench, target, bench_dtype, "
-                            "target_dtype, level, task, inject, seed, fuzzy, compile, isolate, bench_kernel, "
-                            "oracle_device, output_rtol, round_factor, propagation, error_factor, rel_floor, "
-                            "api_standards, api_thresholds, free_benchmark)")
+    from ..check.settings import CHECK_OPTIONS
+
+    config.addinivalue_line("markers", f"msprobe(**options): per-test msprobe options ({', '.join(CHECK_OPTIONS)})")
     session = ProbeSession(config)
     config.stash[session_key] = session
     config.pluginmanager.register(session, "msprobe-session")

@@ -8,11 +8,9 @@ from typing import Any
 
 import pytest
 
-#: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
-CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "bench_kernel", "oracle_device", "output_rtol", "round_factor", "propagation", "error_factor",
-                 "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
-
+from ..check.conclude import RESULT as RESULT_PROPERTY
+from ..check.settings import check_keys
+from ..errors import MsprobeError
 
 def dump_files(path: str) -> list[str]:
     """The dump.json files named by ``--msprobe-api-check`` (a file, a rank folder or a step folder).
@@ -35,7 +33,6 @@ def dump_files(path: str) -> list[str]:
 _BAD_MARKER = pytest.StashKey[str]()  # an item's unknown @pytest.mark.msprobe options, said at its setup
 
 session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
-RESULT_PROPERTY = "msprobe.result"
 
 
 def _opt(config: pytest.Config, ini: str) -> Any:
@@ -220,10 +217,10 @@ class ProbeSession:
         under xdist end it in an internal error)."""
         for item in items:
             for mark in item.iter_markers("msprobe"):
-                unknown = sorted(set(mark.kwargs) - set(CHECK_OPTIONS))
-                if unknown:
-                    item.stash[_BAD_MARKER] = (f"msprobe: {item.nodeid}: @pytest.mark.msprobe: unknown option(s) "
-                                               f"{unknown}; allowed: {list(CHECK_OPTIONS)}")
+                try:
+                    check_keys(mark.kwargs, f"{item.nodeid}: @pytest.mark.msprobe")
+                except MsprobeError as exc:
+                    item.stash[_BAD_MARKER] = f"msprobe: {exc}"
                     break
 
     @pytest.hookimpl(tryfirst=True)

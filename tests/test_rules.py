@@ -91,7 +91,7 @@ def test_the_scale_tests_terms_and_message():
 def test_model_cases_in_slices_match_the_whole(monkeypatch):
     import torch
 
-    import msprobe_ci.check as check
+    import msprobe_ci.check.outcome as check
 
     g = torch.Generator().manual_seed(0)
     b = torch.randn(37, 11, generator=g) * 1e20

@@ -34,7 +34,8 @@ _STANDARD_TESTS = ["tests/test_standards.py", *(f"tests/test_api_check.py::{t}" 
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "verdict": (["msprobe_ci/compare/verdict.py"], ["tests/test_rules.py"]),
     "overflow": (["msprobe_ci/overflow.py"], ["tests/test_rules.py"]),
-    "check": (["msprobe_ci/check.py"], ["tests/test_rules.py"]),
+    "check": ([f"msprobe_ci/check/{m}.py" for m in ("outcome", "sides", "training", "generation")],
+              ["tests/test_rules.py"]),
     "junit": (["msprobe_ci/pytest_plugin/junit.py"], ["tests/test_rules.py"]),
     "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
@@ -56,8 +57,10 @@ _PIPELINE = ("pipeline, not a rule: it runs models and writes dumps, and the rul
              "mutant would cost minutes)")
 #: functions not mutated, with the reason (the work folder's copy gets mutmut's ``no mutate`` pragmas around them)
 OUT_OF_SCOPE: dict[str, dict[str, str]] = {
-    "msprobe_ci/check.py": {f: _PIPELINE for f in ("run_side", "judge", "evaluate", "run_training", "run_decode",
-                                                   "unapplied_faults")},
+    "msprobe_ci/check/outcome.py": {f: _PIPELINE for f in ("judge", "evaluate")},
+    "msprobe_ci/check/sides.py": {f: _PIPELINE for f in ("run_side", "unapplied_faults")},
+    "msprobe_ci/check/training.py": {f: _PIPELINE for f in ("run_training", "check_training", "_require_module")},
+    "msprobe_ci/check/generation.py": {f: _PIPELINE for f in ("run_decode", "check_generate")},
     "msprobe_ci/compare/isolated.py": {"replay": "pipeline, not a rule: it builds an ApiReplayer and runs every call "
                                                  "(the judge it uses is mutated as 'judge'); pinned end to end by "
                                                  "tests/test_isolation.py and test_msprobe_interop.py"},
@@ -83,14 +86,14 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.overflow.x_check_entry__mutmut_39":
         "bad_out = None instead of [] for ignored outputs: both are falsy and bad_out is only read for truth "
         "or when truthy",
-    "msprobe_ci.check.x__l2_in_chunks__mutmut_20":
+    "msprobe_ci.check.outcome.x__l2_in_chunks__mutmut_20":
         "tc.to(None) keeps the target's dtype: every use meets the float64 bench (promoted) or isfinite (the same)",
-    "msprobe_ci.check.x_read_coverage__mutmut_15": _UTF8,
-    "msprobe_ci.check.x_read_coverage__mutmut_17": _UTF8,
-    "msprobe_ci.check.x_read_coverage__mutmut_19": _UTF8,
-    "msprobe_ci.check.x_read_coverage__mutmut_61":
+    "msprobe_ci.check.outcome.x_read_coverage__mutmut_15": _UTF8,
+    "msprobe_ci.check.outcome.x_read_coverage__mutmut_17": _UTF8,
+    "msprobe_ci.check.outcome.x_read_coverage__mutmut_19": _UTF8,
+    "msprobe_ci.check.outcome.x_read_coverage__mutmut_61":
         "the first line of the message: no exception that reaches it (OSError, JSON, ours) has a second one",
-    "msprobe_ci.check.x_read_coverage__mutmut_63":
+    "msprobe_ci.check.outcome.x_read_coverage__mutmut_63":
         "repr(exc) of a message-less exception: none reaches it (each has a message)",
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_347": _XML,
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_349": _XML,

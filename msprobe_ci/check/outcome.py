@@ -1,11 +1,5 @@
-"""One check, end to end, without pytest: run a side under capture (and isolation), then judge.
+"""The judgement every mode shares: two dumps in, one frozen :class:`CheckOutcome` out.
 
-The fixture (``pytest_plugin/fixture.py``) merges options and maps outcomes to pass/skip/fail; this module does the
-work, so benchmarks and other front ends run the very same pipeline:
-
-* :func:`run_side`: deep-copy the model onto a backend, run forward (and backward) under
-  :class:`~msprobe_ci.capture.CaptureSession`, return the dump folder, the final outputs and the faults that never
-  fired;
 * :func:`judge`: compare the two dumps (msprobe's rows and metrics, drift as context) and apply the isolated
   verdicts of the target's ``isolation.json``;
 * :func:`model_cases`: the model-level testcases (final outputs and loss against an end-to-end tolerance);
@@ -16,96 +10,13 @@ work, so benchmarks and other front ends run the very same pipeline:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from ._perf import gc_paused
-from .errors import MsprobeError
+from .._perf import gc_paused
 
-
-@dataclass(frozen=True)
-class SideRun:
-    """What one side produced.
-
-    Attributes:
-        folder: the rank folder of the dump (``.../step0/rank``).
-        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
-        unapplied: one line per injected fault that never fired (the gate proved nothing with it).
-        notes: report lines about how the side ran (:func:`precision_notes`).
-    """
-
-    folder: str
-    outputs: list = field(default_factory=list)
-    unapplied: tuple = ()
-    notes: tuple = ()
-
-
-def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
-             seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
-             free_bench=None) -> SideRun:
-    """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
-
-    Args:
-        model: the user's ``nn.Module`` (deep-copied by the backend, left untouched).
-        inputs: positional inputs, or one dict of keyword inputs.
-        loss_fn: maps the output to a scalar loss; its ``backward()`` is captured too.
-        backend: a :class:`~msprobe_ci.backends.Backend`.
-        cfg: the side's :class:`~msprobe_ci.config.DumpConfig` (dump_path = the side's folder).
-        faults: :class:`~msprobe_ci.capture.inject.Fault` list (target side).
-        seed: ``torch.manual_seed`` before the run (default 1234).
-        regions: module paths compiled by the backend (no hooks inside).
-        eval_mode: put the copy in eval mode.
-        isolator: an :class:`~msprobe_ci.isolate.Isolator` (target side), or ``None``.
-        free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark` (a target with no bench), or ``None``.
-
-    Raises:
-        MsprobeError: nothing was captured.
-    """
-    import torch
-
-    from .backends import deterministic
-    from .capture import CaptureSession
-
-    side_model = backend.prepare_model(model, eval_mode=eval_mode)
-    side_inputs = backend.prepare_inputs(inputs)
-    capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
-    torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
-    try:
-        with deterministic():
-            capture.start(side_model)
-            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
-                out = side_model(**side_inputs[0])
-            else:
-                out = side_model(*side_inputs)
-            if loss_fn is not None:
-                loss = loss_fn(out)
-                loss.backward()
-            capture.stop()
-        flat = flatten_outputs(out)
-        if loss_fn is not None:
-            flat.append(("loss", loss.detach().float().cpu()))
-    finally:
-        capture.close()
-    if not capture.folders:
-        raise MsprobeError("nothing was captured (no torch API or submodule ran)")
-    return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)),
-                   precision_notes(capture, backend))
-
-
-def precision_notes(capture, backend) -> tuple[str, ...]:
-    """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
-    ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""
-    notes = tuple(f"{backend.label}: {api} has no float64 kernel: " + (
-        "it ran in float64 as its reference decomposition (one matmul per group)" if how == "reference" else
-        f"it ran in {how} (the best precision it supports), its outputs cast back to float64")
-        for api, how in capture.precision_fallbacks.items())
-    isolator = getattr(capture, "isolator", None)
-    if isolator is not None and isolator.oracle_on_target:  # --msprobe-oracle-device=target
-        notes += (f"oracle on {isolator.oracle_label} (at most {str(isolator.oracle_max).replace('torch.', '')}); "
-                  f"{len(isolator.oracle_fallbacks)} API(s) fell back to the CPU oracle" +
-                  "".join(f"; {api}: {why}" for api, why in list(isolator.oracle_fallbacks.items())[:5]) +
-                  (" ..." if len(isolator.oracle_fallbacks) > 5 else ""),)
-    return notes
+if TYPE_CHECKING:
+    from .sides import SideRun
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
@@ -122,9 +33,9 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
     Raises:
         MsprobeError: unreadable or incompatible dumps.
     """
-    from .compare import compare_dumps
-    from .compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
-    from .dump.reader import load_dump
+    from ..compare import compare_dumps
+    from ..compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
+    from ..dump.reader import load_dump
 
     bench_dump = load_dump(bench_folder)
     target_dump = load_dump(target_folder)
@@ -175,8 +86,8 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     below that dtype's normal range (a random-init MobileNetV2 whose fp32 logits are 1e-26, 0 in fp16) are
     judged by their absolute rounding, as :func:`msprobe_ci.compare.metrics.relative_error_arrays` does.
     """
-    from .compare.verdict import unit_roundoff
-    from .dtypes import smallest_normal
+    from ..compare.verdict import unit_roundoff
+    from ..dtypes import smallest_normal
 
     if not bench or not target:
         return []
@@ -332,8 +243,8 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
     Raises:
         MsprobeError: unreadable or incompatible dumps.
     """
-    from .errors import MsprobeError
-    from .overflow import check_overflow, new_overflows
+    from ..errors import MsprobeError
+    from ..overflow import check_overflow, new_overflows
 
     bench_folder = bench if isinstance(bench, str) else bench.folder
     report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
@@ -344,7 +255,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
     if graph_dir is not None:
-        from .graph.service import write_compare_graph
+        from ..graph.service import write_compare_graph
 
         try:
             graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=fuzzy)
@@ -355,7 +266,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
     overflow = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
     api_checks: list = []
     if report.mode == "tensor" and level in ("L1", "mix"):
-        from .replay import ApiReplayer
+        from ..replay import ApiReplayer
 
         if report.replayed:  # judge replayed every call already (a tensor dump made without isolation)
             api_checks = list(report.replayed)
@@ -373,7 +284,7 @@ def merge_coverage(covs: list, notes: list | None = None) -> dict | None:
     share below 1 adds its summary to ``notes``. ``None`` when no rank has a figure."""
     import collections
 
-    from .capture.coverage import summary
+    from ..capture.coverage import summary
 
     covs = [c for c in covs if c is not None]
     if not covs:
@@ -407,7 +318,7 @@ def read_coverage(folder: str, notes: list | None = None) -> dict | None:
     import json
     import os
 
-    from .capture.coverage import summary
+    from ..capture.coverage import summary
 
     path = os.path.join(folder, "coverage.json")
     if not os.path.isfile(path):
@@ -434,191 +345,3 @@ def read_coverage(folder: str, notes: list | None = None) -> dict | None:
     return data
 
 
-@dataclass
-class TrainingRun:
-    """What one side of a training check produced.
-
-    Attributes:
-        folders: the rank folder of each step (``.../step<N>/rank``).
-        losses: the loss of each step (float).
-        grads: per step, ``{parameter name: float64 CPU gradient}`` after backward, before the optimizer step.
-        unapplied: injected faults that never fired.
-        monitor: the :class:`~msprobe_ci.monitor.MonitorReport` when the loop was monitored, else ``None``.
-        notes: report lines about how the side ran (:func:`precision_notes`).
-    """
-
-    folders: list = field(default_factory=list)
-    losses: list = field(default_factory=list)
-    grads: list = field(default_factory=list)
-    unapplied: tuple = ()
-    monitor: Any = None
-    notes: tuple = ()
-
-
-def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
-                 faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None) -> TrainingRun:
-    """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
-
-    Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
-    backward, the gradients kept for grad_probe statistics, ``optimizer.step()`` (its APIs are captured in the
-    same step), ``zero_grad()``.
-
-    Args:
-        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side.
-        monitor_dir: also run the training monitor (:class:`~msprobe_ci.monitor.TrainerMon`) into this folder.
-
-    Raises:
-        MsprobeError: a batch list that is empty, or nothing captured.
-    """
-    import torch
-
-    from .backends import deterministic
-    from .capture import CaptureSession
-
-    if not batches:
-        raise MsprobeError("check_training: batches is empty (one training step per batch)")
-    side_model = backend.prepare_model(model)
-    side_model.train()
-    opt = optimizer(side_model.parameters())
-    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
-    run = TrainingRun()
-    mon = None
-    if monitor_dir is not None:
-        from .monitor import TrainerMon
-
-        mon = TrainerMon(monitor_dir).set_monitor(side_model, opt)
-    torch.manual_seed(seed)
-    try:
-        with deterministic():
-            for batch in batches:
-                inputs = backend.prepare_inputs((batch,))[0]
-                capture.start(side_model)
-                if isinstance(inputs, dict):
-                    out = side_model(**inputs)
-                elif isinstance(inputs, (list, tuple)):
-                    out = side_model(*inputs)
-                else:
-                    out = side_model(inputs)
-                loss = loss_fn(out)
-                loss.backward()
-                if mon is not None:
-                    mon.record_loss(loss)
-                run.losses.append(float(loss.detach().float().cpu()))
-                run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
-                                  for n, p in side_model.named_parameters() if p.grad is not None})
-                opt.step()
-                opt.zero_grad()
-                capture.stop()
-                run.folders.append(capture.dump_folder())
-                capture.step()
-    finally:
-        capture.close()
-        if mon is not None:
-            run.monitor = mon.close()
-    run.unapplied = unapplied_faults(faults, capture)
-    run.notes = precision_notes(capture, backend)
-    return run
-
-
-def unapplied_faults(faults: tuple, capture, compiled: bool = False) -> tuple[str, ...]:
-    """One line per fault meant for this rank that never fired in ``capture``, or fired and changed no value
-    (:class:`~msprobe_ci.capture.inject.FaultLog`)."""
-    why = ("it ran inside a torch.compile region, where APIs cannot be reached" if compiled
-           else "no such call ran on the target")
-    return capture.fault_log.unapplied(capture.fault_rank, why)
-
-
-def grad_similarity(bench: dict, target: dict) -> list[dict]:
-    """grad_probe's per-parameter record of one step: norm, min and max on both sides, the cosine of the two
-    gradient vectors, and sign agreement (the share of elements whose signs agree)."""
-    import torch
-
-    out = []
-    for name, b in bench.items():
-        t = target.get(name)
-        if t is None or t.shape != b.shape:
-            continue
-        bf, tf = b.reshape(-1), t.reshape(-1)
-        denom = float(bf.norm() * tf.norm())
-        cos = float(bf @ tf) / denom if denom > 0 else (1.0 if float(bf.norm()) == float(tf.norm()) else 0.0)
-        out.append({"param": name, "cosine": cos, "sign_agreement": float((torch.sign(bf) == torch.sign(tf))
-                                                                            .double().mean()) if bf.numel() else 1.0,
-                    "bench_norm": float(bf.norm()), "target_norm": float(tf.norm()),
-                    "bench_min": float(bf.min()) if bf.numel() else 0.0, "bench_max": float(bf.max()) if bf.numel()
-                    else 0.0, "target_min": float(tf.min()) if tf.numel() else 0.0,
-                    "target_max": float(tf.max()) if tf.numel() else 0.0})
-    return out
-
-
-@dataclass
-class DecodeRun:
-    """What one side of a generation check produced: per step (0 = prefill) the rank folder, the greedy next
-    token the side itself would pick, and its last-position logits (float64 CPU)."""
-
-    folders: list = field(default_factory=list)
-    picks: list = field(default_factory=list)
-    logits: list = field(default_factory=list)
-    unapplied: tuple = ()
-    steps: list = field(default_factory=list)  # the captured steps, one per folder
-    notes: tuple = ()  # report lines about how the side ran (precision_notes)
-
-
-def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forced: list | None = None,
-               faults: tuple = (), seed: int = 1234, isolator=None, capture_steps=None,
-               **generate_kwargs) -> DecodeRun:
-    """Greedy decoding with the model's KV cache, one captured forward per step (step 0 is the prefill).
-
-    Args:
-        model: a causal LM taking ``input_ids``, ``past_key_values``, ``use_cache`` (transformers style) whose
-            output has ``.logits`` and ``.past_key_values``.
-        input_ids: ``[batch, prompt]`` token ids.
-        max_new_tokens: decode steps after the prefill.
-        forced: the tokens to feed at steps 1..N (teacher forcing on the bench's tokens); ``None`` feeds the
-            side's own greedy picks.
-        capture_steps: the steps to capture (a set of ints; ``None``: all); the others run uncaptured, so a long
-            generation writes only what is judged (msprobe's ``token_range``).
-        generate_kwargs: extra keyword inputs of every forward (e.g. ``attention_mask`` is not supported yet).
-
-    Raises:
-        MsprobeError: a model output without ``logits``/``past_key_values``, or nothing captured.
-    """
-    import torch
-
-    from .backends import deterministic
-    from .capture import CaptureSession
-
-    side_model = backend.prepare_model(model, eval_mode=True)
-    ids = backend.prepare_inputs((input_ids,))[0]
-    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
-    run = DecodeRun()
-    torch.manual_seed(seed)
-    past, step_ids = None, ids
-    try:
-        with deterministic(), torch.no_grad():
-            for step in range(max_new_tokens + 1):
-                captured = capture_steps is None or step in capture_steps
-                if captured:
-                    capture.start(side_model)
-                out = side_model(input_ids=step_ids, past_key_values=past, use_cache=True, **generate_kwargs)
-                if captured:
-                    capture.stop()
-                logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)
-                if logits is None or past is None:
-                    raise MsprobeError("check_generate: the model output needs .logits and .past_key_values "
-                                       "(a causal LM called with use_cache=True)")
-                last = logits[:, -1].detach().to("cpu", torch.float64)
-                run.logits.append(last)
-                run.picks.append(last.argmax(-1))
-                if captured:
-                    run.folders.append(capture.dump_folder())
-                    run.steps.append(step)
-                capture.step()
-                if step == max_new_tokens:
-                    break
-                nxt = forced[step] if forced is not None else run.picks[-1]
-                step_ids = nxt.reshape(-1, 1).to(ids.device)
-    finally:
-        capture.close()
-    run.unapplied = unapplied_faults(faults, capture)
-    run.notes = precision_notes(capture, backend)
-    return run

@@ -1,0 +1,44 @@
+"""The offline mode: gate a dump recorded elsewhere (another runner, another framework) against a bench dump,
+with no model run: compare, CSV, graph, overflow, the per-API pre-check of a tensor dump, one conclusion."""
+
+from __future__ import annotations
+
+import os
+
+from .conclude import Conclusion, conclude_check
+from .context import CheckContext
+
+
+def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
+                layer_mapping: str | None = None, cell_mapping: str | None = None,
+                api_mapping: str | None = None) -> Conclusion:
+    """Judge ``target`` against ``bench`` as :func:`~msprobe_ci.check.single.run_check` judges its two sides.
+
+    Args:
+        ctx: the test's folders and run-wide choices.
+        target, bench: a dump.json, rank folder or step folder with one rank each.
+        fuzzy: msprobe's ``-fm`` matching. data_mapping, layer_mapping, cell_mapping, api_mapping: msprobe's
+            ``-dm``/``-lm``/``-cm``/``-am`` YAML files (optional; a MindSpore dump against a PyTorch one needs none).
+
+    Returns:
+        The :class:`~msprobe_ci.check.conclude.Conclusion`, its value the CompareReport.
+
+    Raises:
+        MsprobeError: unreadable dumps or mapping files.
+    """
+    from ..compare.crossframe import Mappings
+    from ..dump.reader import rank_folders
+    from .outcome import evaluate
+    from .sides import SideRun
+
+    folders = [os.path.dirname(os.path.abspath(p)) if os.path.isfile(p) else rank_folders(p)[0]
+               for p in (target, bench)]
+    mappings = Mappings.load(data=data_mapping, layer=layer_mapping, cell=cell_mapping, api=api_mapping)
+    index, check_dir = ctx.next_check()
+    os.makedirs(check_dir, exist_ok=True)
+    row = {"test": ctx.nodeid, "index": index, "dir": check_dir, "bench": f"dump {folders[1]}",
+           "target": f"dump {folders[0]}", "level": "mix", "notes": []}
+    outcome = evaluate(folders[1], SideRun(folders[0]), check_dir, level="mix", fuzzy=fuzzy, isolate=True,
+                       graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index), mappings=mappings)
+    return conclude_check(row, outcome, check_dir, "mix", [], None, "--msprobe-target=cpu",
+                          require_coverage=ctx.require_coverage)

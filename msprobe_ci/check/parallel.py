@@ -1,0 +1,177 @@
+"""The parallel mode: a model split over ranks on both sides (torch.distributed), judged rank by rank, concluded
+naming the rank whose own computation diverged first; differently partitioned sides are merged (TP/PP) per
+data-parallel group first. The ranks themselves run on :mod:`msprobe_ci.parallel`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from ..errors import MsprobeError
+from .conclude import RESULT, Draft, overflow_or_api, unapplied_message
+from .context import CheckContext
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MsprobeError(f"check_parallel: {name}: expected a positive int, got {value!r}")
+    return value
+
+
+def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], inputs: tuple, *, world_size: int,
+                   bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
+                   timeout: float = 300.0, tp: Any = None, pp: Any = None):
+    """Run ``build(rank, world_size)`` on every rank of both sides, judge, conclude.
+
+    Args:
+        ctx: the test's :class:`~msprobe_ci.check.context.CheckContext`. s: the check's settings.
+        build: a module-level function returning a rank's module; inputs: every rank's inputs.
+        world_size, bench_world_size: ranks of the target and of the bench (default the same).
+        loss_fn: output -> scalar loss on every rank. timeout: seconds before hung ranks are terminated.
+        tp, pp: tensor/pipeline-parallel sizes, ``(target, bench)`` or one int for the target; any of
+            ``bench_world_size != world_size``, ``tp``, ``pp`` merges each side per data-parallel group.
+
+    Returns:
+        A :class:`~msprobe_ci.check.conclude.Conclusion` whose value is ``{rank: CompareReport}``, or when merged
+        ``{(step, data-parallel group): CompareReport}``.
+
+    Raises:
+        MsprobeError: a bad size, a rank that raised or hung, unreadable dumps (``. Artifacts: <dir>`` appended).
+    """
+    from ..compare.ranks import first_divergence_across_ranks
+    from ..graph.service import compare_vis_db
+    from ..parallel import RankJob, free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
+    from .outcome import evaluate
+    from .sides import SideRun
+
+    world_size = _positive_int(world_size, "world_size")
+    bench_world_size = _positive_int(world_size if bench_world_size is None else bench_world_size,
+                                     "bench_world_size")
+    merged = bench_world_size != world_size or tp is not None or pp is not None
+    index, check_dir = ctx.next_check()
+    os.makedirs(check_dir, exist_ok=True)
+    job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
+                  sides=(("bench", s.bench_device, s.bench_dtype), ("target", s.target_device, s.target_dtype)),
+                  level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), isolate=s.isolate,
+                  standards=dict(s.api_standards), thresholds=dict(s.api_thresholds), port=free_port(),
+                  backend=s.target.dist_backend, bench_kernel=s.bench_kernel, oracle_device=s.oracle_device)
+    if merged:
+        return _check_merged(ctx, s, job, index, world_size, bench_world_size, tp, pp, float(timeout))
+    outcomes = {}
+    try:
+        run_ranks(job, world_size, float(timeout))
+        for rank in range(world_size):
+            folder = {side: os.path.join(check_dir, side, "step0", f"rank{rank}") for side in ("bench", "target")}
+            target_run = SideRun(folder["target"], notes=rank_notes(check_dir, rank))
+            outcomes[rank] = evaluate(folder["bench"], target_run, os.path.join(check_dir, f"rank{rank}"),
+                                      level=s.level, isolate=job.isolate, api_standards=s.api_standards,
+                                      api_thresholds=s.api_thresholds, bench_kernel=job.bench_kernel)
+        graph = None
+        if ctx.graph_dir is not None:
+            graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
+                                   ctx.graph_dir(index), reports={(0, r): o.report for r, o in outcomes.items()})
+    except MsprobeError as exc:
+        raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None
+    d = Draft()
+    cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
+    per_rank = {r.rank: r for r in cross.ranks}
+    for rank, outcome in outcomes.items():
+        row = {"test": ctx.nodeid, "index": f"{index} rank{rank}", "dir": os.path.join(check_dir, f"rank{rank}"),
+               "bench": f"{s.bench.label} x{world_size}", "target": f"{s.target.label} x{world_size}",
+               "level": s.level, "bench_kernel": job.bench_kernel if job.isolate else None,
+               "notes": list(outcome.notes), "rank": rank,
+               # the cross-rank answer, for the report: this rank's own divergence or what it received
+               "rank_divergence": per_rank[rank].message if rank in per_rank else None,
+               "rank_first": cross.first is not None and cross.first.rank == rank}
+        row.update(outcome.summary(), unapplied=[])
+        d.properties.append((RESULT, row))
+    if graph:
+        d.properties.append(("msprobe.graph", graph))
+    value = {r: o.report for r, o in outcomes.items()}
+    inject = s.inject or ctx.inject_path
+    if d.fail(unapplied_message(inject, unapplied_faults_on_ranks(s.faults, world_size, check_dir), check_dir)):
+        return d.done(value)
+    if cross.first is not None:
+        lines = [f"msprobe: {cross.headline}"]
+        lines += [f"  also: {r.message}" for r in cross.ranks if r is not cross.first]
+        if graph:
+            lines.append(f"graph: {graph}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph))}; "
+                         "the rank switch shows each rank)")
+        lines.append(f"Artifacts: {check_dir}")
+        d.fail("\n".join(lines))
+        return d.done(value)
+    for rank, outcome in outcomes.items():
+        if overflow_or_api(d, outcome, f"rank{rank} ", check_dir, ctx.require_coverage):
+            break
+    return d.done(value)
+
+
+def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world: int, tp, pp, timeout: float):
+    """check_parallel of differently partitioned sides: each side in its own ranks, merged, compared per
+    data-parallel group; failures name the rank whose isolated verdict failed."""
+    from ..compare.merge import Parallel
+    from ..graph.service import compare_vis_db
+    from ..parallel import evaluate_merged, free_port, merged_where, rank_notes, run_ranks, unapplied_faults_on_ranks
+
+    check_dir = job.out
+    try:
+        sizes = {}
+        for key, value in (("tp", tp), ("pp", pp)):
+            pair = tuple(value) if isinstance(value, (tuple, list)) else (value, None)
+            if len(pair) != 2:
+                raise MsprobeError(f"check_parallel: {key}: expected an int or (target, bench), got {value!r}")
+            sizes[key] = pair
+        par = [None, None]
+        for side, n in ((0, world), (1, bench_world)):
+            t_, p_ = sizes["tp"][side], sizes["pp"][side]
+            if t_ is not None or p_ is not None:
+                t_ = t_ if t_ is not None else max(1, n // (p_ or 1))
+                par[side] = Parallel(n, int(t_), int(p_) if p_ is not None else max(1, n // int(t_)))
+        sides = dict((side[0], side) for side in job.sides)
+        run_ranks(dataclasses.replace(job, sides=(sides["bench"],), port=free_port()), bench_world, timeout)
+        run_ranks(dataclasses.replace(job, sides=(sides["target"],), port=free_port()), world, timeout)
+        results = evaluate_merged(os.path.join(check_dir, "target", "step0"),
+                                  os.path.join(check_dir, "bench", "step0"), check_dir, par[0], par[1],
+                                  isolate=job.isolate, cast_roundoff=s.cast_roundoff,
+                                  notes=tuple(dict.fromkeys(n for r in range(max(world, bench_world))
+                                                            for n in rank_notes(check_dir, r))))
+        graph = None
+        if ctx.graph_dir is not None:
+            graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
+                                   ctx.graph_dir(index), parallel=(par[0], par[1]),
+                                   reports={(st, i): o.report for st, i, _, o in results})
+    except MsprobeError as exc:
+        raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None
+    d = Draft()
+    for step, i, merged, outcome in results:
+        row = {"test": ctx.nodeid, "index": f"{index} group{i}", "dir": os.path.join(check_dir, f"step{step}_group{i}"),
+               "bench": f"{s.bench.label} x{bench_world}", "target": f"{s.target.label} x{world}",
+               "level": s.level, "bench_kernel": s.bench_kernel if s.isolate else None,
+               "notes": list(outcome.notes)}
+        row.update(outcome.summary(), unapplied=[])
+        d.properties.append((RESULT, row))
+    if graph:
+        d.properties.append(("msprobe.graph", graph))
+    value = {(st, i): o.report for st, i, _, o in results}
+    if d.fail(unapplied_message(s.inject or ctx.inject_path, unapplied_faults_on_ranks(s.faults, world, check_dir),
+                                check_dir)):
+        return d.done(value)
+    for step, i, merged, outcome in results:
+        first = outcome.first_divergence
+        if first is None:
+            continue
+        at = merged_where(first, merged.ranks)
+        detail = first.message.split(": ", 1)[-1] if first.message else first.status
+        lines = [f"msprobe: first divergence: step{step} {at} {first.name}: {detail}",
+                 f"  target ranks {merged.ranks} merged (TP/PP) against a bench of {bench_world} rank(s); "
+                 f"CSV: {outcome.csv}"]
+        if graph:
+            lines.append(f"graph: {graph}")
+        lines.append(f"Artifacts: {check_dir}")
+        d.fail("\n".join(lines))
+        return d.done(value)
+    for step, i, merged, outcome in results:
+        if overflow_or_api(d, outcome, f"step{step} ranks {merged.ranks} ", check_dir, ctx.require_coverage):
+            break
+    return d.done(value)

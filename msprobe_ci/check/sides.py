@@ -1,0 +1,108 @@
+"""One side of a check: the model copied onto a backend and run under capture (and isolation).
+
+* :func:`run_side`: deep-copy the model onto a backend, run forward (and backward) under
+  :class:`~msprobe_ci.capture.CaptureSession`, return the dump folder, the final outputs and the faults that never
+  fired, as a :class:`SideRun`;
+* :func:`precision_notes`, :func:`unapplied_faults`: what every mode's sides report about how they ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import MsprobeError
+from .outcome import flatten_outputs
+
+
+@dataclass(frozen=True)
+class SideRun:
+    """What one side produced.
+
+    Attributes:
+        folder: the rank folder of the dump (``.../step0/rank``).
+        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
+        unapplied: one line per injected fault that never fired (the gate proved nothing with it).
+        notes: report lines about how the side ran (:func:`precision_notes`).
+    """
+
+    folder: str
+    outputs: list = field(default_factory=list)
+    unapplied: tuple = ()
+    notes: tuple = ()
+
+
+def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
+             seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
+             free_bench=None) -> SideRun:
+    """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
+
+    Args:
+        model: the user's ``nn.Module`` (deep-copied by the backend, left untouched).
+        inputs: positional inputs, or one dict of keyword inputs.
+        loss_fn: maps the output to a scalar loss; its ``backward()`` is captured too.
+        backend: a :class:`~msprobe_ci.backends.Backend`.
+        cfg: the side's :class:`~msprobe_ci.config.DumpConfig` (dump_path = the side's folder).
+        faults: :class:`~msprobe_ci.capture.inject.Fault` list (target side).
+        seed: ``torch.manual_seed`` before the run (default 1234).
+        regions: module paths compiled by the backend (no hooks inside).
+        eval_mode: put the copy in eval mode.
+        isolator: an :class:`~msprobe_ci.isolate.Isolator` (target side), or ``None``.
+        free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark` (a target with no bench), or ``None``.
+
+    Raises:
+        MsprobeError: nothing was captured.
+    """
+    import torch
+
+    from ..backends import deterministic
+    from ..capture import CaptureSession
+
+    side_model = backend.prepare_model(model, eval_mode=eval_mode)
+    side_inputs = backend.prepare_inputs(inputs)
+    capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
+    torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
+    try:
+        with deterministic():
+            capture.start(side_model)
+            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
+                out = side_model(**side_inputs[0])
+            else:
+                out = side_model(*side_inputs)
+            if loss_fn is not None:
+                loss = loss_fn(out)
+                loss.backward()
+            capture.stop()
+        flat = flatten_outputs(out)
+        if loss_fn is not None:
+            flat.append(("loss", loss.detach().float().cpu()))
+    finally:
+        capture.close()
+    if not capture.folders:
+        raise MsprobeError("nothing was captured (no torch API or submodule ran)")
+    return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)),
+                   precision_notes(capture, backend))
+
+
+def precision_notes(capture, backend) -> tuple[str, ...]:
+    """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
+    ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""
+    notes = tuple(f"{backend.label}: {api} has no float64 kernel: " + (
+        "it ran in float64 as its reference decomposition (one matmul per group)" if how == "reference" else
+        f"it ran in {how} (the best precision it supports), its outputs cast back to float64")
+        for api, how in capture.precision_fallbacks.items())
+    isolator = getattr(capture, "isolator", None)
+    if isolator is not None and isolator.oracle_on_target:  # --msprobe-oracle-device=target
+        notes += (f"oracle on {isolator.oracle_label} (at most {str(isolator.oracle_max).replace('torch.', '')}); "
+                  f"{len(isolator.oracle_fallbacks)} API(s) fell back to the CPU oracle" +
+                  "".join(f"; {api}: {why}" for api, why in list(isolator.oracle_fallbacks.items())[:5]) +
+                  (" ..." if len(isolator.oracle_fallbacks) > 5 else ""),)
+    return notes
+
+
+def unapplied_faults(faults: tuple, capture, compiled: bool = False) -> tuple[str, ...]:
+    """One line per fault meant for this rank that never fired in ``capture``, or fired and changed no value
+    (:class:`~msprobe_ci.capture.inject.FaultLog`)."""
+    why = ("it ran inside a torch.compile region, where APIs cannot be reached" if compiled
+           else "no such call ran on the target")
+    return capture.fault_log.unapplied(capture.fault_rank, why)

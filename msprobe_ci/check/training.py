@@ -1,0 +1,200 @@
+"""The training mode: one step per batch on each side, every step judged, the first diverging step named.
+
+:func:`run_training` trains one side; :func:`grad_similarity` is grad_probe's per-parameter record of a step;
+:func:`check_training` is the whole check (both sides, per-step judgement, losses, gradients, the monitor),
+concluded as a :class:`~msprobe_ci.check.conclude.Conclusion`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import MsprobeError
+from .sides import precision_notes, unapplied_faults
+
+
+@dataclass
+class TrainingRun:
+    """What one side of a training check produced.
+
+    Attributes:
+        folders: the rank folder of each step (``.../step<N>/rank``).
+        losses: the loss of each step (float).
+        grads: per step, ``{parameter name: float64 CPU gradient}`` after backward, before the optimizer step.
+        unapplied: injected faults that never fired.
+        monitor: the :class:`~msprobe_ci.monitor.MonitorReport` when the loop was monitored, else ``None``.
+        notes: report lines about how the side ran (:func:`precision_notes`).
+    """
+
+    folders: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    unapplied: tuple = ()
+    monitor: Any = None
+    notes: tuple = ()
+
+
+def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
+                 faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None) -> TrainingRun:
+    """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
+
+    Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
+    backward, the gradients kept for grad_probe statistics, ``optimizer.step()`` (its APIs are captured in the
+    same step), ``zero_grad()``.
+
+    Args:
+        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side.
+        monitor_dir: also run the training monitor (:class:`~msprobe_ci.monitor.TrainerMon`) into this folder.
+
+    Raises:
+        MsprobeError: a batch list that is empty, or nothing captured.
+    """
+    import torch
+
+    from ..backends import deterministic
+    from ..capture import CaptureSession
+
+    if not batches:
+        raise MsprobeError("check_training: batches is empty (one training step per batch)")
+    side_model = backend.prepare_model(model)
+    side_model.train()
+    opt = optimizer(side_model.parameters())
+    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
+    run = TrainingRun()
+    mon = None
+    if monitor_dir is not None:
+        from ..monitor import TrainerMon
+
+        mon = TrainerMon(monitor_dir).set_monitor(side_model, opt)
+    torch.manual_seed(seed)
+    try:
+        with deterministic():
+            for batch in batches:
+                inputs = backend.prepare_inputs((batch,))[0]
+                capture.start(side_model)
+                if isinstance(inputs, dict):
+                    out = side_model(**inputs)
+                elif isinstance(inputs, (list, tuple)):
+                    out = side_model(*inputs)
+                else:
+                    out = side_model(inputs)
+                loss = loss_fn(out)
+                loss.backward()
+                if mon is not None:
+                    mon.record_loss(loss)
+                run.losses.append(float(loss.detach().float().cpu()))
+                run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
+                                  for n, p in side_model.named_parameters() if p.grad is not None})
+                opt.step()
+                opt.zero_grad()
+                capture.stop()
+                run.folders.append(capture.dump_folder())
+                capture.step()
+    finally:
+        capture.close()
+        if mon is not None:
+            run.monitor = mon.close()
+    run.unapplied = unapplied_faults(faults, capture)
+    run.notes = precision_notes(capture, backend)
+    return run
+
+
+def grad_similarity(bench: dict, target: dict) -> list[dict]:
+    """grad_probe's per-parameter record of one step: norm, min and max on both sides, the cosine of the two
+    gradient vectors, and sign agreement (the share of elements whose signs agree)."""
+    import torch
+
+    out = []
+    for name, b in bench.items():
+        t = target.get(name)
+        if t is None or t.shape != b.shape:
+            continue
+        bf, tf = b.reshape(-1), t.reshape(-1)
+        denom = float(bf.norm() * tf.norm())
+        cos = float(bf @ tf) / denom if denom > 0 else (1.0 if float(bf.norm()) == float(tf.norm()) else 0.0)
+        out.append({"param": name, "cosine": cos, "sign_agreement": float((torch.sign(bf) == torch.sign(tf))
+                                                                            .double().mean()) if bf.numel() else 1.0,
+                    "bench_norm": float(bf.norm()), "target_norm": float(tf.norm()),
+                    "bench_min": float(bf.min()) if bf.numel() else 0.0, "bench_max": float(bf.max()) if bf.numel()
+                    else 0.0, "target_min": float(tf.min()) if tf.numel() else 0.0,
+                    "target_max": float(tf.max()) if tf.numel() else 0.0})
+    return out
+
+
+def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable, *,
+                   grad_cosine: float = 0.99):
+    """Train ``model`` one step per batch on both sides (isolation on the target), judge every step, conclude.
+
+    Args:
+        ctx: the test's :class:`~msprobe_ci.check.context.CheckContext`. s: the check's
+            :class:`~msprobe_ci.check.settings.CheckSettings` (``monitor``: TrainerMon on both sides, failing on a
+            target anomaly the bench does not share).
+        model, batches, loss_fn, optimizer: as :func:`run_training`.
+        grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
+
+    Returns:
+        A :class:`~msprobe_ci.check.conclude.Conclusion` whose value is ``{"losses": {"bench": [...], "target":
+        [...]}, "grads": [[per-parameter record, ...] per step], "reports": [CompareReport per step]}``.
+
+    Raises:
+        MsprobeError: bad input or unreadable step dumps (``. Artifacts: <check dir>`` appended).
+    """
+    import json
+    import os
+
+    from ..config import DumpConfig
+    from .conclude import Draft, conclude_steps, judge_steps
+
+    _require_module(model, "check_training")
+    index, check_dir = ctx.next_check()
+    runs = {}
+    try:
+        for side, backend in (("bench", s.bench), ("target", s.target)):
+            cfg = DumpConfig(dump_path=os.path.join(check_dir, side), level=s.level, task=s.task)
+            runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
+                                      faults=s.faults if side == "target" else (), seed=s.seed,
+                                      isolator=s.isolator(backward=True) if side == "target" else None,
+                                      monitor_dir=os.path.join(check_dir, "monitor", side) if s.monitor else None)
+    except MsprobeError as exc:
+        raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None
+    outcomes = judge_steps(s, check_dir, runs["bench"].folders, runs["target"].folders)
+    grads = [grad_similarity(b, t) for b, t in zip(runs["bench"].grads, runs["target"].grads)]
+    losses = {"bench": runs["bench"].losses, "target": runs["target"].losses}
+    curve = ", ".join(f"step{i} {b:.6g}/{t:.6g}" for i, (b, t) in enumerate(zip(losses["bench"], losses["target"])))
+    low = next(((i, g) for i, step in enumerate(grads) for g in step if g["cosine"] < grad_cosine), None)
+    sim = (f"gradient cosine first below {grad_cosine:g} at step{low[0]} {low[1]['param']} "
+           f"({low[1]['cosine']:.6f})") if low else f"gradient cosine >= {grad_cosine:g} at every step"
+    d = Draft()
+    d.properties += [("msprobe.loss_bench", json.dumps(losses["bench"])),
+                     ("msprobe.loss_target", json.dumps(losses["target"])), ("msprobe.grad_similarity", sim)]
+    first_notes = [f"loss bench/target: {curve}", sim, *runs["bench"].notes, *runs["target"].notes]
+    new_anomalies = []
+    if s.monitor:
+        bench_mon, target_mon = runs["bench"].monitor, runs["target"].monitor
+        shared = {(a.step, a.stage, a.name, a.rule) for a in bench_mon.anomalies}
+        new_anomalies = [a for a in target_mon.anomalies if (a.step, a.stage, a.name, a.rule) not in shared]
+        first_notes.append(f"monitor: target {len(target_mon.anomalies)} anomalies ({len(new_anomalies)} not on "
+                           f"the bench), bench {len(bench_mon.anomalies)}; plot {target_mon.png or 'not drawn'}")
+        if bench_mon.first is not None:
+            first_notes.append(f"monitor: the bench itself is anomalous: {bench_mon.first.message}")
+        d.properties.append(("msprobe.monitor", os.path.dirname(target_mon.db)))
+    value = {"losses": losses, "grads": grads, "reports": [o.report for o in outcomes]}
+    if conclude_steps(d, s, ctx.nodeid, index, check_dir, outcomes, runs["target"].unapplied, first_notes,
+                      [{"loss_bench": losses["bench"][i], "loss_target": losses["target"][i], "grads": grads[i]}
+                       for i in range(len(outcomes))],
+                      lambda i: f"step {i}", f"loss bench/target: {curve}; {sim}", s.inject or ctx.inject_path,
+                      require_coverage=ctx.require_coverage):
+        return d.done(value)
+    if new_anomalies:
+        a = new_anomalies[0]
+        d.fail(f"msprobe: monitor: first target anomaly at {a.message}; the bench has none there "
+               f"({len(new_anomalies)} in all). Plot: {runs['target'].monitor.png}. Artifacts: {check_dir}")
+    return d.done(value)
+
+
+def _require_module(model: Any, what: str) -> None:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise MsprobeError(f"{what}(model, ...): expected a torch.nn.Module, got {type(model).__name__}")
