@@ -358,12 +358,12 @@ def test_schema_fast_path_takes_real_dumps(fixtures_dir):
 
 _KILLED_MIDWAY = """
 import os, signal, sys
-from msprobe_ci.compare import engine
+from msprobe_ci.compare import csvout
 from msprobe_ci.graph import db
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 db.VisDbWriter.add_node = die          # the graph writer dies at its first node
-engine.RowWriter.write = die           # the CSV writer at its first row
+csvout.RowWriter.write = die           # the CSV writer at its first row
 from msprobe_ci.cli import main
 sys.exit(main(sys.argv[1:]))
 """

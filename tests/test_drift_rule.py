@@ -8,7 +8,7 @@ import torch
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
 from msprobe_ci.compare import compare_dumps
-from msprobe_ci.compare.engine import cancellation, routing_error
+from msprobe_ci.compare.drift import cancellation, routing_error
 from msprobe_ci.compare.stream import stream_compare
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.dump import load_dump
@@ -187,7 +187,8 @@ def test_norm_error_says_nothing_where_the_bench_is_out_of_range_or_missing():
 def test_an_accumulated_parameter_gradient_is_not_the_first_divergence_while_a_computed_node_fails():
     # a tied weight's parameters_grad entry stands where its gradient was first accumulated but holds the final sum,
     # which includes calls made after it (BERT's decoder tied to the word embeddings)
-    from msprobe_ci.compare.engine import CompareReport, _blame_first
+    from msprobe_ci.compare.engine import _blame_first
+    from msprobe_ci.compare.report import CompareReport
     from msprobe_ci.compare.verdict import CompareResult, Thresholds
 
     def node(name, input_error=0.01):

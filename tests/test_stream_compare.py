@@ -267,7 +267,7 @@ def test_csv_record_is_what_the_csv_writer_writes(row):
     None empty, a lone empty cell quoted, str subclasses)."""
     import io
 
-    from msprobe_ci.compare.engine import csv_record
+    from msprobe_ci.compare.csvout import csv_record
 
     fh = io.StringIO()
     csv.writer(fh).writerow(row)
@@ -309,7 +309,7 @@ _finite = st.one_of(st.floats(allow_nan=False, allow_infinity=False, width=64), 
 def test_number_cells_are_what_str_writes(values):
     """The CSV's numeric cells formatted at once give ``str`` of each value (a float's repr: ``1e-05`` and
     ``2.5e-07``, not orjson's ``0.00001`` and ``2.5e-7``), or None where a value is not a finite number."""
-    from msprobe_ci.compare.engine import number_cells
+    from msprobe_ci.compare.metrics import number_cells
 
     got = number_cells(tuple(values))
     finite = all(type(v) in (int, float) and (type(v) is int or math.isfinite(v)) for v in values)
@@ -323,7 +323,7 @@ def test_csv_line_is_the_csv_row(gpt2_pair, fixtures_dir):
     """The compare CSV's one-line record of a statistics row is the cell-by-cell record, on every row of real
     compares (bf16 against fp32 with a forward and a backward fault: error and propagated rows; msprobe's own
     dumps; md5 and tensor modes) and on rows whose cells need quoting or are not numbers."""
-    from msprobe_ci.compare.engine import csv_record
+    from msprobe_ci.compare.csvout import csv_line, csv_record, csv_row
 
     pairs = [gpt2_pair] + [(os.path.join(fixtures_dir, f"bf16_{m}", "step0", "proc0"),
                             os.path.join(fixtures_dir, f"fp32_{m}", "step0", "proc0"))
@@ -342,7 +342,7 @@ def test_csv_line_is_the_csv_row(gpt2_pair, fixtures_dir):
         fast_done, slow_done = set(), set()
         for rr in report.rows:
             node = verdicts.get(rr.target.entry)
-            assert report._csv_line(rr, node, fast_done) == csv_record(report._csv_row(rr, node, slow_done))
+            assert csv_line(report, rr, node, fast_done) == csv_record(csv_row(report, rr, node, slow_done))
             checked += 1
         assert fast_done == slow_done
     assert checked > 500

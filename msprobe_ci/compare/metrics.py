@@ -277,7 +277,7 @@ def relative_error_stats(t_stats: tuple, b_stats: tuple, numel: int, t_max: floa
     ``inf``.
 
     ``t_max`` is the largest finite value the target could hold (``torch.finfo(dtype).max`` of its dtype, or of a
-    narrower one its data went through: :func:`msprobe_ci.compare.engine.carried_range`). Where the bench holds
+    narrower one its data went through: :func:`msprobe_ci.compare.drift.carried_range`). Where the bench holds
     values beyond it (its Max above ``t_max`` or its Min below ``-t_max``, as an attention mask filled with
     ``finfo(float32).min`` does against one filled with ``finfo(float16).min``), the target cannot hold them: it
     stores ``±t_max``, rounds them to ``±inf``, or holds its own sentinel, scaled as the bench's was (CodeGen

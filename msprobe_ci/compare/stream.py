@@ -31,7 +31,9 @@ from ..dump.reader import check_nesting, entry_surely_valid, read_stack, validat
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write, release
-from . import engine
+from . import drift, engine
+from .csvout import RowWriter
+from .report import CompareReport, RowResult, accumulated
 from .rows import _dtype_compatible, backward_key, entry_rows
 from .verdict import CompareResult, Thresholds
 
@@ -289,7 +291,7 @@ class _TwinTarget:
 
 def _twin_row(r) -> tuple:
     b = r.bench
-    return (r.error, engine._norm(b), r.target.side, b.numel, b.dims, r.norm_error)
+    return (r.error, drift.row_norm(b), r.target.side, b.numel, b.dims, r.norm_error)
 
 
 def _first_tensor_md5(entry: Any) -> bool | None:
@@ -330,7 +332,7 @@ def stream_files(target_folder: str, bench_folder: str) -> tuple[list[str], list
 class NodeStream:
     """Two PyTorch dumps judged node by node, in the target's dump order, reading each file once.
 
-    ``mode`` (statistics/md5/tensor) and ``report`` (an empty :class:`~msprobe_ci.compare.engine.CompareReport`
+    ``mode`` (statistics/md5/tensor) and ``report`` (an empty :class:`~msprobe_ci.compare.report.CompareReport`
     holding the mode, thresholds and the target's stack, for CSV rows) are known on construction; iterating yields
     ``(entry name, [RowResult], NodeResult)`` for every target entry, with the drift rule's propagation already
     applied (a later error explained by its inputs' error is a warning ``propagated from`` the first). Callbacks:
@@ -366,7 +368,7 @@ class NodeStream:
         for task, entry in ((t_task, first_t[1]), (b_task, first_b[1] if first_b else None)):
             md5 = _first_tensor_md5(entry) if entry is not None else None
             shells.append(_Shell(task=task, md5=bool(md5)))
-        self.mode = engine._mode(*shells)
+        self.mode = engine.compare_mode(*shells)
         self._t_dump, self._b_dump = _Shell(task=t_task, folder=os.path.dirname(files[0])), \
             _Shell(task=b_task, folder=os.path.dirname(files[1]))
         if self.mode == "tensor":
@@ -374,7 +376,7 @@ class NodeStream:
 
             self._t_dump = Dump(folder=os.path.dirname(files[0]), task=t_task, level="", data={})
             self._b_dump = Dump(folder=os.path.dirname(files[1]), task=b_task, level="", data={})
-        self.report = engine.CompareReport(mode=self.mode, rows=[], nodes=[],
+        self.report = CompareReport(mode=self.mode, rows=[], nodes=[],
                                            target_stack=read_stack(os.path.dirname(files[0])), thresholds=self.th)
         self._first = (first_t, first_key, first_b)
 
@@ -400,8 +402,8 @@ class NodeStream:
         queue: list[list] = []             # [name, own rows, node or None, twin names awaited], in dump order
         head = 0
         first_error: str | None = None
-        floor = 0.0                        # the coarsest roundoff seen so far (engine.carried_roundoff)
-        reach = math.inf                   # the narrowest range seen so far (engine.carried_range)
+        floor = 0.0                        # the coarsest roundoff seen so far (drift.carried_roundoff)
+        reach = math.inf                   # the narrowest range seen so far (drift.carried_range)
 
         def rows_of(name: str, key: str, entry: Any, bench_item) -> list:
             b_rows = {}
@@ -419,16 +421,16 @@ class NodeStream:
                 b = b_rows.get(tk)
                 if b is not None and not _dtype_compatible(t, b):
                     b = None
-                reach = engine.carried_range(t, b, reach)
-                own.append(engine._compare_row(t, b, mode, t_dump, b_dump, reach))
+                reach = drift.carried_range(t, b, reach)
+                own.append(engine.compare_row(t, b, mode, t_dump, b_dump, reach))
             return own
 
         def node_of(slot: list) -> None:
             name, own = slot[0], slot[1]
-            by_entry = {tw: [engine.RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err, nerr)
+            by_entry = {tw: [RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err, nerr)
                              for err, norm, side, numel, dims, nerr in twins[tw]]
-                        for tw in engine._twin_entries(name) if tw in twins}
-            slot[2] = engine._judge_node(name, own, by_entry, mode, th, slot[4])
+                        for tw in drift.twin_entries(name) if tw in twins}
+            slot[2] = drift.judge_node(name, own, by_entry, mode, th, slot[4])
             if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
                 for tw in by_entry:  # an API's forward twin serves its one backward call only
                     twins.pop(tw, None)
@@ -438,9 +440,9 @@ class NodeStream:
                 self._on_target(name, entry)
             nonlocal floor
             own = rows_of(name, key, entry, bench_item)
-            floor = engine.carried_roundoff(own, floor)
+            floor = drift.carried_roundoff(own, floor)
             p = parse(name, any_prefix=True)
-            awaited = [tw for tw in engine._twin_entries(name) if tw not in twins]
+            awaited = [tw for tw in drift.twin_entries(name) if tw not in twins]
             slot = [name, own, None, awaited, floor]
             queue.append(slot)
             if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
@@ -464,7 +466,7 @@ class NodeStream:
                 name, own, node = slot[0], slot[1], slot[2]
                 if node.status == "error" and node.metric == "RelativeErr":
                     if first_error is None:
-                        if not engine.accumulated(name):
+                        if not accumulated(name):
                             first_error = name
                     elif node.input_error > 0.0 or node.metrics.get("inputs_unseen"):
                         node = replace(node, status="warning", message=f"{name}: propagated from {first_error} "
@@ -516,12 +518,12 @@ def stream_compare(target_folder: str, bench_folder: str, out_dir: str, *, thres
         path = timestamped_path(out_dir, prefix, ".csv")
         result = StreamResult(csv=path, mode=nodes.mode)
         with atomic_write(path, "w", newline="", encoding="utf-8") as fh:
-            with engine.RowWriter(fh, report) as writer:
+            with RowWriter(fh, report) as writer:
                 for name, own, node in nodes:
                     result.counts[node.status] += 1
                     result.nodes += 1
                     if node.status == "error" and (result.first_divergence is None or (
-                            engine.accumulated(result.first_divergence.name) and not engine.accumulated(name))):
+                            accumulated(result.first_divergence.name) and not accumulated(name))):
                         result.first_divergence = node  # a computed node before an accumulated gradient
                     done: set[str] = set()
                     for rr in own:

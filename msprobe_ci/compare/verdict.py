@@ -11,12 +11,12 @@ The rule (per node = one dump entry: an API or module call, forward or backward,
              at least ``r_in · ‖in‖/‖out‖`` (their absolute error cannot grow).
              A module's parameters are inputs its entry does not show: a module node adds u to r_in.
              A routing API's backward (relu, max-pool, clamp ...: the gradient goes where a forward comparison
-             sent it) is allowed at least ``sqrt(2 · r_fwd)`` (engine.routing_error).
+             sent it) is allowed at least ``sqrt(2 · r_fwd)`` (drift.routing_error).
     u      = unit roundoff of the coarser of the two output dtypes (bf16 2^-8, fp16 2^-11, fp32 2^-24,
              fp64 2^-53; integers and bool 0), and at least the coarsest dtype seen so far in the target's dump
-             order (engine.carried_roundoff: an fp32 reduction of fp16 data carries fp16 error, which whole-tensor
+             order (drift.carried_roundoff: an fp32 reduction of fp16 data carries fp16 error, which whole-tensor
              statistics of its input average away)
-    kappa  = for a gradient (backward, parameters_grad) output, its cancellation factor (engine.cancellation):
+    kappa  = for a gradient (backward, parameters_grad) output, its cancellation factor (drift.cancellation):
              the random-walk size of the summed terms over the result's norm, >= 1 (a bias gradient that is zero
              by symmetry holds only the rounding noise of its terms)
     budget = kappa · (round_factor · u + propagation · r_in (· statistics_slack without tensors)) + rel_floor
@@ -39,13 +39,13 @@ vs fp32 bench, statistics): a clean run peaks at 0.59x the budget; 2% scale faul
 1.12-2.11x, so the warning band and the error line both have faults beside them, and a changed error_factor fails
 ``test_two_percent_faults_near_the_error_line_pin_error_factor``.
 
-Statistics mode adds a **scale test** (``engine._scale_test``): the output's Norm error alone
+Statistics mode adds a **scale test** (``drift._scale_test``): the output's Norm error alone
 (:func:`~msprobe_ci.compare.metrics.norm_error`) against the inputs' Norm errors, by the same rule with
 ``r_in(Norm)`` and a second-order noise term ``r_in²``; the node takes the worse of the two verdicts. Rounding moves
 a norm by at most ``u`` and noise moves it to second order, while a fault that scales an output moves it whole: on
 GPT-2 small in bf16, benign forward Norms stay within 0.09u of the bench while Max and Min move by up to 4.5u, so a
 2% fault is named even where its inputs' Max and Min carry as much. Two gradient allowances turn an error into a
-warning that says why (``engine._gradient_allowances``, each test on its own failing row): a sum over K broadcast
+warning that says why (``drift._gradient_allowances``, each test on its own failing row): a sum over K broadcast
 rows judged again with ``u · K / 2`` and a weight gradient contracting K products with ``u · sqrt(K)`` (accumulated
 in the target's dtype, as torch's CPU bf16 LayerNorm and fp16 conv2d backward kernels do), and a failing Max, Min or
 Mean whose Norm passes the scale test (one gradient element sums products the operands' statistics do not bound). Calibrated on GPT-2 small and medium at 512-2048 tokens by ``benchmarks/drift_calibration.py``.

@@ -18,7 +18,7 @@ import json
 import re
 from collections import defaultdict
 
-from ..compare.engine import CompareReport
+from ..compare.report import CompareReport
 from ..compare.metrics import number_cells
 from ..compare.rows import fuzzy_name
 from .builder import API, COLLECTION, ROOT, Graph

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .._perf import gc_paused
 from ..compare import compare_dumps
-from ..compare.engine import CompareReport
+from ..compare.report import CompareReport
 from ..dump.reader import Dump, layout, load_dump
 from ..errors import MsprobeError
 from ..overflow import check_overflow
