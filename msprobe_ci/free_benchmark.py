@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from .isolate import _DROPOUT, _NOT_COMPARABLE, _RANDOM, _UNSUPPORTED_PREFIX, _tensors
+from .isolate import DROPOUT, NOT_COMPARABLE, RANDOM, UNSUPPORTED_PREFIX
+from .kernels import tensors_of as _tensors
 from .kernels import cast as _cast
 from .replay.runner import _outputs as _flat_outputs
 
@@ -126,11 +127,11 @@ class FreeBenchmark:
         started = time.perf_counter()
         short = api.rsplit(".", 1)[-1]
         reason = None
-        if prefix in _UNSUPPORTED_PREFIX:
-            reason = f"{prefix}.{api}: {_UNSUPPORTED_PREFIX[prefix]}"
-        elif short in _NOT_COMPARABLE:
+        if prefix in UNSUPPORTED_PREFIX:
+            reason = f"{prefix}.{api}: {UNSUPPORTED_PREFIX[prefix]}"
+        elif short in NOT_COMPARABLE:
             reason = f"{api}: uninitialised memory, not comparable"
-        elif short in _RANDOM or short in _DROPOUT or (kwargs.get("dropout_p") or 0) > 0:
+        elif short in RANDOM or short in DROPOUT or (kwargs.get("dropout_p") or 0) > 0:
             reason = f"{api}: random output, not comparable element-wise"
         floats = [t for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
         if reason is None and not floats:

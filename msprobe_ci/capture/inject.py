@@ -145,7 +145,7 @@ def select(faults: Iterable[Fault], api: str) -> tuple[Fault, ...]:
 
 def _floating(value: Any) -> list:
     """The floating tensors in ``value`` (nested tuples/lists), in order: exactly what :meth:`Fault.apply`
-    perturbs (not ``isolate._tensors``, which also opens dicts and named tuples that a fault leaves alone)."""
+    perturbs (not ``kernels.tensors_of``, which also opens dicts and named tuples that a fault leaves alone)."""
     import torch
 
     if isinstance(value, torch.Tensor):

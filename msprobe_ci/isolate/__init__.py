@@ -1,0 +1,113 @@
+"""Isolation: judge every captured API call on the target's *own* inputs, while the target runs.
+
+msprobe's online_dispatch idea at API level, with the per-API standards of :mod:`msprobe_ci.checkers`: for each
+recorded API call on the target side,
+
+1. the **oracle** is the same function on CPU with every floating input upcast: fp16/bf16-only calls to fp32,
+   anything else to fp64 (msprobe's ``PRECISION_MAPPING``; fp32 where no fp64 kernel exists), computed *before*
+   the target call on copies (so in-place APIs and BatchNorm running statistics are never touched twice);
+2. the **same-dtype bench** is computed on its own copies of the inputs by the chosen bench kernel
+   (:mod:`msprobe_ci.kernels`: the bench device's kernel, one precision up, correctly rounded, or other real CPU
+   kernels), never taken from the target's own result: the judge reads tensors, not the fault plan;
+3. every output is judged by :func:`msprobe_ci.replay.runner.judge_pair` (the pre-check's registry, thresholds and
+   user overrides: one rule for pre-check and isolation); a benchmark-standard output that is not bit-identical to
+   its bench is judged against the error scale its dtype and arithmetic allow
+   (:func:`msprobe_ci.kernels.forward_scale`), computed only then;
+4. **backward**: the API's tensor inputs that require grad pass through an identity autograd node (a *tap*, torch's
+   own ``BackwardHookFunction``, as module full-backward hooks use), so the gradients the API produces w.r.t. its
+   inputs are seen exactly; the gradients arriving at its outputs are taken by tensor hooks; the oracle's and the
+   bench's saved graphs give the reference vector-Jacobian products for those same upstream gradients (and
+   :func:`msprobe_ci.kernels.backward_scale` their budget, when the target differs from the bench).
+
+Only metrics are kept (no tensors), so isolation works with the statistics task, against a recorded baseline and
+on a runner whose only other device is a CPU. What cannot be judged gets a named skip: random ops (dropout is
+judged by its zero share), uninitialised memory, communication and device-only ops, in-place ops in backward,
+calls whose oracle fails on CPU.
+
+**Sources.** A tensor input that no torch call of the run produced (a parameter, a buffer, a model input) is a
+*source*: it is judged against the bench dump at compare time, at the first node that consumes it, together with
+non-tensor arguments (scalars, shapes). Isolation alone cannot see a wrong weight, because the API is right for
+the inputs it was given.
+
+Cost: one oracle forward per API on CPU and one bench forward (kept as graphs until backward when gradients are
+captured), the checkers' NumPy passes, and for a call that differs from its bench the budget's perturbed fp64 runs
+(:data:`msprobe_ci.kernels.DRAWS` + 1). Memory: the oracle and bench graphs live until the backward pass consumes
+them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import kernels
+from .api import ApiIsolation
+from .backward import BackwardIsolation
+from .modules import ModuleIsolation
+from .provenance import Provenance
+from .support import (DROPOUT, headline, is_inplace, NOT_COMPARABLE, RANDOM, _SCHEMA_VERSION, UNSUPPORTED_PREFIX,
+                      verdict_fields)
+
+__all__ = ["DROPOUT", "NOT_COMPARABLE", "RANDOM", "UNSUPPORTED_PREFIX", "Isolator", "headline", "is_inplace", "verdict_fields"]
+
+
+class Isolator(ApiIsolation, BackwardIsolation, ModuleIsolation, Provenance):
+    """Per-step isolation state of one target capture.
+
+    The judge sees tensors only: the target's output (and the gradients it hands back), the oracle and the
+    same-dtype bench, each computed from the target's own inputs; never the fault plan. Work is skipped only where
+    the data proves it needless (a target bit-identical to the bench needs no error budget).
+
+    Args:
+        standards: ``{API fnmatch pattern: standard}`` overrides (as the pre-check's).
+        thresholds: ``{standard: {threshold: value}}`` overrides.
+        target_device: torch device string of the target (``cpu``, ``npu:0``).
+        bench_device: where the same-dtype bench runs (default ``cpu``).
+        backward: also isolate the backward pass (keeps the oracle and bench graphs until backward).
+        bench_kernel: which kernel is the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`):
+            ``device`` (default), ``upcast``, ``rounded``, ``decomposed``.
+        budget_draws: perturbed runs that size a benchmark-standard call's error budget
+            (:func:`msprobe_ci.kernels.forward_scale`; default 3); 0 judges relative to ``|oracle|`` alone.
+
+    Raises:
+        MsprobeError: an unknown bench kernel.
+
+    Attributes:
+        results: ``{node name: record}``; a record holds ``status`` (pass/warning/error/skip), ``standard``,
+            ``metric``, ``value``, ``threshold``, ``row``, ``message``, ``metrics`` and, for forward calls,
+            ``sources`` (``{row: {"id", "kind"}}``).
+    """
+
+    def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
+                 bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",
+                 budget_draws: int = kernels.DRAWS, oracle_device: str = "cpu",
+                 oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None):
+        self.oracle_device = str(oracle_device)
+        self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
+        self.oracle_max = oracle_max
+        self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device
+        self.standards = dict(standards or {})
+        self.thresholds = {k: dict(v) for k, v in (thresholds or {}).items()}
+        self.target_device = str(target_device)
+        self.bench_device = str(bench_device)
+        self.bench_kernel = kernels.check_bench_kernel(bench_kernel)
+        self.backward = backward
+        self.budget_draws = int(budget_draws)
+        self.faults_at_tap: dict[str, list] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self.results: dict[str, dict] = {}
+        self._clock: dict[str, float] = {}  # node -> perf_counter() when its isolation began
+        self._produced: dict[int, weakref.ref] = {}
+        self._sources: dict[int, tuple[weakref.ref, str]] = {}
+        self.faults_at_tap.clear()
+
+    def on_fault_applied(self, fault, before, after) -> None:  # replaced by the capture session's FaultLog.record
+        pass
+
+    def as_json(self) -> dict:
+        return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
+                "bench_kernel": self.bench_kernel, "nodes": self.results}

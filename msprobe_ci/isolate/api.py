@@ -1,0 +1,275 @@
+"""Isolation of one API call, forward: the oracle and the same-dtype bench on copies of the target's own inputs,
+the call's outputs judged by its per-API standard, the record stored."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ..kernels import tensors_of as _tensors
+from ..replay.runner import judged_as
+from ..replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
+from .support import (_Call, _cpu, DROPOUT, _has_dtensor, is_inplace, NOT_COMPARABLE, RANDOM, UNSUPPORTED_PREFIX,
+                      verdict_fields)
+
+
+class ApiIsolation:
+    """``before`` / ``after`` one captured API call (:class:`~msprobe_ci.capture.CaptureSession` calls them)."""
+
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = {"status": "skip", "message": reason}
+
+    def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
+        """Prepare the isolation of one call: sources, the oracle and the bench on copies of the inputs, taps.
+
+        Returns:
+            ``(call or None, args, kwargs)``: the arguments to call the target with (tapped where gradients are
+            isolated).
+        """
+        self._clock[name] = time.perf_counter()
+        short = api.rsplit(".", 1)[-1]
+        fwd_sources = self._source_rows(name, short, args, kwargs)
+        bwd_name = name[: -len("forward")] + "backward"
+        reason = None
+        if prefix in UNSUPPORTED_PREFIX:
+            reason = f"{prefix}.{api}: {UNSUPPORTED_PREFIX[prefix]}, no CPU reference"
+        elif short in NOT_COMPARABLE:
+            reason = f"{api}: uninitialised memory, not comparable"
+        elif short in RANDOM or (kwargs.get("dropout_p") or 0) > 0:
+            reason = f"{api}: random output, not comparable element-wise"
+        elif _has_dtensor(args) or _has_dtensor(kwargs):
+            reason = (f"{api}: DTensor call (its sharding may redistribute inside the op): no single-device "
+                      "reference; the rank-merged compare shows its drift")
+        if reason:
+            self.skip(name, reason)
+            self.skip(bwd_name, reason)
+            self.results[name]["sources"] = fwd_sources
+            return None, args, kwargs
+        call = _Call(name, judged_as(short, args, kwargs, self.standards), func=func)
+        self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
+        if short in DROPOUT:
+            p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
+            call.dropout = (float(p), bool(training))
+            call.inputs = (tuple(args), dict(kwargs))
+            return call, args, kwargs
+        kw = {k: v for k, v in kwargs.items() if k != "out"}
+        # an in-place call (``relu_``, or ``F.relu(x, inplace=True)``) is judged forward only: tapping its input
+        # for the gradient would hand it a view torch forbids writing in place
+        want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
+                     kw.get("inplace") is not True and
+                     any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kw)))
+        from ..checkers import standard_for
+
+        # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
+        # the others, and for every gradient
+        need_oracle = want_grad or standard_for(short, "torch.float32", self.standards) != "binary"
+        if need_oracle:
+            dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
+            note = kernels.reference_note(func) if dtype == torch.float64 else None
+            if note:
+                self.results[name]["oracle"] = note
+            # no graphs now: the forward is judged on values; the backward runs the oracle and the bench again on
+            # the call's inputs when its gradient arrives (holding every call's graphs until then cost more memory
+            # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
+            try:
+                call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False)
+                call.oracle_how = (dtype, False)
+            except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
+                try:
+                    dtype = torch.float32
+                    call.oracle_in, call.oracle_out, copies = kernels.reference(func, args, kw, dtype, "cpu", False)
+                    call.oracle_how = (dtype, True)
+                except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
+                    self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
+                                                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                    return None, args, kwargs
+            ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
+            if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
+                want_grad = False  # it returned an input: it wrote in place (F.leaky_relu(x, 0.1, True)), as above
+        try:
+            self._bench(call, func, args, kw, False)
+        except Exception as exc:  # noqa: BLE001
+            self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
+                                              f"{self.bench_device}: {type(exc).__name__}")
+            return None, args, kwargs
+        kept = tuple(args)
+        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
+                kept[0].is_floating_point():
+            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
+            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
+            kept = (kept[0].detach().clone(), *kept[1:])
+        call.inputs = (kept, dict(kw))
+        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
+        regions = kernels.unwritten(func, tuple(args), kw)
+        if regions:
+            taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
+                    (a.is_floating_point() or a.is_complex())]
+            call.unwritten = {"output": {i: r for (kind, i), r in regions.items() if kind == "output"},
+                              "grad": {taps.index(k): r for (kind, k), r in regions.items()
+                                       if kind == "input" and k in taps}}
+        if want_grad:
+            args, kwargs = self._tap(call, bwd_name, args, kwargs)
+        return call, args, kwargs
+
+    def _bench(self, call: _Call, func, args: tuple, kw: dict, grad: bool) -> None:
+        """The same-dtype bench of one call, by :attr:`bench_kernel` (:mod:`msprobe_ci.kernels`)."""
+        kernel = self.bench_kernel
+        if kernel in ("upcast", "rounded"):
+            call.bench_round = True
+            up = kernels.upcast_dtype(_tensors(args) + _tensors(kw)) if kernel == "upcast" else torch.float64
+            oracle_leaves = [x for x in call.oracle_in if x is not None]
+            if call.oracle_out is not None and all(x.dtype == up for x in _tensors(call.oracle_out)
+                                                   if x.is_floating_point()) and \
+                    all(x.dtype == up for x in oracle_leaves if x.is_floating_point()):
+                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out  # the oracle is that computation
+                return
+            device = "cpu" if kernel == "rounded" else self.bench_device
+            try:
+                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad)
+            except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
+                if call.oracle_out is None:
+                    raise
+                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out
+            return
+        context = kernels.decomposed if kernel == "decomposed" else None
+        call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
+
+    def after(self, call: _Call | None, out: Any) -> None:
+        """Judge the target's output ``out`` and arm the backward hooks."""
+        self.mark_produced(out)
+        if call is None:
+            return
+        from ..checkers import make_standard
+        from ..replay.runner import judge_pair, judge_rows
+
+        stem = f"{call.name}.output"
+        targets = _flat_outputs(out, stem)
+        if call.dropout is not None:
+            p, training = call.dropout
+            args, kwargs = call.inputs
+            call.inputs = None
+            x = args[0] if args else kwargs.get("input")
+            results = []
+            for row, t in targets:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
+                    results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
+                elif isinstance(t, torch.Tensor):  # dropout off: the output is its input
+                    results.append((row, judge_pair("identity", t, x, None, False, self.standards,
+                                                    self.thresholds)))
+            self._store(call.name, results)
+            return
+        oracles = {row: _cpu(o) for row, o in _flat_outputs(call.oracle_out, stem)} if call.oracle_out is not None \
+            else {}  # judged on CPU wherever the oracle ran
+        bench = dict(_flat_outputs(call.bench_out, stem))
+        rows = []
+        for i, (row, t) in enumerate(targets):
+            b = bench.get(row)
+            if call.bench_round:
+                b = kernels.round_to(b, t)
+            if isinstance(b, torch.Tensor) and isinstance(t, torch.Tensor) and b.device != t.device:
+                b = b.to(t.device)
+            o = oracles.get(row)
+            region = call.unwritten.get("output", {}).get(i) if call.unwritten else None
+            if region is not None:
+                t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
+            rows.append((row, _cpu(t), _cpu(b), o))
+        results = judge_rows(call.short, rows, standards=self.standards, thresholds=self.thresholds,
+                             inputs=(call.func, *call.inputs) if call.inputs is not None else None,
+                             budget=self._forward_budget(call, stem, len(targets)))
+        if not call.taps:
+            call.inputs = None
+        self._store(call.name, results, oracles)
+        if call.taps:
+            call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
+            for i, t in enumerate(call.out_tensors):
+                t.register_hook(self._grad_out_hook(call, i))
+        call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
+
+    @property
+    def oracle_on_target(self) -> bool:
+        """Whether the oracle runs on the target's device (``--msprobe-oracle-device=target``) rather than as the
+        CPU float64 oracle (a stand-in device whose tensors live on the CPU still has its precision limit)."""
+        return self.oracle_device != "cpu" or self.oracle_max != torch.float64
+
+    def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool):
+        """:func:`~msprobe_ci.kernels.reference` in ``dtype`` on :attr:`oracle_device`, or on CPU where that device
+        offers no such precision (:attr:`oracle_max`: float32 on an NPU, as msprobe's own bench upcast) or the
+        call fails there; each API that fell back is kept in :attr:`oracle_fallbacks` with the reason."""
+        device = self.oracle_device
+        if self.oracle_on_target:
+            name = kernels._qualified(func)
+            if dtype.itemsize > self.oracle_max.itemsize:
+                self.oracle_fallbacks.setdefault(name, f"{self.oracle_label} offers no "
+                                                       f"{str(dtype).replace('torch.', '')} "
+                                                       f"(at most {str(self.oracle_max).replace('torch.', '')})")
+                device = "cpu"
+            else:
+                try:
+                    return kernels.reference(func, args, kw, dtype, device, grad)
+                except Exception as exc:  # noqa: BLE001 - the device lacks the op in this dtype: CPU then
+                    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+                    self.oracle_fallbacks.setdefault(name, f"{type(exc).__name__} on {self.oracle_label}: {first}")
+                    device = "cpu"
+        return kernels.reference(func, args, kw, dtype, device, grad)
+
+    def _unchanged(self, call: _Call) -> bool:
+        """Whether the call's inputs still hold the values it was called with (no in-place write since)."""
+        return call.inputs is not None and \
+            tuple(t._version for t in _tensors(call.inputs[0]) + _tensors(call.inputs[1])) == call.versions
+
+    def _lazy_budget(self, call: _Call, n: int, compute):
+        """``budget(i)``: row ``i`` of ``compute()`` (a list of error scales), computed on first use, once per
+        call, while the call's inputs are unchanged; ``None`` rows where it cannot be (no budget: relative to
+        ``|oracle|`` alone, msprobe's own rule)."""
+        cache: list = []
+
+        def budget(i: int):
+            if not self.budget_draws or call.inputs is None:
+                return None
+            if not cache:
+                try:
+                    if not self._unchanged(call):
+                        raise RuntimeError("inputs written since the call")
+                    cache.extend(compute())
+                except Exception:  # noqa: BLE001 - no budget for this call
+                    cache.extend([None] * n)
+            return cache[i] if i < len(cache) else None
+        return budget
+
+    def _forward_budget(self, call: _Call, stem: str, n: int):
+        """The error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), lazily
+        (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
+        return self._lazy_budget(call, n, lambda: kernels.forward_scale(
+            call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
+            self.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))
+
+    def _store(self, name: str, results: list, refs: dict | None = None) -> None:
+        """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
+        magnitude of a failing row, said in the message when values are near zero."""
+        from ..checkers import worst
+
+        keep = self.results.get(name, {})
+        start = self._clock.pop(name, None)
+        status = worst([r for _, r in results]) if results else "skip"
+        bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
+        rec = {"status": status, "sources": keep.get("sources", {})}
+        if keep.get("oracle"):
+            rec["oracle"] = keep["oracle"]
+        if bad is None:
+            rec["message"] = "no output judged"
+        else:
+            row, r = bad
+            rec.update(verdict_fields(row, r))
+            ref = (refs or {}).get(row)
+            if status == "error" and isinstance(ref, torch.Tensor) and ref.numel() and ref.is_floating_point():
+                mag = float(torch.nan_to_num(ref.detach().abs(), nan=0.0, posinf=0.0).amax())
+                rec["magnitude"] = mag
+                if mag < 1e-3:
+                    rec["message"] += f"; values near zero: max |reference| {mag:.3g}"
+        if start is not None:
+            rec["seconds"] = round(time.perf_counter() - start, 6)
+        self.results[name] = rec

@@ -1,0 +1,143 @@
+"""Isolation of the backward pass: taps on an API's inputs, hooks on its outputs' gradients, and the oracle's and
+bench's vector-Jacobian products for the gradients the target received."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import kernels
+from ..capture.coverage import quiet
+from ..kernels import cast as _cast
+from .support import _Call, _cpu
+
+
+class BackwardIsolation:
+    """The backward half of an API call's isolation (taps, gradient hooks, reference VJPs, budgets)."""
+
+    def _tap(self, call: _Call, bwd_name: str, args: tuple, kwargs: dict):
+        from torch.nn.modules._functions import BackwardHookFunction
+
+        slots: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                slots.append(t)
+            return t
+        _cast(tuple(args), collect)
+        for v in kwargs.values():
+            _cast(v, collect)
+        slots = [t for t in slots if t.is_floating_point() or t.is_complex()]
+        if not slots:
+            return args, kwargs
+        tapped = list(BackwardHookFunction.apply(*slots))
+        it = iter(tapped)
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                return next(it)
+            return t
+        args = _cast(tuple(args), swap)
+        kwargs = {k: _cast(v, swap) for k, v in kwargs.items()}
+        call.taps = len(tapped)
+        node = tapped[0].grad_fn
+        if node is not None:
+            node.register_prehook(self._tap_hook(call, bwd_name))
+        return args, kwargs
+
+    def _grad_out_hook(self, call: _Call, i: int):
+        def hook(grad: torch.Tensor) -> None:
+            call.grad_out[i] = grad.detach()
+        return quiet(hook)
+
+    def _tap_hook(self, call: _Call, name: str):
+        def prehook(grad_outputs):
+            self._clock[name] = time.perf_counter()
+            faults = self.faults_at_tap.pop(name, [])  # once: the same name at a later step is another call
+            grads = tuple(grad_outputs)
+            new = None
+            if faults:  # the injector stands for a faulty backward kernel: it writes the gradients the API hands on
+                new = grads
+                for f, n in faults:
+                    before, new = new, f.apply(new, n)
+                    self.on_fault_applied(f, before, new)
+            try:
+                self._judge_backward(call, name, list(new if new is not None else grads))
+            except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
+                self.results[name] = {"status": "skip", "message": f"backward isolation failed: "
+                                                                   f"{type(exc).__name__}: {exc}"[:200]}
+            finally:
+                call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
+                call.out_tensors = []
+                call.inputs = None
+            return new
+        return quiet(prehook)
+
+    def _judge_backward(self, call: _Call, name: str, targets: list) -> None:
+        """Judge the gradients an API hands to its inputs (``targets``, by tap position) against the oracle's and
+        the bench's vector-Jacobian products for the same incoming gradients."""
+        from ..replay.runner import judge_pair
+
+        stem = f"{name}.output"
+        if not call.grad_out:
+            self.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
+            return
+        if not self._regraph(call, name):
+            return
+        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out)
+        context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+        bench = oracle if call.bench_in is call.oracle_in else \
+            kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context)
+        oracle = [_cpu(g) for g in oracle]  # judged (and its budget drawn) on CPU wherever the oracle ran
+        budget = self._backward_budget(call, len(targets), oracle)
+        results, refs = [], {}
+        for i, t in enumerate(targets):
+            if t is None:
+                continue
+            b = bench[i] if i < len(bench) else None
+            o = oracle[i] if i < len(oracle) else None
+            if o is None and b is None:
+                continue
+            if o is None:
+                o = torch.zeros(t.shape, dtype=torch.float64)
+            if call.bench_round:
+                b = kernels.round_to(b, t)
+            region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None
+            if region is not None:
+                t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
+            results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
+                                                      self.thresholds, terms=lambda i=i: budget(i))))
+            refs[f"{stem}.{i}"] = o
+        if results:
+            self._store(name, results, refs)
+            note = kernels.reference_note(call.func) if call.oracle_in and \
+                call.oracle_in[0].dtype == torch.float64 else None
+            if note:
+                self.results[name]["oracle"] = note
+
+    def _regraph(self, call: _Call, name: str) -> bool:
+        """Run the call's oracle and bench again on its inputs, with graphs, for the vector-Jacobian products;
+        False (the gradient skipped, the reason said) where the inputs were written in place since the call or
+        the oracle cannot run."""
+        if call.inputs is None or call.oracle_how is None:
+            self.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
+            return False
+        if not self._unchanged(call):
+            self.skip(name, "its inputs were written in place after the call: its gradient is not isolated")
+            return False
+        args, kw = call.inputs
+        dtype, cpu_only = call.oracle_how
+        with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
+            if cpu_only:
+                call.oracle_in, call.oracle_out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
+            else:
+                call.oracle_in, call.oracle_out, _ = self._oracle(call.func, args, kw, dtype, True)
+            self._bench(call, call.func, args, kw, True)
+        return True
+
+    def _backward_budget(self, call: _Call, n: int, oracle: list):
+        """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
+        (:meth:`_lazy_budget`; from the oracle's gradients where they are fp64)."""
+        return self._lazy_budget(call, n, lambda: kernels.backward_scale(
+            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.budget_draws, base=oracle))

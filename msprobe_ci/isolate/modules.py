@@ -1,0 +1,262 @@
+"""Isolation of whole modules (L0 capture, ``torch.compile`` regions): the module's eager forward on copies of
+its state and the target's own inputs, forward and backward."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import kernels
+from ..kernels import tensors_of as _tensors
+from .support import _copy_obj, _cpu, _same
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+@dataclass
+class _ModuleCall:
+    """A whole-isolated module call: its eager wrapper, the state and inputs it was called with, the oracle's and
+    the bench's ``(leaves, output)``."""
+
+    name: str
+    wrapper: Any
+    state: dict
+    args: tuple
+    kwargs: dict
+    oracle: Any = None
+    bench: Any = None
+    bench_round: bool = False
+    versions: tuple = ()
+
+
+class _EagerForward(torch.nn.Module):
+    """Calls the wrapped module's class ``forward`` (eager even when the instance's ``forward`` was replaced by a
+    ``torch.compile`` wrapper), so :func:`torch.func.functional_call` can swap in copies of its state."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class ModuleIsolation:
+    """``module_before`` / ``module_after`` / ``module_backward`` of a module isolated whole."""
+
+    def module_before(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      input_sources: bool = True):
+        """Isolate a module whose APIs capture cannot see (L0 capture, a ``torch.compile`` region): its class's
+        eager ``forward`` on the target's own inputs, through :func:`torch.func.functional_call` over *copies* of
+        its parameters and buffers (BatchNorm running statistics, caches: no state of the model moves), in the
+        oracle precision on CPU and in the target's dtype on the bench device (the eager reference of a compiled
+        region; on a CPU target the same eager code). Judged by the benchmark standard (msprobe's default).
+
+        Args:
+            input_sources: also treat inputs that no torch call produced as sources (needs API capture to follow
+                views and casts; at L0 only the module's own parameters are sources).
+
+        Returns:
+            the pending call for :meth:`module_after`, or ``None`` when the module cannot be isolated (the reason
+            is recorded).
+        """
+        self._clock[name] = time.perf_counter()
+        state = dict(module.named_parameters())
+        # buffers as they are now: the call may update them in place (BatchNorm's running statistics), and the
+        # budget's runs after it need the state the call saw (parameters only move at the optimizer step)
+        state.update({k: b.detach().clone() for k, b in module.named_buffers()})
+        sources = self._source_rows(name, "module", args, kwargs) if input_sources else {}
+        for pname, p in module.named_parameters(recurse=False):
+            if not self.is_produced(p):
+                sources[f"{name}.parameters.{pname}"] = {"id": self._source_id(p), "kind": "parameter"}
+        self.results[name] = {"status": "skip", "message": "no output judged", "sources": sources}
+        random = [m for m in module.modules() if m.training and isinstance(m, _DROPOUT_MODULES) and m.p > 0]
+        if random:
+            self.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
+                                              "mode inside)")
+            return None
+        wrapper = _EagerForward(module)
+        dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))
+        grad = self.backward and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point() for a in args)
+        # the inputs' structure is snapshot (tensors by reference, the containers and objects that hold them
+        # copied): a KV cache the target's own forward appends to stays as this call saw it, for the budget's runs
+        call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same))
+        try:
+            call.oracle = self._module_run(call, dtype, "cpu", grad)
+            kernel = self.bench_kernel
+            if kernel in ("upcast", "rounded"):
+                call.bench_round = True
+                up = dtype if kernel == "upcast" else torch.float64
+                call.bench = call.oracle if up == dtype else self._module_run(call, up, "cpu", grad)
+            else:
+                call.bench = self._module_run(call, None, self.bench_device, grad,
+                                              kernels.decomposed if kernel == "decomposed" else None)
+        except Exception as exc:  # noqa: BLE001 - unjudgeable module, the user's run goes on
+            self.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
+                                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            return None
+        call.versions = tuple(t._version for t in _tensors(call.args) + list(state.values()) + _tensors(call.kwargs))
+        return call
+
+    @staticmethod
+    def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None):
+        """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
+        inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
+        ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
+        import contextlib
+
+        conv = kernels.copier(dtype, device, perturb)
+        st = {f"module.{k}": conv(v) for k, v in call.state.items()}
+        leaves: list = []
+        a = []
+        for v in call.args:
+            c = _copy_obj(v, conv)
+            if isinstance(v, torch.Tensor):
+                if grad and v.requires_grad and c.is_floating_point():
+                    c.requires_grad_(True)
+                    leaves.append(c)
+                else:
+                    leaves.append(None)
+            a.append(c)
+        k = {key: _copy_obj(v, conv) for key, v in call.kwargs.items()}
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if context is not None:
+                stack.enter_context(context())
+            if perturb is not None:
+                stack.enter_context(kernels.Perturb(*perturb))
+            out = torch.func.functional_call(call.wrapper, st, tuple(a), k, strict=False)
+        return leaves, out
+
+    def _module_scale(self, call: "_ModuleCall", grad_output: list | None = None) -> list:
+        """The error scale (:mod:`msprobe_ci.kernels`) of a module's output tensors, or with ``grad_output`` of the
+        gradients it hands to its positional inputs: the module re-run in fp64 with its inputs, state and every
+        intermediate jittered. Empty when the inputs were written since the call or the runs fail.
+
+        Twice the API budget's draws: a whole block sums many rounding sites, and its max relative error is the
+        extreme of thousands of elements judged against their estimates, whose lower tail 4 draws leave wide (T5's
+        first block backward failed max_rel_err 10.6 > 10 against the correctly rounded bench with 4, passes with
+        8; faults named as often as with 4, `gate_quality.py --level L0 --bench-kernel all`)."""
+        if not self.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
+                                          _tensors(call.kwargs)) != call.versions:
+            return []
+        eta = kernels._eta(torch.float64, kernels.target_roundoff(_tensors(call.args) + list(call.state.values())
+                                                                  + _tensors(call.kwargs)))
+        gen = torch.Generator().manual_seed(0x30D)
+        grad = grad_output is not None
+
+        def one(perturb):
+            leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb)
+            if grad:
+                return self._module_vjp(out, leaves, grad_output, perturb)
+            return _tensors(out)
+        try:
+            base = one(None)
+            draws = [one((eta, gen)) for _ in range(kernels._draws(2 * self.budget_draws,
+                                                                   [b for b in base if b is not None]))]
+        except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
+            return []
+        diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
+                  b.detach().to(torch.float64) for x, b in zip(d, base)] for d in draws]
+        return kernels._rms(diffs, eta)
+
+    def module_after(self, call, output: Any) -> None:
+        """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""
+        if call is None:
+            return
+        from ..replay.runner import judge_pair
+
+        name = call.name
+        stem = f"{name}.output"
+        t_list, b_list, o_list = _tensors(output), _tensors(call.bench[1]), _tensors(call.oracle[1])
+        if not (len(t_list) == len(b_list) == len(o_list)):
+            self.results[name].update(message=f"module output structure differs on re-run ({len(t_list)} vs "
+                                              f"{len(o_list)} tensors)")
+            return
+        scales: list = []
+
+        def budget(i: int):
+            if not scales:
+                scales.extend(self._module_scale(call) or [None] * len(t_list))
+            return scales[i] if i < len(scales) else None
+        results = []
+        for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
+            if call.bench_round:
+                b = kernels.round_to(b, t)
+            results.append((f"{stem}.{i}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), False, self.standards,
+                                                      self.thresholds, terms=lambda i=i: budget(i))))
+        self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
+
+    def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
+        """Judge the gradients a whole-isolated module hands to its inputs (``grad_input``) against the
+        vector-Jacobian products of its oracle and same-dtype bench graphs for the same ``grad_output``."""
+        if call is None:
+            return
+        from ..replay.runner import judge_pair
+
+        (o_leaves, o_out), (b_leaves, b_out) = call.oracle, call.bench
+        self._clock[name] = time.perf_counter()
+        try:
+            gout = [g for g in grad_output]
+            results = []
+            oracle = self._module_vjp(o_out, o_leaves, gout)
+            context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+            bench = oracle if b_leaves is o_leaves else self._module_vjp(b_out, b_leaves, gout, context=context)
+            scales: list = []
+
+            def budget(i: int):
+                if not scales:
+                    scales.extend(self._module_scale(call, gout) or [None] * len(grad_input))
+                return scales[i] if i < len(scales) else None
+            k = 0
+            for i, t in enumerate(grad_input):
+                if t is None:
+                    continue
+                o = oracle[i] if i < len(oracle) else None
+                b = bench[i] if i < len(bench) else None
+                if call.bench_round:
+                    b = kernels.round_to(b, t)
+                if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
+                    results.append((f"{name}.output.{k}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), True,
+                                                                     self.standards, self.thresholds,
+                                                                     terms=lambda i=i: budget(i))))
+                k += 1
+            if results:
+                self._store(name, results)
+            else:
+                self.skip(name, "no input gradient to judge")
+        except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
+            self.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
+        finally:
+            call.oracle = call.bench = None
+
+    @staticmethod
+    def _module_vjp(out: Any, leaves: list, grad_output: list, perturb=None, context=None) -> list:
+        import contextlib
+
+        outs = [t for t in _tensors(out)]
+        pairs = [(t, g) for t, g in zip(outs, grad_output) if g is not None and t.requires_grad]
+        pos = [j for j, x in enumerate(leaves) if x is not None]
+        if not pairs or not pos:
+            return [None] * len(leaves)
+        grads = [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs]
+        if perturb is not None:
+            grads = [kernels.jitter(g, *perturb) for g in grads]
+        with contextlib.ExitStack() as stack:
+            if context is not None:
+                stack.enter_context(context())
+            if perturb is not None:
+                stack.enter_context(kernels.Perturb(*perturb))
+            got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos], grads, allow_unused=True)
+        res: list = [None] * len(leaves)
+        for j, g in zip(pos, got):
+            res[j] = g
+        return res

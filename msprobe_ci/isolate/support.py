@@ -1,0 +1,137 @@
+"""What every part of isolation shares: the tables of what cannot be judged, copies of a call's inputs, the
+per-call state (:class:`_Call`) and the record fields a verdict becomes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
+                       "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op", "VF": "torch._VF op"}
+RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+                     "bernoulli_", "normal", "normal_", "multinomial", "uniform_", "exponential_", "random_",
+                     "poisson", "rrelu", "rrelu_", "gumbel_softmax", "alpha_dropout", "feature_alpha_dropout"})
+NOT_COMPARABLE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+_SCHEMA_VERSION = 1
+
+
+def is_inplace(short: str) -> bool:
+    """``add_``, ``__iadd__``: the API writes into its first argument."""
+    if short.startswith("__") and short.endswith("__"):
+        return short.startswith("__i") and short not in ("__index__", "__int__", "__invert__")
+    return short.endswith("_")
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
+    """A copy of an argument with every tensor converted by ``conv``, objects included (a KV cache passed to a
+    module is copied with its tensors, so re-running the module never appends to the user's cache)."""
+    import copy
+
+    if isinstance(value, torch.Tensor):
+        return conv(value)
+    if depth > 6 or value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype,
+                                                        torch.device, torch.nn.Module, type)) or callable(value):
+        return value
+    if isinstance(value, list):
+        return [_copy_obj(v, conv, depth + 1) for v in value]
+    if isinstance(value, tuple):
+        items = [_copy_obj(v, conv, depth + 1) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = _copy_obj(v, conv, depth + 1)
+        return out
+    if hasattr(value, "__dict__"):
+        try:
+            out = copy.copy(value)
+            for k, v in vars(value).items():
+                setattr(out, k, _copy_obj(v, conv, depth + 1))
+            return out
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
+            return value
+    return value
+
+
+def headline(result) -> tuple[str, float, float]:
+    """``(metric, value, threshold)`` of a :class:`~msprobe_ci.checkers.CheckResult`: the thresholded metric
+    closest to (or furthest past) its threshold; ``(standard, 0, 0)`` when nothing is thresholded."""
+    best = (result.standard, 0.0, 0.0, -math.inf)
+    for k, v in (result.passing or {}).items():
+        th = (result.thresholds or {}).get(k)
+        if th is None or not isinstance(v, (int, float)):
+            continue
+        r = v / th if th > 0 else (math.inf if v > 0 else 0.0)
+        if r > best[3]:
+            best = (k, float(v), float(th), r)
+    return best[0], best[1], best[2]
+
+
+@dataclass
+
+
+class _Call:
+    name: str
+    short: str
+    direction_ok: bool = True
+    oracle_in: list = field(default_factory=list)   # oracle leaves that need grad, by tap position
+    oracle_out: Any = None
+    bench_in: list = field(default_factory=list)
+    bench_out: Any = None
+    bench_round: bool = False  # the bench is a higher-precision result, rounded to the target's dtype when judged
+    taps: int = 0
+    grad_out: dict = field(default_factory=dict)
+    out_tensors: list = field(default_factory=list)
+    dropout: tuple | None = None
+    func: Any = None
+    inputs: tuple | None = None  # the target's (args, kwargs), for the error budget, until the call is judged
+    versions: tuple = ()  # the inputs' version counters at the call: an input written since is not the call's
+    # grouped GEMMs over a padded buffer: {"output": {i: (dim, end)}, "grad": {tap: (dim, end)}}, the elements
+    # past ``end`` are uninitialised memory (kernels.unwritten) and judged as 0 on every side
+    unwritten: dict = field(default_factory=dict)
+    # how the oracle ran at the call, to run it again for the backward pass: (dtype, on the CPU only)
+    oracle_how: tuple | None = None
+
+
+
+def _cpu(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu() if v.device.type != "cpu" else v.detach()
+    return v
+
+
+def verdict_fields(row: str, result, note: str = "") -> dict[str, Any]:
+    """The fields of an isolation record that say a row's verdict: standard, headline metric, value, threshold,
+    row, message (``note`` appended) and every metric (non-finite numbers as strings, for JSON)."""
+    metric, value, threshold = headline(result)
+    return {"standard": result.standard, "metric": metric, "value": _num(value), "threshold": _num(threshold),
+            "row": row, "message": f"{result.standard} {result.status}: {result.message}{note}",
+            "metrics": {k: _num(v) for k, v in (result.metrics or {}).items()}}
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def _has_dtensor(value: Any, depth: int = 0) -> bool:
+    """Whether a DTensor (``torch.distributed.tensor.DTensor``) is among the arguments (nested lists, tuples,
+    dicts)."""
+    if isinstance(value, torch.Tensor):
+        return type(value) is not torch.Tensor and hasattr(value, "placements") and hasattr(value, "_local_tensor")
+    if depth < 4 and isinstance(value, (list, tuple)):
+        return any(_has_dtensor(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return any(_has_dtensor(v, depth + 1) for v in value.values())
+    return False
+
