@@ -1,0 +1,215 @@
+"""L1 capture: torch API calls through ``TorchFunctionMode``, their records, and their backward entries."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import naming
+from .coverage import quiet
+from .inject import Fault
+
+if TYPE_CHECKING:
+    from .session import CaptureSession
+
+
+class _ApiMode(TorchFunctionMode):
+    """Routes every torch API call to the session. Inside code that ``torch.compile`` traces it steps aside: API
+    capture (and fault injection) cannot reach into compiled graphs; module hooks outside them still record."""
+
+    def __init__(self, session: "CaptureSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_compiling():
+            return func(*args, **(kwargs or {}))
+        return self.session._on_api(func, args, kwargs or {})
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+class ApiCapture:
+    """The API half of :class:`~msprobe_ci.capture.session.CaptureSession`: one record per outermost torch API
+    call (isolation, free benchmark and faults around it), its backward entry from a hook on its output's grad_fn."""
+
+    def _on_api(self, func, args, kwargs):
+        if self._busy or not self.running:
+            return func(*args, **kwargs)
+        try:
+            info = naming.table().get(func)
+        except TypeError:  # unhashable callable
+            info = None
+        if info is None or info[2] == naming.SKIP:
+            return self._passthrough(func, args, kwargs)
+        prefix, api, kind = info
+        if api == "view_as" and naming.called_from_hook_plumbing():
+            return self._passthrough(func, args, kwargs)  # a hook's alias of a tensor keeps its provenance
+        if prefix != "Functional":
+            op = naming.operator_name(api, args)
+            if op is not None:
+                prefix, api = "Tensor", op
+        key = f"{prefix}.{api}."
+        n = self.api_counts.get(key, 0)
+        fwd_name = f"{key}{n}.forward"
+        api_id = f"{prefix}.{api}"
+        faults = [f for f in self.faults if f.api == api_id and f.on_rank(self.fault_rank)] \
+            if api_id in self._fault_apis else ()
+        if self.with_construct and self.api_level:
+            self.construct[fwd_name] = self._fwd_stack[-1] if self._fwd_stack else None
+        record = self.api_level and kind == naming.RECORD and self._keep(fwd_name)
+        entry = None
+        if record and self._fwd_in:
+            self._busy = True
+            try:
+                files = self._tensor_file(fwd_name)
+                entry = {
+                    "input_args": [self.builder.value(a, f"{fwd_name}.input.{i}" if files else None)
+                                   for i, a in enumerate(args)],
+                    "input_kwargs": {k: self.builder.value(v, f"{fwd_name}.kwargs.{k}" if files else None, k)
+                                     for k, v in kwargs.items()},
+                }
+                self._stack(fwd_name)
+            finally:
+                self._busy = False
+        fwd_faults = [f for f in faults if f.direction == "forward" and f.matches(api_id, n, "forward",
+                                                                                  self.current_step)]
+        pending = None
+        if record and self.free_bench is not None:
+            def kernel(value: Any) -> Any:  # the target's kernel, fault included, for the bit-noise rerun
+                for f in fwd_faults:
+                    value = f.apply(value, n)
+                return value
+            self._busy = True
+            try:
+                pending = self.free_bench.before(fwd_name, prefix, api, func, args, kwargs, kernel)
+            finally:
+                self._busy = False
+        iso = self.isolator if record else None
+        call = None
+        if iso is not None:
+            self._busy = True
+            try:
+                call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
+            finally:
+                self._busy = False
+        cov = self.coverage if record else None
+        if cov is not None:
+            before = cov.grad_fns(args, kwargs)
+            cov.depth += 1
+        try:
+            out = orig = self._call(func, args, kwargs)
+            for f in fwd_faults:
+                out = self.fault_log.apply(f, out, n)
+        finally:
+            if cov is not None:
+                cov.depth -= 1
+        if cov is not None:
+            cov.adopt(out, before)
+        self.api_counts[key] = n + 1
+        if pending is not None:
+            self._busy = True
+            try:
+                self.free_bench.after(pending, out)
+            finally:
+                self._busy = False
+        if iso is not None:
+            self._busy = True
+            try:
+                iso.after(call, out)
+            finally:
+                self._busy = False
+        elif self.isolator is not None:
+            self.isolator.propagate(args, kwargs, out)
+        if record:
+            self._busy = True
+            try:
+                files = self._tensor_file(fwd_name)
+                if entry is None:
+                    entry = {"input_args": [], "input_kwargs": {}}
+                    self._stack(fwd_name)
+                entry["output"] = (self._encode_output(out, f"{fwd_name}.output" if files else None)
+                                   if self._fwd_out else [])
+                self.data[fwd_name] = entry
+            finally:
+                self._busy = False
+        bwd_faults = [f for f in faults if f.matches(api_id, n, "backward", self.current_step)]
+        if bwd_faults and call is not None and call.taps:
+            # isolated: the fault goes onto the gradients w.r.t. the API's inputs, at its tap, where the
+            # isolation sees the value before and after it
+            iso.faults_at_tap[f"{key}{n}.backward"] = [(f, n) for f in bwd_faults]
+            bwd_faults = []
+        if (record and self._bwd) or bwd_faults:
+            node = _first_grad_fn(orig)
+            if node is not None and _is_input_node(node, args, kwargs):
+                node = None  # identity (eval dropout, p=0) or alias: the node belongs to an earlier op
+            if node is not None and torch.is_grad_enabled():
+                bwd_name = f"{key}{n}.backward"
+                node.register_hook(self._api_backward_hook(bwd_name, record and self._bwd and self._keep(bwd_name),
+                                                           bwd_faults, n))
+        return out
+
+    def _encode_output(self, out: Any, stem: str | None) -> Any:
+        if isinstance(out, torch.Tensor):
+            return [self.builder.value(out, f"{stem}.0" if stem else None)]
+        if isinstance(out, tuple) and hasattr(out, "_fields") and not hasattr(out, "n_fields"):
+            return self.builder.value(out, stem)
+        if isinstance(out, (list, tuple)):
+            return [self.builder.value(v, f"{stem}.{i}" if stem else None) for i, v in enumerate(out)]
+        if isinstance(out, dict) or (hasattr(out, "to_tuple") and hasattr(out, "keys")):
+            return self.builder.value(out, stem)
+        return [self.builder.value(out, f"{stem}.0" if stem else None)]
+
+    def _api_backward_hook(self, name: str, record: bool, faults: list[Fault], call: int):
+        def hook(grad_inputs, grad_outputs):
+            new = None
+            if faults:
+                new = tuple(grad_inputs)
+                for f in faults:
+                    new = self.fault_log.apply(f, new, call)
+                grad_inputs = new
+            if record and self.running and not self._busy:
+                self._busy = True
+                try:
+                    files = self._tensor_file(name)
+                    if self.with_construct:
+                        self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
+                    self.data[name] = {
+                        "input": [self.builder.value(g, f"{name}.input.{i}" if files else None)
+                                  for i, g in enumerate(grad_outputs)] if self._bwd_in else [],
+                        "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
+                                   for i, g in enumerate(grad_inputs)] if self._bwd_out else [],
+                    }
+                finally:
+                    self._busy = False
+            return new
+        return quiet(hook)
+
+
+def _first_grad_fn(value: Any):
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            node = _first_grad_fn(v)
+            if node is not None:
+                return node
+    if isinstance(value, dict):
+        for v in value.values():
+            node = _first_grad_fn(v)
+            if node is not None:
+                return node
+    return None
+
+
+def _is_input_node(node, args, kwargs) -> bool:
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.grad_fn is node:
+            return True
+        if isinstance(v, (list, tuple)):
+            if any(isinstance(x, torch.Tensor) and x.grad_fn is node for x in v):
+                return True
+    return False

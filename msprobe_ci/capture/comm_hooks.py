@@ -1,0 +1,115 @@
+"""Communication ops: the records of torch.distributed collectives while a capture runs (wrappers in :mod:`.comm`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+
+class CommCapture:
+    """The communication half of :class:`~msprobe_ci.capture.session.CaptureSession`: one
+    ``Distributed.<op>.<N>.forward`` record per collective (:mod:`.comm` installs the wrappers)."""
+
+    def _on_comm(self, op: str, func, args: tuple, kwargs: dict, functional: bool = False):
+        """Run and record one communication op (``Distributed.<op>.<N>.forward``; see :mod:`.comm`); a
+        ``functional`` (out-of-place) collective's output is its returned tensor."""
+        if self._busy or not self.running:
+            return func(*args, **kwargs)
+        key = f"Distributed.{op}."
+        n = self.api_counts.get(key, 0)
+        self.api_counts[key] = n + 1
+        name = f"{key}{n}.forward"
+        if self.with_construct:
+            self.construct[name] = self._fwd_stack[-1] if self._fwd_stack else None
+        record = self._keep(name)
+        entry = None
+        if record:
+            self._busy = True
+            try:
+                files = self._tensor_file(name)
+                rec_args, rec_kwargs = _resolved_groups(func, args, kwargs) if functional else (args, kwargs)
+                entry = {"input_args": [self._comm_value(a, f"{name}.input.{i}" if files else None)
+                                        for i, a in enumerate(rec_args)],
+                         "input_kwargs": {k: self._comm_value(v, f"{name}.input.{k}" if files else None, k)
+                                          for k, v in rec_kwargs.items()},
+                         "output": []}
+                self._stack(name)
+                self.data[name] = entry
+            finally:
+                self._busy = False
+        self._busy = True  # a collective built from other collectives is one record, as msprobe's
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            self._busy = False
+
+        def record_output() -> None:
+            if entry is None or not self._fwd_out:
+                return
+            was, self._busy = self._busy, True
+            try:
+                files = self._tensor_file(name)
+                values = [result] if functional else list(args) + list(kwargs.values())
+                self.builder.forget(values)
+                entry["output"] = [self._comm_value(v, f"{name}.output.{i}" if files else None)
+                                   for i, v in enumerate(values)]
+                self._dirty = True
+            finally:
+                self._busy = was
+
+        from .comm import wrap_work
+
+        if isinstance(result, list) and result and all(hasattr(w, "wait") for w in result):
+            pending = {"left": len(result)}
+
+            def one_done() -> None:
+                pending["left"] -= 1
+                if pending["left"] == 0:
+                    record_output()
+            return [wrap_work(w, one_done) for w in result]
+        if not functional and result is not None and hasattr(result, "wait"):
+            return wrap_work(result, record_output)
+        record_output()
+        return result
+
+    def _comm_value(self, v: Any, name: str | None, key: str | None = None) -> Any:
+        """Arguments of a communication op: process groups and reduce ops as msprobe records them."""
+        import torch.distributed as dist
+
+        from .comm import encode_group
+
+        if isinstance(v, dist.ProcessGroup) or (key == "group" and v is None):
+            return encode_group(v)
+        if isinstance(v, (dist.ReduceOp, getattr(dist.ReduceOp, "RedOpType", dist.ReduceOp))):
+            return {"type": "torch.distributed.ReduceOp", "value": str(v)}
+        if isinstance(v, dist.P2POp):
+            return {"class_type": "torch.distributed.P2POp", "tensor": self.builder.value(v.tensor, name),
+                    "op": getattr(v.op, "__name__", str(v.op)), "peer": v.peer, "tag": v.tag,
+                    "group_id": encode_group(v.group)["group_id"]}
+        if isinstance(v, (list, tuple)) and v and not isinstance(v, torch.Size):
+            return [self._comm_value(x, None if name is None else f"{name}.{i}") for i, x in enumerate(v)]
+        return self.builder.value(v, name, key)
+
+
+def _resolved_groups(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A functional collective's arguments with its ``group`` (ranks, DeviceMesh, ``(mesh, dim)``, a name)
+    replaced by the ProcessGroup it names, for the record (the call itself gets the original arguments)."""
+    import inspect
+
+    from .comm import resolve_group
+
+    if "group" in kwargs:
+        pg = resolve_group(kwargs["group"])
+        return args, (dict(kwargs, group=pg) if pg is not None else kwargs)
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "group" in params and params.index("group") < len(args):
+        i = params.index("group")
+        pg = resolve_group(args[i])
+        if pg is not None:
+            return args[:i] + (pg,) + args[i + 1:], kwargs
+    return args, kwargs
