@@ -35,19 +35,18 @@ the renaming of every rank's entries is kept (isolation records follow their nod
 
 from __future__ import annotations
 
-import copy
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
 
-from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
+from .merge_pp import merge_pp
+from .merge_tp import is_tensor_record, merge_tp, record_at, row_label, stat_number, tensor_records
 
-_STATS = ("Max", "Min", "Mean", "Norm")
-_UNCERTAINTY = 1e-6  # msprobe's relative tolerance for non-deterministic Mean/Norm across ranks
+__all__ = ["Merged", "Parallel", "align_shapes", "infer_parallel", "merge_isolation", "merge_pp", "merge_ranks", "merge_tp",
+           "merged_groups", "merged_pairs"]
+
 _DIMS = ("tp", "dp", "pp")
 
 
@@ -120,400 +119,6 @@ class Merged:
     replicas: dict[int, int] = field(default_factory=dict)
 
 
-# ------------------------------------------------------------------------------------------------ record walking
-def _is_tensor(rec: Any) -> bool:
-    return isinstance(rec, dict) and "dtype" in rec and "shape" in rec
-
-
-def _tensors(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, dict]]:
-    """``(path, tensor record)`` of every tensor record in an entry (paths are key/index tuples)."""
-    if _is_tensor(value):
-        yield path, value
-    elif isinstance(value, dict) and "type" not in value:
-        for k, v in value.items():
-            yield from _tensors(v, path + (k,))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            yield from _tensors(v, path + (i,))
-
-
-def _at(value: Any, path: tuple) -> Any:
-    for k in path:
-        if isinstance(value, dict) and k in value:
-            value = value[k]
-        elif isinstance(value, list) and isinstance(k, int) and k < len(value):
-            value = value[k]
-        else:
-            return None
-    return value
-
-
-def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v)
-
-
-def _close(a: Any, b: Any, rel: float) -> bool:
-    x, y = _num(a), _num(b)
-    if x is None or y is None:
-        return a == b
-    if math.isnan(x) or math.isnan(y):
-        return math.isnan(x) and math.isnan(y)
-    if x == y:
-        return True
-    return abs(x - y) <= rel * max(abs(x), abs(y))
-
-
-def _same(a: dict, b: dict) -> bool:
-    """Replicated: equal shapes and dtypes, Max/Min exact, Mean/Norm within msprobe's 1e-6."""
-    if a.get("shape") != b.get("shape") or a.get("dtype") != b.get("dtype"):
-        return False
-    return all(_close(a.get(k), b.get(k), 0.0 if k in ("Max", "Min") else _UNCERTAINTY) for k in _STATS)
-
-
-def _differs(recs: list) -> bool:
-    """Tensor records on every rank that are not all replicas of the first."""
-    return all(_is_tensor(r) for r in recs) and not all(_same(recs[0], r) for r in recs[1:])
-
-
-def _key(rec: dict) -> tuple:
-    """Exact identity of a tensor's statistics (a partial sum and the collective input it is)."""
-    return (str(rec.get("dtype")), tuple(rec.get("shape") or ()),) + tuple(repr(rec.get(k)) for k in _STATS)
-
-
-def _shard_stats(recs: list[dict]) -> dict | None:
-    vals = {k: [_num(r.get(k)) for r in recs] for k in _STATS}
-    if any(v is None for vs in vals.values() for v in vs):
-        return None
-    return {"Max": max(vals["Max"]), "Min": min(vals["Min"]), "Mean": sum(vals["Mean"]) / len(recs),
-            "Norm": math.sqrt(sum(v * v for v in vals["Norm"]))}
-
-
-# ------------------------------------------------------------------------------------------------ tensor parallel
-def _collective_inputs(dump: Dump) -> dict[tuple, list[tuple[int, str]]]:
-    """``{statistics key: [(position, collective name)]}`` of the reducing collectives' inputs on one rank."""
-    out: dict[tuple, list[tuple[int, str]]] = {}
-    for pos, (name, entry) in enumerate(dump.data.items()):
-        if not isinstance(entry, dict):
-            continue
-        if name.startswith("Distributed.all_reduce."):
-            arg = _at(entry, ("input_args", 0))
-        elif name.startswith(("Distributed.reduce_scatter_tensor.", "Distributed.reduce_scatter_single.")):
-            # torch.distributed's (output, input) or the functional (input, ...): the larger tensor is the input
-            tensors = [a for a in entry.get("input_args") or [] if _is_tensor(a)]
-            arg = max(tensors, key=lambda a: math.prod(a.get("shape") or [1])) if tensors else None
-        else:
-            continue
-        if _is_tensor(arg):
-            out.setdefault(_key(arg), []).append((pos, name))
-    return out
-
-
-def _summing(entry: dict) -> bool:
-    values = list(entry.get("input_args") or []) + list((entry.get("input_kwargs") or {}).values())
-    for v in values:
-        if isinstance(v, dict) and v.get("type") == "torch.distributed.ReduceOp":
-            return "SUM" in str(v.get("value"))
-        if isinstance(v, dict) and v.get("type") == "str":  # a functional collective's reduceOp ("sum")
-            return str(v.get("value")).lower() == "sum"
-    return True  # the default op
-
-
-def _reduced(dumps: list[Dump], names_: list[str]) -> tuple[dict | None, bool]:
-    """The value a partial sum stands for: an all_reduce's output (replicated), or the merged shards of a
-    reduce_scatter's outputs. Returns ``(record, is_shard)``."""
-    outs = [_at(d.data.get(n), ("output", 0)) for d, n in zip(dumps, names_)]
-    if not all(_is_tensor(o) for o in outs):
-        return None, False
-    if names_[0].startswith("Distributed.all_reduce."):
-        return outs[0], False
-    stats = _shard_stats(outs)
-    return (dict(outs[0], **stats), True) if stats else (None, False)
-
-
-def merge_tp(dumps: list[Dump], ranks: list[int]) -> tuple[Dump, dict[int, tuple], dict[int, int]]:
-    """Merge the dumps of one TP group (same code on shards) into one; see the module docstring.
-
-    Returns:
-        ``(dump, shards, replicas)``: the merged dump (``merge_notes`` filled), ``{id(record): (shard count, the
-        first rank's statistics or None)}`` for records merged from shards (:func:`align_shapes` may take a record
-        back to the first rank's values) and ``{id(record): rank count}`` for records equal on every rank
-        (:func:`align_shapes` may find them to be shards of equal value).
-    """
-    first = dumps[0]
-    if len(dumps) == 1:
-        return replace(first, merge_notes=dict(getattr(first, "merge_notes", {}) or {})), {}, {}
-    collectives = [_collective_inputs(d) for d in dumps]
-    positions = [{n: i for i, n in enumerate(d.data)} for d in dumps]
-    notes: dict[str, list[str]] = {}
-    shards: dict[int, tuple] = {}
-    replicas: dict[int, int] = {}
-    data: dict[str, Any] = {}
-    for name in _ordered_union([list(d.data) for d in dumps]):
-        present = [i for i, d in enumerate(dumps) if name in d.data]
-        if len(present) < len(dumps):
-            src = present[0]
-            data[name] = dumps[src].data[name]
-            notes.setdefault(name, []).append(f"Only ranks {[ranks[i] for i in present]} of TP group {ranks} "
-                                              "recorded this call; their first record is shown.")
-            continue
-        differing = [path for path, _ in _tensors(first.data[name])
-                     if _differs([_at(d.data[name], path) for d in dumps])]
-        if not differing:  # replicated as a whole: shared, not copied
-            data[name] = first.data[name]
-            replicas.update((id(rec), len(dumps)) for _, rec in _tensors(data[name]))
-            continue
-        entry = copy.deepcopy(first.data[name])
-        data[name] = entry
-        split = set(differing)
-        replicas.update((id(rec), len(dumps)) for path, rec in _tensors(entry) if path not in split)
-        merged_rows: list[str] = []
-        for path in differing:
-            rec = _at(entry, path)
-            others = [_at(d.data[name], path) for d in dumps]
-            row = _row_label(path)
-            hits = [collectives[i].get(_key(o), []) for i, o in enumerate(others)]
-            reduced_by = _first_common_later(hits, [positions[i][name] for i in range(len(dumps))])
-            if reduced_by is not None:
-                value, is_shard = _reduced(dumps, [reduced_by] * len(dumps))
-                if value is not None:
-                    _set(entry, path, dict(rec, **{k: value.get(k) for k in _STATS}, shape=value.get("shape")))
-                    if is_shard:
-                        shards[id(_at(entry, path))] = (len(dumps), None)
-                    what = "partial sums" if _summing(first.data[reduced_by]) else "partial values"
-                    merged_rows.append(f"{row}: {what} on ranks {ranks}; the reduced value is the output "
-                                       f"of {reduced_by}")
-                    continue
-            stats = _shard_stats(others)
-            if stats is None:
-                continue
-            new = dict(rec, **stats)
-            _set(entry, path, new)
-            shards[id(new)] = (len(dumps), {k: rec.get(k) for k in _STATS})
-            merged_rows.append(f"{row}: shards of ranks {ranks}: Max = max, Min = min, Mean = mean of means, "
-                               "Norm = sqrt(sum of Norm^2)")
-        if merged_rows:
-            notes[name] = [f"Merged from the tensor-parallel ranks {ranks}."] + merged_rows
-    merged = replace(first, data=data, construct=_union_dicts([d.construct for d in dumps]),
-                     stack=_union_dicts([d.stack for d in dumps]), merge_notes=notes)
-    return merged, shards, replicas
-
-
-def _row_label(path: tuple) -> str:
-    """msprobe's row suffix of a record path (``("input_args", 1)`` → ``input.1``)."""
-    head = {"input_args": "input", "input_kwargs": "input"}.get(str(path[0]), str(path[0])) if path else ""
-    return ".".join([head] + [str(p) for p in path[1:]])
-
-
-def _first_common_later(hits: list[list[tuple[int, str]]], positions: list[int]) -> str | None:
-    """The first collective, by name on every rank, at or after the row's entry, whose input it is."""
-    common = None
-    for (pos, h) in zip(positions, hits):
-        later = {n for p, n in h if p >= pos}
-        common = later if common is None else common & later
-    if not common:
-        return None
-    return min(common, key=lambda n: next(p for p, nn in hits[0] if nn == n))
-
-
-def _set(entry: Any, path: tuple, value: Any) -> None:
-    parent = _at(entry, path[:-1])
-    parent[path[-1]] = value
-
-
-def _ordered_union(orders: list[list[str]]) -> list[str]:
-    """Names of several orders, the first order's kept and others' extra names after their predecessor."""
-    out = list(orders[0])
-    seen = set(out)
-    for order in orders[1:]:
-        after: dict[str | None, list[str]] = {}
-        prev = None
-        for n in order:
-            if n in seen:
-                prev = n
-                continue
-            after.setdefault(prev, []).append(n)
-            seen.add(n)
-        if not after:
-            continue
-        res = list(after.get(None, []))
-        for n in out:
-            res.append(n)
-            res.extend(after.get(n, []))
-        out = res
-    return out
-
-
-def _union_dicts(ds: list[dict]) -> dict:
-    out: dict = {}
-    for d in ds:
-        for k, v in d.items():
-            out.setdefault(k, v)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- pipeline parallel
-_INT = re.compile(r"^\d+$")
-
-
-def _module_path(name: str) -> tuple[str, str] | None:
-    """``(prefix, module path)`` of a module or parameters_grad entry (``Module.layers.0.mlp.MLP.forward.0`` →
-    ``("Module", "layers.0.mlp")``)."""
-    p = names.parse(name)
-    if p is None or p.kind == "api":
-        return None
-    parts = p.base.split(".")
-    if p.kind == "parameters_grad":
-        return parts[0], ".".join(parts[1:])
-    return parts[0], ".".join(parts[1:-1])  # drop the class name
-
-
-def _container_indices(names_: list[str]) -> dict[str, set[int]]:
-    """``{container path: its outermost integer indices}`` (``layers`` → {0, 1}) of one stage's modules."""
-    out: dict[str, set[int]] = {}
-    for n in names_:
-        mp = _module_path(n)
-        if mp is None:
-            continue
-        parts = mp[1].split(".")
-        for i, part in enumerate(parts):
-            if _INT.match(part):
-                out.setdefault(".".join(parts[:i]), set()).add(int(part))
-                break
-    return out
-
-
-def _rename_module(name: str, offsets: dict[str, int]) -> str:
-    mp = _module_path(name)
-    if mp is None or not offsets:
-        return name
-    prefix, path = mp
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if _INT.match(part):
-            off = offsets.get(".".join(parts[:i]), 0)
-            if not off:
-                return name
-            parts[i] = str(int(part) + off)
-            new_path = ".".join(parts)
-            return f"{prefix}.{new_path}" + name[len(prefix) + 1 + len(path):]
-    return name
-
-
-def _rename_api(name: str, offsets: dict[str, int]) -> str:
-    p = names.parse(name, any_prefix=True)
-    if p is None or p.kind != "api" or not offsets.get(p.base):
-        return name
-    return f"{p.base}.{p.call + offsets[p.base]}.{p.direction}"
-
-
-def _api_counts(names_: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for n in names_:
-        p = names.parse(n, any_prefix=True)
-        if p is not None and p.kind == "api":
-            out[p.base] = max(out.get(p.base, 0), p.call + 1)
-    return out
-
-
-def _backward_start(order: list[str]) -> int:
-    for i, n in enumerate(order):
-        p = names.parse(n, any_prefix=True)
-        if p is not None and (p.direction == "backward" or p.kind == "parameters_grad"):
-            return i
-    return len(order)
-
-
-def merge_pp(stages: list[Dump], stage_ranks: list[list[int]]) -> tuple[Dump, list[dict[str, str]]]:
-    """Merge the stage dumps of one pipeline (already TP-merged), in stage order; see the module docstring.
-
-    Returns:
-        ``(dump, renames)``: the merged dump and, per stage, ``{entry name on the stage: merged name}``.
-    """
-    if len(stages) == 1:
-        return stages[0], [{n: n for n in stages[0].data}]
-    indices = [_container_indices(list(s.data) + list(s.construct)) for s in stages]
-    module_offsets: list[dict[str, int]] = [{} for _ in stages]
-    for cont in {c for ix in indices for c in ix}:
-        sets = [ix.get(cont, set()) for ix in indices]
-        overlapping = any(sets[i] & sets[j] for i in range(len(sets)) for j in range(i))
-        if not overlapping:
-            continue  # globally numbered already
-        off = 0
-        for s, idx in enumerate(sets):
-            module_offsets[s][cont] = off
-            off += (max(idx) + 1) if idx else 0
-    api_offsets: list[dict[str, int]] = []
-    running: dict[str, int] = {}
-    for s in stages:
-        api_offsets.append(dict(running))
-        for base, n in _api_counts(list(s.data)).items():
-            running[base] = running.get(base, 0) + n
-
-    def rename(s: int, n: str) -> str:
-        return _rename_api(_rename_module(n, module_offsets[s]), api_offsets[s])
-
-    renames = [{n: rename(s, n) for n in list(st.data) + list(st.construct)} for s, st in enumerate(stages)]
-    # merged order: forward of every stage in order, then backward in reverse stage order
-    sequence: list[tuple[int, str]] = []
-    splits = [_backward_start(list(st.data)) for st in stages]
-    for s, st in enumerate(stages):
-        sequence += [(s, n) for n in list(st.data)[:splits[s]]]
-    for s in reversed(range(len(stages))):
-        sequence += [(s, n) for n in list(stages[s].data)[splits[s]:]]
-    inverse = [{v: k for k, v in r.items()} for r in renames]
-    occurrences: dict[str, list[int]] = {}
-    for s, n in sequence:
-        occurrences.setdefault(renames[s][n], []).append(s)
-    data: dict[str, Any] = {}
-    notes: dict[str, list[str]] = {}
-    placed = set()
-    for i in reversed(range(len(sequence))):  # a shared entry lands at its last occurrence
-        s, n = sequence[i]
-        new = renames[s][n]
-        if new in placed:
-            continue
-        placed.add(new)
-        owners = occurrences[new]
-        if len(owners) == 1:
-            data[new] = stages[s].data[n]
-            own = getattr(stages[s], "merge_notes", {}).get(n)
-            notes[new] = ([f"Pipeline stage {s} (ranks {stage_ranks[s]})" + (f", renamed from {n}" if n != new
-                                                                                else "") + "."] + list(own or []))
-        else:
-            data[new] = _shared_entry(new, [(o, stages[o].data[inverse[o][new]]) for o in owners])
-            notes[new] = [f"Present on pipeline stages {owners}: inputs from the stage the data entered, outputs "
-                          "from the stage it left."]
-    data = dict(reversed(list(data.items())))
-    construct: dict[str, Any] = {}
-    stack: dict[str, list[str]] = {}
-    for s, st in enumerate(stages):
-        for child, parent in st.construct.items():
-            construct.setdefault(renames[s].get(child, child),
-                                 None if parent is None else renames[s].get(parent, rename(s, parent)))
-        for k, v in st.stack.items():
-            stack.setdefault(renames[s].get(k, rename(s, k)), v)
-    merged = replace(stages[0], data=data, construct=construct, stack=stack, merge_notes=notes)
-    return merged, renames
-
-
-def _shared_entry(name: str, owners: list[tuple[int, Any]]) -> Any:
-    """A module on several stages: forward inputs from the first stage and outputs from the last; backward
-    (gradients flow the other way) inputs from the last and outputs from the first."""
-    first, last = owners[0][1], owners[-1][1]
-    if not isinstance(first, dict) or not isinstance(last, dict):
-        return first
-    p = names.parse(name)
-    backward = p is not None and p.direction == "backward"
-    src_in, src_out = (last, first) if backward else (first, last)
-    entry = {k: v for k, v in src_in.items() if k != "output"}
-    if "output" in src_out:
-        entry["output"] = src_out["output"]
-    return entry
-
-
-# ---------------------------------------------------------------------------------------------------- the whole
 def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
     """Merge every data-parallel group of one step's rank dumps.
 
@@ -556,13 +161,13 @@ def merge_ranks(dumps: dict[int, Dump], par: Parallel) -> list[Merged]:
 
 def _settle_replica(side: Merged, name: str, path: tuple, rec: dict, n: int, dim: int) -> None:
     """A record equal on ``n`` ranks found to be ``n`` shards of equal value: ``Norm`` × sqrt(n), noted."""
-    norm = _num(rec.get("Norm"))
+    norm = stat_number(rec.get("Norm"))
     if norm is not None:
         rec["Norm"] = norm * math.sqrt(n)
     del side.replicas[id(rec)]
     side.shards[id(rec)] = (n, None)
     side.dump.merge_notes.setdefault(name, []).append(
-        f"{_row_label(path)}: equal on the {n} tensor-parallel ranks but split in dimension {dim} (the other side "
+        f"{row_label(path)}: equal on the {n} tensor-parallel ranks but split in dimension {dim} (the other side "
         "has it longer there): shards of equal value, merged (Norm x sqrt(n))")
 
 
@@ -590,9 +195,9 @@ def align_shapes(target: Merged, bench: Merged) -> int:
             o_entry = other.dump.data.get(name)
             if o_entry is None:
                 continue
-            for path, rec in _tensors(entry):
-                o_rec = _at(o_entry, path)
-                if not _is_tensor(o_rec):
+            for path, rec in tensor_records(entry):
+                o_rec = record_at(o_entry, path)
+                if not is_tensor_record(o_rec):
                     continue
                 replica = id(rec) in side.replicas
                 if replica:
@@ -620,7 +225,7 @@ def align_shapes(target: Merged, bench: Merged) -> int:
                     rec.update(orig)
                     side.shards.pop(id(rec), None)
                     side.dump.merge_notes.setdefault(name, []).append(
-                        f"{_row_label(path)}: differs across ranks but has the unsplit shape of the other side: "
+                        f"{row_label(path)}: differs across ranks but has the unsplit shape of the other side: "
                         "not a shard; the first rank's statistics are shown")
                     changed += 1
     return changed
@@ -641,8 +246,8 @@ def merge_isolation(records: dict[int, dict[str, dict] | None], renames: dict[in
             new = renames.get(rank, {}).get(old, old)
             rec = dict(rec, rank=rank, message=f"rank{rank}: {rec.get('message', '')}".rstrip(": "))
             cur = out.get(new)
-            key = (rank_order.get(str(rec.get("status")), 0), _num(rec.get("value")) or 0.0)
-            if cur is None or key > (rank_order.get(str(cur.get("status")), 0), _num(cur.get("value")) or 0.0):
+            key = (rank_order.get(str(rec.get("status")), 0), stat_number(rec.get("value")) or 0.0)
+            if cur is None or key > (rank_order.get(str(cur.get("status")), 0), stat_number(cur.get("value")) or 0.0):
                 out[new] = rec
     return out if any_records else None
 
