@@ -54,7 +54,7 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
     import torch.distributed as dist
 
     from .backends import Backend
-    from .check import run_side
+    from .check.sides import run_side
     from .config import DumpConfig
 
     _log_to(os.path.join(job.out, f"rank{rank}.log"))
@@ -181,7 +181,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
     Raises:
         MsprobeError: unreadable dumps, or layouts that do not fit the rank folders.
     """
-    from .check import CheckOutcome, merge_coverage, read_coverage
+    from .check.outcome import CheckOutcome, merge_coverage, read_coverage
     from .compare import compare_dumps
     from .compare.isolated import apply_isolation, load_isolation
     from .compare.merge import merge_isolation, merged_pairs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -11,15 +11,12 @@ from . import naming
 from .coverage import quiet
 from .inject import Fault
 
-if TYPE_CHECKING:
-    from .session import CaptureSession
-
 
 class _ApiMode(TorchFunctionMode):
     """Routes every torch API call to the session. Inside code that ``torch.compile`` traces it steps aside: API
     capture (and fault injection) cannot reach into compiled graphs; module hooks outside them still record."""
 
-    def __init__(self, session: "CaptureSession"):
+    def __init__(self, session):  # a CaptureSession
         super().__init__()
         self.session = session
 

@@ -28,11 +28,11 @@ from .context import CheckContext, DeviceAbsent
 from .generation import DecodeRun, check_generate, run_decode
 from .monitor import conclude_monitor, open_monitor
 from .offline import check_dumps
-from .outcome import (CheckOutcome, evaluate, flatten_outputs, judge, merge_coverage, model_cases,
+from .outcome import (CheckOutcome, SideRun, evaluate, flatten_outputs, judge, merge_coverage, model_cases,
                       read_coverage)
 from .parallel import check_parallel
 from .settings import CHECK_OPTIONS, CheckSettings
-from .sides import SideRun, precision_notes, run_side, unapplied_faults
+from .sides import precision_notes, run_side, unapplied_faults
 from .single import run_check
 from .training import TrainingRun, check_training, grad_similarity, run_training
 

@@ -202,8 +202,7 @@ def judge_steps(s, check_dir: str, bench_folders: list, target_folders: list, st
     Raises:
         MsprobeError: unreadable or incompatible step dumps (``. Artifacts: <check dir>`` appended).
     """
-    from .outcome import evaluate
-    from .sides import SideRun
+    from .outcome import SideRun, evaluate
 
     try:
         steps = list(range(len(bench_folders))) if steps is None else steps

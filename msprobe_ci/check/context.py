@@ -27,6 +27,15 @@ class DeviceAbsent(MsprobeError):
         self.row = row
 
 
+def check_available(backend, row: dict) -> None:
+    """Raise :class:`~msprobe_ci.check.context.DeviceAbsent` (carrying ``row``) where ``backend``'s device is not
+    on this machine."""
+    try:
+        backend.check_available()
+    except MsprobeError as exc:
+        raise DeviceAbsent(str(exc), row) from None
+
+
 @dataclass
 class CheckContext:
     """One test's checks: their folders, graphs, baseline and the run-wide choices around them.

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..errors import MsprobeError
 from .conclude import RESULT, Draft, benchless_row, num, unapplied_message
-from .context import CheckContext
+from .context import CheckContext, check_available
 
 
 def run_free_check(ctx: CheckContext, s, model: Any, inputs: tuple, loss_fn: Callable | None, row: dict,
@@ -26,7 +26,6 @@ def run_free_check(ctx: CheckContext, s, model: Any, inputs: tuple, loss_fn: Cal
     """
     from ..free_benchmark import MODES, FreeBenchmark
     from .sides import run_side
-    from .single import check_available
 
     mode = s.free_benchmark
     mode = "improve_precision" if mode is True else mode

@@ -28,8 +28,7 @@ def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = Fal
     """
     from ..compare.crossframe import Mappings
     from ..dump.reader import rank_folders
-    from .outcome import evaluate
-    from .sides import SideRun
+    from .outcome import SideRun, evaluate
 
     folders = [os.path.dirname(os.path.abspath(p)) if os.path.isfile(p) else rank_folders(p)[0]
                for p in (target, bench)]

@@ -10,13 +10,27 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from .._perf import gc_paused
 
-if TYPE_CHECKING:
-    from .sides import SideRun
+
+@dataclass(frozen=True)
+class SideRun:
+    """What one side produced.
+
+    Attributes:
+        folder: the rank folder of the dump (``.../step0/rank``).
+        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
+        unapplied: one line per injected fault that never fired (the gate proved nothing with it).
+        notes: report lines about how the side ran (:func:`precision_notes`).
+    """
+
+    folder: str
+    outputs: list = field(default_factory=list)
+    unapplied: tuple = ()
+    notes: tuple = ()
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,

@@ -42,8 +42,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     from ..compare.ranks import first_divergence_across_ranks
     from ..graph.service import compare_vis_db
     from ..parallel import RankJob, free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
-    from .outcome import evaluate
-    from .sides import SideRun
+    from .outcome import SideRun, evaluate
 
     world_size = _positive_int(world_size, "world_size")
     bench_world_size = _positive_int(world_size if bench_world_size is None else bench_world_size,

@@ -8,28 +8,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import MsprobeError
-from .outcome import flatten_outputs
-
-
-@dataclass(frozen=True)
-class SideRun:
-    """What one side produced.
-
-    Attributes:
-        folder: the rank folder of the dump (``.../step0/rank``).
-        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
-        unapplied: one line per injected fault that never fired (the gate proved nothing with it).
-        notes: report lines about how the side ran (:func:`precision_notes`).
-    """
-
-    folder: str
-    outputs: list = field(default_factory=list)
-    unapplied: tuple = ()
-    notes: tuple = ()
+from .outcome import SideRun, flatten_outputs
 
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),

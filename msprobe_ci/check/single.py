@@ -13,18 +13,9 @@ from typing import Any, Callable
 
 from ..errors import MsprobeError
 from .conclude import RESULT, Conclusion, conclude_check
-from .context import CheckContext, DeviceAbsent
+from .context import CheckContext, check_available
 from .settings import CheckSettings
 from .sides import run_side
-
-
-def check_available(backend, row: dict) -> None:
-    """Raise :class:`~msprobe_ci.check.context.DeviceAbsent` (carrying ``row``) where ``backend``'s device is not
-    on this machine."""
-    try:
-        backend.check_available()
-    except MsprobeError as exc:
-        raise DeviceAbsent(str(exc), row) from None
 
 
 def run_check(ctx: CheckContext, s: CheckSettings, model: Any, inputs: tuple,

@@ -1,5 +1,9 @@
 """The compare CSV: msprobe's columns, our node verdict in ``Result``/``Err_message``, written at the speed of a
-join (:func:`csv_record` writes the bytes :mod:`csv` would; a property test holds them equal)."""
+join (:func:`csv_record` writes the bytes :mod:`csv` would; a property test holds them equal).
+
+``report`` is a :class:`~msprobe_ci.compare.report.CompareReport` and ``rr`` one of its
+:class:`~msprobe_ci.compare.report.RowResult` rows throughout (read by attribute: this module imports neither, so
+the report can write itself through it)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from ..dump.writer import timestamped_path
 from ..outputs import atomic_write
 from . import metrics as M
 from .metrics import number_cells
-from .report import CompareReport, RowResult
 from .verdict import CompareResult
 
 
@@ -28,7 +31,7 @@ def columns(mode: str) -> list[str]:
         return head + list(M.TENSOR_COLUMNS) + stats + tail + ["Data_name"]
     return head + list(M.STAT_DIFF_COLUMNS) + list(M.STAT_REL_COLUMNS) + stats + tail
 
-def write_csv(report: CompareReport, out_dir: str, prefix: str = "compare_result") -> str:
+def write_csv(report, out_dir: str, prefix: str = "compare_result") -> str:
     """Write ``compare_result_<YYYYmmddHHMMSS>.csv`` with msprobe's columns; returns the path.
 
     ``Result``/``Err_message`` carry our node verdict (on the node's output rows) instead of msprobe's
@@ -43,7 +46,7 @@ def write_csv(report: CompareReport, out_dir: str, prefix: str = "compare_result
                 w.write(rr, verdicts.get(rr.target.entry), stack_done)
     return path
 
-def csv_line(report: CompareReport, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> str:
+def csv_line(report, rr, node: CompareResult | None, stack_done: set[str]) -> str:
     """The CSV record of one row: ``csv_record(csv_row(report, ...))``, built without a cell-by-cell pass for
     the common row (statistics, both sides tensor records; a test holds the two equal on every row of real
     compares). Its numeric cells (metrics and statistics: numbers, ``None``, or this module's own words such
@@ -82,7 +85,7 @@ def csv_line(report: CompareReport, rr: RowResult, node: CompareResult | None, s
     return f"{t.name},{b.name},{t.dtype},{b.dtype},{ts},{bs},{t.requires_grad},{b.requires_grad},{nums}," \
            f"{tail},{stack}\r\n"
 
-def stack_cell(report: CompareReport, entry: str, stack_done: set[str]) -> str:
+def stack_cell(report, entry: str, stack_done: set[str]) -> str:
     """The NPU_Stack_Info cell of an entry's first row (``N/A`` on the others, and without a stack): the
     stack once per stack.json group, a :class:`_Quoted` cell when it needs quotes."""
     if entry in stack_done:
@@ -99,7 +102,7 @@ def stack_cell(report: CompareReport, entry: str, stack_done: set[str]) -> str:
         report._stack_cells[id(frames)] = known
     return known[1]
 
-def csv_row(report: CompareReport, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
+def csv_row(report, rr, node: CompareResult | None, stack_done: set[str]) -> list[Any]:
     t, b = rr.target, rr.bench
     na = "N/A"
     if b is None:
@@ -176,12 +179,12 @@ class RowWriter:
     ``csv.writer`` writes, see :func:`csv_record`), handed to the file :data:`_WRITE_BATCH` records at a time
     (:meth:`flush` writes the rest; ``with RowWriter(...)`` flushes on a clean exit)."""
 
-    def __init__(self, fh, report: CompareReport):
+    def __init__(self, fh, report):
         self._fh, self._report = fh, report
         self._buf: list[str] = []
         fh.write(csv_record(report.columns()))
 
-    def write(self, rr: RowResult, node: CompareResult | None, stack_done: set[str]) -> None:
+    def write(self, rr, node: CompareResult | None, stack_done: set[str]) -> None:
         """One record; ``stack_done`` holds the entries whose stack was written (msprobe writes it once)."""
         buf = self._buf
         buf.append(csv_line(self._report, rr, node, stack_done))
