@@ -313,7 +313,7 @@ def _compare_pair(job: tuple) -> tuple:
 def _compare_merged(args, parallel) -> int:
     """compare with TP/PP merging: one CSV and summary line per (step, data-parallel group), first the earliest
     divergence over them, naming the rank whose isolated verdict failed."""
-    from .parallel import evaluate_merged, merged_where
+    from .check.parallel import evaluate_merged, merged_where
 
     if args.fuzzy_match or args.data_mapping or args.api_mapping:
         raise MsprobeError("compare: --rank_size/--tp/--pp merging combines with -lm/-cm, not with -fm, -dm or -am")

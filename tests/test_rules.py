@@ -6,6 +6,7 @@ Numbers come from the rules' docstrings: the node rule (``compare/verdict.py``),
 """
 
 import math
+import re
 
 import pytest
 
@@ -1241,3 +1242,48 @@ def test_twin_scalars_after_other_sources():
     nodes, _ = _isolated(t, b, {"Torch.clamp.0.forward": rec}, bench_stack=b.stack, bench_data=b.data)
     assert nodes["Torch.clamp.0.forward"].status == "error"
     assert "(Torch.clamp.1.forward): value 0.5 vs bench 0.6" in nodes["Torch.clamp.0.forward"].message
+
+
+def test_check_options_merge_in_layers_with_the_old_atol_name_read_once():
+    """Call > marker > run; ``atol`` set at a layer without ``rel_floor`` sets ``rel_floor`` there (and below it
+    wins over the run's), a ``rel_floor`` at the same layer wins over it; the run's own layer is taken as is (the
+    session reads ini's old name)."""
+    from msprobe_ci.check.settings import merge
+
+    run = {"rel_floor": "1e-6", "atol": "", "seed": 1234}
+    assert merge([run, {}, {}]) == run
+    assert merge([run, {"atol": 1e-3}, {}])["rel_floor"] == 1e-3
+    assert merge([run, {"atol": 1e-3}, {"rel_floor": 1e-4}])["rel_floor"] == 1e-4
+    assert merge([run, {"rel_floor": 1e-4}, {"atol": 1e-2}])["rel_floor"] == 1e-2
+    assert merge([run, {"atol": 1e-3, "rel_floor": 1e-5}, {}])["rel_floor"] == 1e-5
+    assert merge([dict(run, atol="1e-3"), {}, {}])["rel_floor"] == "1e-6"
+    assert merge([run, {"seed": 1}, {"seed": 2}])["seed"] == 2
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("isolate", "maybe", "option 'isolate': expected 'on' or 'off' (or a bool), got 'maybe'"),
+    ("output_rtol", 0, "option 'output_rtol': expected a positive number, got 0"),
+    ("output_rtol", "x", "option 'output_rtol': expected a positive number, got 'x'"),
+    ("oracle_device", "gpu", "option 'oracle_device': expected 'cpu' or 'target', got 'gpu'"),
+    ("bench", "tpu", "tpu"),
+])
+def test_check_settings_refuse_bad_options_with_one_line(key, value, message):
+    from msprobe_ci.check.settings import CheckSettings, check_keys
+    from msprobe_ci.errors import MsprobeError
+
+    options = {"bench": "cpu", "target": "cpu", "bench_dtype": None, "target_dtype": "bf16", "level": "mix",
+               "task": "statistics", "isolate": "on", "oracle_device": "target"}
+    s = CheckSettings.resolve(options)
+    assert (s.isolate, s.oracle_device, s.seed, s.output_rtol) == (True, "cpu", 1234, None)  # a CPU target's
+    with pytest.raises(MsprobeError, match=re.escape(message)):
+        CheckSettings.resolve(dict(options, **{key: value}, target="cuda" if key == "oracle_device" else "cpu"))
+    with pytest.raises(MsprobeError, match=re.escape("where: unknown option(s) ['x']; allowed: [")):
+        check_keys({"x": 1, "seed": 2}, "where")
+
+
+def test_marker_help_lists_every_check_option(pytester):
+    from msprobe_ci.check.settings import CHECK_OPTIONS
+
+    result = pytester.runpytest("--markers")
+    line = next(x for x in result.outlines if x.startswith("@pytest.mark.msprobe("))
+    assert all(f" {o}," in line or f"({o}," in line or f" {o})" in line for o in CHECK_OPTIONS), line

@@ -1,6 +1,7 @@
 """The parallel mode: a model split over ranks on both sides (torch.distributed), judged rank by rank, concluded
 naming the rank whose own computation diverged first; differently partitioned sides are merged (TP/PP) per
-data-parallel group first. The ranks themselves run on :mod:`msprobe_ci.parallel`."""
+data-parallel group first (:func:`evaluate_merged`, which ``msprobe-ci compare --tp/--pp`` runs too). The ranks
+themselves run on :mod:`msprobe_ci.parallel`."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
     data-parallel group; failures name the rank whose isolated verdict failed."""
     from ..compare.merge import Parallel
     from ..graph.service import compare_vis_db
-    from ..parallel import evaluate_merged, free_port, merged_where, rank_notes, run_ranks, unapplied_faults_on_ranks
+    from ..parallel import free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
 
     check_dir = job.out
     try:
@@ -174,3 +175,62 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
         if overflow_or_api(d, outcome, f"step{step} ranks {merged.ranks} ", check_dir, ctx.require_coverage):
             break
     return d.done(value)
+
+
+def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=None, *, isolate: bool = True,
+                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0, mappings=None,
+                    notes: tuple = ()) -> list:
+    """Judge a multi-rank target against a differently partitioned bench: merge each side's TP/PP ranks into one
+    model per data-parallel group (:mod:`msprobe_ci.compare.merge`), compare the merged dumps, and apply the
+    target ranks' isolation records under their merged names (a node judged on several ranks keeps the worst
+    verdict, naming its rank).
+
+    Args:
+        target, bench: the sides' step folders (``.../step0`` holding ``rank<R>``) or dump roots.
+        out_dir: where the compare CSVs go (``compare_result_step<S>_group<i>_<ts>.csv``).
+        par_t, par_b: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
+        mappings: ``-lm``/``-cm`` module renames between suites (:class:`~msprobe_ci.compare.crossframe.Mappings`).
+        notes: report lines of the runs (:func:`msprobe_ci.parallel.rank_notes`), added to every group's outcome.
+
+    Returns:
+        ``[(step, group index, Merged target, CheckOutcome)]``.
+
+    Raises:
+        MsprobeError: unreadable dumps, or layouts that do not fit the rank folders.
+    """
+    from ..compare import compare_dumps
+    from ..compare.isolated import apply_isolation, load_isolation
+    from ..compare.merge import merge_isolation, merged_pairs
+    from ..overflow import check_overflow, new_overflows
+    from .outcome import CheckOutcome, merge_coverage, read_coverage
+
+    out = []
+    for step, i, t, b in merged_pairs(target, bench, par_t, par_b):
+        kwargs = {"thresholds": thresholds} if thresholds is not None else {}
+        report = compare_dumps(t.dump, b.dump, mappings=mappings, **kwargs)
+        if isolate:
+            folders = {r: _rank_folder(t.dump.folder, r) for r in t.ranks}
+            records = merge_isolation({r: load_isolation(f) for r, f in folders.items()}, t.renames)
+            if records is not None:
+                apply_isolation(report, records, t.dump.construct, source_factor=source_factor,
+                                cast_roundoff=cast_roundoff, bench_stack=b.dump.stack, bench_data=b.dump.data)
+        csv_path = report.write_csv(out_dir, prefix=f"compare_result_step{step}_group{i}")
+        overflow = new_overflows(check_overflow(t.dump), check_overflow(b.dump))
+        merged = [f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes]
+        coverage = merge_coverage([read_coverage(_rank_folder(t.dump.folder, r)) for r in t.ranks], merged)
+        out.append((step, i, t, CheckOutcome(report, t.dump, b.dump, csv_path, None, (), overflow, (), tuple(merged),
+                                             coverage)))
+    return out
+
+
+def _rank_folder(first_folder: str, rank: int) -> str:
+    """The folder of ``rank`` beside ``first_folder`` (``.../rank0`` → ``.../rank<rank>``)."""
+    parent = os.path.dirname(os.path.normpath(first_folder))
+    return os.path.join(parent, f"rank{rank}")
+
+
+def merged_where(node, ranks: list[int]) -> str:
+    """Where a merged group's node diverged: ``rank<R>`` when a rank's isolation record judged it (the record's
+    ``rank``), else the group's ranks."""
+    rank = (node.metrics or {}).get("rank")
+    return f"rank{rank}" if rank is not None else f"ranks {ranks} (merged)"
