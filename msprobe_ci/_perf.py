@@ -22,3 +22,32 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def _libc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to hand back this way
+        return None
+
+
+_TRIM: list = []
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    A side of a check frees its model copy, autograd graph and activations when it ends, but glibc keeps freed
+    chunks below its mmap threshold in its arenas: after the fp32 bench side of GPT-2 small at 1024 tokens the
+    process stayed at 3.9 GB resident with 0.7 GB of live tensors, and the target side then grew from there
+    (``benchmarks/realistic_size.py``). Called between the phases of a check (after each side, after the
+    judgement); it takes milliseconds.
+    """
+    if not _TRIM:
+        _TRIM.append(_libc_trim())
+    if _TRIM[0] is not None:
+        _TRIM[0](0)

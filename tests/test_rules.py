@@ -1287,3 +1287,30 @@ def test_marker_help_lists_every_check_option(pytester):
     result = pytester.runpytest("--markers")
     line = next(x for x in result.outlines if x.startswith("@pytest.mark.msprobe("))
     assert all(f" {o}," in line or f"({o}," in line or f" {o})" in line for o in CHECK_OPTIONS), line
+
+
+def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
+    """The ULP standard reads large outputs in float64 slices (bounded memory): the metrics, status and message
+    are those of the whole tensor, a last short slice, NaN/inf positions and the per-element floor included."""
+    import torch
+
+    import msprobe_ci.checkers.ulp as ulp
+
+    torch.manual_seed(3)
+    oracle = torch.randn(101, 99, dtype=torch.float64) * 4
+    target = oracle.to(torch.bfloat16)
+    target.view(-1)[::97] *= 1.03  # 104 elements far off
+    target.view(-1)[5000] = float("nan")
+    oracle.view(-1)[7000] = float("inf")
+    floor = torch.rand(101, 99, dtype=torch.float64) * 1e-3
+    for args in ((target, None, oracle), (target, None, oracle, floor), (target, oracle.float(), None)):
+        monkeypatch.setattr(ulp, "_SLICE", 1 << 30)
+        whole = ulp.UlpStandard("bf16")(*args)
+        monkeypatch.setattr(ulp, "_SLICE", 1000)  # 11 slices, the last one short
+        sliced = ulp.UlpStandard("bf16")(*args)
+        assert (sliced.status, sliced.message) == (whole.status, whole.message)
+        assert sliced.metrics["max_ulp"] == whole.metrics["max_ulp"]
+        assert sliced.metrics["large_ulp_ratio"] == whole.metrics["large_ulp_ratio"]
+        assert sliced.metrics["inf_nan_mismatches"] == whole.metrics["inf_nan_mismatches"] == 2.0
+        assert sliced.metrics["mean_ulp"] == pytest.approx(whole.metrics["mean_ulp"], rel=1e-12)
+        assert whole.metrics["large_ulp_ratio"] > 0.005 and whole.status == "error"

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._perf import gc_paused
+from .._perf import gc_paused, release_free_memory
 
 
 @dataclass(frozen=True)
@@ -289,6 +289,7 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
                                    thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
             api_checks = [replayer.check(n) for n in replayer.api_names()]
     coverage = read_coverage(target.folder, notes)
+    release_free_memory()  # the judgement's transient copies are freed: hand their pages back
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
                         tuple(api_checks), tuple(notes), coverage)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .._perf import release_free_memory
 from ..errors import MsprobeError
 from .outcome import SideRun, flatten_outputs
 
@@ -44,6 +45,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     side_inputs = backend.prepare_inputs(inputs)
     capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
+    out = loss = None
     try:
         with deterministic():
             capture.start(side_model)
@@ -60,6 +62,8 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
             flat.append(("loss", loss.detach().float().cpu()))
     finally:
         capture.close()
+        out = loss = side_model = side_inputs = None  # noqa: F841 - the side's graph and model copy go now
+        release_free_memory()  # the side's model copy, graph and activations are freed: hand their pages back
     if not capture.folders:
         raise MsprobeError("nothing was captured (no torch API or submodule ran)")
     return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)),
