@@ -6,6 +6,7 @@ Numbers come from the rules' docstrings: the node rule (``compare/verdict.py``),
 """
 
 import math
+import os
 import re
 
 import pytest
@@ -1314,3 +1315,21 @@ def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
         assert sliced.metrics["inf_nan_mismatches"] == whole.metrics["inf_nan_mismatches"] == 2.0
         assert sliced.metrics["mean_ulp"] == pytest.approx(whole.metrics["mean_ulp"], rel=1e-12)
         assert whole.metrics["large_ulp_ratio"] > 0.005 and whole.status == "error"
+
+
+def test_heap_policy_is_chosen_by_environment_with_one_line_for_a_bad_value():
+    """``MSPROBE_CI_HEAP``: a positive byte count or ``keep``; anything else is refused with one line when a
+    capture starts (a subprocess: the choice is made once per process)."""
+    import subprocess
+    import sys
+
+    code = ("from msprobe_ci._perf import bound_heap, _BOUNDED\n"
+            "try:\n    bound_heap(); print('chose', _BOUNDED)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    runs = {v: subprocess.run([sys.executable, "-c", code], env=dict(env, MSPROBE_CI_HEAP=v), capture_output=True,
+                              text=True).stdout.strip() for v in ("", "keep", "4194304", "-1", "lots")}
+    assert runs[""] == "chose [1048576]" and runs["4194304"] == "chose [4194304]" and runs["keep"] == "chose [None]"
+    for bad in ("-1", "lots"):
+        assert runs[bad] == (f"MsprobeError MSPROBE_CI_HEAP: expected 'keep' or a positive number of bytes, got "
+                             f"{bad!r}")

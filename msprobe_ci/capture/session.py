@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from .._perf import bound_heap
 from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
@@ -74,6 +75,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
                  opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None,
                  coverage: bool = True):
         config.validate()
+        bound_heap()  # statistics' transient copies must not pin freed heap (see msprobe_ci._perf.bound_heap)
         self.isolator = isolator
         self.free_bench = free_bench
         # API -> how it ran where float64 had no kernel: "float32", or "reference" (its float64 decomposition)
