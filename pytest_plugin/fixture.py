@@ -5,7 +5,7 @@ Each method merges its options (call > ``@pytest.mark.msprobe(...)`` > command l
 :class:`~msprobe_ci.check.context.CheckContext`, and maps the :class:`~msprobe_ci.check.conclude.Conclusion` to
 pytest: its summary rows and properties onto the test report (JUnit, terminal summary, HTML report), its warnings,
 and its failure as the test's one failure (``pytest.fail(..., pytrace=False)``). Bad input and absent devices are
-mapped in :meth:`MsprobeFixture._run`, the only place a check's error becomes a pytest outcome.
+mapped in :meth:`MsprobeFixture._guard`, the only place a check's error becomes a pytest outcome.
 """
 
 from __future__ import annotations
