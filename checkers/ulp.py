@@ -73,24 +73,20 @@ _SLICE = 1 << 18  # elements per float64 slice (2 MB an array): a 51M-element lo
 def _f64_slices(target, ref, floor):
     """``(target, reference, floor)`` as float64 NumPy slices of at most :data:`_SLICE` elements, in order: the
     judgement's memory stays bounded (a whole float64 copy of GPT-2's 1024-token logits is 411 MB a side, and the
-    ULP passes made several) and its passes stay in cache. Tensors of other shapes (broadcasting) come whole."""
-    t_shape, r_shape = tuple(getattr(target, "shape", ())), tuple(getattr(ref, "shape", ()))
-    whole = t_shape != r_shape or any(getattr(x, "dtype", None) is not None and "complex" in str(x.dtype)
-                                      for x in (target, ref))
-    if whole or int(np.prod(t_shape, dtype=np.int64)) <= _SLICE:
+    ULP passes made several) and its passes stay in cache. A reference of another shape (broadcasting) comes
+    whole; a floor of another shape than the target's is left out, as the whole-tensor rule leaves it out."""
+    shape = np.shape(target)
+    if np.shape(ref) != shape:
         yield to_f64(target), to_f64(ref), None if floor is None else to_f64(floor)
         return
-    flat = [_flat(x) for x in (target, ref)]
-    f = _flat(floor) if floor is not None and tuple(getattr(floor, "shape", ())) == t_shape else None
-    n = flat[0].shape[0]
-    for i in range(0, n, _SLICE):
-        yield (to_f64(flat[0][i:i + _SLICE]), to_f64(flat[1][i:i + _SLICE]),
-               None if f is None else to_f64(f[i:i + _SLICE]))
+    t, r = _flat(target), _flat(ref)
+    f = _flat(floor) if floor is not None and np.shape(floor) == shape else None
+    for i in range(0, t.shape[0], _SLICE):
+        part = slice(i, i + _SLICE)
+        yield to_f64(t[part]), to_f64(r[part]), None if f is None else to_f64(f[part])
 
 
 def _flat(x):
     import torch
 
-    if isinstance(x, torch.Tensor):
-        return x.detach().reshape(-1)
-    return np.asarray(x).reshape(-1)
+    return x.detach().reshape(-1) if isinstance(x, torch.Tensor) else np.ravel(x)

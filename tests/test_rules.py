@@ -1290,33 +1290,6 @@ def test_marker_help_lists_every_check_option(pytester):
     assert all(f" {o}," in line or f"({o}," in line or f" {o})" in line for o in CHECK_OPTIONS), line
 
 
-def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
-    """The ULP standard reads large outputs in float64 slices (bounded memory): the metrics, status and message
-    are those of the whole tensor, a last short slice, NaN/inf positions and the per-element floor included."""
-    import torch
-
-    import msprobe_ci.checkers.ulp as ulp
-
-    torch.manual_seed(3)
-    oracle = torch.randn(101, 99, dtype=torch.float64) * 4
-    target = oracle.to(torch.bfloat16)
-    target.view(-1)[::97] *= 1.03  # 104 elements far off
-    target.view(-1)[5000] = float("nan")
-    oracle.view(-1)[7000] = float("inf")
-    floor = torch.rand(101, 99, dtype=torch.float64) * 1e-3
-    for args in ((target, None, oracle), (target, None, oracle, floor), (target, oracle.float(), None)):
-        monkeypatch.setattr(ulp, "_SLICE", 1 << 30)
-        whole = ulp.UlpStandard("bf16")(*args)
-        monkeypatch.setattr(ulp, "_SLICE", 1000)  # 11 slices, the last one short
-        sliced = ulp.UlpStandard("bf16")(*args)
-        assert (sliced.status, sliced.message) == (whole.status, whole.message)
-        assert sliced.metrics["max_ulp"] == whole.metrics["max_ulp"]
-        assert sliced.metrics["large_ulp_ratio"] == whole.metrics["large_ulp_ratio"]
-        assert sliced.metrics["inf_nan_mismatches"] == whole.metrics["inf_nan_mismatches"] == 2.0
-        assert sliced.metrics["mean_ulp"] == pytest.approx(whole.metrics["mean_ulp"], rel=1e-12)
-        assert whole.metrics["large_ulp_ratio"] > 0.005 and whole.status == "error"
-
-
 def test_heap_policy_is_chosen_by_environment_with_one_line_for_a_bad_value():
     """``MSPROBE_CI_HEAP``: a positive byte count or ``keep``; anything else is refused with one line when a
     capture starts (a subprocess: the choice is made once per process)."""
@@ -1333,3 +1306,103 @@ def test_heap_policy_is_chosen_by_environment_with_one_line_for_a_bad_value():
     for bad in ("-1", "lots"):
         assert runs[bad] == (f"MsprobeError MSPROBE_CI_HEAP: expected 'keep' or a positive number of bytes, got "
                              f"{bad!r}")
+
+
+def test_check_settings_carry_every_option_they_were_given(tmp_path):
+    """Each field of CheckSettings comes from its own option (a wrong key or a dropped value shows here); the
+    check's fault file wins over the run's faults; compile only where the mode honours it; the oracle's default
+    is the target's device on CUDA, the CPU elsewhere; isolate's spellings."""
+    from msprobe_ci.check.settings import CheckSettings, isolate_flag, oracle_choice, positive
+
+    faults = tmp_path / "faults.yaml"
+    faults.write_text("faults:\n  - {api: Functional.linear, perturb: scale, value: 1.02}\n")
+    options = {"bench": "cpu", "target": "cpu", "bench_dtype": "fp64", "target_dtype": "bf16", "level": "L1",
+               "task": "tensor", "inject": str(faults), "seed": 7, "fuzzy": True, "compile": True,
+               "isolate": "off", "bench_kernel": "upcast", "oracle_device": None, "output_rtol": "0.5",
+               "round_factor": "3", "propagation": 2, "error_factor": None, "rel_floor": None, "atol": None,
+               "api_standards": {"lin*": "legacy"}, "api_thresholds": {"legacy": {"rtol": 0.1}},
+               "free_benchmark": "to_cpu", "monitor": 1}
+    s = CheckSettings.resolve(options, run_faults=("run",))
+    assert (s.bench_device, s.target_device, s.bench_dtype, s.target_dtype) == ("cpu", "cpu", "fp64", "bf16")
+    assert (str(s.bench.dtype), str(s.target.dtype), s.target.compile) == ("torch.float64", "torch.bfloat16", True)
+    assert (s.level, s.task, s.inject, s.seed, s.fuzzy, s.isolate) == ("L1", "tensor", str(faults), 7, True, False)
+    assert [f.api for f in s.faults] == ["Functional.linear"]
+    assert (s.bench_kernel, s.oracle_device, s.output_rtol) == ("upcast", "cpu", 0.5)
+    assert (s.thresholds.round_factor, s.thresholds.propagation) == (3.0, 2.0)
+    assert s.api_standards == {"lin*": "legacy"} and s.api_thresholds == {"legacy": {"rtol": 0.1}}
+    assert (s.free_benchmark, s.monitor) == ("to_cpu", True)
+    assert s.cast_roundoff == unit_roundoff("bfloat16", "float64")
+    bare = CheckSettings.resolve(dict(options, inject=None, seed=1234, fuzzy=None, compile=None, monitor=None),
+                                 run_faults=("run",), compile_target=True)
+    assert (bare.faults, bare.fuzzy, bare.target.compile, bare.monitor, bare.seed) == (("run",), False, False, False,
+                                                                                       1234)
+    assert CheckSettings.resolve(options, compile_target=False).target.compile is False
+    assert [isolate_flag(v) for v in (True, "on", "true", "1", False, "off", "false", "0", None)] == [True] * 4 + \
+        [False] * 5
+    assert positive("0.25", "x") == 0.25
+
+    class Kind:
+        def __init__(self, kind):
+            self.kind = kind
+
+    assert [oracle_choice(None, Kind(k)) for k in ("cuda", "npu", "cpu")] == ["target", "cpu", "cpu"]
+    assert [oracle_choice(c, Kind("npu")) for c in ("cpu", "target")] == ["cpu", "target"]
+    assert oracle_choice("target", Kind("cpu")) == "cpu"
+
+
+def test_default_bench_kernel_follows_the_bench_device_or_the_cpu_where_it_is_absent():
+    """No bench_kernel option: the bench device's kernels (``device``), but ``upcast`` where the target is a
+    stand-in accelerator on the bench's own device; an absent bench device counts as the CPU."""
+    from msprobe_ci.check.settings import available, bench_kernel
+
+    class Side:
+        def __init__(self, torch_device, device=None, here=True):
+            self.torch_device, self.device, self.here = torch_device, device or torch_device, here
+
+        def check_available(self):
+            if not self.here:
+                raise MsprobeError(f"no {self.device} device")
+
+    stand_in_npu = Side("cpu", "npu")
+    assert available(Side("cpu")) and not available(Side("cuda:0", here=False))
+    assert bench_kernel(None, Side("cpu"), stand_in_npu) == "upcast"
+    assert bench_kernel(None, Side("cuda:0", here=False), stand_in_npu) == "upcast"  # absent: the CPU runs it
+    assert bench_kernel(None, Side("cuda:0"), stand_in_npu) == "device"
+    assert bench_kernel(None, Side("cpu"), Side("cpu")) == "device"
+    assert bench_kernel("rounded", Side("cpu"), stand_in_npu) == "rounded"
+
+
+def test_check_settings_build_the_target_sides_isolator_from_the_check():
+    """The Isolator gets the check's standards, thresholds, bench kernel and direction, the target's device (the
+    one given, else the check's), the bench's device or the CPU where it is absent, and the oracle where
+    ``oracle_device`` says; none with isolation off."""
+    import dataclasses
+
+    import torch
+
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.check.settings import CheckSettings
+
+    o = {"bench": "cuda", "target": "cpu", "bench_dtype": None, "target_dtype": "bf16", "level": "mix",
+         "task": "statistics", "isolate": "on", "api_standards": {"lin*": "legacy"},
+         "api_thresholds": {"legacy": {"rtol": 0.1}}, "bench_kernel": "rounded"}
+    s = CheckSettings.resolve(o)
+    iso = s.isolator(backward=False)
+    assert (iso.standards, iso.thresholds) == ({"lin*": "legacy"}, {"legacy": {"rtol": 0.1}})
+    assert (iso.target_device, iso.bench_device, iso.backward, iso.bench_kernel) == ("cpu", "cpu", False, "rounded")
+    assert (iso.oracle_device, iso.oracle_max) == ("cpu", torch.float64)
+    assert s.isolator(backward=True).backward is True
+    on_gpu = CheckSettings.resolve(dict(o, bench="cpu", target="cuda", oracle_device="target"))
+    iso = on_gpu.isolator(True)
+    assert (iso.target_device, iso.bench_device, iso.oracle_device, iso.oracle_label) == ("cuda", "cpu", "cuda", "cuda")
+    iso = s.isolator(True, Backend.from_options("cuda", "bf16"))  # a rank's own target: its device, the check's oracle
+    assert (iso.target_device, iso.oracle_device) == ("cuda", "cpu")
+    assert CheckSettings.resolve(dict(o, isolate="off")).isolator(True) is None
+
+    class HereBench:  # a bench device that is on this machine and is not the CPU
+        torch_device = "meta"
+
+        def check_available(self):
+            return None
+
+    assert dataclasses.replace(s, bench=HereBench()).isolator(True).bench_device == "meta"

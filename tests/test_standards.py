@@ -1037,3 +1037,44 @@ def test_judge_rows_passes_overrides_and_references_through_both_judgements():
     assert judge_rows("mm", off, inputs=(torch.mm, [big, small], {}), floor_dtype=torch.float32)[0][1].status == "pass"
     off32 = [("mm.0.output.0", (two * 1.01).float(), two.float(), two.float())]  # an fp32 oracle: fp32 allowance
     assert judge_rows("mm", off32, inputs=(torch.mm, [big, small], {}))[0][1].status == "pass"
+
+
+def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
+    """The ULP standard reads outputs in float64 slices (bounded memory): the metrics, status and message are
+    those of the whole tensor, with a last short slice, NaN/inf positions, a per-element floor (of the target's
+    shape; another shape is left out), NumPy inputs, and a broadcast reference (read whole)."""
+    import torch
+
+    import msprobe_ci.checkers.ulp as ulp
+
+    torch.manual_seed(3)
+    oracle = torch.randn(101, 99, dtype=torch.float64) * 4
+    target = oracle.to(torch.bfloat16)
+    target.view(-1)[::97] *= 1.03  # 104 elements far off, the first among them
+    target.view(-1)[5000] = float("nan")
+    oracle.view(-1)[7000] = float("inf")
+    floor = torch.rand(101, 99, dtype=torch.float64) * 1e-3
+    row = oracle[:1].clone()  # one row: broadcast against every target row
+    cases = [(target, None, oracle), (target, None, oracle, floor), (target, oracle.float(), None),
+             (target.float().numpy(), None, oracle.numpy(), floor.numpy()), (target, None, oracle, floor[:50]),
+             (target, None, row), (target, None, row, floor)]
+    results = []
+    for args in cases:
+        monkeypatch.setattr(ulp, "_SLICE", 1 << 30)
+        whole = ulp.UlpStandard("bf16")(*args)
+        monkeypatch.setattr(ulp, "_SLICE", 1000)  # 10 slices, the last one short
+        sliced = ulp.UlpStandard("bf16")(*args)
+        assert (sliced.status, sliced.message) == (whole.status, whole.message)
+        for k in ("max_ulp", "large_ulp_ratio", "inf_nan_mismatches"):
+            assert sliced.metrics[k] == whole.metrics[k], k
+        assert sliced.metrics["mean_ulp"] == pytest.approx(whole.metrics["mean_ulp"], rel=1e-12)
+        results.append(whole.metrics)
+    assert results[0]["inf_nan_mismatches"] == 2.0 and results[0]["large_ulp_ratio"] > 0.005
+    assert results[1]["mean_ulp"] < results[0]["mean_ulp"]  # the floor is applied
+    assert results[4] == results[0]  # a floor of another shape is left out
+    assert results[3]["max_ulp"] == results[1]["max_ulp"]
+    expanded = row.expand_as(oracle).clone()  # the broadcast reference, read whole, as its expansion
+    for got, args in ((results[5], (target, None, expanded)), (results[6], (target, None, expanded, floor))):
+        want = ulp.UlpStandard("bf16")(*args).metrics
+        assert got == dict(want, mean_ulp=pytest.approx(want["mean_ulp"], rel=1e-12))
+    assert results[6]["mean_ulp"] < results[5]["mean_ulp"]
