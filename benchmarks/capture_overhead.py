@@ -84,13 +84,10 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
         iso = Isolator(bench_kernel=mode.split("-", 1)[1])
         dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=iso)
     elif mode == "msprobe":
+        from _msprobe import statistics_config
         from msprobe.pytorch import PrecisionDebugger
-        cfg = os.path.join(tmp, "config.json")
-        with open(cfg, "w") as fh:
-            json.dump({"task": "statistics", "dump_path": os.path.join(tmp, "d"), "level": "mix", "rank": [],
-                       "step": [], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
-                                                  "summary_mode": "statistics"}}, fh)
-        dbg = PrecisionDebugger(config_path=cfg)
+
+        dbg = PrecisionDebugger(config_path=statistics_config(tmp, os.path.join(tmp, "d")))
     times = []
     for i in range(warmup + iters):
         model.zero_grad(set_to_none=True)

@@ -75,20 +75,15 @@ def dump_msprobe(size: str, tokens: int, dtype: str, folder: str) -> str:
 
 
 def _child_msprobe(size: str, tokens: str, dtype: str, folder: str) -> None:
-    import json
-
     from msprobe.pytorch import PrecisionDebugger as MsprobeDebugger
 
     model = build(size)
     ids = torch.randint(0, model.config.vocab_size, (1, int(tokens)), generator=torch.Generator().manual_seed(12))
     m = model.to({"fp32": torch.float32, **DTYPES}[dtype])
     os.makedirs(folder, exist_ok=True)
-    cfg = os.path.join(folder, "config.json")
-    with open(cfg, "w") as fh:
-        json.dump({"task": "statistics", "dump_path": os.path.join(folder, "dump"), "level": "mix", "rank": [],
-                   "step": [], "statistics": {"scope": [], "list": [], "data_mode": ["all"],
-                                              "summary_mode": "statistics"}}, fh)
-    dbg = MsprobeDebugger(config_path=cfg)
+    from _msprobe import statistics_config
+
+    dbg = MsprobeDebugger(config_path=statistics_config(folder, os.path.join(folder, "dump")))
     torch.manual_seed(1234)
     dbg.start(m)
     m(input_ids=ids, labels=ids).loss.backward()

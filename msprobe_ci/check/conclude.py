@@ -89,11 +89,6 @@ def benchless_row(**fields: Any) -> dict:
     return row
 
 
-def num(x: float) -> float | str:
-    """A JSON-safe number: ``inf``/``nan`` as strings."""
-    return x if math.isfinite(x) else str(x)
-
-
 def unapplied_message(inject: str | None, unapplied: Sequence[str], artifacts: str) -> str | None:
     """The failure of injected faults that never fired or changed no value: such a check proves nothing about
     the gate, whatever its verdict. ``None`` when every fault fired."""

@@ -8,7 +8,8 @@ import os
 from typing import Any, Callable
 
 from ..errors import MsprobeError
-from .conclude import RESULT, Draft, benchless_row, num, unapplied_message
+from .conclude import RESULT, Draft, benchless_row, unapplied_message
+from .outcome import num
 from .context import CheckContext, check_available
 
 

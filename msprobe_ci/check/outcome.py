@@ -66,7 +66,8 @@ def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresho
     return report, target_dump, bench_dump
 
 
-def _num(x: float) -> float | str:
+def num(x: float) -> float | str:
+    """A JSON-safe number: ``inf``/``nan`` as strings (JSON has no such numbers)."""
     return x if math.isfinite(x) else str(x)
 
 
@@ -124,7 +125,7 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
             err = diff / denom if denom > 0 else 0.0  # denom 0: no finite element, nothing differs
             message = f"{name}: relative L2 error {err:.4g} vs end-to-end tolerance {tol:.4g}"
         cases.append({"name": f"model.{name}", "status": "error" if not err <= tol else "pass",
-                      "metric": "RelativeErr", "value": _num(err), "threshold": tol, "message": message})
+                      "metric": "RelativeErr", "value": num(err), "threshold": tol, "message": message})
     return cases
 
 
@@ -221,10 +222,10 @@ class CheckOutcome:
             "overflow_first": ov.first.name if ov is not None and ov.first else None,  # first: NaN/Inf only
             "overflow_failed": self.overflow_failed, "isolated": report.isolated, "model": list(self.model),
             "overflow_message": ov.first.message if ov is not None and ov.first else "",
-            "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": _num(n.value),
-                       "threshold": _num(n.threshold), "input_error": _num(n.input_error), "worst_row": n.worst_row,
+            "nodes": [{"name": n.name, "status": n.status, "metric": n.metric, "value": num(n.value),
+                       "threshold": num(n.threshold), "input_error": num(n.input_error), "worst_row": n.worst_row,
                        "message": n.message, "standard": n.metrics.get("standard") or "",
-                       "drift": _num(float(n.metrics.get("drift_RelativeErr", n.value))),
+                       "drift": num(float(n.metrics.get("drift_RelativeErr", n.value))),
                        "drift_status": n.metrics.get("drift_status", n.status),
                        "seconds": round(report.seconds.get(n.name, 0.0), 6)} for n in report.nodes],
             **({"api_checks": [{"name": r.name, "status": r.status, "message": r.message} for r in self.api_checks]}
