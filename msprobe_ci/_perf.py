@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from typing import Iterator
 
@@ -24,18 +25,16 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _libc_trim():
+@functools.lru_cache(maxsize=None)
+def _glibc(name: str):
+    """glibc's function ``name`` (``malloc_trim``, ``mallopt``), or ``None`` off glibc (musl, macOS, Windows)."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS, Windows): nothing to hand back this way
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
-
-
-_TRIM: list = []
 
 
 def release_free_memory() -> None:
@@ -47,10 +46,9 @@ def release_free_memory() -> None:
     (``benchmarks/realistic_size.py``). Called between the phases of a check (after each side, after the
     judgement); it takes milliseconds.
     """
-    if not _TRIM:
-        _TRIM.append(_libc_trim())
-    if _TRIM[0] is not None:
-        _TRIM[0](0)
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim(0)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
@@ -93,11 +91,6 @@ def bound_heap() -> None:
 
         raise MsprobeError(f"MSPROBE_CI_HEAP: expected 'keep' or a positive number of bytes, got {choice!r}") from None
     _BOUNDED.append(threshold)
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, threshold)
-    except (OSError, AttributeError):  # not glibc: its allocator keeps its own policy
-        pass
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:  # elsewhere the allocator keeps its own policy
+        mallopt(_M_MMAP_THRESHOLD, threshold)
