@@ -40,6 +40,7 @@ class Sampler(threading.Thread):
     def __init__(self):
         super().__init__(daemon=True)
         self.phase, self.peak, self.at, self.stop = "start", {}, {}, False
+        self.seconds, self._t = {}, time.perf_counter()
 
     def run(self):
         while not self.stop:
@@ -50,6 +51,9 @@ class Sampler(threading.Thread):
     def mark(self, phase: str) -> None:
         now = _rss_mb()
         self.peak[self.phase] = max(self.peak.get(self.phase, 0.0), now)
+        t = time.perf_counter()
+        self.seconds[self.phase] = self.seconds.get(self.phase, 0.0) + t - self._t
+        self._t = t
         self.phase = phase
         self.at[phase] = now  # what is still resident when the phase starts
 
@@ -109,7 +113,7 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
         outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
-        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at,
+        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at, "phase_seconds": sampler.seconds,
                           "first": outcome.first_divergence.name
                           if outcome.first_divergence is not None else None}))
     finally:
@@ -150,8 +154,9 @@ def main() -> None:
             plain = res["plain-fp32"][0] + res["plain-bf16"][0]
             line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
                      f"{rss / res['plain-fp32'][1]:4.2f}x (plain fp32); first divergence {info['first']}; peak by "
-                     "phase (resident at its start): " + ", ".join(
-                         f"{k} {v:.0f} MB ({info['at'].get(k, 0):.0f})" for k, v in info["peaks"].items()
+                     "phase (resident at its start, its seconds): " + ", ".join(
+                         f"{k} {v:.0f} MB ({info['at'].get(k, 0):.0f}) {info['phase_seconds'].get(k, 0):.1f} s"
+                     for k, v in info["peaks"].items()
                          if k != "start"))
         print(line, flush=True)
 

@@ -469,11 +469,11 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
     return leaves, out, (a, k)
 
 
-def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None) -> list:
+def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, retain: bool = True) -> list:
     """The gradients w.r.t. ``leaves`` of the outputs of ``outs`` that require grad, for the incoming gradients
     ``grad_out`` (``{index among those outputs: gradient}``), cast to each output's dtype and device; ``None``
     where a leaf gets none. ``context``/``perturb`` as for :func:`reference` (the incoming gradients are jittered
-    too); the graph is kept."""
+    too); the graph is kept unless ``retain`` is False (its saved tensors are freed as the product is computed)."""
     ref_outs = [t for t in tensors_of(outs) if t.requires_grad]
     keep, grads = [], []
     for i, t in enumerate(ref_outs):
@@ -491,7 +491,7 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None) -> 
             stack.enter_context(context())
         if perturb is not None:
             stack.enter_context(Perturb(*perturb))
-        got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=True)
+        got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=retain)
     out: list = [None] * len(leaves)
     for j, g in zip(pos, got):
         out[j] = g
@@ -597,13 +597,14 @@ def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int =
         dtype = torch.float64
     else:
         dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
-        base = vjp(out, leaves, grad_out)
+        base = vjp(out, leaves, grad_out, retain=False)
+        del leaves, out
     eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
     gen = torch.Generator().manual_seed(0xBAC + seed)
     diffs = []
     for _ in range(_draws(draws, [g for g in base if isinstance(g, torch.Tensor)])):
         p_leaves, p_out, _ = reference(func, args, kwargs, dtype, "cpu", True, perturb=(eta, gen))
-        got = vjp(p_out, p_leaves, grad_out, perturb=(eta, gen))
+        got = vjp(p_out, p_leaves, grad_out, perturb=(eta, gen), retain=False)
         diffs.append([None if g is None or b is None or g.shape != b.shape else (g.detach() - b.detach())
                       for g, b in zip(got, base)])
     return _rms(diffs, eta)

@@ -120,11 +120,8 @@ class ApiIsolation:
         kernel = self.bench_kernel
         if kernel in ("upcast", "rounded"):
             call.bench_round = True
-            up = kernels.upcast_dtype(_tensors(args) + _tensors(kw)) if kernel == "upcast" else torch.float64
-            oracle_leaves = [x for x in call.oracle_in if x is not None]
-            if call.oracle_out is not None and all(x.dtype == up for x in _tensors(call.oracle_out)
-                                                   if x.is_floating_point()) and \
-                    all(x.dtype == up for x in oracle_leaves if x.is_floating_point()):
+            up = self._bench_precision(args, kw)
+            if self._bench_is_oracle(call, args, kw):
                 call.bench_in, call.bench_out = call.oracle_in, call.oracle_out  # the oracle is that computation
                 return
             device = "cpu" if kernel == "rounded" else self.bench_device
@@ -137,6 +134,21 @@ class ApiIsolation:
             return
         context = kernels.decomposed if kernel == "decomposed" else None
         call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
+
+    def _bench_precision(self, args: tuple, kw: dict) -> torch.dtype:
+        """The precision the ``upcast`` (one up from the inputs') or ``rounded`` (float64) bench computes in."""
+        if self.bench_kernel == "upcast":
+            return kernels.upcast_dtype(_tensors(args) + _tensors(kw))
+        return torch.float64
+
+    def _bench_is_oracle(self, call: _Call, args: tuple, kw: dict) -> bool:
+        """Whether the ``upcast``/``rounded`` bench of a call is its oracle's own computation (the oracle's outputs
+        and leaves are already in the bench's precision): then it is not run twice."""
+        if self.bench_kernel not in ("upcast", "rounded") or call.oracle_out is None:
+            return False
+        up = self._bench_precision(args, kw)
+        return all(x.dtype == up for x in _tensors(call.oracle_out) if x.is_floating_point()) and \
+            all(x.dtype == up for x in call.oracle_in if x is not None and x.is_floating_point())
 
     def after(self, call: _Call | None, out: Any) -> None:
         """Judge the target's output ``out`` and arm the backward hooks."""

@@ -85,10 +85,14 @@ class BackwardIsolation:
             return
         if not self._regraph(call, name):
             return
-        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out)
-        context = kernels.decomposed if self.bench_kernel == "decomposed" else None
-        bench = oracle if call.bench_in is call.oracle_in else \
-            kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context)
+        args, kw = call.inputs
+        f64 = bool(call.oracle_in) and call.oracle_in[0].dtype == torch.float64
+        shared = self._bench_is_oracle(call, args, kw)
+        # one graph at a time: the oracle's is spent by its product and freed before the bench's is built (on
+        # GPT-2's 50257-wide float64 loss the two graphs together were the whole check's peak memory)
+        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, retain=False)
+        call.oracle_out = call.oracle_in = None
+        bench = oracle if shared else self._bench_vjp(call, oracle)
         oracle = [_cpu(g) for g in oracle]  # judged (and its budget drawn) on CPU wherever the oracle ran
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
@@ -111,15 +115,14 @@ class BackwardIsolation:
             refs[f"{stem}.{i}"] = o
         if results:
             self._store(name, results, refs)
-            note = kernels.reference_note(call.func) if call.oracle_in and \
-                call.oracle_in[0].dtype == torch.float64 else None
+            note = kernels.reference_note(call.func) if f64 else None
             if note:
                 self.results[name]["oracle"] = note
 
     def _regraph(self, call: _Call, name: str) -> bool:
-        """Run the call's oracle and bench again on its inputs, with graphs, for the vector-Jacobian products;
-        False (the gradient skipped, the reason said) where the inputs were written in place since the call or
-        the oracle cannot run."""
+        """Run the call's oracle again on its inputs, with its graph, for the vector-Jacobian product; False (the
+        gradient skipped, the reason said) where the inputs were written in place since the call or the oracle
+        cannot run."""
         if call.inputs is None or call.oracle_how is None:
             self.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
             return False
@@ -133,8 +136,25 @@ class BackwardIsolation:
                 call.oracle_in, call.oracle_out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
             else:
                 call.oracle_in, call.oracle_out, _ = self._oracle(call.func, args, kw, dtype, True)
-            self._bench(call, call.func, args, kw, True)
         return True
+
+    def _bench_vjp(self, call: _Call, oracle: list) -> list:
+        """The same-dtype bench run again on the call's inputs with its graph, and its vector-Jacobian product for
+        the gradients the target received (its graph freed by it); an ``upcast``/``rounded`` bench with no kernel
+        in its precision is the oracle (``oracle``: its gradients), as in the forward."""
+        args, kw = call.inputs
+        try:
+            with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
+                self._bench(call, call.func, args, kw, True)
+        except Exception:  # noqa: BLE001
+            if self.bench_kernel not in ("upcast", "rounded"):
+                raise
+            return oracle
+        context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+        try:
+            return kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context, retain=False)
+        finally:
+            call.bench_out = call.bench_in = None
 
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
