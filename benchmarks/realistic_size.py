@@ -100,11 +100,11 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
         bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "bf16")
         sampler.mark("bench side")
         b = run_side(model, (batch,), lambda out: out.loss, bench, cfg.with_overrides(
-            dump_path=os.path.join(tmp, "bench")))
+            dump_path=os.path.join(tmp, "bench")), spill_outputs=True)
         sampler.mark("target side")
         iso = Isolator(backward=True, bench_kernel="device") if mode == "check" else None
         t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
-            dump_path=os.path.join(tmp, "target")), isolator=iso)
+            dump_path=os.path.join(tmp, "target")), isolator=iso, spill_outputs=True)
         del iso
         import gc
 

@@ -36,7 +36,7 @@ class AccumulativeStandard:
             d = np.where(t == rounded, 0.0, d)
         n = int(np.count_nonzero(d)) if d.size else 0
         eb = float(abs(int((d > 0).sum()) - int((d < 0).sum())) / n) if n else 0.0
-        res = judge_absolute(self.name, t, ref, self.bound, 1.0, self.bound, {"error_balance": eb})
+        res = judge_absolute(self.name, [(t, ref)], self.bound, 1.0, self.bound, {"error_balance": eb})
         thresholds = dict(res.thresholds, eb_threshold=max(self.eb, 4.0 / np.sqrt(n)) if n else self.eb)
         passing = dict(res.passing, eb_threshold=eb)
         # EB is a bias test. Ours: an unbiased error has EB ~ 1/sqrt(N), so msprobe's fixed threshold alone would

@@ -63,6 +63,34 @@ def to_f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+SLICE = 1 << 16  # elements per float64 slice: 512 KB an array, under the 1 MiB heap bound (msprobe_ci._perf)
+
+
+def f64_slices(target: Any, ref: Any, floor: Any = None):
+    """``(target, reference, floor)`` as float64 NumPy slices of at most :data:`SLICE` elements, in order, for
+    the elementwise standards (ULP, absolute threshold): the judgement's memory stays bounded (a whole float64
+    copy of GPT-2's 1024-token logits is 411 MB a side, and a standard makes several) and each slice's passes
+    stay in cache; slices of 512 KB are taken from the heap, where larger arrays would each be mapped, faulted
+    in and unmapped under the capture's heap bound (7x slower on those logits). A reference of another shape
+    (broadcasting) comes whole; a floor of another shape than the target's is left out (``None``), as the
+    whole-tensor rules leave it out. ``floor`` None: the third item is None."""
+    shape = np.shape(target)
+    if np.shape(ref) != shape:
+        yield to_f64(target), to_f64(ref), None if floor is None else to_f64(floor)
+        return
+    t, r = _flat(target), _flat(ref)
+    f = _flat(floor) if floor is not None and np.shape(floor) == shape else None
+    for i in range(0, t.shape[0], SLICE):
+        part = slice(i, i + SLICE)
+        yield to_f64(t[part]), to_f64(r[part]), None if f is None else to_f64(f[part])
+
+
+def _flat(x: Any):
+    import torch
+
+    return x.detach().reshape(-1) if isinstance(x, torch.Tensor) else np.ravel(x)
+
+
 def finite_masks(target: np.ndarray, bench: np.ndarray, small_value: float) -> tuple[np.ndarray, ...]:
     """``(finite, inf_nan, small, normal)`` masks: small = finite and ``|bench| <= small_value``."""
     finite = np.isfinite(target) & np.isfinite(bench)

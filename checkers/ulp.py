@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import dtype_thresholds, to_f64
+from .common import dtype_thresholds, f64_slices
 from .result import CheckResult
 
 
@@ -34,7 +34,7 @@ class UlpStandard:
         ref_src = oracle if oracle is not None else bench
         total = finite_n = large_n = inconsistent = 0
         top = 0.0
-        for t, ref, f in _f64_slices(target, ref_src, floor):
+        for t, ref, f in f64_slices(target, ref_src, floor):
             finite = np.isfinite(t) & np.isfinite(ref)
             _, ex = np.frexp(np.where(finite, ref, 0.0))  # |ref| = m * 2^ex, 0.5 <= m < 1: floor(log2|ref|) = ex - 1
             e = np.where(ref != 0, ex - 1, 0)
@@ -65,28 +65,3 @@ class UlpStandard:
                f"mean ULP {mean:.3g}, {share:.3%} above {self.large:g} ULP"
                + (" beyond the accumulation allowance of cancelling sums" if floor is not None else ""))
         return CheckResult(self.name, status, metrics, thresholds, {"large_ulp_ratio": share, "mean_ulp": mean}, msg)
-
-
-_SLICE = 1 << 18  # elements per float64 slice (2 MB an array): a 51M-element logits tensor is judged in 196 slices
-
-
-def _f64_slices(target, ref, floor):
-    """``(target, reference, floor)`` as float64 NumPy slices of at most :data:`_SLICE` elements, in order: the
-    judgement's memory stays bounded (a whole float64 copy of GPT-2's 1024-token logits is 411 MB a side, and the
-    ULP passes made several) and its passes stay in cache. A reference of another shape (broadcasting) comes
-    whole; a floor of another shape than the target's is left out, as the whole-tensor rule leaves it out."""
-    shape = np.shape(target)
-    if np.shape(ref) != shape:
-        yield to_f64(target), to_f64(ref), None if floor is None else to_f64(floor)
-        return
-    t, r = _flat(target), _flat(ref)
-    f = _flat(floor) if floor is not None and np.shape(floor) == shape else None
-    for i in range(0, t.shape[0], _SLICE):
-        part = slice(i, i + _SLICE)
-        yield to_f64(t[part]), to_f64(r[part]), None if f is None else to_f64(f[part])
-
-
-def _flat(x):
-    import torch
-
-    return x.detach().reshape(-1) if isinstance(x, torch.Tensor) else np.ravel(x)

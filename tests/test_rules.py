@@ -1406,3 +1406,42 @@ def test_check_settings_build_the_target_sides_isolator_from_the_check():
             return None
 
     assert dataclasses.replace(s, bench=HereBench()).isolator(True).bench_device == "meta"
+
+
+def test_a_side_spills_its_final_outputs_until_the_judgement_reads_them(tmp_path, monkeypatch):
+    """``run_side(spill_outputs=True)`` writes final outputs of ``SPILL_BYTES`` or more to a file after the forward
+    pass (nothing held through the backward), ``final_outputs()`` reads them back once and removes the file;
+    smaller outputs stay in memory; reading them records no API call in the dump."""
+    import json
+
+    import torch
+
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.check import sides
+    from msprobe_ci.config import DumpConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    want = model(x).detach()
+
+    def side(name: str):
+        cfg = DumpConfig(task="statistics", level="mix").with_overrides(dump_path=str(tmp_path / name))
+        return sides.run_side(model, (x,), lambda out: out.square().sum(), Backend.from_options("cpu", "fp32"), cfg,
+                              spill_outputs=True)
+
+    monkeypatch.setattr(sides, "SPILL_BYTES", 1)
+    spilled = side("spilled")
+    assert spilled.outputs == [] and os.path.dirname(spilled.spilled) == str(tmp_path / "spilled")
+    got = dict(spilled.final_outputs())
+    assert not os.path.exists(spilled.spilled) and spilled.final_outputs() == []
+    torch.testing.assert_close(got["output"], want, rtol=0, atol=0)
+    torch.testing.assert_close(got["loss"], want.square().sum(), rtol=0, atol=0)
+    monkeypatch.setattr(sides, "SPILL_BYTES", 1 << 40)
+    kept = side("kept")
+    assert kept.spilled is None and [k for k, _ in kept.final_outputs()] == ["output", "loss"]
+
+    def calls(run):
+        with open(os.path.join(run.folder, "dump.json"), encoding="utf-8") as fh:
+            return sorted(json.load(fh)["data"])
+    assert calls(spilled) == calls(kept) and not any("detach" in k or ".float." in k for k in calls(kept))

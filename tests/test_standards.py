@@ -1045,6 +1045,7 @@ def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
     shape; another shape is left out), NumPy inputs, and a broadcast reference (read whole)."""
     import torch
 
+    import msprobe_ci.checkers.common as common
     import msprobe_ci.checkers.ulp as ulp
 
     torch.manual_seed(3)
@@ -1060,9 +1061,9 @@ def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
              (target, None, row), (target, None, row, floor)]
     results = []
     for args in cases:
-        monkeypatch.setattr(ulp, "_SLICE", 1 << 30)
+        monkeypatch.setattr(common, "SLICE", 1 << 30)
         whole = ulp.UlpStandard("bf16")(*args)
-        monkeypatch.setattr(ulp, "_SLICE", 1000)  # 10 slices, the last one short
+        monkeypatch.setattr(common, "SLICE", 1000)  # 10 slices, the last one short
         sliced = ulp.UlpStandard("bf16")(*args)
         assert (sliced.status, sliced.message) == (whole.status, whole.message)
         for k in ("max_ulp", "large_ulp_ratio", "inf_nan_mismatches"):
@@ -1078,3 +1079,62 @@ def test_ulp_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
         want = ulp.UlpStandard("bf16")(*args).metrics
         assert got == dict(want, mean_ulp=pytest.approx(want["mean_ulp"], rel=1e-12))
     assert results[6]["mean_ulp"] < results[5]["mean_ulp"]
+
+
+def test_absolute_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
+    """The absolute-threshold standard counts its ratios and takes its maxima over float64 slices: every metric,
+    passing value, status and message is the whole tensor's (NaN/inf positions, small values, a short last slice,
+    a broadcast reference read whole)."""
+    import torch
+
+    import msprobe_ci.checkers.common as common
+    from msprobe_ci.checkers.absolute import AbsoluteThresholdStandard
+
+    torch.manual_seed(5)
+    oracle = torch.randn(97, 103, dtype=torch.float64)
+    oracle.view(-1)[::50] *= 1e-9  # small values, judged by absolute error
+    target = oracle.to(torch.bfloat16)
+    target.view(-1)[::89] *= 1.05  # relative errors past bf16's rtol, some of them on small values
+    target.view(-1)[350] = 0.01  # a small value with a large absolute error
+    target.view(-1)[333] = float("nan")
+    target.view(-1)[4444] = float("inf")
+    oracle.view(-1)[4444] = float("inf")  # consistent
+    oracle.view(-1)[5555] = float("-inf")  # inconsistent
+    row = oracle[:1].clone()
+    for args in ((target, None, oracle), (target, oracle.float(), None), (target, None, row)):
+        monkeypatch.setattr(common, "SLICE", 1 << 30)
+        whole = AbsoluteThresholdStandard("bf16")(*args)
+        monkeypatch.setattr(common, "SLICE", 1000)  # 10 slices, the last one short
+        sliced = AbsoluteThresholdStandard("bf16")(*args)
+        assert (sliced.status, sliced.message, sliced.metrics, sliced.passing) == \
+            (whole.status, whole.message, whole.metrics, whole.passing)
+    monkeypatch.setattr(common, "SLICE", 1000)
+    res = AbsoluteThresholdStandard("bf16")(target, None, oracle)
+    assert res.status == "error" and 0 < res.metrics["rel_err_ratio"] < 0.02 and res.metrics["abs_err_ratio"] > 0
+    assert res.metrics["inf_nan_err_ratio"] == pytest.approx(2 / 3)  # nan vs finite, -inf vs finite; inf vs inf ok
+
+
+def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
+    """``abs_peak`` is ``x.abs().amax()`` (NaN propagates, -inf reads inf) and ``finite_peak`` the largest finite
+    ``|x|`` (``nan_to_num(|x|, nan=0, posinf=0).amax()``), for every float dtype the judge sees, with NaN, ±inf,
+    signed zeros, an empty tensor."""
+    import math
+
+    import hypothesis.strategies as st
+    import torch
+    from hypothesis import given, settings
+
+    from msprobe_ci.replay.runner import abs_peak, finite_peak
+
+    specials = st.sampled_from([0.0, -0.0, 1.5, -2.25, 1e-30, -7e4, math.inf, -math.inf, math.nan])
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.one_of(specials, st.floats(-1e5, 1e5)), max_size=40),
+           st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]))
+    def check(values, dtype):
+        x = torch.tensor(values, dtype=dtype)
+        want = float(x.abs().amax()) if x.numel() else 0.0
+        got = abs_peak(x)
+        assert got == want or (math.isnan(got) and math.isnan(want))
+        assert finite_peak(x) == (float(torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax()) if x.numel() else 0.0)
+    check()

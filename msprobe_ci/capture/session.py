@@ -29,7 +29,7 @@ from .._perf import bound_heap
 from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
-from .coverage import Coverage
+from .coverage import Coverage, quiet
 from .api_hooks import ApiCapture, _ApiMode
 from .comm_hooks import CommCapture
 from .inject import Fault, FaultLog
@@ -239,6 +239,16 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
 
     def _token_post(self, module, args, output):
         self.running = False
+
+    def aside(self, fn, *args):
+        """``fn(*args)``, with the torch calls it makes left out of the dump and the coverage count: the
+        machinery's own work between the capture's start and stop (a side's final outputs read before its
+        backward pass)."""
+        busy, self._busy = self._busy, True
+        try:
+            return quiet(fn)(*args)
+        finally:
+            self._busy = busy
 
     def stop(self) -> None:
         """Stop recording and write the current step's files (atomically)."""

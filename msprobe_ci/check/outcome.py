@@ -22,15 +22,37 @@ class SideRun:
 
     Attributes:
         folder: the rank folder of the dump (``.../step0/rank``).
-        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``.
+        outputs: ``[(name, CPU tensor)]`` floating final outputs (``output.logits``) and ``loss``; empty when they
+            were spilled (read them with :meth:`final_outputs`).
         unapplied: one line per injected fault that never fired (the gate proved nothing with it).
         notes: report lines about how the side ran (:func:`precision_notes`).
+        spilled: the file the final outputs were written to while the other side ran, or ``None``.
     """
 
     folder: str
     outputs: list = field(default_factory=list)
     unapplied: tuple = ()
     notes: tuple = ()
+    spilled: str | None = None
+
+    def final_outputs(self) -> list:
+        """The final outputs, read back (and their file removed) where they were spilled; ``[]`` where the file
+        is gone (read once already, or removed by someone else: the model-level cases are then left out)."""
+        if self.spilled is None:
+            return self.outputs
+        import os
+
+        import torch
+
+        try:
+            pairs = torch.load(self.spilled, weights_only=True)
+        except FileNotFoundError:
+            return []
+        try:
+            os.remove(self.spilled)
+        except OSError:
+            pass
+        return [(str(name), t) for name, t in pairs]
 
 
 def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
@@ -276,8 +298,8 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
             graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=fuzzy)
         except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
             notes.append(f"no graph: {exc}")
-    cases = model_cases(None if isinstance(bench, str) else bench.outputs, target.outputs, output_rtol,
-                        cast_roundoff)
+    cases = model_cases(None if isinstance(bench, str) else bench.final_outputs(), target.final_outputs(),
+                        output_rtol, cast_roundoff)
     overflow = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
     api_checks: list = []
     if report.mode == "tensor" and level in ("L1", "mix"):

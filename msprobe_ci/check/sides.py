@@ -17,7 +17,7 @@ from .outcome import SideRun, flatten_outputs
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
              seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
-             free_bench=None) -> SideRun:
+             free_bench=None, spill_outputs: bool = False) -> SideRun:
     """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
 
     Args:
@@ -32,6 +32,10 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
         eval_mode: put the copy in eval mode.
         isolator: an :class:`~msprobe_ci.isolate.Isolator` (target side), or ``None``.
         free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark` (a target with no bench), or ``None``.
+        spill_outputs: final outputs of :data:`SPILL_BYTES` or more are written to a file in ``cfg.dump_path``
+            after the forward pass, until the judgement reads them back (:meth:`SideRun.final_outputs`), rather
+            than held in memory through the backward pass and the other side (GPT-2's fp32 logits at 1024 tokens
+            are 206 MB).
 
     Raises:
         MsprobeError: nothing was captured.
@@ -45,7 +49,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     side_inputs = backend.prepare_inputs(inputs)
     capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
-    out = loss = None
+    out = loss = spilled = None
     try:
         with deterministic():
             capture.start(side_model)
@@ -55,11 +59,16 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
                 out = side_model(*side_inputs)
             if loss_fn is not None:
                 loss = loss_fn(out)
+            # the final outputs are read before the backward pass and, when large, written out: the model's output
+            # object is then not held through the backward (a plain step frees GPT-2's logits there)
+            flat = capture.aside(_final_outputs, out, loss)
+            out = None
+            spilled = capture.aside(_spill, flat, cfg.dump_path) if spill_outputs else None
+            if spilled:
+                flat = []
+            if loss_fn is not None:
                 loss.backward()
             capture.stop()
-        flat = flatten_outputs(out)
-        if loss_fn is not None:
-            flat.append(("loss", loss.detach().float().cpu()))
     finally:
         capture.close()
         out = loss = side_model = side_inputs = None  # noqa: F841 - the side's graph and model copy go now
@@ -67,7 +76,33 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     if not capture.folders:
         raise MsprobeError("nothing was captured (no torch API or submodule ran)")
     return SideRun(capture.folders[0], flat, unapplied_faults(faults, capture, bool(backend.compile)),
-                   precision_notes(capture, backend))
+                   precision_notes(capture, backend), spilled)
+
+
+def _final_outputs(out: Any, loss: Any) -> list:
+    flat = flatten_outputs(out)
+    if loss is not None:
+        flat.append(("loss", loss.detach().float().cpu()))
+    return flat
+
+
+SPILL_BYTES = 32 << 20
+
+
+def _spill(flat: list, folder: str) -> str | None:
+    """Write the final outputs to a new file in ``folder`` when they hold :data:`SPILL_BYTES` or more; its path,
+    or ``None`` (kept in memory) for smaller outputs."""
+    import os
+    import tempfile
+
+    import torch
+
+    if sum(t.numel() * t.element_size() for _, t in flat) < SPILL_BYTES:
+        return None
+    fd, path = tempfile.mkstemp(prefix="model-outputs-", suffix=".pt", dir=folder)
+    with os.fdopen(fd, "wb") as fh:
+        torch.save([(name, t) for name, t in flat], fh)
+    return path
 
 
 def precision_notes(capture, backend) -> tuple[str, ...]:

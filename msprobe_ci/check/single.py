@@ -102,7 +102,8 @@ def run_check(ctx: CheckContext, s: CheckSettings, model: Any, inputs: tuple,
         isolator = s.isolator(loss_fn is not None, backend) if side == "target" else None
         runs[side] = run_side(model, inputs, loss_fn, backend,
                               ctx.capture_config(task, level, os.path.join(check_dir, side)), faults=side_faults,
-                              seed=s.seed, regions=regions, eval_mode=eval_mode, isolator=isolator)
+                              seed=s.seed, regions=regions, eval_mode=eval_mode, isolator=isolator,
+                              spill_outputs=True)
     from .outcome import evaluate
 
     try:

@@ -196,9 +196,12 @@ class ApiIsolation:
             call.inputs = None
         self._store(call.name, results, oracles)
         if call.taps:
-            call.out_tensors = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
-            for i, t in enumerate(call.out_tensors):
+            # the hooks live on the outputs' autograd nodes: the outputs themselves are not kept (an output that no
+            # backward formula saves is freed as in the plain run)
+            grads_of = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
+            for i, t in enumerate(grads_of):
                 t.register_hook(self._grad_out_hook(call, i))
+            del grads_of
         call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
 
     @property
@@ -263,6 +266,7 @@ class ApiIsolation:
         """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
         magnitude of a failing row, said in the message when values are near zero."""
         from ..checkers import worst
+        from ..replay.runner import finite_peak
 
         keep = self.results.get(name, {})
         start = self._clock.pop(name, None)
@@ -278,7 +282,7 @@ class ApiIsolation:
             rec.update(verdict_fields(row, r))
             ref = (refs or {}).get(row)
             if status == "error" and isinstance(ref, torch.Tensor) and ref.numel() and ref.is_floating_point():
-                mag = float(torch.nan_to_num(ref.detach().abs(), nan=0.0, posinf=0.0).amax())
+                mag = finite_peak(ref)
                 rec["magnitude"] = mag
                 if mag < 1e-3:
                     rec["message"] += f"; values near zero: max |reference| {mag:.3g}"

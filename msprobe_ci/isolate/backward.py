@@ -69,7 +69,6 @@ class BackwardIsolation:
                                                                    f"{type(exc).__name__}: {exc}"[:200]}
             finally:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
-                call.out_tensors = []
                 call.inputs = None
             return new
         return quiet(prehook)

@@ -90,7 +90,6 @@ class _Call:
     bench_round: bool = False  # the bench is a higher-precision result, rounded to the target's dtype when judged
     taps: int = 0
     grad_out: dict = field(default_factory=dict)
-    out_tensors: list = field(default_factory=list)
     dropout: tuple | None = None
     func: Any = None
     inputs: tuple | None = None  # the target's (args, kwargs), for the error budget, until the call is judged

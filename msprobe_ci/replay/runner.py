@@ -246,7 +246,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
     if backward and oracle is not None and t.is_floating_point() and b.is_floating_point():
         # gradients have no natural scale (they scale with the loss): judge them relative to their own largest
         # magnitude, so the standards' small-value band is a fraction of the tensor's scale, not an absolute value
-        scale = float(torch.nan_to_num(oracle.detach().abs(), nan=0.0, posinf=0.0).amax())
+        scale = finite_peak(oracle)
         if scale > 0:
             t, b, oracle = (x.detach().to(torch.float64) / scale for x in (t, b, oracle))
             terms = terms / scale if terms is not None else None
@@ -348,8 +348,7 @@ def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
     """The power of two at or under the largest finite ``|oracle|``, at least the dtype's smallest normal number
     over its ``small_value`` threshold (so the scaled small-value band never reaches into subnormals); 1.0 for a
     tensor of scale 1 or more, an empty one, or one of zeros."""
-    mag = torch.nan_to_num(oracle.detach().abs(), nan=0.0, posinf=0.0)
-    top = float(mag.amax()) if mag.numel() else 0.0
+    top = finite_peak(oracle)
     if not 0.0 < top < 1.0:
         return 1.0
     small = dtype_thresholds(checker_key(dtype))["small_value"]
@@ -378,6 +377,26 @@ def judged_as(short: str, args: Any, kwargs: dict, standards: dict | None = None
     return short
 
 
+def abs_peak(x: torch.Tensor) -> float:
+    """``max |x|`` (NaN where ``x`` holds a NaN, as ``x.abs().amax()``) from one ``aminmax`` pass: no
+    ``|x|`` copy (ten times faster on GPT-2's logits, CPU); 0.0 for an empty tensor."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(x.detach()))
+    if math.isnan(lo) or math.isnan(hi):
+        return math.nan
+    return max(abs(lo), abs(hi))
+
+
+def finite_peak(x: torch.Tensor) -> float:
+    """The largest finite ``|x|`` (NaN and inf left out; 0.0 when none is finite or ``x`` is empty), from one
+    ``aminmax`` pass where every element is finite."""
+    peak = abs_peak(x)
+    if math.isfinite(peak):
+        return peak
+    return float(torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax())
+
+
 def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The oracle with its values beyond ``dtype``'s finite range made ±inf, as correct rounding to ``dtype``
     gives (IEEE round to nearest: ``|x| >= max + ulp(max)/2`` overflows). A target that returns inf there (an
@@ -386,7 +405,7 @@ def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     are kept."""
     if oracle.dtype == dtype or oracle.numel() == 0 or not dtype.is_floating_point:
         return oracle
-    peak = float(oracle.detach().abs().amax())
+    peak = abs_peak(oracle)
     if peak <= torch.finfo(dtype).max:  # a NaN peak goes on: other elements may still overflow
         return oracle
     rounded = oracle.detach().to(dtype)
