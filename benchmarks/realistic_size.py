@@ -10,8 +10,9 @@ tokens, forward+backward (the LM loss), statistics, mix level. Each way runs as 
   model-level cases); ``check, isolation off``: the same with the drift rule.
 
 For the check runs a sampler thread reads the process's resident memory every 20 ms and the run marks its
-phases, so the table says which phase set the peak. Issue 31's goals: check time <= 2x (plain fp32 + plain bf16),
-peak memory <= 1.5x plain fp32.
+phases, so the table says which phase set the peak and how long each phase took. Both sides spill their final
+outputs to the dump folder until the judgement, as ``msprobe.check`` does. Issue 31's goals: check time <= 2x
+(plain fp32 + plain bf16), peak memory <= 1.5x plain fp32.
 
     python benchmarks/realistic_size.py [--tokens 1024] [--config gpt2] [--threads 2]
 """
@@ -113,7 +114,8 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
         outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
-        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at, "phase_seconds": sampler.seconds,
+        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at,
+                          "phase_seconds": sampler.seconds,
                           "first": outcome.first_divergence.name
                           if outcome.first_divergence is not None else None}))
     finally:

@@ -1430,14 +1430,17 @@ def test_a_side_spills_its_final_outputs_until_the_judgement_reads_them(tmp_path
         return sides.run_side(model, (x,), lambda out: out.square().sum(), Backend.from_options("cpu", "fp32"), cfg,
                               spill_outputs=True)
 
-    monkeypatch.setattr(sides, "SPILL_BYTES", 1)
+    total = want.numel() * 4 + 4  # the output and the float32 loss
+    monkeypatch.setattr(sides, "SPILL_BYTES", total)  # "SPILL_BYTES or more"
     spilled = side("spilled")
     assert spilled.outputs == [] and os.path.dirname(spilled.spilled) == str(tmp_path / "spilled")
+    name = os.path.basename(spilled.spilled)
+    assert name.startswith("model-outputs-") and name.endswith(".pt")
     got = dict(spilled.final_outputs())
     assert not os.path.exists(spilled.spilled) and spilled.final_outputs() == []
     torch.testing.assert_close(got["output"], want, rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], want.square().sum(), rtol=0, atol=0)
-    monkeypatch.setattr(sides, "SPILL_BYTES", 1 << 40)
+    monkeypatch.setattr(sides, "SPILL_BYTES", total + 1)
     kept = side("kept")
     assert kept.spilled is None and [k for k, _ in kept.final_outputs()] == ["output", "loss"]
 
@@ -1445,3 +1448,36 @@ def test_a_side_spills_its_final_outputs_until_the_judgement_reads_them(tmp_path
         with open(os.path.join(run.folder, "dump.json"), encoding="utf-8") as fh:
             return sorted(json.load(fh)["data"])
     assert calls(spilled) == calls(kept) and not any("detach" in k or ".float." in k for k in calls(kept))
+
+
+class _Payload:
+    """Unpickled, it creates the file ``path`` (what a pickle may run when it is loaded without ``weights_only``)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_spilled_outputs_file_is_read_as_tensors_only(tmp_path):
+    """A spilled outputs file is loaded with ``weights_only=True``: a file holding anything else (here a call of
+    ``open``) is refused with one line naming the file and the loader's first line, never run."""
+    import torch
+
+    from msprobe_ci.check.outcome import SideRun
+    from msprobe_ci.errors import MsprobeError
+
+    good = tmp_path / "model-outputs-good.pt"
+    torch.save([("output", torch.ones(2))], good)
+    assert [k for k, _ in SideRun("x", spilled=str(good)).final_outputs()] == ["output"]
+    bad, ran = tmp_path / "model-outputs-bad.pt", tmp_path / "ran"
+    torch.save([("output", _Payload(str(ran)))], bad)
+    with pytest.raises(Exception) as loader:
+        torch.load(bad, weights_only=True)
+    with pytest.raises(MsprobeError) as info:
+        SideRun("x", spilled=str(bad)).final_outputs()
+    first = str(loader.value).splitlines()[0]
+    assert str(info.value) == (f"{bad}: expected the side's final outputs as (name, tensor) pairs of tensors only "
+                               f"({type(loader.value).__name__}: {first})")
+    assert not ran.exists() and "\n" not in str(info.value) and bad.exists()

@@ -93,6 +93,10 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.check.outcome.x_read_coverage__mutmut_19": _UTF8,
     "msprobe_ci.check.outcome.x_read_coverage__mutmut_61":
         "the first line of the message: no exception that reaches it (OSError, JSON, ours) has a second one",
+    **{f"msprobe_ci.check.outcome.xǁSideRunǁfinal_outputs__mutmut_{i}": "torch.load's own default is weights_only=True "
+       "since torch 2.6 (the project pins 2.13): the same load" for i in (4, 6)},
+    "msprobe_ci.check.outcome.xǁSideRunǁfinal_outputs__mutmut_11":
+        "the first line of a message-less loader error: torch.load raises none without a message",
     "msprobe_ci.check.outcome.x_read_coverage__mutmut_63":
         "repr(exc) of a message-less exception: none reaches it (each has a message)",
     "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_347": _XML,
@@ -105,7 +109,7 @@ EQUIVALENT: dict[str, str] = {
                       ("thousandth", "ThousandthStandard"), ("ulp", "UlpStandard")) for i in (1, 2)},
     "msprobe_ci.checkers.x_make_standard__mutmut_1": _L0,
     "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__init____mutmut_3": _L0,
-    "msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_25":
+    "msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_30":
         "the relative error of a non-normal element (0 or 1): read only under the normal mask",
     "msprobe_ci.checkers.accumulative.xǁAccumulativeStandardǁ__call____mutmut_32":
         "count_nonzero of an empty array is 0 with or without the size test",
@@ -131,9 +135,9 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.checkers.common.x_to_f64__mutmut_4": "numpy's astype(None) is float64",
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_2": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_6": _UNREACHED_EMPTY,
-    **{f"msprobe_ci.checkers.ulp.x__f64_slices__mutmut_{i}": "whether the tensors are read in slices or whole: the "
+    **{f"msprobe_ci.checkers.common.x_f64_slices__mutmut_{i}": "whether the tensors are read in slices or whole: the "
        "same metrics (memory and cache only; the test holds them equal)" for i in (1, 2, 3)},
-    "msprobe_ci.checkers.ulp.x__f64_slices__mutmut_7":
+    "msprobe_ci.checkers.common.x_f64_slices__mutmut_7":
         "a broadcast reference without a floor reads floor None as a 0-d NaN, which the rule leaves out (its shape "
         "is not the error's), as it leaves out None",
     "msprobe_ci.checkers.ulp.xǁUlpStandardǁ__call____mutmut_27":

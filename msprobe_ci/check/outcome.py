@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._perf import gc_paused, release_free_memory
+from ..errors import MsprobeError
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,11 @@ class SideRun:
 
     def final_outputs(self) -> list:
         """The final outputs, read back (and their file removed) where they were spilled; ``[]`` where the file
-        is gone (read once already, or removed by someone else: the model-level cases are then left out)."""
+        is gone (read once already, or removed by someone else: the model-level cases are then left out).
+
+        Raises:
+            MsprobeError: the file holds anything but tensors in lists and tuples (loaded ``weights_only``).
+        """
         if self.spilled is None:
             return self.outputs
         import os
@@ -48,6 +53,10 @@ class SideRun:
             pairs = torch.load(self.spilled, weights_only=True)
         except FileNotFoundError:
             return []
+        except Exception as exc:  # noqa: BLE001 - a replaced or damaged file: one line, nothing unpickled
+            lines = str(exc).splitlines() or [""]
+            raise MsprobeError(f"{self.spilled}: expected the side's final outputs as (name, tensor) pairs "
+                               f"of tensors only ({type(exc).__name__}: {lines[0]})") from None
         try:
             os.remove(self.spilled)
         except OSError:
