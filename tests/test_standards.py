@@ -613,6 +613,7 @@ def test_own_scale_saturate_and_judged_as():
     assert saturate(edge, torch.float32) is edge
     nan_peak = torch.tensor([NAN, 1e39], dtype=torch.float64)
     assert saturate(nan_peak, torch.float32)[1] == INF
+    assert saturate(torch.tensor([-1e6], dtype=torch.float64), torch.float16)[0] == -INF  # one element (a loss)
     x = torch.ones(3, dtype=torch.bfloat16)
     assert judged_as("add", [x, x], {"alpha": 2}) == FMA and judged_as("add", [x, x], {"alpha": 1}) == "add"
     assert judged_as("sub_", [x, x], {"alpha": 0.5}) == FMA and judged_as("mul", [x, x], {"alpha": 2}) == "mul"

@@ -403,7 +403,7 @@ def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fp32 ``finfo.min`` mask plus a bf16 one in GPT-Neo's attention) computed the right value, not an overflow
     error. Returns ``oracle`` itself when nothing lies beyond the range (one ``amax`` pass); shape and dtype
     are kept."""
-    if oracle.dtype == dtype or oracle.numel() == 0 or not dtype.is_floating_point:
+    if oracle.dtype == dtype or not dtype.is_floating_point:
         return oracle
     peak = abs_peak(oracle)
     if peak <= torch.finfo(dtype).max:  # a NaN peak goes on: other elements may still overflow
