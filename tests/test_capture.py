@@ -294,3 +294,30 @@ def test_overflow_reads_max_and_min_not_an_overflowed_mean(tmp_path):
     assert anomalous({"type": "torch.Tensor", "Max": None, "Min": None, "Mean": "nan"})
     assert check_entry("Tensor.__add__.0.forward", {"input_args": [], "output": [{**rec, "Min": "-inf"}]}).level \
         == "critical"
+
+
+def test_half_statistics_from_the_scratch_buffer_are_those_of_a_fresh_upcast(monkeypatch):
+    """fp16/bf16 CPU tensors up to ``SCRATCH`` elements are upcast into one reused float32 buffer: every statistic
+    is bit-for-bit the one a fresh ``.float()`` gives (contiguous tensors of growing and shrinking sizes, so the
+    buffer is reused and regrown; a transposed view and a tensor over the limit take ``.float()``), and a tensor
+    recorded after another does not change the first one's statistics."""
+    from msprobe_ci.capture import records
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(3, 5), (1000, 300), (17,), (2, 3, 4096), (9, 9)]
+    tensors = [torch.randn(*s, generator=gen).to(dt) * 300 for s in shapes for dt in (torch.bfloat16, torch.float16)]
+    tensors += [torch.randn(64, 96, generator=gen).to(torch.bfloat16).t(),  # not contiguous
+                torch.randn((1 << 16) + 7, generator=gen).to(torch.float16), torch.full((5,), -3.0, dtype=torch.bfloat16)]
+
+    def stats(limit: int) -> list:
+        monkeypatch.setattr(records, "SCRATCH", limit)
+        rb = records.RecordBuilder()
+        recs = [rb.tensor(t) for t in tensors]
+        rb.resolve()
+        return [(r["Max"], r["Min"], r["Mean"], r["Norm"]) for r in recs], rb._scratch
+
+    fresh, none = stats(0)
+    reused, scratch = stats(1 << 16)  # the (2^16 + 7)-element tensor is over it
+    assert none is None and scratch is not None and scratch.numel() == 1 << 16  # its least size, never regrown
+    assert reused == fresh
+    assert fresh[-1] == (-3.0, -3.0, -3.0, pytest.approx(3.0 * math.sqrt(5)))
