@@ -73,8 +73,18 @@ def _model(config: str, tokens: int):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def child(mode: str, config: str, tokens: int, threads: int) -> None:
-    """One way, in this process; prints a JSON line of its phases' peak memory (check modes)."""
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu") -> None:
+    """One way, in this process; prints a JSON line of its phases' peak memory (check modes). On a CUDA device
+    one plain fp32 and one plain bf16 step run first in every way (the context, cuBLAS and the kernels loaded
+    before the clock starts), and the line holds the device's peak allocated memory (``gpu_mb``)."""
+    import copy
     import warnings
 
     import torch
@@ -82,30 +92,49 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
     model, batch = _model(config, tokens)
+    cuda = device.startswith("cuda")
+    if cuda:
+        for dt in (torch.float32, torch.bfloat16):
+            warm = copy.deepcopy(model).to(device, dt)
+            warm(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+            del warm
+        _sync(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def gpu() -> dict:
+        return {"gpu_mb": torch.cuda.max_memory_allocated() / 2 ** 20} if cuda else {}
     start = time.perf_counter()  # the step, not the process start and the model's construction
     if mode.startswith("plain"):
-        m = model.to(torch.bfloat16 if mode == "plain-bf16" else torch.float32)
-        m(**batch).loss.backward()
-        print(json.dumps({"seconds": time.perf_counter() - start}))
+        m = model.to(device, torch.bfloat16 if mode == "plain-bf16" else torch.float32)
+        m(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+        _sync(device)
+        print(json.dumps({"seconds": time.perf_counter() - start, **gpu()}))
         return
     from msprobe_ci.backends import Backend
     from msprobe_ci.check import evaluate, run_side
     from msprobe_ci.config import DumpConfig
     from msprobe_ci.isolate import Isolator
+    from msprobe_ci.kernels import default_bench_kernel
 
     sampler = Sampler()
     sampler.start()
     tmp = tempfile.mkdtemp(prefix="realistic-")
     try:
         cfg = DumpConfig(task="statistics", level="mix")
-        bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "bf16")
+        bench, target = Backend.from_options(device, "fp32"), Backend.from_options(device, "bf16")
         sampler.mark("bench side")
         b = run_side(model, (batch,), lambda out: out.loss, bench, cfg.with_overrides(
             dump_path=os.path.join(tmp, "bench")), spill_outputs=True)
         sampler.mark("target side")
-        iso = Isolator(backward=True, bench_kernel="device") if mode == "check" else None
+        # as msprobe.check builds it: the bench kernel and the oracle's device by default (on CUDA: the target's
+        # own device, float64)
+        iso = Isolator(backward=True, target_device=target.torch_device, bench_device=bench.torch_device,
+                       bench_kernel=default_bench_kernel(bench.torch_device, target.torch_device),
+                       **target.oracle_options("target")) if mode == "check" else None
         t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
             dump_path=os.path.join(tmp, "target")), isolator=iso, spill_outputs=True)
+        oracle = (iso.oracle_device, len(iso.oracle_fallbacks)) if iso is not None else (None, 0)
         del iso
         import gc
 
@@ -114,7 +143,9 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
         outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
-        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at,
+        _sync(device)
+        print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at, **gpu(),
+                          "oracle": oracle[0], "oracle_fallbacks": oracle[1],
                           "phase_seconds": sampler.seconds,
                           "first": outcome.first_divergence.name
                           if outcome.first_divergence is not None else None}))
@@ -124,13 +155,19 @@ def child(mode: str, config: str, tokens: int, threads: int) -> None:
 
 
 def timed(args: list[str]) -> tuple[float, float, str]:
-    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", tf.name, sys.executable, __file__, *args],
-                              capture_output=True, text=True)
+    """``(wall seconds, peak resident MB, stdout)`` of this script run as a child with ``args``: the child's own
+    resource usage from ``os.wait4`` (no external ``time`` program needed)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, __file__, *args], stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
         if proc.returncode != 0:
-            raise SystemExit(f"{args} failed:\n{proc.stderr[-3000:]}")
-        wall, rss = tf.read().split()[-2:]
-    return float(wall), float(rss) / 1024, proc.stdout
+            raise SystemExit(f"{args} failed:\n{err.read()[-3000:]}")
+        return wall, usage.ru_maxrss / 1024, out.read()
 
 
 def main() -> None:
@@ -138,20 +175,38 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--config", choices=("gpt2", "gpt2-medium"), default="gpt2")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: bench fp32 and target bf16 on the GPU, the "
+                    "oracle there in float64 (msprobe.check's default on CUDA)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.config, args.tokens, args.threads)
+        child(args.child, args.config, args.tokens, args.threads, args.device)
         return
-    common = ["--config", args.config, "--tokens", str(args.tokens), "--threads", str(args.threads)]
-    print(f"{args.config}, 1 x {args.tokens} tokens, forward+backward, {args.threads} threads, "
+    common = ["--config", args.config, "--tokens", str(args.tokens), "--threads", str(args.threads),
+              "--device", args.device]
+    where = args.device
+    if args.device.startswith("cuda"):
+        import torch
+
+        where = f"{args.device} ({torch.cuda.get_device_name()}, torch {torch.__version__})"
+    print(f"{args.config}, 1 x {args.tokens} tokens, forward+backward, on {where}, {args.threads} threads, "
           f"{os.cpu_count()} cores; each way a fresh process")
     res = {}
     for mode in ("plain-fp32", "plain-bf16", "check", "check-noiso"):
-        wall, rss, out = timed(["--child", mode, *common])
+        try:
+            wall, rss, out = timed(["--child", mode, *common])
+        except SystemExit as exc:  # the other ways still run
+            print(f"  {mode:<12} {exc}", flush=True)
+            continue
         info = json.loads(out.strip().splitlines()[-1])
-        res[mode] = (info["seconds"], rss)
-        line = f"  {mode:<12} step {info['seconds']:7.1f} s (process {wall:6.1f} s) {rss:8.0f} MB peak"
+        res[mode] = (info["seconds"], rss, info.get("gpu_mb"))
+        line = f"  {mode:<12} step {info['seconds']:7.2f} s (process {wall:6.1f} s) {rss:8.0f} MB peak"
+        if "gpu_mb" in info:
+            line += f", GPU {info['gpu_mb']:7.0f} MB peak"
+            if mode.startswith("check"):
+                line += f" ({info['gpu_mb'] / res['plain-fp32'][2]:4.2f}x plain fp32's)"
+        if info.get("oracle"):
+            line += f"; oracle on {info['oracle']} ({info['oracle_fallbacks']} APIs fell back to the CPU)"
         if mode.startswith("check"):
             plain = res["plain-fp32"][0] + res["plain-bf16"][0]
             line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
