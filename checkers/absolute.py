@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import dtype_thresholds, f64_slices, finite_masks
+from .common import dtype_thresholds, f64_slices, finite_masks, share
 from .result import CheckResult
 
 
@@ -57,8 +57,8 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
             top_re = max(top_re, float(re[normal].max()))
         if small_m.any():
             top_ae = max(top_ae, float(ae[small_m].max()))
-    metrics = {"inf_nan_err_ratio": _share(n_inconsistent, n_bad), "rel_err_ratio": _share(n_rel, n_normal),
-               "abs_err_ratio": _share(n_abs, n_small)}
+    metrics = {"inf_nan_err_ratio": share(n_inconsistent, n_bad), "rel_err_ratio": share(n_rel, n_normal),
+               "abs_err_ratio": share(n_abs, n_small)}
     passing = {"rtol": top_re, "small_value_atol": top_ae}
     metrics.update(extra or {})
     failed = [k for k in ("inf_nan_err_ratio", "rel_err_ratio", "abs_err_ratio") if metrics[k] > 0]
@@ -66,7 +66,3 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
     msg = ", ".join(f"{k} {metrics[k]:.3g}" for k in failed) or f"max relative error {passing['rtol']:.3g} <= {rtol:.3g}"
     return CheckResult(name, status, metrics, {"rtol": rtol, "small_value": small, "small_value_atol": atol},
                        passing, msg)
-
-
-def _share(n: int, of: int) -> float:
-    return n / of if of else 0.0

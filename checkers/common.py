@@ -98,6 +98,6 @@ def finite_masks(target: np.ndarray, bench: np.ndarray, small_value: float) -> t
     return finite, ~finite, small, finite & ~small
 
 
-def ratio(mask: np.ndarray, of: np.ndarray) -> float:
-    n = int(of.sum())
-    return float((mask & of).sum() / n) if n else 0.0
+def share(n: int, of: int) -> float:
+    """``n / of``, 0.0 when ``of`` is 0 (a ratio over an empty mask: nothing there to fail)."""
+    return n / of if of else 0.0

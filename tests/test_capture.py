@@ -314,6 +314,7 @@ def test_half_statistics_from_the_scratch_buffer_are_those_of_a_fresh_upcast(mon
         rb = records.RecordBuilder()
         recs = [rb.tensor(t) for t in tensors]
         rb.resolve()
+        assert not rb._scratch_lock.locked()  # handed back after each tensor (another thread may take it)
         return [(r["Max"], r["Min"], r["Mean"], r["Norm"]) for r in recs], rb._scratch
 
     fresh, none = stats(0)

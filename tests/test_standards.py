@@ -10,7 +10,7 @@ import torch
 
 from msprobe_ci import MsprobeError
 from msprobe_ci.checkers import STANDARDS, CheckResult, dtype_key, make_standard, standard_for, worst
-from msprobe_ci.checkers.common import dtype_thresholds, finite_masks, load_yaml, ratio, to_f64
+from msprobe_ci.checkers.common import dtype_thresholds, finite_masks, load_yaml, share, to_f64
 
 NAN, INF = math.nan, math.inf
 
@@ -60,8 +60,8 @@ def test_common_pieces():
     assert small.tolist() == [False, False, True, False] and normal.tolist() == [True, False, False, False]
     edge = finite_masks(np.array([1e-6]), np.array([-1e-6]), 1e-6)[2]
     assert edge.tolist() == [True]  # |bench| <= small_value is small
-    assert ratio(np.array([True, True, False]), np.array([True, False, True])) == 0.5
-    assert ratio(np.array([True]), np.array([False])) == 0.0
+    assert share(1, 2) == 0.5  # one of two masked elements
+    assert share(0, 0) == 0.0  # an empty mask
 
 
 def test_registry_and_constructors():

@@ -19,6 +19,7 @@ comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for M
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 import zlib
 from typing import Any
@@ -47,7 +48,7 @@ class RecordBuilder:
         # id(tensor) -> (weakref, _version, stats stack or None, md5 or None, cpu copy or None)
         self._seen: dict[int, list] = {}
         self._scratch: torch.Tensor | None = None  # float32 upcasts of CPU half tensors (see _upcast)
-        self._scratch_free = True
+        self._scratch_lock = threading.Lock()  # held while the buffer is in use (another thread takes .float())
 
     # -- tensors ---------------------------------------------------------------------------------------------
     def tensor(self, t: torch.Tensor, data_name: str | None = None) -> dict:
@@ -91,17 +92,15 @@ class RecordBuilder:
                 # amax/amin rather than aminmax: 3x faster on contiguous fp32 and 20x on transposed views
                 # (CPU, torch 2.13); half types are upcast once, which beats four reductions in bf16. Mean is
                 # the sum divided by numel on the host at resolve() (one kernel fewer per tensor).
-                scratch = dt not in (torch.float32, torch.float64) and self._scratch_free and \
-                    t.device.type == "cpu" and numel <= SCRATCH and t.is_contiguous()
-                if scratch:
-                    self._scratch_free = False  # (a statistic taken from a hook inside this one keeps .float())
+                scratch = dt not in (torch.float32, torch.float64) and t.device.type == "cpu" and \
+                    numel <= SCRATCH and t.is_contiguous() and self._scratch_lock.acquire(blocking=False)
                 try:
                     w = t if dt in (torch.float32, torch.float64) else self._upcast(t) if scratch else t.float()
                     mx, mn = w.amax(), w.amin()
                     total, norm, divisor = _sum_and_norm(w, dt, mx, mn, numel)
                 finally:
                     if scratch:
-                        self._scratch_free = True
+                        self._scratch_lock.release()
                 stats = (_ALL4, (mx, mn, total, norm), divisor)
             elif dt == torch.bool:
                 stats = (_EXTREMA, (t.any(), t.all()), None)
