@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: bench fp32 and target bf16 on the GPU, the "
                     "oracle there in float64 (msprobe.check's default on CUDA)")
+    ap.add_argument("--ways", default="plain-fp32,plain-bf16,check,check-noiso",
+                    help="which ways to run, comma-separated (the ratios need both plain steps)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -192,7 +194,7 @@ def main() -> None:
     print(f"{args.config}, 1 x {args.tokens} tokens, forward+backward, on {where}, {args.threads} threads, "
           f"{os.cpu_count()} cores; each way a fresh process")
     res = {}
-    for mode in ("plain-fp32", "plain-bf16", "check", "check-noiso"):
+    for mode in args.ways.split(","):
         try:
             wall, rss, out = timed(["--child", mode, *common])
         except SystemExit as exc:  # the other ways still run
@@ -203,11 +205,11 @@ def main() -> None:
         line = f"  {mode:<12} step {info['seconds']:7.2f} s (process {wall:6.1f} s) {rss:8.0f} MB peak"
         if "gpu_mb" in info:
             line += f", GPU {info['gpu_mb']:7.0f} MB peak"
-            if mode.startswith("check"):
+            if mode.startswith("check") and "plain-fp32" in res:
                 line += f" ({info['gpu_mb'] / res['plain-fp32'][2]:4.2f}x plain fp32's)"
         if info.get("oracle"):
             line += f"; oracle on {info['oracle']} ({info['oracle_fallbacks']} APIs fell back to the CPU)"
-        if mode.startswith("check"):
+        if mode.startswith("check") and {"plain-fp32", "plain-bf16"} <= set(res):
             plain = res["plain-fp32"][0] + res["plain-bf16"][0]
             line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
                      f"{rss / res['plain-fp32'][1]:4.2f}x (plain fp32); first divergence {info['first']}; peak by "

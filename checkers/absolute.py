@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import dtype_thresholds, f64_slices, finite_masks, share
+from .common import dtype_thresholds, f64, f64_slices, share, totals
 from .result import CheckResult
 
 
@@ -33,30 +33,31 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
     """The absolute-threshold verdict of one output.
 
     Args:
-        pairs: ``(target, reference, ...)`` float64 arrays, the output whole or in slices
-            (:func:`~.common.f64_slices`): the ratios are counted and the maxima taken over all of them.
+        pairs: ``(target, reference, ...)`` float64 tensors (NumPy arrays are taken as they are), the output whole
+            or in slices (:func:`~.common.f64_slices`): the ratios are counted and the maxima taken over all of
+            them, on the tensors' device, and brought back once.
         rtol: relative error allowed to normal elements. small: ``|reference|`` at or under it is a small value.
         atol: absolute error allowed to small values. extra: metrics added as they are.
     """
-    eps = np.finfo(np.float64).eps
-    n_bad = n_inconsistent = n_normal = n_rel = n_small = n_abs = 0
-    top_re = top_ae = 0.0
+    import torch
+
+    eps = float(np.finfo(np.float64).eps)
+    parts = []
     for t, ref, *_ in pairs:
-        finite, bad, small_m, normal = finite_masks(t, ref, small)
-        with np.errstate(invalid="ignore"):  # inf - inf where both sides overflow: judged by position below
-            ae = np.abs(t - ref)
-            re = np.where(normal, ae / (np.abs(ref) + eps), 0.0)
-        consistent = (np.isnan(t) & np.isnan(ref)) | (t == ref)
-        n_bad += int(bad.sum())
-        n_inconsistent += int((~consistent & bad).sum())
-        n_normal += int(normal.sum())
-        n_rel += int(((re > rtol) & normal).sum())
-        n_small += int(small_m.sum())
-        n_abs += int(((ae > atol) & small_m).sum())
-        if normal.any():
-            top_re = max(top_re, float(re[normal].max()))
-        if small_m.any():
-            top_ae = max(top_ae, float(ae[small_m].max()))
+        t, ref = f64(t), f64(ref, t.device if isinstance(t, torch.Tensor) else None)
+        t = t if t.device == ref.device else t.to(ref.device)
+        finite = torch.isfinite(t) & torch.isfinite(ref)
+        small_m = finite & (ref.abs() <= small)
+        normal = finite & ~small_m
+        ae = (t - ref).abs()  # inf - inf where both sides overflow: NaN, judged by position below
+        re = torch.where(normal, ae / (ref.abs() + eps), 0.0)
+        consistent = (torch.isnan(t) & torch.isnan(ref)) | (t == ref)
+        counts = [~finite, ~consistent & ~finite, normal, (re > rtol) & normal, small_m, (ae > atol) & small_m]
+        # maxima over the masks: the masked-out elements count as 0 (every error is >= 0, and finite there)
+        parts.append(torch.stack([c.sum(dtype=torch.float64) for c in counts] +
+                                 [re.amax() if re.numel() else re.new_zeros(()),
+                                  torch.where(small_m, ae, 0.0).amax() if ae.numel() else ae.new_zeros(())]))
+    (n_bad, n_inconsistent, n_normal, n_rel, n_small, n_abs), (top_re, top_ae) = totals(parts, 6, 8)
     metrics = {"inf_nan_err_ratio": share(n_inconsistent, n_bad), "rel_err_ratio": share(n_rel, n_normal),
                "abs_err_ratio": share(n_abs, n_small)}
     passing = {"rtol": top_re, "small_value_atol": top_ae}

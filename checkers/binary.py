@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from .common import to_f64
+from .common import f64
 from .result import CheckResult
 
 
@@ -21,11 +19,21 @@ class BinaryStandard:
         self.max_rate = float(overrides.get("max_mismatch_rate", 0.0))
 
     def __call__(self, target, bench, oracle=None) -> CheckResult:
-        t, b = to_f64(target), to_f64(bench)
-        n = t.size
-        diff = ~((t == b) | (np.isnan(t) & np.isnan(b)))
-        rate = float(diff.sum() / n) if n else 0.0
+        import torch
+
+        t = target.detach() if isinstance(target, torch.Tensor) else f64(target)
+        b = bench.detach() if isinstance(bench, torch.Tensor) else f64(bench)
+        if t.dtype != b.dtype:  # compared as values: float64 (complex128) both
+            t, b = f64(t), f64(b)
+        b = b if b.device == t.device else b.to(t.device)
+        # counted where the target lies (bit-exact in its own dtype: int64 beyond 2^53 included), one number back
+        n = t.numel()
+        same = t == b
+        if t.is_floating_point() or t.is_complex():
+            same = same | (torch.isnan(t) & torch.isnan(b))
+        n_diff = int((~same).sum()) if n else 0
+        rate = n_diff / n if n else 0.0
         status = "pass" if rate <= self.max_rate else "error"
         return CheckResult(self.name, status, {"mismatch_rate": rate}, {"mismatch_rate": self.max_rate},
                            {"mismatch_rate": rate},
-                           f"{int(diff.sum())} of {n} elements differ" if status == "error" else "bit-exact")
+                           f"{n_diff} of {n} elements differ" if status == "error" else "bit-exact")

@@ -63,32 +63,67 @@ def to_f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-SLICE = 1 << 16  # elements per float64 slice: 512 KB an array, under the 1 MiB heap bound (msprobe_ci._perf)
+SLICE = 1 << 16  # elements per float64 slice on the CPU: 512 KB a tensor, under the 1 MiB heap bound (msprobe_ci._perf)
+DEVICE_SLICE = 1 << 22  # on an accelerator: 32 MB a tensor, few kernel launches per output
+
+
+def f64(x: Any, device: Any = None):
+    """A tensor, array or scalar as a float64 torch tensor (complex128 for complex values) on ``device`` (the
+    tensor's own when ``None``, the CPU for arrays and scalars); bf16/fp16/fp8 and integers are converted
+    exactly. A NumPy array is shared, not copied, where it is float64 already."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        dtype = torch.complex128 if x.is_complex() else torch.float64
+        return x.to(device=device if device is not None else x.device, dtype=dtype)
+    arr = np.asarray(x)
+    arr = np.require(arr, np.complex128 if np.iscomplexobj(arr) else np.float64, ("C", "W"))
+    return torch.from_numpy(arr).to(device if device is not None else "cpu")
 
 
 def f64_slices(target: Any, ref: Any, floor: Any = None):
-    """``(target, reference, floor)`` as float64 NumPy slices of at most :data:`SLICE` elements, in order, for
-    the elementwise standards (ULP, absolute threshold): the judgement's memory stays bounded (a whole float64
-    copy of GPT-2's 1024-token logits is 411 MB a side, and a standard makes several) and each slice's passes
-    stay in cache; slices of 512 KB are taken from the heap, where larger arrays would each be mapped, faulted
-    in and unmapped under the capture's heap bound (7x slower on those logits). A reference of another shape
+    """``(target, reference, floor)`` as float64 torch tensors on the target's device (the CPU for arrays), in
+    slices of at most :data:`SLICE` elements on the CPU and :data:`DEVICE_SLICE` on an accelerator, in order,
+    for the elementwise standards (ULP, absolute threshold), which judge where the target lies and bring back
+    counts and maxima, never the tensors. On the CPU the judgement's memory stays bounded (a whole float64 copy
+    of GPT-2's 1024-token logits is 411 MB a side, and a standard makes several) and each slice's passes stay in
+    cache; slices of 512 KB are taken from the heap, where larger tensors would each be mapped, faulted in and
+    unmapped under the capture's heap bound (7x slower on those logits). A reference of another shape
     (broadcasting) comes whole; a floor of another shape than the target's is left out (``None``), as the
     whole-tensor rules leave it out. ``floor`` None: the third item is None."""
-    shape = np.shape(target)
-    if np.shape(ref) != shape:
-        yield to_f64(target), to_f64(ref), None if floor is None else to_f64(floor)
+    import torch
+
+    device = target.device if isinstance(target, torch.Tensor) else torch.device("cpu")
+    shape = tuple(np.shape(target))
+    if tuple(np.shape(ref)) != shape:
+        yield f64(target, device), f64(ref, device), None if floor is None else f64(floor, device)
         return
     t, r = _flat(target), _flat(ref)
-    f = _flat(floor) if floor is not None and np.shape(floor) == shape else None
-    for i in range(0, t.shape[0], SLICE):
-        part = slice(i, i + SLICE)
-        yield to_f64(t[part]), to_f64(r[part]), None if f is None else to_f64(f[part])
+    f = _flat(floor) if floor is not None and tuple(np.shape(floor)) == shape else None
+    step = SLICE if device.type == "cpu" else DEVICE_SLICE
+    for i in range(0, t.shape[0], step):
+        part = slice(i, i + step)
+        yield f64(t[part], device), f64(r[part], device), None if f is None else f64(f[part], device)
 
 
 def _flat(x: Any):
     import torch
 
     return x.detach().reshape(-1) if isinstance(x, torch.Tensor) else np.ravel(x)
+
+
+def totals(parts: list, n_sums: int, width: int) -> tuple[list, list]:
+    """The sums of the first ``n_sums`` and the maxima of the remaining columns over the slices' rows of
+    statistics (``parts``: 1-D tensors of ``width`` float64 values, one per slice), brought to the host in one
+    transfer: ``([sum, ...], [max, ...])``; zeros when there were no slices. A NaN maximum stays NaN."""
+    import torch
+
+    if not parts:
+        return [0.0] * n_sums, [0.0] * (width - n_sums)
+    table = torch.stack(parts)
+    row = torch.cat([table[:, :n_sums].sum(0), table[:, n_sums:].amax(0)]).tolist()
+    return row[:n_sums], row[n_sums:]
 
 
 def finite_masks(target: np.ndarray, bench: np.ndarray, small_value: float) -> tuple[np.ndarray, ...]:

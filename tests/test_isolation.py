@@ -116,6 +116,37 @@ def test_a_fault_that_never_fires_changes_no_verdict(tmp_path, llama, kernel):
     assert {k: verdict(v) for k, v in a.items()} == {k: verdict(v) for k, v in b.items()}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU machine")
+@pytest.mark.parametrize("fault, node", [(None, None), (Fault("Functional.linear", 5, "forward", "scale", 1.02),
+                                                        "Functional.linear.5.forward"),
+                                         (Fault("Tensor.__mul__", 4, "forward", "noise", 0.02),
+                                          "Tensor.__mul__.4.forward")])
+def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_path, llama, fault, node):
+    """bf16 target and fp32 bench on CUDA, the oracle there in float64: every call is judged on the device
+    (nothing copied to the host for it) and every verdict is the one the CPU float64 oracle's judgement gives."""
+    import copy
+
+    model, inputs, loss_fn = llama
+    bench, target = Backend.from_options("cuda", "fp32"), Backend.from_options("cuda", "bf16")
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(copy.deepcopy(model), inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
+    records = {}
+    for where in ("target", "cpu"):
+        iso = Isolator(target_device=target.torch_device, bench_device=bench.torch_device, bench_kernel="device",
+                       **target.oracle_options(where))
+        assert iso.judge_device == (str(target.torch_device) if where == "target" else "cpu")
+        t = run_side(copy.deepcopy(model), inputs, loss_fn, target,
+                     cfg.with_overrides(dump_path=str(tmp_path / where)), faults=(fault,) if fault else (),
+                     isolator=iso)
+        report, tdump, _ = judge(b.folder, t.folder, isolate=True,
+                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+        assert _api_errors(report) == ([node] if node else [])
+        from msprobe_ci.compare.isolated import load_isolation
+
+        records[where] = {k: (r["status"], r.get("standard")) for k, r in load_isolation(tdump.folder).items()}
+    assert len(records["target"]) > 50 and records["target"] == records["cpu"]
+
+
 def test_half_percent_fault_at_fp32_against_fp64(tmp_path, llama):
     model, inputs, loss_fn = llama
     fault = Fault("Functional.linear", 3, "forward", "scale", 1.005)

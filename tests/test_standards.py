@@ -1115,6 +1115,88 @@ def test_absolute_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
     assert res.metrics["inf_nan_err_ratio"] == pytest.approx(2 / 3)  # nan vs finite, -inf vs finite; inf vs inf ok
 
 
+def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
+    """The ULP standard scales errors by powers of two built from their exponent bits (exact on every device):
+    ``x * 2**k`` is NumPy's ``ldexp`` bit for bit over the whole range the standard uses (an fp8 target's
+    ``k = 2 - 1023`` to an fp64 target's ``52 + 1022``: subnormal results, results past 2^1023, overflow), and
+    the exponent read from the bits is ``frexp``'s minus one for every normal number."""
+    import hypothesis.strategies as st
+    from hypothesis import given, settings
+
+    from msprobe_ci.checkers.ulp import _exponent, _scaled
+
+    finite = st.floats(min_value=0.0, allow_infinity=False, allow_nan=False, allow_subnormal=True)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(finite, st.integers(-1021, 1074)), min_size=1, max_size=20))
+    def scaled(pairs):
+        x = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+        k = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        with np.errstate(over="ignore"):
+            want = np.ldexp(x.numpy(), k.numpy().astype(np.int32))
+        assert _scaled(x, k, 1074).numpy().tobytes() == want.tobytes()
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.floats(allow_infinity=False, allow_nan=False, allow_subnormal=False).filter(bool),
+                    min_size=1, max_size=20))
+    def exponent(values):
+        x = torch.tensor(values, dtype=torch.float64)
+        assert _exponent(x).tolist() == (np.frexp(x.numpy())[1] - 1).tolist()
+
+    scaled()
+    exponent()
+    edge = torch.tensor([0.0, -0.0, 5e-324, 2.2e-308], dtype=torch.float64)
+    assert _exponent(edge).tolist() == [-1023] * 4  # zeros and subnormals: under every dtype's ulp_min_exp
+    k = torch.tensor([1074, 1024, 0], dtype=torch.int64)
+    x = torch.tensor([5e-324, 1.0, 3.0], dtype=torch.float64)
+    assert _scaled(x, k, 1074).tolist() == [1.0, math.inf, 3.0]
+    assert _scaled(x[:1], k[:1], 1023).tolist() == [2.0 ** -51]  # k_max says no second factor is needed
+
+
+def test_binary_standard_compares_in_the_outputs_own_dtype():
+    """Bit-exact means in the output's own dtype: int64 indices beyond 2^53 that float64 would merge differ;
+    NaN equals NaN; outputs of different dtypes are compared as values."""
+    from msprobe_ci.checkers import BinaryStandard
+
+    big = torch.tensor([2 ** 60, 2 ** 60 + 1, 7], dtype=torch.int64)
+    other = torch.tensor([2 ** 60, 2 ** 60, 7], dtype=torch.int64)
+    res = BinaryStandard()(big, other)
+    assert (res.status, res.metrics["mismatch_rate"], res.message) == ("error", pytest.approx(1 / 3),
+                                                                        "1 of 3 elements differ")
+    assert BinaryStandard()(big, big.clone()).message == "bit-exact"
+    f = _t(1.0, NAN, -0.0)
+    assert BinaryStandard()(f, _t(1.0, NAN, 0.0)).status == "pass"  # NaN == NaN, -0.0 == 0.0 as values
+    assert BinaryStandard()(f, _t(1.0, 2.0, 0.0)).metrics["mismatch_rate"] == pytest.approx(1 / 3)
+    assert BinaryStandard()(torch.tensor([1, 2]), _t(1.0, 2.5)).message == "1 of 2 elements differ"
+    assert BinaryStandard()(np.array([True, False]), [1.0, 0.0]).status == "pass"
+    assert BinaryStandard()(_t(), _t()).metrics["mismatch_rate"] == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU machine")
+def test_elementwise_standards_judge_on_the_device_as_on_the_cpu():
+    """On a CUDA device the ULP, absolute-threshold and binary standards judge where the tensors lie (no copy to
+    the host): every status, message and metric is the CPU's (means to the last bits of a sum's order)."""
+    from msprobe_ci.checkers import AbsoluteThresholdStandard, BinaryStandard, UlpStandard
+
+    g = torch.Generator().manual_seed(9)
+    oracle = torch.randn(300, 1001, generator=g, dtype=torch.float64)
+    oracle.view(-1)[::70] *= 1e-9
+    target = oracle.to(torch.bfloat16)
+    target.view(-1)[::89] *= 1.05
+    target.view(-1)[333] = float("nan")
+    oracle.view(-1)[5555] = float("-inf")
+    floor = torch.rand(300, 1001, generator=g, dtype=torch.float64) * 1e-3
+    for std, args in ((UlpStandard("bf16"), (target, None, oracle)), (UlpStandard("bf16"), (target, None, oracle,
+                                                                                            floor)),
+                      (AbsoluteThresholdStandard("bf16"), (target, None, oracle)),
+                      (BinaryStandard(), (target, target.clone())), (BinaryStandard(), (target, oracle))):
+        cpu = std(*args)
+        dev = std(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+        assert (dev.status, dev.message) == (cpu.status, cpu.message)
+        assert dev.metrics == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.metrics.items()}
+        assert dev.passing == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.passing.items()}
+
+
 def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
     """``abs_peak`` is ``x.abs().amax()`` (NaN propagates, -inf reads inf) and ``finite_peak`` the largest finite
     ``|x|`` (``nan_to_num(|x|, nan=0, posinf=0).amax()``), for every float dtype the judge sees, with NaN, ±inf,

@@ -174,8 +174,10 @@ class ApiIsolation:
                                                     self.thresholds)))
             self._store(call.name, results)
             return
-        oracles = {row: _cpu(o) for row, o in _flat_outputs(call.oracle_out, stem)} if call.oracle_out is not None \
-            else {}  # judged on CPU wherever the oracle ran
+        # judged where the oracle ran when that device computes in float64 (CUDA: the standards' passes there,
+        # counts and maxima brought back), on the CPU otherwise
+        oracles = {row: self._judged(o) for row, o in _flat_outputs(call.oracle_out, stem)} \
+            if call.oracle_out is not None else {}
         bench = dict(_flat_outputs(call.bench_out, stem))
         rows = []
         for i, (row, t) in enumerate(targets):
@@ -188,7 +190,7 @@ class ApiIsolation:
             region = call.unwritten.get("output", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            rows.append((row, _cpu(t), _cpu(b), o))
+            rows.append((row, self._judged(t), self._judged(b), o))
         results = judge_rows(call.short, rows, standards=self.standards, thresholds=self.thresholds,
                              inputs=(call.func, *call.inputs) if call.inputs is not None else None,
                              budget=self._forward_budget(call, stem, len(targets)))
@@ -209,6 +211,18 @@ class ApiIsolation:
         """Whether the oracle runs on the target's device (``--msprobe-oracle-device=target``) rather than as the
         CPU float64 oracle (a stand-in device whose tensors live on the CPU still has its precision limit)."""
         return self.oracle_device != "cpu" or self.oracle_max != torch.float64
+
+    @property
+    def judge_device(self) -> str:
+        """Where the per-API standards judge: the oracle's device when it runs on the target's device in float64
+        (CUDA), so its outputs and the target's are never copied to the host (the elementwise standards count
+        there and bring back their counts and maxima); the CPU otherwise (an NPU's oracle is float32, and the
+        standards judge in float64)."""
+        return self.oracle_device if self.oracle_on_target and self.oracle_max == torch.float64 else "cpu"
+
+    def _judged(self, v: Any) -> Any:
+        """``v`` detached on :attr:`judge_device` (a non-tensor as it is)."""
+        return v.detach().to(self.judge_device) if isinstance(v, torch.Tensor) else v
 
     def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool):
         """:func:`~msprobe_ci.kernels.reference` in ``dtype`` on :attr:`oracle_device`, or on CPU where that device

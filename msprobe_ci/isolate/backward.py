@@ -92,7 +92,7 @@ class BackwardIsolation:
         oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, retain=False)
         call.oracle_out = call.oracle_in = None
         bench = oracle if shared else self._bench_vjp(call, oracle)
-        oracle = [_cpu(g) for g in oracle]  # judged (and its budget drawn) on CPU wherever the oracle ran
+        oracle = [self._judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
         for i, t in enumerate(targets):
@@ -103,13 +103,13 @@ class BackwardIsolation:
             if o is None and b is None:
                 continue
             if o is None:
-                o = torch.zeros(t.shape, dtype=torch.float64)
+                o = torch.zeros(t.shape, dtype=torch.float64, device=self.judge_device)
             if call.bench_round:
                 b = kernels.round_to(b, t)
             region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            results.append((f"{stem}.{i}", judge_pair(call.short, _cpu(t), _cpu(b), o, True, self.standards,
+            results.append((f"{stem}.{i}", judge_pair(call.short, self._judged(t), self._judged(b), o, True, self.standards,
                                                       self.thresholds, terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
@@ -159,4 +159,5 @@ class BackwardIsolation:
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
         (:meth:`_lazy_budget`; from the oracle's gradients where they are fp64)."""
         return self._lazy_budget(call, n, lambda: kernels.backward_scale(
-            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.budget_draws, base=oracle))
+            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.budget_draws,
+            base=[_cpu(g) for g in oracle]))

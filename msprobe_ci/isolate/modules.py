@@ -11,7 +11,7 @@ import torch
 
 from .. import kernels
 from ..kernels import tensors_of as _tensors
-from .support import _copy_obj, _cpu, _same
+from .support import _copy_obj, _same
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -191,7 +191,7 @@ class ModuleIsolation:
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
             if call.bench_round:
                 b = kernels.round_to(b, t)
-            results.append((f"{stem}.{i}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), False, self.standards,
+            results.append((f"{stem}.{i}", judge_pair("module", self._judged(t), self._judged(b), self._judged(o), False, self.standards,
                                                       self.thresholds, terms=lambda i=i: budget(i))))
         self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
@@ -225,7 +225,7 @@ class ModuleIsolation:
                 if call.bench_round:
                     b = kernels.round_to(b, t)
                 if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
-                    results.append((f"{name}.output.{k}", judge_pair("module", _cpu(t), _cpu(b), _cpu(o), True,
+                    results.append((f"{name}.output.{k}", judge_pair("module", self._judged(t), self._judged(b), self._judged(o), True,
                                                                      self.standards, self.thresholds,
                                                                      terms=lambda i=i: budget(i))))
                 k += 1

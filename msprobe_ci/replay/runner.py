@@ -268,7 +268,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # msprobe's accumulative standard judges |values| <= 1 by absolute error, as if the summed terms were of
         # magnitude 1: a mean of 1e-5 values (RMSNorm of small activations) would pass a 5% error. In units of the
         # terms' own magnitude the same test holds for any scale, and a cancelling sum is still judged at its terms
-        s64 = scale.detach().to(torch.float64)
+        s64 = scale.detach().to(device=t.device, dtype=torch.float64)  # drawn on the CPU, judged where t lies
         s64 = torch.where(s64 > 0, s64, torch.ones_like(s64))
         # never finer than the dtype can hold: a result rounded into fp16's subnormal range errs by up to half of
         # its smallest subnormal (3e-8) whatever the terms, which is within the bound in units of at least this
