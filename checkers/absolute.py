@@ -44,8 +44,8 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
     eps = float(np.finfo(np.float64).eps)
     parts = []
     for t, ref, *_ in pairs:
-        t, ref = f64(t), f64(ref, t.device if isinstance(t, torch.Tensor) else None)
-        t = t if t.device == ref.device else t.to(ref.device)
+        t = f64(t)
+        ref = f64(ref, t.device)
         finite = torch.isfinite(t) & torch.isfinite(ref)
         small_m = finite & (ref.abs() <= small)
         normal = finite & ~small_m
@@ -54,7 +54,7 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
         consistent = (torch.isnan(t) & torch.isnan(ref)) | (t == ref)
         counts = [~finite, ~consistent & ~finite, normal, (re > rtol) & normal, small_m, (ae > atol) & small_m]
         # maxima over the masks: the masked-out elements count as 0 (every error is >= 0, and finite there)
-        parts.append(torch.stack([c.sum(dtype=torch.float64) for c in counts] +
+        parts.append(torch.stack([c.sum() for c in counts] +  # int64 counts, stacked as float64
                                  [re.amax() if re.numel() else re.new_zeros(()),
                                   torch.where(small_m, ae, 0.0).amax() if ae.numel() else ae.new_zeros(())]))
     (n_bad, n_inconsistent, n_normal, n_rel, n_small, n_abs), (top_re, top_ae) = totals(parts, 6, 8)

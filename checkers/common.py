@@ -70,16 +70,14 @@ DEVICE_SLICE = 1 << 22  # on an accelerator: 32 MB a tensor, few kernel launches
 def f64(x: Any, device: Any = None):
     """A tensor, array or scalar as a float64 torch tensor (complex128 for complex values) on ``device`` (the
     tensor's own when ``None``, the CPU for arrays and scalars); bf16/fp16/fp8 and integers are converted
-    exactly. A NumPy array is shared, not copied, where it is float64 already."""
+    exactly."""
     import torch
 
     if isinstance(x, torch.Tensor):
         x = x.detach()
-        dtype = torch.complex128 if x.is_complex() else torch.float64
-        return x.to(device=device if device is not None else x.device, dtype=dtype)
+        return x.to(device=device, dtype=torch.complex128 if x.is_complex() else torch.float64)
     arr = np.asarray(x)
-    arr = np.require(arr, np.complex128 if np.iscomplexobj(arr) else np.float64, ("C", "W"))
-    return torch.from_numpy(arr).to(device if device is not None else "cpu")
+    return torch.as_tensor(arr, dtype=torch.complex128 if np.iscomplexobj(arr) else torch.float64, device=device)
 
 
 def f64_slices(target: Any, ref: Any, floor: Any = None):

@@ -42,12 +42,11 @@ class UlpStandard:
             err = (t - ref).abs()  # inf - inf where both sides overflow: NaN, judged by position below
             if f is not None and f.shape == err.shape:
                 err = (err - f.abs()).clamp_min(0.0)
-            ulp = _scaled(err, int(self.bits) - e, int(self.bits) - int(self.min_exp))
+            ulp = _scaled(err, int(self.bits) - e)
             inconsistent = ~finite & ~((torch.isnan(t) & torch.isnan(ref)) | (t == ref))
             kept = torch.where(finite, ulp, 0.0)  # every ULP error is >= 0: the left-out elements add nothing
-            parts.append(torch.stack([kept.sum(), finite.sum(dtype=torch.float64),
-                                      ((ulp > self.large) & finite).sum(dtype=torch.float64),
-                                      inconsistent.sum(dtype=torch.float64),
+            parts.append(torch.stack([kept.sum(), finite.sum(), ((ulp > self.large) & finite).sum(),  # as float64
+                                      inconsistent.sum(),
                                       kept.amax() if kept.numel() else kept.new_zeros(())]))
         (total, finite_n, large_n, inconsistent), (top,) = totals(parts, 4, 5)
         finite_n, large_n, inconsistent = int(finite_n), int(large_n), int(inconsistent)
@@ -76,14 +75,12 @@ def _exponent(x):
     return ((x.view(torch.int64) >> 52) & 0x7FF) - 1023
 
 
-def _scaled(x, k, k_max: int):
-    """``x * 2**k`` for float64 ``x`` and integer ``k`` (elementwise, at most ``k_max``), rounded once as
-    ``ldexp``: each power of two is built from its exponent bits, exact on every device; ``k`` above 1023 (an
-    fp64 target's smallest ULP, 2^-1074) takes a second factor."""
+def _scaled(x, k):
+    """``x * 2**k`` for float64 ``x`` and integer ``k`` (elementwise, from ``2 - 1023``: fp8 e5m2's largest ULP
+    exponent, to ``52 + 1022``: fp64's smallest), rounded once as ``ldexp``: each power of two is built from its
+    exponent bits, exact on every device, and ``k`` above 1023 (2^1074 is no float64) takes the rest as a second
+    factor (1.0 for every other ``k``)."""
     import torch
 
-    first = k.clamp(-1022, 1023)
-    out = x * ((first + 1023) << 52).view(torch.float64)
-    if k_max > 1023:
-        out = out * ((k - first + 1023) << 52).view(torch.float64)
-    return out
+    first = k.clamp(max=1023)
+    return x * ((first + 1023) << 52).view(torch.float64) * ((k - first + 1023) << 52).view(torch.float64)

@@ -1134,7 +1134,7 @@ def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
         k = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
         with np.errstate(over="ignore"):
             want = np.ldexp(x.numpy(), k.numpy().astype(np.int32))
-        assert _scaled(x, k, 1074).numpy().tobytes() == want.tobytes()
+        assert _scaled(x, k).numpy().tobytes() == want.tobytes()
 
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.floats(allow_infinity=False, allow_nan=False, allow_subnormal=False).filter(bool),
@@ -1147,10 +1147,67 @@ def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
     exponent()
     edge = torch.tensor([0.0, -0.0, 5e-324, 2.2e-308], dtype=torch.float64)
     assert _exponent(edge).tolist() == [-1023] * 4  # zeros and subnormals: under every dtype's ulp_min_exp
-    k = torch.tensor([1074, 1024, 0], dtype=torch.int64)
-    x = torch.tensor([5e-324, 1.0, 3.0], dtype=torch.float64)
-    assert _scaled(x, k, 1074).tolist() == [1.0, math.inf, 3.0]
-    assert _scaled(x[:1], k[:1], 1023).tolist() == [2.0 ** -51]  # k_max says no second factor is needed
+    k = torch.tensor([1074, 1024, 1024, 0, -1021], dtype=torch.int64)
+    x = torch.tensor([5e-324, 1.0, 0.5, 3.0, 2.0 ** 1000], dtype=torch.float64)
+    assert _scaled(x, k).tolist() == [1.0, math.inf, 2.0 ** 1023, 3.0, 2.0 ** -21]
+
+
+def test_f64_and_slices_judge_on_the_targets_device(monkeypatch):
+    """``f64`` converts exactly to float64 (complex128 for complex values) and keeps a tensor on its own device or
+    moves it to the one asked; ``f64_slices`` brings the reference and the floor to the target's device and cuts
+    slices of ``SLICE`` elements on the CPU and of ``DEVICE_SLICE`` elsewhere (the meta device stands in for an
+    accelerator: shapes and devices, no values); a NumPy target is judged on the CPU."""
+    import msprobe_ci.checkers.common as common
+    from msprobe_ci.checkers.common import f64, f64_slices
+
+    half = f64(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
+    assert (half.dtype, half.device.type, half.tolist()) == (torch.float64, "cpu", [1.5, -2.0])
+    z = f64(torch.tensor([1 + 2j], dtype=torch.complex64).conj())
+    assert z.dtype == torch.complex128 and z.tolist() == [1 - 2j]
+    assert f64(np.array([1 + 1j])).dtype == torch.complex128 and f64(np.array([3], dtype=np.int64)).tolist() == [3.0]
+    assert f64(7).dtype == torch.float64 and f64(7).shape == () and f64([True, False]).tolist() == [1.0, 0.0]
+    on_meta = torch.ones(3, device="meta", dtype=torch.float16)
+    assert f64(on_meta).device.type == "meta" and f64(on_meta).dtype == torch.float64
+    assert f64(torch.ones(2), "meta").device.type == "meta" and f64(np.ones(2), "meta").device.type == "meta"
+    assert f64(np.ones(2)).device.type == "cpu"
+    monkeypatch.setattr(common, "SLICE", 1000)
+    monkeypatch.setattr(common, "DEVICE_SLICE", 4000)
+    cpu = torch.ones(10_000)
+    meta = torch.ones(10_000, device="meta")
+    assert [len(t) for t, _, _ in f64_slices(cpu, cpu)] == [1000] * 10
+    assert [len(t) for t, _, _ in f64_slices(cpu.numpy(), cpu.numpy())] == [1000] * 10
+    parts = list(f64_slices(meta, cpu, cpu.numpy()))
+    assert [len(t) for t, _, _ in parts] == [4000, 4000, 2000]
+    assert {x.device.type for part in parts for x in part} == {"meta"}
+    assert all(x.dtype == torch.float64 for part in parts for x in part)
+    whole = list(f64_slices(meta, cpu[:1], cpu))  # a broadcast reference: whole, on the target's device
+    assert len(whole) == 1 and [x.device.type for x in whole[0]] == ["meta"] * 3
+    assert whole[0][0].shape == (10_000,) and whole[0][1].shape == (1,)
+    assert [f for _, _, f in f64_slices(cpu, cpu)] == [None] * 10
+    assert [f for _, _, f in f64_slices(cpu, cpu, cpu[:5])] == [None] * 10  # a floor of another shape: left out
+    assert list(f64_slices(meta, cpu[:1]))[0][2] is None
+
+
+def test_elementwise_standards_on_edge_inputs():
+    """The ULP standard refuses complex outputs (no unit in the last place) with one line; an fp64 target's
+    error at the smallest normal magnitudes is counted in 2^-1074 units (a power of two no float64 holds whole);
+    an empty target against a scalar reference passes with zero metrics in both elementwise standards; a target
+    with no small value reports a passing small-value atol of 0."""
+    from msprobe_ci.checkers import AbsoluteThresholdStandard, UlpStandard
+
+    with pytest.raises(TypeError, match="complex output has no unit in the last place"):
+        UlpStandard("fp32")(torch.tensor([1 + 1j]), None, torch.tensor([1.0]))
+    tiny = torch.tensor([3 * 2.0 ** -1022, 2.0 ** -1022], dtype=torch.float64)
+    off = tiny + torch.tensor([6 * 2.0 ** -1074, 0.0], dtype=torch.float64)
+    res = UlpStandard("fp64")(off, None, tiny)
+    assert res.metrics["max_ulp"] == 3.0  # 6 * 2^-1074 at 1.5 * 2^-1021, in units of 2^-1073
+    assert res.metrics["mean_ulp"] == 1.5
+    empty = torch.empty(0)
+    for std in (UlpStandard("bf16"), AbsoluteThresholdStandard("bf16")):
+        r = std(empty, None, torch.tensor(1.0))
+        assert r.status == "pass" and set(r.metrics.values()) == {0.0}, r
+    normal = AbsoluteThresholdStandard("fp32")(_t(1.0, -2.0, 3.0), None, _t(1.0, -2.0, 3.0000001))
+    assert normal.passing["small_value_atol"] == 0.0 and 0 < normal.passing["rtol"] < 1e-7
 
 
 def test_binary_standard_compares_in_the_outputs_own_dtype():
