@@ -95,14 +95,14 @@ def f64_slices(target: Any, ref: Any, floor: Any = None):
     device = target.device if isinstance(target, torch.Tensor) else torch.device("cpu")
     shape = tuple(np.shape(target))
     if tuple(np.shape(ref)) != shape:
-        yield f64(target, device), f64(ref, device), None if floor is None else f64(floor, device)
+        yield f64(target), f64(ref, device), None if floor is None else f64(floor, device)
         return
     t, r = _flat(target), _flat(ref)
     f = _flat(floor) if floor is not None and tuple(np.shape(floor)) == shape else None
     step = SLICE if device.type == "cpu" else DEVICE_SLICE
     for i in range(0, t.shape[0], step):
         part = slice(i, i + step)
-        yield f64(t[part], device), f64(r[part], device), None if f is None else f64(f[part], device)
+        yield f64(t[part]), f64(r[part], device), None if f is None else f64(f[part], device)
 
 
 def _flat(x: Any):
