@@ -33,9 +33,9 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
     """The absolute-threshold verdict of one output.
 
     Args:
-        pairs: ``(target, reference, ...)`` float64 tensors (NumPy arrays are taken as they are), the output whole
-            or in slices (:func:`~.common.f64_slices`): the ratios are counted and the maxima taken over all of
-            them, on the tensors' device, and brought back once.
+        pairs: ``(target, reference, ...)`` tensors or NumPy arrays (judged as float64 tensors, the reference on
+            the target's device), the output whole or in slices (:func:`~.common.f64_slices`): the ratios are
+            counted and the maxima taken over all of them where the target lies, and brought back once.
         rtol: relative error allowed to normal elements. small: ``|reference|`` at or under it is a small value.
         atol: absolute error allowed to small values. extra: metrics added as they are.
     """

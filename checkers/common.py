@@ -63,7 +63,7 @@ def to_f64(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-SLICE = 1 << 16  # elements per float64 slice on the CPU: 512 KB a tensor, under the 1 MiB heap bound (msprobe_ci._perf)
+SLICE = 1 << 16  # elements per float64 slice on the CPU: 512 KB a tensor, under the 1 MiB heap bound (_perf)
 DEVICE_SLICE = 1 << 22  # on an accelerator: 32 MB a tensor, few kernel launches per output
 
 
