@@ -109,8 +109,9 @@ class BackwardIsolation:
             region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            results.append((f"{stem}.{i}", judge_pair(call.short, self._judged(t), self._judged(b), o, True, self.standards,
-                                                      self.thresholds, terms=lambda i=i: budget(i))))
+            t, b = self._judged(t), self._judged(b)
+            results.append((f"{stem}.{i}", judge_pair(call.short, t, b, o, True, self.standards, self.thresholds,
+                                                      terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
             self._store(name, results, refs)

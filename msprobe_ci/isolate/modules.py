@@ -191,8 +191,9 @@ class ModuleIsolation:
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
             if call.bench_round:
                 b = kernels.round_to(b, t)
-            results.append((f"{stem}.{i}", judge_pair("module", self._judged(t), self._judged(b), self._judged(o), False, self.standards,
-                                                      self.thresholds, terms=lambda i=i: budget(i))))
+            t, b, o = (self._judged(x) for x in (t, b, o))
+            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.standards, self.thresholds,
+                                                      terms=lambda i=i: budget(i))))
         self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
@@ -225,7 +226,8 @@ class ModuleIsolation:
                 if call.bench_round:
                     b = kernels.round_to(b, t)
                 if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
-                    results.append((f"{name}.output.{k}", judge_pair("module", self._judged(t), self._judged(b), self._judged(o), True,
+                    t, b, o = (self._judged(x) for x in (t, b, o))
+                    results.append((f"{name}.output.{k}", judge_pair("module", t, b, o, True,
                                                                      self.standards, self.thresholds,
                                                                      terms=lambda i=i: budget(i))))
                 k += 1
