@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 
 import numpy as np
 
-from .common import dtype_thresholds, load_yaml, to_f64
+from .common import dtype_thresholds, f64, load_yaml, totals
 from .result import CheckResult
 
 METRICS = ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")
@@ -32,7 +33,7 @@ METRICS = ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")
 ROW_FLOOR = 0.5
 
 
-def _row_floor(scale: np.ndarray) -> np.ndarray:
+def _row_floor(scale):
     """``scale`` raised to at least :data:`ROW_FLOOR` times the RMS of its row (the last dimension).
 
     An element's scale is estimated from a few random draws (:mod:`msprobe_ci.kernels`): ``s * sqrt(chi2_R / R)``,
@@ -42,48 +43,81 @@ def _row_floor(scale: np.ndarray) -> np.ndarray:
     arithmetic, so their pooled RMS is a steady lower bound. Used for the max relative error only: the mean, where
     a fault shows, keeps each element's own scale, so the small members of a row (an attention row's small
     probabilities) stay judged at their own size."""
+    import torch
+
     if scale.ndim == 0 or scale.shape[-1] < 2:
         return scale
-    return np.maximum(scale, ROW_FLOOR * np.sqrt(np.mean(scale ** 2, axis=-1, keepdims=True)))
+    return torch.maximum(scale, ROW_FLOOR * torch.sqrt(torch.mean(scale ** 2, dim=-1, keepdim=True)))
 
 
 class _Reference:
     """What the metrics of the target and of the bench share: the reference and, from it (and the error scale),
     each element's relative-error denominator and whether it is a small value."""
 
-    def __init__(self, ref: np.ndarray, small_value: float, scale: np.ndarray | None = None):
-        eps = np.finfo(np.float64).eps
+    def __init__(self, ref, small_value: float, scale=None):
+        import torch
+
+        eps = float(np.finfo(np.float64).eps)
         self.ref = ref
         # with an error scale, an element is "small" (judged by absolute error) only where its terms are small
         # too: a cancelled sum of large terms is judged relative to them
-        self.den = np.abs(ref) if scale is None else np.maximum(np.abs(ref), scale)
+        self.den = ref.abs() if scale is None else torch.maximum(ref.abs(), scale)
         key = ref if scale is None else self.den
-        self.finite = np.isfinite(key)
-        self.small = np.abs(key) <= small_value
+        self.finite = torch.isfinite(key)
+        self.small = key.abs() <= small_value
         self.den_eps = self.den + eps
-        self.den_max_eps = self.den_eps if scale is None else np.maximum(self.den, _row_floor(scale)) + eps
+        self.den_max_eps = self.den_eps if scale is None else torch.maximum(self.den, _row_floor(scale)) + eps
 
 
-def _metrics(x: np.ndarray, r: _Reference, atol: float) -> dict[str, float]:
-    """msprobe's benchmark metrics of ``x`` against the reference (masks as :func:`~.common.finite_masks`)."""
-    finite = np.isfinite(x) & r.finite
-    bad = ~finite
+#: the sums of one slice's statistics of one side, in order (:func:`_partial`); its maximum comes last
+_SUMS = ("sq_err", "left_out", "rel_err", "n_rel", "den_sq", "n_normal", "small_err", "n_small")
+
+
+def _partial(x, r: _Reference, atol: float) -> list:
+    """One slice's statistics of ``x`` against the reference (masks as :func:`~.common.finite_masks`): the
+    :data:`_SUMS` and the largest relative error for the max (0 when none), as 0-d tensors on their device;
+    :func:`_metrics` makes msprobe's metrics of their totals."""
+    import torch
+
+    finite = torch.isfinite(x) & r.finite
     small = finite & r.small
     normal = finite & ~r.small
-    with np.errstate(invalid="ignore"):  # inf - inf where both sides overflow: judged by position, not here
-        ae = np.abs(x - r.ref)
-        re = np.where(normal, ae / r.den_eps, -1.0)
-        re_max = re if r.den_max_eps is r.den_eps else np.where(normal, ae / r.den_max_eps, -1.0)
-    n = x.size
-    ae_ok = np.where(bad | small, 0.0, ae)
-    cnt = int((bad | small).sum())
-    mse = float(np.mean(ae_ok ** 2)) * (n / (n - cnt + 1e-4) + 1e-4) if n else 0.0
-    pos, pos_max = re[re >= 0], re_max[re_max >= 0]
-    scale_rms = float(np.sqrt(np.mean(r.den[normal] ** 2))) if normal.any() else 0.0
-    return {"scale_rms": scale_rms,
-            "max_rel_err": float(pos_max.max()) if pos_max.size else 0.0,
-            "mean_rel_err": float(pos.mean()) if pos.size else 0.0, "rmse": float(np.sqrt(mse)),
-            "small_value_err": float(((ae > atol) & small).sum() / small.sum()) if small.any() else 0.0}
+    left_out = ~finite | small
+    ae = (x - r.ref).abs()  # inf - inf where both sides overflow: NaN, judged by position, not here
+    re = torch.where(normal, ae / r.den_eps, -1.0)  # -1 marks the elements left out of the relative errors
+    re_max = re if r.den_max_eps is r.den_eps else torch.where(normal, ae / r.den_max_eps, -1.0)
+    pos = re >= 0
+    return [torch.where(left_out, 0.0, ae).square().sum(), left_out.sum(), torch.where(pos, re, 0.0).sum(),
+            pos.sum(), torch.where(normal, r.den, 0.0).square().sum(), normal.sum(), ((ae > atol) & small).sum(),
+            small.sum(),
+            # a NaN from a non-finite scale's row is no value, as the elements left out
+            torch.where(re_max >= 0, re_max, 0.0).amax() if re_max.numel() else re_max.new_zeros(())]
+
+
+def _metrics(n: int, sums: dict, top: float) -> dict[str, float]:
+    """msprobe's benchmark metrics of ``n`` elements from the totals of :func:`_partial` (``sums`` by the names
+    of :data:`_SUMS`, ``top`` the largest relative error): MSE with msprobe's correction for the elements left
+    out, mean relative error over the normal elements, small-value error ratio over the small ones, and the RMS
+    of the normal elements' denominators (``scale_rms``, the RMSE floor's unit)."""
+    def per(a: str, of: str) -> float:
+        return sums[a] / sums[of] if sums[of] else 0.0
+    mse = sums["sq_err"] / n * (n / (n - sums["left_out"] + 1e-4) + 1e-4) if n else 0.0
+    return {"scale_rms": math.sqrt(per("den_sq", "n_normal")), "max_rel_err": top,
+            "mean_rel_err": per("rel_err", "n_rel"), "rmse": math.sqrt(mse),
+            "small_value_err": per("small_err", "n_small")}
+
+
+def _row_slices(*xs, device):
+    """The tensors ``xs`` (same shape, or None) as 2-D views of whole rows (the last dimension; 0-d and 1-d as
+    one row), cut into slices of whole rows of about :data:`~.common.SLICE` elements on the CPU
+    (:data:`~.common.DEVICE_SLICE` elsewhere): the row floor sees every row whole, the memory stays bounded."""
+    from . import common
+
+    rows = [None if x is None else x.reshape(1, -1) if x.ndim < 2 else x.reshape(-1, x.shape[-1]) for x in xs]
+    width = max(rows[0].shape[1], 1)
+    step = max(1, (common.SLICE if device.type == "cpu" else common.DEVICE_SLICE) // width)
+    for i in range(0, rows[0].shape[0], step):
+        yield [None if x is None else x[i:i + step] for x in rows]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,14 +153,32 @@ class BenchmarkStandard:
             target, bench, oracle: same shape; ``oracle`` ``None`` judges against the bench itself.
             scale: optional per-element error scale, same shape (``None``: relative to ``|oracle|`` alone).
         """
-        t, b = to_f64(target), to_f64(bench)
-        ref = to_f64(oracle) if oracle is not None else b
-        sc = to_f64(scale) if scale is not None else None
+        import torch
+
+        def tensor(x):  # NumPy values and scalars become float64 tensors; tensors are converted slice by slice
+            return x.detach() if isinstance(x, torch.Tensor) else f64(x)
+        t = tensor(target)
+        b, sc = tensor(bench), tensor(scale) if scale is not None else None
+        ref = tensor(oracle) if oracle is not None else b
         if sc is not None and sc.shape != t.shape:
             sc = None
-        r = _Reference(ref, self.small, sc)
-        mt = _metrics(t, r, self.atol)
-        mb = _metrics(b, r, self.atol) if oracle is not None else {k: 0.0 for k in mt}
+        parts = []
+        # judged where the target lies, in float64 slices of whole rows; every metric comes back in one transfer
+        for ts, bs, rs, ss in _row_slices(t, b, ref, sc, device=t.device):
+            ts, bs, rs = f64(ts), f64(bs, ts.device), f64(rs, ts.device)
+            ref_s = _Reference(rs, self.small, None if ss is None else f64(ss, ts.device))
+            mine, theirs = _partial(ts, ref_s, self.atol), _partial(bs, ref_s, self.atol)
+            # inf/nan: the target must have them exactly where the same-dtype bench has them
+            odd = (torch.isfinite(ts) != torch.isfinite(bs)) | (torch.isnan(ts) != torch.isnan(bs)) | \
+                (torch.isinf(ts) & (ts != bs))
+            parts.append(torch.stack([v.to(torch.float64) for v in (*mine[:-1], *theirs[:-1], odd.sum(), mine[-1],
+                                                                     theirs[-1])]))
+        k = len(_SUMS)
+        sums, (top_t, top_b) = totals(parts, 2 * k + 1, 2 * k + 3)  # one transfer from the device
+        n = t.numel()
+        mt = _metrics(n, dict(zip(_SUMS, sums[:k])), top_t)
+        mb = _metrics(n, dict(zip(_SUMS, sums[k:2 * k])), top_b) if oracle is not None else {m: 0.0 for m in mt}
+        inf_nan = sums[-1] > 0
         ratios, failed = {}, []
         # the bench is credited with at least one rounding (min_err, msprobe's floor) of the data's own size: the
         # relative metrics in units of 1, the RMSE (an absolute metric) in units of the RMS magnitude of the judged
@@ -139,9 +191,7 @@ class BenchmarkStandard:
             ratios[k] = r
             if not r <= self.ratios[k]:  # NaN fails
                 failed.append(k)
-        # inf/nan: the target must have them exactly where the same-dtype bench has them
-        if (np.isfinite(t) != np.isfinite(b)).any() or (np.isnan(t) != np.isnan(b)).any() or \
-                (np.isinf(t) & (t != b)).any():
+        if inf_nan:
             failed.append("inf_nan")
         metrics = {f"target_{k}": mt[k] for k in METRICS} | {f"bench_{k}": mb[k] for k in METRICS} | \
                   {f"{k}_ratio": ratios[k] for k in METRICS}

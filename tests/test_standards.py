@@ -474,13 +474,13 @@ def test_benchmark_error_scale_and_row_floor():
     scaled = std(t, oracle, oracle, scale=scale)  # judged against the size of its terms
     assert scaled.metrics["target_mean_rel_err"] == pytest.approx(U8 / 4, rel=1e-6)
     assert std(t, oracle, oracle, scale=torch.ones(3)).metrics == plain.metrics  # a wrong shape is ignored
-    row = np.array([[1e-6, 1.0, 1.0, 1.0]])
+    row = _t(1e-6, 1.0, 1.0, 1.0)[None]
     assert ROW_FLOOR == 0.5
-    assert _row_floor(row)[0, 0] == pytest.approx(0.5 * math.sqrt((1e-12 + 3) / 4))
-    assert _row_floor(row)[0, 1] == 1.0 and _row_floor(np.array([3.0])).tolist() == [3.0]
-    two = _row_floor(np.array([[0.0, 2.0], [0.0, 4.0]]))  # rows of two are floored, each by its own RMS
+    assert float(_row_floor(row)[0, 0]) == pytest.approx(0.5 * math.sqrt((1e-12 + 3) / 4))
+    assert float(_row_floor(row)[0, 1]) == 1.0 and _row_floor(_t(3.0)).tolist() == [3.0]
+    two = _row_floor(_t(0.0, 2.0, 0.0, 4.0).reshape(2, 2))  # rows of two are floored, each by its own RMS
     assert two.tolist() == [[0.5 * math.sqrt(2), 2.0], [0.5 * math.sqrt(8), 4.0]]
-    assert _row_floor(np.float64(2.0)) == 2.0
+    assert float(_row_floor(torch.tensor(2.0, dtype=torch.float64))) == 2.0
     # the row floor serves the max relative error only; the mean keeps each element's own scale
     t2 = oracle + torch.tensor([1e-3 * U8, 0, 0, 0], dtype=torch.float64)
     small_scale = torch.tensor([1e-3, 1.0, 1.0, 2.0], dtype=torch.float64)
@@ -1232,9 +1232,10 @@ def test_binary_standard_compares_in_the_outputs_own_dtype():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU machine")
 def test_elementwise_standards_judge_on_the_device_as_on_the_cpu():
-    """On a CUDA device the ULP, absolute-threshold and binary standards judge where the tensors lie (no copy to
-    the host): every status, message and metric is the CPU's (means to the last bits of a sum's order)."""
-    from msprobe_ci.checkers import AbsoluteThresholdStandard, BinaryStandard, UlpStandard
+    """On a CUDA device the ULP, absolute-threshold, binary and benchmark standards judge where the tensors lie
+    (no copy to the host): every status, message and metric is the CPU's (means to the last bits of a sum's
+    order)."""
+    from msprobe_ci.checkers import AbsoluteThresholdStandard, BenchmarkStandard, BinaryStandard, UlpStandard
 
     g = torch.Generator().manual_seed(9)
     oracle = torch.randn(300, 1001, generator=g, dtype=torch.float64)
@@ -1247,7 +1248,9 @@ def test_elementwise_standards_judge_on_the_device_as_on_the_cpu():
     for std, args in ((UlpStandard("bf16"), (target, None, oracle)), (UlpStandard("bf16"), (target, None, oracle,
                                                                                             floor)),
                       (AbsoluteThresholdStandard("bf16"), (target, None, oracle)),
-                      (BinaryStandard(), (target, target.clone())), (BinaryStandard(), (target, oracle))):
+                      (BinaryStandard(), (target, target.clone())), (BinaryStandard(), (target, oracle)),
+                      (BenchmarkStandard("bf16"), (target, oracle.to(torch.bfloat16), oracle)),
+                      (BenchmarkStandard("bf16"), (target, oracle.to(torch.bfloat16), oracle, floor + 1e-3))):
         cpu = std(*args)
         # every tensor on the device; then the target alone there (an oracle that fell back to the CPU)
         for dev in (std(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)),
@@ -1255,6 +1258,50 @@ def test_elementwise_standards_judge_on_the_device_as_on_the_cpu():
             assert (dev.status, dev.message) == (cpu.status, cpu.message)
             assert dev.metrics == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.metrics.items()}
             assert dev.passing == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.passing.items()}
+
+
+def test_benchmark_standard_judges_in_row_slices_what_it_judges_whole(monkeypatch):
+    """The benchmark standard reads its tensors in float64 slices of whole rows (the row floor sees each row
+    whole): every status, message, ratio and metric is the whole tensor's (sums to the last bits of their order),
+    with an error scale, small values, NaN/inf where the bench has them and where it has not, a 1-D and a 3-D
+    output, rows wider than a slice; on another device (meta) the slices are of ``DEVICE_SLICE``."""
+    import msprobe_ci.checkers.common as common
+    from msprobe_ci.checkers import BenchmarkStandard
+    from msprobe_ci.checkers.benchmark import _row_slices
+
+    g = torch.Generator().manual_seed(4)
+    oracle = torch.randn(37, 3, 61, generator=g, dtype=torch.float64)
+    oracle.view(-1)[::13] *= 1e-7
+    bench = oracle.to(torch.bfloat16)
+    target = (oracle * (1 + 0.02 * (torch.rand(oracle.shape, generator=g, dtype=torch.float64) < 0.1))).to(
+        torch.bfloat16)
+    scale = torch.rand(oracle.shape, generator=g, dtype=torch.float64) + 1e-3
+    target.view(-1)[40], bench.view(-1)[40] = float("nan"), float("nan")  # where the bench has it too
+    odd = target.clone()
+    odd.view(-1)[5000] = float("inf")  # where it has not
+    cases = [(target, bench, oracle, None), (target, bench, oracle, scale), (odd, bench, oracle, scale),
+             (target.reshape(-1), bench.reshape(-1), oracle.reshape(-1), scale.reshape(-1)),
+             (target, bench, None, None)]
+    for args in cases:
+        monkeypatch.setattr(common, "SLICE", 1 << 30)
+        whole = BenchmarkStandard("bf16", api="x")(*args[:3], scale=args[3])
+        monkeypatch.setattr(common, "SLICE", 200)  # three rows of 61 a slice; the 1-D one: a row wider than it
+        sliced = BenchmarkStandard("bf16", api="x")(*args[:3], scale=args[3])
+        assert (sliced.status, sliced.message) == (whole.status, whole.message)
+        assert sliced.metrics == {k: pytest.approx(v, rel=1e-13, abs=1e-300) for k, v in whole.metrics.items()}
+        assert sliced.passing == {k: pytest.approx(v, rel=1e-13, abs=1e-300) for k, v in whole.passing.items()}
+    assert whole.status == "error"  # the last case: against the bench itself, the 2% elements
+    assert "inf/nan" in BenchmarkStandard("bf16")(odd, bench, oracle).message
+    assert BenchmarkStandard("bf16")((oracle * 1.02).to(torch.bfloat16), bench, oracle).status == "error"
+    monkeypatch.setattr(common, "SLICE", 200)
+    monkeypatch.setattr(common, "DEVICE_SLICE", 600)
+    x = torch.ones(37, 3, 61)
+    assert [s[0].shape for s in _row_slices(x, None, device=x.device)][:2] == [(3, 61), (3, 61)]
+    on_meta = torch.ones(37, 3, 61, device="meta")
+    shapes = [s[0].shape for s in _row_slices(on_meta, on_meta, device=on_meta.device)]
+    assert shapes[0] == (9, 61) and sum(sh[0] for sh in shapes) == 111
+    assert [s[0].shape for s in _row_slices(torch.ones(500), device=x.device)] == [(1, 500)]
+    assert [s[0].shape for s in _row_slices(torch.tensor(2.0), device=x.device)] == [(1, 1)]
 
 
 def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
