@@ -171,13 +171,12 @@ class BenchmarkStandard:
             # inf/nan: the target must have them exactly where the same-dtype bench has them
             odd = (torch.isfinite(ts) != torch.isfinite(bs)) | (torch.isnan(ts) != torch.isnan(bs)) | \
                 (torch.isinf(ts) & (ts != bs))
-            parts.append(torch.stack([v.to(torch.float64) for v in (*mine[:-1], *theirs[:-1], odd.sum(), mine[-1],
-                                                                     theirs[-1])]))
+            parts.append(torch.stack([*mine[:-1], *theirs[:-1], odd.sum(), mine[-1], theirs[-1]]))  # as float64
         k = len(_SUMS)
         sums, (top_t, top_b) = totals(parts, 2 * k + 1, 2 * k + 3)  # one transfer from the device
         n = t.numel()
         mt = _metrics(n, dict(zip(_SUMS, sums[:k])), top_t)
-        mb = _metrics(n, dict(zip(_SUMS, sums[k:2 * k])), top_b) if oracle is not None else {m: 0.0 for m in mt}
+        mb = _metrics(n, dict(zip(_SUMS, sums[k:])), top_b)  # without an oracle: the bench against itself, 0
         inf_nan = sums[-1] > 0
         ratios, failed = {}, []
         # the bench is credited with at least one rounding (min_err, msprobe's floor) of the data's own size: the

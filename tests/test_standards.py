@@ -481,6 +481,8 @@ def test_benchmark_error_scale_and_row_floor():
     two = _row_floor(_t(0.0, 2.0, 0.0, 4.0).reshape(2, 2))  # rows of two are floored, each by its own RMS
     assert two.tolist() == [[0.5 * math.sqrt(2), 2.0], [0.5 * math.sqrt(8), 4.0]]
     assert float(_row_floor(torch.tensor(2.0, dtype=torch.float64))) == 2.0
+    cube = _t(0.0, 2.0, 0.0, 4.0, 3.0, 3.0, 6.0, 6.0).reshape(2, 2, 2)  # the last dimension's rows
+    assert _row_floor(cube)[:, :, 0].tolist() == [[0.5 * math.sqrt(2), 0.5 * math.sqrt(8)], [3.0, 6.0]]
     # the row floor serves the max relative error only; the mean keeps each element's own scale
     t2 = oracle + torch.tensor([1e-3 * U8, 0, 0, 0], dtype=torch.float64)
     small_scale = torch.tensor([1e-3, 1.0, 1.0, 2.0], dtype=torch.float64)
@@ -1301,7 +1303,33 @@ def test_benchmark_standard_judges_in_row_slices_what_it_judges_whole(monkeypatc
     shapes = [s[0].shape for s in _row_slices(on_meta, on_meta, device=on_meta.device)]
     assert shapes[0] == (9, 61) and sum(sh[0] for sh in shapes) == 111
     assert [s[0].shape for s in _row_slices(torch.ones(500), device=x.device)] == [(1, 500)]
+    assert [s[0].shape for s in _row_slices(torch.ones(3, 500), device=x.device)] == [(1, 500)] * 3  # wide rows
+    assert [s[0].shape for s in _row_slices(torch.ones(300, 1), device=x.device)] == [(200, 1), (100, 1)]
     assert [s[0].shape for s in _row_slices(torch.tensor(2.0), device=x.device)] == [(1, 1)]
+
+
+def test_benchmark_row_floor_is_each_rows_own_and_inputs_of_any_kind():
+    """The max relative error's floor is each row's own RMS scale (a row of small terms is not floored by a row
+    of large ones; a 3-D output's rows are its last dimension's); NumPy inputs are judged as tensors; an empty
+    output passes with zero metrics."""
+    from msprobe_ci.checkers import BenchmarkStandard
+
+    std = BenchmarkStandard("bf16")
+    oracle = torch.full((2, 3, 8), 1e-3, dtype=torch.float64)  # cancelled sums
+    scale = torch.ones(2, 3, 8, dtype=torch.float64)
+    scale[1, 2] = 1e-2  # one row of small terms...
+    scale[1, 2, 0] = 1e-4  # ...one of them estimated far under its row
+    t = oracle.clone()
+    t[1, 2, 0] += 1e-6  # an error of the size of its row's terms
+    res = std(t, oracle, oracle, scale=scale)
+    row_rms = math.sqrt((7 * 1e-4 + 1e-8) / 8)
+    assert res.metrics["target_max_rel_err"] == pytest.approx(1e-6 / (0.5 * row_rms), rel=1e-9)
+    flat = std(t.reshape(6, 8), oracle.reshape(6, 8), oracle.reshape(6, 8), scale=scale.reshape(6, 8))
+    assert flat.metrics == res.metrics  # the same rows
+    as_numpy = std(t.numpy(), oracle.numpy(), oracle.numpy(), scale=scale.numpy())
+    assert (as_numpy.status, as_numpy.metrics) == (res.status, res.metrics)
+    empty = std(torch.empty(0, 4), torch.empty(0, 4), torch.empty(0, 4))
+    assert empty.status == "pass" and {empty.metrics[f"target_{k}"] for k in ("max_rel_err", "rmse")} == {0.0}
 
 
 def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
