@@ -112,23 +112,22 @@ EQUIVALENT: dict[str, str] = {
         "count_nonzero of an empty array is 0 with or without the size test",
     "msprobe_ci.checkers.accumulative.xǁAccumulativeStandardǁ__call____mutmut_51":
         "the name given to judge_absolute: the result is rebuilt under this standard's own name",
-    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_15":
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_14":
         "without a scale, den is |ref|: the same finite and small masks as ref's",
-    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_29":
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_27":
         "+ eps on a denominator of at least the row floor: moves a relative error by 2^-52 of itself",
-    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_26": _SENTINEL,
-    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_39": _SENTINEL,
-    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_28":
+    "msprobe_ci.checkers.benchmark.x__partial__mutmut_23": _SENTINEL,
+    "msprobe_ci.checkers.benchmark.x__partial__mutmut_36": _SENTINEL,
+    "msprobe_ci.checkers.benchmark.x__partial__mutmut_25":
         "recomputing re_max where it is re: the same array",
-    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_71":
+    "msprobe_ci.checkers.benchmark.x__partial__mutmut_71":
         "zeros left out of the max: the max of non-negative values is the same, 0 when none remain",
-    "msprobe_ci.checkers.benchmark.x__metrics__mutmut_81":
-        "scale_rms 1 instead of 0 with no normal element: the RMSE floor is min_err x 1 = min_err either way",
-    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_11":
-        "to_f64(None) is a 0-d NaN, dropped by the shape test for every non-scalar output (0-d ones are judged "
-        "without a scale by the same test)",
-    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_34":
-        "without an oracle the bench is the reference: its metrics against itself are all 0",
+    "msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_1":
+        "a tensor converted to float64 whole before it is sliced: the same values (the slices bound memory only)",
+    **{f"msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_{i}":
+       "where the bench, reference and scale are judged: observable with a second real device only (a CPU one is "
+       "where the CPU target is); test_elementwise_standards_judge_on_the_device_as_on_the_cpu holds it on CUDA"
+       for i in (35, 37, 39, 41, 53, 55)},
     "msprobe_ci.checkers.common.x_to_f64__mutmut_4": "numpy's astype(None) is float64",
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_2": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_6": _UNREACHED_EMPTY,
