@@ -80,7 +80,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu") -> None:
+def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu", kernel: str = "") -> None:
     """One way, in this process; prints a JSON line of its phases' peak memory (check modes). On a CUDA device
     one plain fp32 and one plain bf16 step run first in every way (the context, cuBLAS and the kernels loaded
     before the clock starts), and the line holds the device's peak allocated memory (``gpu_mb``)."""
@@ -130,7 +130,7 @@ def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu"
         # as msprobe.check builds it: the bench kernel and the oracle's device by default (on CUDA: the target's
         # own device, float64)
         iso = Isolator(backward=True, target_device=target.torch_device, bench_device=bench.torch_device,
-                       bench_kernel=default_bench_kernel(bench.torch_device, target.torch_device),
+                       bench_kernel=kernel or default_bench_kernel(bench.torch_device, target.torch_device),
                        **target.oracle_options("target")) if mode == "check" else None
         t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
             dump_path=os.path.join(tmp, "target")), isolator=iso, spill_outputs=True)
@@ -179,12 +179,15 @@ def main() -> None:
                     "oracle there in float64 (msprobe.check's default on CUDA)")
     ap.add_argument("--ways", default="plain-fp32,plain-bf16,check,check-noiso",
                     help="which ways to run, comma-separated (the ratios need both plain steps)")
+    ap.add_argument("--bench-kernel", default="", help="the isolation's same-dtype bench kernel (device, upcast, "
+                    "rounded, decomposed; default: msprobe.check's for the devices)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.config, args.tokens, args.threads, args.device)
+        child(args.child, args.config, args.tokens, args.threads, args.device, args.bench_kernel)
         return
     common = ["--config", args.config, "--tokens", str(args.tokens), "--threads", str(args.threads),
+              "--bench-kernel", args.bench_kernel,
               "--device", args.device]
     where = args.device
     if args.device.startswith("cuda"):
