@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import dtype_thresholds, f64, f64_slices, share, totals
+from .common import dtype_thresholds, f64, f64_slices, finite_masks, share, totals
 from .result import CheckResult
 
 
@@ -46,13 +46,11 @@ def judge_absolute(name: str, pairs, rtol: float, small: float, atol: float,
     for t, ref, *_ in pairs:
         t = f64(t)
         ref = f64(ref, t.device)
-        finite = torch.isfinite(t) & torch.isfinite(ref)
-        small_m = finite & (ref.abs() <= small)
-        normal = finite & ~small_m
+        finite, bad, small_m, normal = finite_masks(t, ref, small)
         ae = (t - ref).abs()  # inf - inf where both sides overflow: NaN, judged by position below
         re = torch.where(normal, ae / (ref.abs() + eps), 0.0)
         consistent = (torch.isnan(t) & torch.isnan(ref)) | (t == ref)
-        counts = [~finite, ~consistent & ~finite, normal, (re > rtol) & normal, small_m, (ae > atol) & small_m]
+        counts = [bad, ~consistent & bad, normal, (re > rtol) & normal, small_m, (ae > atol) & small_m]
         # maxima over the masks: the masked-out elements count as 0 (every error is >= 0, and finite there)
         parts.append(torch.stack([c.sum() for c in counts] +  # int64 counts, stacked as float64
                                  [re.amax() if re.numel() else re.new_zeros(()),

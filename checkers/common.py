@@ -124,10 +124,13 @@ def totals(parts: list, n_sums: int, width: int) -> tuple[list, list]:
     return row[:n_sums], row[n_sums:]
 
 
-def finite_masks(target: np.ndarray, bench: np.ndarray, small_value: float) -> tuple[np.ndarray, ...]:
-    """``(finite, inf_nan, small, normal)`` masks: small = finite and ``|bench| <= small_value``."""
-    finite = np.isfinite(target) & np.isfinite(bench)
-    small = finite & (np.abs(bench) <= small_value)
+def finite_masks(target, bench, small_value: float) -> tuple:
+    """``(finite, inf_nan, small, normal)`` boolean masks of two float tensors: small = finite and
+    ``|bench| <= small_value``; normal = finite and not small."""
+    import torch
+
+    finite = torch.isfinite(target) & torch.isfinite(bench)
+    small = finite & (bench.abs() <= small_value)
     return finite, ~finite, small, finite & ~small
 
 

@@ -55,10 +55,10 @@ def test_common_pieces():
     assert to_f64([1, 2]).dtype == np.float64 and to_f64(3).shape == ()
     g = torch.ones(2, requires_grad=True) * 2
     assert to_f64(g).tolist() == [2.0, 2.0]
-    finite, bad, small, normal = finite_masks(np.array([1.0, INF, 1e-9, 5.0]), np.array([1.0, 1.0, 1e-9, NAN]), 1e-6)
+    finite, bad, small, normal = finite_masks(_t(1.0, INF, 1e-9, 5.0), _t(1.0, 1.0, 1e-9, NAN), 1e-6)
     assert finite.tolist() == [True, False, True, False] and bad.tolist() == [False, True, False, True]
     assert small.tolist() == [False, False, True, False] and normal.tolist() == [True, False, False, False]
-    edge = finite_masks(np.array([1e-6]), np.array([-1e-6]), 1e-6)[2]
+    edge = finite_masks(_t(1e-6), _t(-1e-6), 1e-6)[2]
     assert edge.tolist() == [True]  # |bench| <= small_value is small
     assert share(1, 2) == 0.5  # one of two masked elements
     assert share(0, 0) == 0.0  # an empty mask
