@@ -1260,6 +1260,8 @@ def test_elementwise_standards_judge_on_the_device_as_on_the_cpu():
             assert (dev.status, dev.message) == (cpu.status, cpu.message)
             assert dev.metrics == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.metrics.items()}
             assert dev.passing == {k: pytest.approx(v, rel=1e-12) for k, v in cpu.passing.items()}
+    # the standards that judge in NumPy read a device tensor on the host
+    assert to_f64(target.cuda()).tolist() == to_f64(target).tolist()
 
 
 def test_benchmark_standard_judges_in_row_slices_what_it_judges_whole(monkeypatch):

@@ -128,11 +128,13 @@ EQUIVALENT: dict[str, str] = {
        "where the bench, reference and scale are judged: observable with a second real device only (a CPU one is "
        "where the CPU target is); test_elementwise_standards_judge_on_the_device_as_on_the_cpu holds it on CUDA"
        for i in (35, 37, 39, 41, 53, 55)},
-    "msprobe_ci.checkers.common.x_to_f64__mutmut_4": "numpy's astype(None) is float64",
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_2": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_6": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.ulp.xǁUlpStandardǁ__call____mutmut_29":
         "the exponent at non-finite positions (0 or 1): those positions are dropped from the ULP errors",
+    **{f"msprobe_ci.checkers.common.x_to_f64__mutmut_{i}": "to_f64 of a tensor already on the CPU: on the CPU "
+       "either way; observable with a second real device only, held on CUDA by "
+       "test_elementwise_standards_judge_on_the_device_as_on_the_cpu" for i in (2, 4)},
     **{m: "where the reference is judged: observable with a second real device only (a CPU one is where the CPU "
           "target is); test_elementwise_standards_judge_on_the_device_as_on_the_cpu holds it on CUDA"
        for m in ("msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_9",

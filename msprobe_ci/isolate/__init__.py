@@ -29,10 +29,12 @@ calls whose oracle fails on CPU.
 non-tensor arguments (scalars, shapes). Isolation alone cannot see a wrong weight, because the API is right for
 the inputs it was given.
 
-Cost: one oracle forward per API on CPU and one bench forward, without graphs; for a call with a gradient both run
+Cost: one oracle forward per API (on the CPU, or on the target's device: ``oracle_device``) and one bench
+forward, without graphs; for a call with a gradient both run
 again on its inputs when the gradient arrives, with graphs, one at a time (the oracle's freed by its
-vector-Jacobian product before the bench's is built); the checkers' NumPy passes (in 64k-element slices for the
-elementwise standards), and for a call that differs from its bench the budget's perturbed fp64 runs
+vector-Jacobian product before the bench's is built); the standards' passes, in torch where the oracle ran when
+it computes in float64 there (:attr:`Isolator.judge_device`), in slices; and for a call that differs from its
+bench the budget's perturbed fp64 runs on the CPU
 (:data:`msprobe_ci.kernels.DRAWS` + 1). Memory: each call with a gradient keeps its inputs (not its outputs)
 until its gradient arrives.
 """
