@@ -41,10 +41,21 @@ if TYPE_CHECKING:
     from .module_hooks import _ModuleCall
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_HARNESS_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (__import__("_pytest"), __import__("pluggy"), __import__("pytest")))
-_HARNESS_DIRS += (os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                               "pytest_plugin") + os.sep,)
+#: the test harness's packages: a call stack's walk stops at their first frame (see ``CaptureSession._stack``)
+_HARNESS_MODULES = ("_pytest", "pluggy", "pytest", "msprobe_ci.pytest_plugin")
+
+
+def _harness_dirs() -> tuple[str, ...]:
+    """The folders of the harness packages that are loaded, found in ``sys.modules`` and never imported here: a
+    ``PrecisionDebugger`` user's process loads no test framework (and has no harness frames to stop at)."""
+    dirs = []
+    for name in _HARNESS_MODULES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+    return tuple(dirs)
+
+
 _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
 
 
@@ -78,6 +89,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         bound_heap()  # statistics' transient copies must not pin freed heap (see msprobe_ci._perf.bound_heap)
         self.isolator = isolator
         self.free_bench = free_bench
+        self._harness = _harness_dirs()  # where a call stack's walk stops (the test harness, when one runs)
         # API -> how it ran where float64 had no kernel: "float32", or "reference" (its float64 decomposition)
         self.precision_fallbacks: dict[str, str] = {}
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
@@ -340,10 +352,11 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         left out and the walk stops at the test harness (pytest, pluggy, our plugin), whose frames say nothing
         about the model and cost megabytes per check."""
         f = sys._getframe(2)
+        harness = self._harness
         frames = []
         while f is not None:
             fn = f.f_code.co_filename
-            if fn.startswith(_HARNESS_DIRS):
+            if fn.startswith(harness):
                 break
             if not fn.startswith(_PKG_DIR):
                 frames.append((fn, f.f_lineno, f.f_code.co_name))
