@@ -162,21 +162,60 @@ class Backend:
         dtype: floating dtype the model and floating inputs are cast to; ``None`` keeps the model's own.
         compile: run the model through ``torch.compile``, regionally (:func:`compile_regions`), with
             :func:`compile_backend`; API capture cannot see inside compiled regions, so capture is module level.
+        autocast: automatic mixed precision: the side's forward and loss run under ``torch.autocast(<device
+            type>, dtype=autocast)`` on the model's own weights (fp32 unless ``dtype`` says otherwise); ``None``
+            (default) runs without it. Every call made under it is judged on its inputs as its kernel saw them
+            (:mod:`msprobe_ci.amp`).
     """
 
     device: str = "cpu"
     dtype: Any = None
     compile: bool = False
+    autocast: Any = None
 
     @classmethod
-    def from_options(cls, device: str, dtype: str | None = None, compile: bool = False) -> "Backend":
-        return cls(parse_device(device), parse_dtype(dtype), bool(compile))
+    def from_options(cls, device: str, dtype: str | None = None, compile: bool = False,
+                     autocast: str | None = None) -> "Backend":
+        """A backend from option strings: a device (``cpu``, ``gpu``, ``cuda:1``, ``npu``), a dtype and an autocast
+        dtype (``fp16``/``bf16``, or ``fp32``/``fp64`` and ``None`` for none).
+
+        Raises:
+            MsprobeError: an unknown device or dtype, or an autocast dtype autocast does not compute in (fp64).
+        """
+        ac = parse_dtype(autocast)
+        if ac is not None and ac.itemsize > 4:
+            raise MsprobeError(f"option 'autocast': expected fp16 or bf16 (the dtype autocast computes in), "
+                               f"got {autocast!r}")
+        import torch
+
+        return cls(parse_device(device), parse_dtype(dtype), bool(compile), None if ac == torch.float32 else ac)
 
     @property
     def label(self) -> str:
         from .dtypes import short_name
 
-        return f"{self.device}/{short_name(self.dtype)}" + ("+compile" if self.compile else "")
+        return (f"{self.device}/{short_name(self.dtype)}" + ("+compile" if self.compile else "") +
+                (f"+autocast({short_name(self.autocast)})" if self.autocast is not None else ""))
+
+    def autocast_context(self):
+        """The context the side's forward and loss run in: ``torch.autocast`` of this device type in
+        :attr:`autocast`, or a null context without it."""
+        import contextlib
+
+        import torch
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.torch_device.split(":")[0], dtype=self.autocast)
+
+    def grad_scaler(self):
+        """A ``torch.amp.GradScaler`` for this side's training steps when it trains under fp16 autocast (fp16
+        gradients underflow without a loss scale; bf16 has fp32's range and needs none), else ``None``."""
+        import torch
+
+        if self.autocast != torch.float16:
+            return None
+        return torch.amp.GradScaler(self.torch_device.split(":")[0])
 
     @property
     def kind(self) -> str:

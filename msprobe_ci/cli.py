@@ -300,13 +300,18 @@ def _compare_pair(job: tuple) -> tuple:
     """One (step, rank) pair of ``compare``: its CSV written, ``(summary line, RankSummary)`` returned (a task of
     :func:`msprobe_ci.workers.run`)."""
     from .check import judge
+    from .check.outcome import sources_rule
     from .compare.ranks import summarize
 
     t, g, rank, key, out, fuzzy, mappings = job
+    # a later step of a multi-step dump: its weights and optimizer state trained apart by rounding (context)
+    factor, rule = sources_rule(key[0])
     # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
-    report, target, _ = judge(g, t, fuzzy=fuzzy, mappings=mappings)
+    report, target, _ = judge(g, t, fuzzy=fuzzy, mappings=mappings, source_factor=factor)
     path = report.write_csv(out, prefix=f"compare_result_{rank}" if rank else "compare_result")
     line = _summary_line(path, len(report.nodes), report.counts(), report.first_divergence, report.isolated)
+    if report.isolated:
+        line += f" [{rule}]"
     return line, summarize(*key, report, target)
 
 

@@ -29,7 +29,7 @@ class RankJob:
     inputs: tuple
     loss_fn: Callable | None
     out: str
-    sides: tuple  # ((side, device, dtype option), ...)
+    sides: tuple  # ((side, device, dtype option, autocast option), ...)
     level: str
     task: str
     seed: int
@@ -61,8 +61,8 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
     dist.init_process_group(job.backend, rank=rank, world_size=world)
     try:
-        for side, device, dtype in job.sides:
-            backend = Backend.from_options(device, dtype)
+        for side, device, dtype, autocast in job.sides:
+            backend = Backend.from_options(device, dtype, autocast=autocast)
             isolator = None
             if side == "target" and job.isolate:
                 from .isolate import Isolator

@@ -64,6 +64,7 @@ class MsprobeFixture:
         s.validate_files()
         self.context.dump_config, self.context.faults = s.dump_config, s.faults
         run = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
+               "bench_autocast": s.bench_autocast, "target_autocast": s.target_autocast,
                "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
                "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device, "output_rtol": s.output_rtol,
@@ -201,7 +202,7 @@ class MsprobeFixture:
                          bench_world_size=bench_world_size, loss_fn=loss_fn, timeout=timeout, tp=tp, pp=pp)
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
-                       *, grad_cosine: float = 0.99, **options: Any):
+                       *, grad_cosine: float = 0.99, scaler_skips: int = 3, **options: Any):
         """Train the model for one step per batch on the bench and the target, and fail at the first step whose
         computation diverges.
 
@@ -219,6 +220,8 @@ class MsprobeFixture:
             optimizer: ``optimizer(parameters) -> torch.optim.Optimizer`` (e.g. ``lambda p: torch.optim.AdamW(p,
                 lr=1e-3)``).
             grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
+            scaler_skips: with ``target_autocast="fp16"`` (a ``GradScaler`` on the target): fail when its scaler
+                skips this many optimizer steps in a row (default 3); fewer are reported as skipped, not failed.
             options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...), and
                 ``monitor`` (default ``--msprobe-monitor``): run :class:`msprobe_ci.TrainerMon` on both sides and
                 fail on a target anomaly (NaN/Inf, a 10x jump over the running median) the bench does not share.
@@ -231,7 +234,7 @@ class MsprobeFixture:
         from ..check import check_training
 
         return self._run("check_training", options, check_training, model, batches, loss_fn, optimizer,
-                         grad_cosine=grad_cosine)
+                         grad_cosine=grad_cosine, scaler_skips=scaler_skips)
 
     def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, token_range: Any = None,
                        **options: Any):

@@ -17,6 +17,7 @@ from .session import RESULT_PROPERTY, ProbeSession, session_key
 # flag spellings, reused by the tests
 BENCH, TARGET = "--msprobe-bench", "--msprobe-target"
 BENCH_DTYPE, TARGET_DTYPE = "--msprobe-bench-dtype", "--msprobe-target-dtype"
+BENCH_AUTOCAST, TARGET_AUTOCAST = "--msprobe-bench-autocast", "--msprobe-target-autocast"
 LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
@@ -65,6 +66,8 @@ OPTIONS = [
     (TARGET, "msprobe_target", _device, "cpu", "DEVICE", "device of the target side under test."),
     (BENCH_DTYPE, "msprobe_bench_dtype", _choice(_DTYPES), None, "DTYPE", "cast the bench model and floating inputs to fp64/fp32/fp16/bf16 (default: the model's own)."),
     (TARGET_DTYPE, "msprobe_target_dtype", _choice(_DTYPES), None, "DTYPE", "cast the target model and floating inputs (default: the model's own)."),
+    (BENCH_AUTOCAST, "msprobe_bench_autocast", _choice(("fp16", "bf16")), None, "DTYPE", "automatic mixed precision on the bench: its forward and loss run under torch.autocast in fp16 or bf16 on the model's own weights (fp16 training with a GradScaler); default none."),
+    (TARGET_AUTOCAST, "msprobe_target_autocast", _choice(("fp16", "bf16")), None, "DTYPE", "automatic mixed precision on the target (as --msprobe-bench-autocast): the question an AMP user asks first, an AMP target against an fp32 bench. Each call made under autocast is judged on its inputs as its kernel saw them."),
     (LEVEL, "msprobe_level", _choice(("L0", "L1", "mix")), "mix", "LEVEL", "capture level: L0 modules, L1 torch APIs, mix both."),
     (TASK, "msprobe_task", _choice(("statistics", "tensor", "md5")), "statistics", "TASK", "statistics, tensor (also saves .pt files, real-data metrics) or md5."),
     (CONFIG, "msprobe_config", str, None, "PATH", "an msprobe config.json (task, level, scope, list, data_mode, summary_mode)."),

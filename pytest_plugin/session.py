@@ -67,6 +67,12 @@ class ProbeSession:
         for name, value in (("msprobe_bench_dtype", self.bench_dtype), ("msprobe_target_dtype", self.target_dtype)):
             if value is not None and value not in OPTION_NAMES:
                 raise pytest.UsageError(f"msprobe: ini {name}: expected fp64, fp32, fp16 or bf16, got {value!r}")
+        self.bench_autocast = _opt(config, "msprobe_bench_autocast")
+        self.target_autocast = _opt(config, "msprobe_target_autocast")
+        for name, value in (("msprobe_bench_autocast", self.bench_autocast),
+                            ("msprobe_target_autocast", self.target_autocast)):
+            if value not in (None, "fp16", "bf16"):
+                raise pytest.UsageError(f"msprobe: ini {name}: expected fp16 or bf16, got {value!r}")
         self.level = _opt(config, "msprobe_level") or "mix"
         if self.level not in ("L0", "L1", "mix"):
             raise pytest.UsageError(f"msprobe: ini msprobe_level: expected L0, L1 or mix, got {self.level!r}")

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import amp
 from . import naming
 from .coverage import quiet
 from .inject import Fault
@@ -130,6 +131,9 @@ class ApiCapture:
                     self._stack(fwd_name)
                 entry["output"] = (self._encode_output(out, f"{fwd_name}.output" if files else None)
                                    if self._fwd_out else [])
+                ac = amp.autocast_dtype(args, kwargs)
+                if ac is not None:  # the autocast dtype it ran under (msprobe_ci.amp; msprobe ignores the field)
+                    entry[amp.FIELD] = str(ac)
                 self.data[fwd_name] = entry
             finally:
                 self._busy = False

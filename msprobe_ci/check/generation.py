@@ -63,7 +63,8 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
                 captured = capture_steps is None or step in capture_steps
                 if captured:
                     capture.start(side_model)
-                out = side_model(input_ids=step_ids, past_key_values=past, use_cache=True, **generate_kwargs)
+                with backend.autocast_context():  # the side's AMP, as the user serves
+                    out = side_model(input_ids=step_ids, past_key_values=past, use_cache=True, **generate_kwargs)
                 if captured:
                     capture.stop()
                 logits, past = getattr(out, "logits", None), getattr(out, "past_key_values", None)

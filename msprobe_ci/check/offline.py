@@ -28,16 +28,19 @@ def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = Fal
     """
     from ..compare.crossframe import Mappings
     from ..dump.reader import rank_folders
-    from .outcome import SideRun, evaluate
+    from .outcome import SideRun, evaluate, sources_rule, step_of
 
     folders = [os.path.dirname(os.path.abspath(p)) if os.path.isfile(p) else rank_folders(p)[0]
                for p in (target, bench)]
     mappings = Mappings.load(data=data_mapping, layer=layer_mapping, cell=cell_mapping, api=api_mapping)
     index, check_dir = ctx.next_check()
     os.makedirs(check_dir, exist_ok=True)
+    # a later step of a multi-step dump: its weights and optimizer state trained apart by rounding (context)
+    factor, rule = sources_rule(step_of(folders[0]))
     row = {"test": ctx.nodeid, "index": index, "dir": check_dir, "bench": f"dump {folders[1]}",
-           "target": f"dump {folders[0]}", "level": "mix", "notes": []}
+           "target": f"dump {folders[0]}", "level": "mix", "notes": [rule]}
     outcome = evaluate(folders[1], SideRun(folders[0]), check_dir, level="mix", fuzzy=fuzzy, isolate=True,
-                       graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index), mappings=mappings)
+                       graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index), mappings=mappings,
+                       source_factor=factor)
     return conclude_check(row, outcome, check_dir, "mix", [], None, "--msprobe-target=cpu",
                           require_coverage=ctx.require_coverage)

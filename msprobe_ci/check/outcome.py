@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -392,3 +393,31 @@ def read_coverage(folder: str, notes: list | None = None) -> dict | None:
     return data
 
 
+
+
+def sources_rule(step: int | None) -> tuple[float, str]:
+    """How far a dump's sources (parameters, buffers, optimizer state, inputs not computed by a captured API) may
+    differ from the bench at training step ``step``: ``source_factor`` 4 (units of the coarser dtype's roundoff,
+    the cast's rounding) at step 0 or an unknown step, where both sides start from the same weights; infinite
+    (context, never judged) from step 1 on, where they have trained apart by rounding that the steps which made
+    them judged, as :func:`~msprobe_ci.check.conclude.judge_steps` does for ``check_training``.
+
+    Returns:
+        ``(source_factor, note)``: the note says which rule applied, for the summary.
+    """
+    if step is None or step == 0:
+        return 4.0, "sources (parameters, inputs) compared with the bench"
+    return math.inf, (f"step {step}: parameters and optimizer state are context (trained apart by rounding since "
+                      "step 0; the steps that made them are judged)")
+
+
+def step_of(folder: str) -> int | None:
+    """The training step of a dump folder (``.../step<N>/rank<R>`` or ``.../step<N>``), ``None`` when its path
+    names none."""
+    import re
+
+    for part in reversed(os.path.normpath(os.path.abspath(folder)).split(os.sep)[-3:]):
+        m = re.fullmatch(r"step(\d+)", part)
+        if m:
+            return int(m.group(1))
+    return None

@@ -52,7 +52,8 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     index, check_dir = ctx.next_check()
     os.makedirs(check_dir, exist_ok=True)
     job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
-                  sides=(("bench", s.bench_device, s.bench_dtype), ("target", s.target_device, s.target_dtype)),
+                  sides=(("bench", s.bench_device, s.bench_dtype, s.bench_autocast),
+                         ("target", s.target_device, s.target_dtype, s.target_autocast)),
                   level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), isolate=s.isolate,
                   standards=dict(s.api_standards), thresholds=dict(s.api_thresholds), port=free_port(),
                   backend=s.target.dist_backend, bench_kernel=s.bench_kernel, oracle_device=s.oracle_device)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 from ..errors import MsprobeError
 
 #: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
-CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "level", "task", "inject", "seed", "fuzzy",
+CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "bench_autocast", "target_autocast", "level", "task", "inject", "seed", "fuzzy",
                  "compile", "isolate", "bench_kernel", "oracle_device", "output_rtol", "round_factor", "propagation",
                  "error_factor", "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
 
@@ -50,6 +50,8 @@ class CheckSettings:
             the mode supports it).
         bench_device, target_device, bench_dtype, target_dtype: the options as given (sent to rank processes
             and baseline manifests; a dtype of ``None`` keeps the model's own).
+        bench_autocast, target_autocast: each side's AMP as given (``fp16``/``bf16``: its forward and loss under
+            ``torch.autocast`` on its own weights, :attr:`~msprobe_ci.backends.Backend.autocast`; ``None``: none).
         level: ``L0``, ``L1`` or ``mix``. task: ``statistics``, ``tensor`` or ``md5``.
         inject: the check's own fault file (``None``: the run's). faults: the faults applied to the target.
         seed: ``torch.manual_seed`` of each side (default 1234). fuzzy: msprobe's fuzzy name matching.
@@ -69,6 +71,8 @@ class CheckSettings:
     target_device: str
     bench_dtype: str | None
     target_dtype: str | None
+    bench_autocast: str | None
+    target_autocast: str | None
     level: str
     task: str
     inject: str | None
@@ -104,15 +108,18 @@ class CheckSettings:
         from ..compare import Thresholds
 
         o = options
-        bench = Backend.from_options(o["bench"], o["bench_dtype"])
-        target = Backend.from_options(o["target"], o["target_dtype"], bool(o.get("compile")) and compile_target)
+        bench = Backend.from_options(o["bench"], o["bench_dtype"], autocast=o.get("bench_autocast"))
+        target = Backend.from_options(o["target"], o["target_dtype"], bool(o.get("compile")) and compile_target,
+                                      autocast=o.get("target_autocast"))
         thresholds = Thresholds.from_mapping({k: o.get(k) for k in _RULE_FACTORS})
         faults = tuple(load_faults(o["inject"]) if o.get("inject") else run_faults)
         isolate = isolate_flag(o.get("isolate"))
         kernel = bench_kernel(o.get("bench_kernel"), bench, target)
         output_rtol = None if o.get("output_rtol") is None else positive(o["output_rtol"], "output_rtol")
         return cls(bench=bench, target=target, bench_device=o["bench"], target_device=o["target"],
-                   bench_dtype=o["bench_dtype"], target_dtype=o["target_dtype"], level=o["level"], task=o["task"],
+                   bench_dtype=o["bench_dtype"], target_dtype=o["target_dtype"],
+                   bench_autocast=o.get("bench_autocast"), target_autocast=o.get("target_autocast"),
+                   level=o["level"], task=o["task"],
                    inject=o.get("inject"), faults=faults, seed=int(o.get("seed", 1234)), fuzzy=bool(o.get("fuzzy")),
                    isolate=isolate, bench_kernel=kernel,
                    oracle_device=oracle_choice(o.get("oracle_device"), target), output_rtol=output_rtol,
@@ -125,7 +132,9 @@ class CheckSettings:
         """The unit roundoff of casting the bench's values to the target's dtype (0 where the bench is coarser)."""
         from ..compare.verdict import unit_roundoff
 
-        return unit_roundoff(str(self.target.dtype), str(self.bench.dtype))
+        def computed_in(side):  # under autocast a side computes (and rounds) in the autocast dtype
+            return side.autocast if getattr(side, "autocast", None) is not None else side.dtype
+        return unit_roundoff(str(computed_in(self.target)), str(computed_in(self.bench)))
 
     def isolator(self, backward: bool, target=None):
         """The target side's :class:`~msprobe_ci.isolate.Isolator` (``None`` with isolation off): standards and

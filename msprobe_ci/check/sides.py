@@ -53,12 +53,13 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     try:
         with deterministic():
             capture.start(side_model)
-            if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
-                out = side_model(**side_inputs[0])
-            else:
-                out = side_model(*side_inputs)
-            if loss_fn is not None:
-                loss = loss_fn(out)
+            with backend.autocast_context():  # the forward and the loss under the side's AMP, as users train
+                if len(side_inputs) == 1 and isinstance(side_inputs[0], dict):
+                    out = side_model(**side_inputs[0])
+                else:
+                    out = side_model(*side_inputs)
+                if loss_fn is not None:
+                    loss = loss_fn(out)
             # the final outputs are read before the backward pass and, when large, written out: the model's output
             # object is then not held through the backward (a plain step frees GPT-2's logits there)
             flat = capture.aside(_final_outputs, out, loss)

@@ -46,6 +46,9 @@ def run_check(ctx: CheckContext, s: CheckSettings, model: Any, inputs: tuple,
     index, check_dir = ctx.next_check()
     nodeid = ctx.nodeid
     replay = ctx.baseline is not None and not ctx.record
+    if ctx.baseline is not None and s.bench_autocast:
+        raise MsprobeError("bench_autocast with --msprobe-baseline: a baseline's manifest records the bench's "
+                           "device and dtype, not its autocast; record and gate an fp32 (or cast) bench instead")
     task, level = s.task, ("L0" if target.compile else s.level)
     # dropout: identical seeds give identical masks on one device type; across types the copies run in eval
     eval_mode = bool(getattr(model, "training", False)) and bench.kind != target.kind

@@ -25,6 +25,9 @@ class TrainingRun:
         unapplied: injected faults that never fired.
         monitor: the :class:`~msprobe_ci.monitor.MonitorReport` when the loop was monitored, else ``None``.
         notes: report lines about how the side ran (:func:`precision_notes`).
+        scales: with a ``GradScaler`` (fp16 autocast), the loss scale each step ran with.
+        skipped: with a ``GradScaler``, per step whether the scaler skipped the optimizer step (inf/NaN in the
+            scaled gradients: the scale then falls).
     """
 
     folders: list = field(default_factory=list)
@@ -33,6 +36,8 @@ class TrainingRun:
     unapplied: tuple = ()
     monitor: Any = None
     notes: tuple = ()
+    scales: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
 
 
 def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
@@ -60,6 +65,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     side_model = backend.prepare_model(model)
     side_model.train()
     opt = optimizer(side_model.parameters())
+    scaler = backend.grad_scaler()  # fp16 autocast trains with a loss scale, as torch.amp prescribes
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = TrainingRun()
     mon = None
@@ -73,20 +79,32 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
             for batch in batches:
                 inputs = backend.prepare_inputs((batch,))[0]
                 capture.start(side_model)
-                if isinstance(inputs, dict):
-                    out = side_model(**inputs)
-                elif isinstance(inputs, (list, tuple)):
-                    out = side_model(*inputs)
+                with backend.autocast_context():  # forward and loss under the side's AMP; backward outside it
+                    if isinstance(inputs, dict):
+                        out = side_model(**inputs)
+                    elif isinstance(inputs, (list, tuple)):
+                        out = side_model(*inputs)
+                    else:
+                        out = side_model(inputs)
+                    loss = loss_fn(out)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)  # the parameters' gradients are recorded and judged unscaled
                 else:
-                    out = side_model(inputs)
-                loss = loss_fn(out)
-                loss.backward()
+                    loss.backward()
                 if mon is not None:
                     mon.record_loss(loss)
                 run.losses.append(float(loss.detach().float().cpu()))
                 run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
                                   for n, p in side_model.named_parameters() if p.grad is not None})
-                opt.step()
+                if scaler is not None:
+                    scale = float(scaler.get_scale())
+                    scaler.step(opt)  # skipped where the scaled gradients hold inf/NaN
+                    capture.aside(scaler.update)  # the loss scale's bookkeeping, not the model's arithmetic
+                    run.scales.append(scale)
+                    run.skipped.append(float(scaler.get_scale()) < scale)
+                else:
+                    opt.step()
                 opt.zero_grad()
                 capture.stop()
                 run.folders.append(capture.dump_folder())
@@ -123,7 +141,7 @@ def grad_similarity(bench: dict, target: dict) -> list[dict]:
 
 
 def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable, *,
-                   grad_cosine: float = 0.99):
+                   grad_cosine: float = 0.99, scaler_skips: int = 3):
     """Train ``model`` one step per batch on both sides (isolation on the target), judge every step, conclude.
 
     Args:
@@ -132,6 +150,11 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
             target anomaly the bench does not share).
         model, batches, loss_fn, optimizer: as :func:`run_training`.
         grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
+        scaler_skips: with fp16 autocast (a ``GradScaler`` on that side), how many consecutive optimizer steps the
+            target's scaler may skip (inf/NaN in its scaled gradients, the loss scale halved each time) before the
+            check fails; fewer are reported as skipped by the scaler, with the scale, never as an overflow failure.
+            A loss scale that keeps falling is msprobe's sign of trouble; default 3 (torch's scaler starts at
+            2^16 and halves per skip).
 
     Returns:
         A :class:`~msprobe_ci.check.conclude.Conclusion` whose value is ``{"losses": {"bench": [...], "target":
@@ -169,6 +192,8 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
     d.properties += [("msprobe.loss_bench", json.dumps(losses["bench"])),
                      ("msprobe.loss_target", json.dumps(losses["target"])), ("msprobe.grad_similarity", sim)]
     first_notes = [f"loss bench/target: {curve}", sim, *runs["bench"].notes, *runs["target"].notes]
+    skips = _scaler_skips(runs)
+    first_notes += skips["notes"]
     new_anomalies = []
     if s.monitor:
         bench_mon, target_mon = runs["bench"].monitor, runs["target"].monitor
@@ -186,11 +211,35 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
                       lambda i: f"step {i}", f"loss bench/target: {curve}; {sim}", s.inject or ctx.inject_path,
                       require_coverage=ctx.require_coverage):
         return d.done(value)
+    if skips["run"] >= max(1, int(scaler_skips)):
+        d.fail(f"msprobe: the target's GradScaler skipped {skips['run']} optimizer steps in a row (steps "
+               f"{skips['steps']}; loss scale {skips['scales']}): its scaled gradients keep overflowing fp16 "
+               f"(scaler_skips={scaler_skips}). Artifacts: {check_dir}")
     if new_anomalies:
         a = new_anomalies[0]
         d.fail(f"msprobe: monitor: first target anomaly at {a.message}; the bench has none there "
                f"({len(new_anomalies)} in all). Plot: {runs['target'].monitor.png}. Artifacts: {check_dir}")
     return d.done(value)
+
+
+def _scaler_skips(runs: dict) -> dict:
+    """The steps each side's ``GradScaler`` skipped: report lines, and the target's longest run of consecutive
+    skips (``run``) with those steps and their loss scales."""
+    notes, longest, cur = [], [], []
+    for side in ("bench", "target"):
+        r = runs[side]
+        if not r.scales:
+            continue
+        skipped = [i for i, k in enumerate(r.skipped) if k]
+        notes.append(f"GradScaler ({side}): loss scale {r.scales[0]:g} at step 0, {r.scales[-1]:g} at the last "
+                     f"step; steps skipped by the scaler (inf/NaN in the scaled gradients): {skipped or 'none'}")
+        if side == "target":
+            for i, k in enumerate(r.skipped):
+                cur = cur + [i] if k else []
+                longest = cur if len(cur) > len(longest) else longest
+    target = runs["target"]
+    return {"notes": notes, "run": len(longest), "steps": longest,
+            "scales": [target.scales[i] for i in longest]}
 
 
 def _require_module(model: Any, what: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import kernels
+from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
 from ..replay.runner import judged_as
 from ..replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
@@ -62,11 +62,45 @@ class ApiIsolation:
         want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
                      kw.get("inplace") is not True and
                      any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kw)))
+        call.autocast = None if is_inplace(short) or "out" in kwargs else amp.autocast_dtype(args, kw)
+        if call.autocast is None:
+            ok, want_grad = self._references(call, func, args, kw, want_grad)
+            if not ok:
+                return None, args, kwargs
+        # else: under autocast the kernel sees its inputs cast by the op's policy, which its output's dtype tells:
+        # the oracle and the bench run in after(), on the inputs cast as the kernel saw them (msprobe_ci.amp)
+        kept = tuple(args)
+        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
+                kept[0].is_floating_point():
+            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
+            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
+            kept = (kept[0].detach().clone(), *kept[1:])
+        call.inputs = (kept, dict(kw))
+        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
+        regions = kernels.unwritten(func, tuple(args), kw)
+        if regions:
+            taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
+                    (a.is_floating_point() or a.is_complex())]
+            call.unwritten = {"output": {i: r for (kind, i), r in regions.items() if kind == "output"},
+                              "grad": {taps.index(k): r for (kind, k), r in regions.items()
+                                       if kind == "input" and k in taps}}
+        if want_grad:
+            args, kwargs = self._tap(call, bwd_name, args, kwargs)
+        return call, args, kwargs
+
+    def _references(self, call: _Call, func, args: tuple, kw: dict, want_grad: bool) -> tuple[bool, bool]:
+        """The oracle (where the standard needs one) and the same-dtype bench of one call, on copies of ``args``.
+
+        Returns:
+            ``(ok, want_grad)``: ``ok`` False where neither could run (the reason in the call's record);
+            ``want_grad`` False where the call returned an input (it wrote in place: its gradient is not tapped).
+        """
         from ..checkers import standard_for
 
+        name = call.name
         # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
         # the others, and for every gradient
-        need_oracle = want_grad or standard_for(short, "torch.float32", self.standards) != "binary"
+        need_oracle = want_grad or standard_for(call.short, "torch.float32", self.standards) != "binary"
         if need_oracle:
             dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
             note = kernels.reference_note(func) if dtype == torch.float64 else None
@@ -86,7 +120,7 @@ class ApiIsolation:
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
-                    return None, args, kwargs
+                    return False, want_grad
             ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
             if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
                 want_grad = False  # it returned an input: it wrote in place (F.leaky_relu(x, 0.1, True)), as above
@@ -95,25 +129,8 @@ class ApiIsolation:
         except Exception as exc:  # noqa: BLE001
             self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
                                               f"{self.bench_device}: {type(exc).__name__}")
-            return None, args, kwargs
-        kept = tuple(args)
-        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
-                kept[0].is_floating_point():
-            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
-            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
-            kept = (kept[0].detach().clone(), *kept[1:])
-        call.inputs = (kept, dict(kw))
-        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
-        regions = kernels.unwritten(func, tuple(args), kw)
-        if regions:
-            taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
-                    (a.is_floating_point() or a.is_complex())]
-            call.unwritten = {"output": {i: r for (kind, i), r in regions.items() if kind == "output"},
-                              "grad": {taps.index(k): r for (kind, k), r in regions.items()
-                                       if kind == "input" and k in taps}}
-        if want_grad:
-            args, kwargs = self._tap(call, bwd_name, args, kwargs)
-        return call, args, kwargs
+            return False, want_grad
+        return True, want_grad
 
     def _bench(self, call: _Call, func, args: tuple, kw: dict, grad: bool) -> None:
         """The same-dtype bench of one call, by :attr:`bench_kernel` (:mod:`msprobe_ci.kernels`)."""
@@ -174,6 +191,9 @@ class ApiIsolation:
                                                     self.thresholds)))
             self._store(call.name, results)
             return
+        if call.autocast is not None and not self._autocast_references(call, out):
+            call.inputs = None
+            return
         # judged where the oracle ran when that device computes in float64 (CUDA: the standards' passes there,
         # counts and maxima brought back), on the CPU otherwise
         oracles = {row: self._judged(o) for row, o in _flat_outputs(call.oracle_out, stem)} \
@@ -205,6 +225,26 @@ class ApiIsolation:
                 t.register_hook(self._grad_out_hook(call, i))
             del grads_of
         call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
+
+    def _autocast_references(self, call: _Call, out: Any) -> bool:
+        """The oracle and the bench of a call made under autocast, now that its output says which dtype its kernel
+        computed in: on its inputs cast to that dtype (:func:`msprobe_ci.amp.kernel_inputs`), autocast off, so both
+        see the inputs exactly as the target's kernel saw them. The cast inputs replace the call's own for its error
+        budget and its backward. False where the references could not run (the reason in the record)."""
+        before = [x for x in _tensors(call.inputs[0]) + _tensors(call.inputs[1]) if kernels.needs_grad(x)]
+        args, kw, seen = amp.kernel_inputs(*call.inputs, out)
+        after = [x for x in _tensors(args) + _tensors(kw) if kernels.needs_grad(x)]
+        call.grad_dtypes = [u.dtype if u.dtype.itemsize < k.dtype.itemsize else k.dtype for u, k in zip(before, after)]
+        rec = self.results.setdefault(call.name, {})
+        rec["autocast"] = str(call.autocast)
+        if seen is not None:
+            rec["computed_in"] = str(seen)
+        with amp.disabled((args, kw)):
+            ok, _ = self._references(call, call.func, args, kw, bool(call.taps))
+        if ok:
+            call.inputs = (args, kw)
+            call.versions = tuple(t._version for t in _tensors(args) + _tensors(kw))
+        return ok
 
     @property
     def oracle_on_target(self) -> bool:
@@ -287,8 +327,9 @@ class ApiIsolation:
         status = worst([r for _, r in results]) if results else "skip"
         bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
         rec = {"status": status, "sources": keep.get("sources", {})}
-        if keep.get("oracle"):
-            rec["oracle"] = keep["oracle"]
+        for k in ("oracle", "autocast", "computed_in"):
+            if keep.get(k):
+                rec[k] = keep[k]
         if bad is None:
             rec["message"] = "no output judged"
         else:

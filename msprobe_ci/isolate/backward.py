@@ -3,11 +3,12 @@ bench's vector-Jacobian products for the gradients the target received."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
-from .. import kernels
+from .. import amp, kernels
 from ..capture.coverage import quiet
 from ..kernels import cast as _cast
 from .support import _Call, _cpu
@@ -82,8 +83,11 @@ class BackwardIsolation:
         if not call.grad_out:
             self.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
             return
-        if not self._regraph(call, name):
-            return
+        def off():
+            return amp.disabled(call.inputs) if call.autocast is not None else contextlib.nullcontext()
+        with off():  # a call made under autocast: its references run on the inputs as its kernel saw them
+            if not self._regraph(call, name):
+                return
         args, kw = call.inputs
         f64 = bool(call.oracle_in) and call.oracle_in[0].dtype == torch.float64
         shared = self._bench_is_oracle(call, args, kw)
@@ -91,7 +95,8 @@ class BackwardIsolation:
         # GPT-2's 50257-wide float64 loss the two graphs together were the whole check's peak memory)
         oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, retain=False)
         call.oracle_out = call.oracle_in = None
-        bench = oracle if shared else self._bench_vjp(call, oracle)
+        with off():
+            bench = oracle if shared else self._bench_vjp(call, oracle)
         oracle = [self._judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
@@ -104,6 +109,12 @@ class BackwardIsolation:
                 continue
             if o is None:
                 o = torch.zeros(t.shape, dtype=torch.float64, device=self.judge_device)
+            if i < len(call.grad_dtypes) and t.is_floating_point():
+                # under autocast a gradient is as precise as the narrower of the dtype its kernel computed in and
+                # the dtype the user's tensor holds (autocast's cast hands it back rounded to that): judged there,
+                # the target cast exactly, the bench's gradient rounded as the cast's backward rounds it
+                t = t.to(call.grad_dtypes[i])
+                b = kernels.round_to(b, t)
             if call.bench_round:
                 b = kernels.round_to(b, t)
             region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None

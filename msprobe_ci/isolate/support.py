@@ -99,6 +99,11 @@ class _Call:
     unwritten: dict = field(default_factory=dict)
     # how the oracle ran at the call, to run it again for the backward pass: (dtype, on the CPU only)
     oracle_how: tuple | None = None
+    # the autocast dtype the call ran under (msprobe_ci.amp); its oracle and bench then run after the call
+    autocast: torch.dtype | None = None
+    # under autocast: the dtype each tapped input's gradient is judged in (the narrower of the user's tensor's and
+    # the kernel's), by tap position
+    grad_dtypes: list = field(default_factory=list)
 
 
 

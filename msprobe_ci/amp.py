@@ -1,0 +1,107 @@
+"""Automatic mixed precision (``torch.autocast``): what a kernel saw under it, for every place a call is judged.
+
+Under ``torch.autocast(device_type, dtype)`` a torch API is called with the model's fp32 tensors, and autocast casts
+them below the API (in the dispatcher, where no ``TorchFunctionMode`` sees it) by the op's cast policy: to the
+autocast dtype for the lower-precision ops (GEMMs, convolutions, attention), to float32 for the fp32 ops (softmax,
+norms, losses on CUDA), to the widest input dtype for the promote ops (``cat``, ``stack``, ``addcmul``). In every
+policy the floating inputs reach the kernel in the dtype the op then computes and returns: its output's floating
+dtype. That is the rule here (:func:`kernel_inputs`), the same inference msprobe's api_accuracy_checker makes from
+dtypes (fp32 inputs with a bf16/fp16 output, or mixed input dtypes) — read off the call's own output, not a table
+of ops that differs between devices and torch versions. float64 tensors are never cast by autocast (its
+eligibility rule), and an in-place or ``out=`` call is not autocast at all.
+
+A judge that hands the oracle the fp32 inputs instead measures the autocast cast itself as the kernel's error: a
+stock GPT-2 under bf16 autocast failed 42 of its calls against itself (issue 48).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+#: the dump field (per API entry) holding the autocast dtype a call ran under; msprobe's tools ignore it
+FIELD = "autocast"
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    from .kernels import tensors_of
+
+    return [t for t in tensors_of(value) if t.is_floating_point()]
+
+
+def autocast_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The autocast dtype a call with these arguments runs under: ``None`` unless autocast is enabled for the
+    device type of its first floating tensor and one of its floating tensors is one autocast may cast (any
+    floating dtype but float64)."""
+    tensors = _floating(args) + _floating(kwargs)
+    if not tensors or all(t.dtype == torch.float64 for t in tensors):
+        return None
+    device_type = tensors[0].device.type
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+        return None
+
+
+def output_dtype(out: Any) -> torch.dtype | None:
+    """The floating dtype of a call's first floating output, ``None`` where it has none."""
+    found = _floating(out)
+    return found[0].dtype if found else None
+
+
+def kernel_inputs(args: tuple, kwargs: dict, out: Any) -> tuple[tuple, dict, torch.dtype | None]:
+    """The arguments as the kernel saw them under autocast: every floating tensor but float64 cast to the dtype of
+    the call's floating output (exact for the fp32 and promote policies, autocast's own rounding for the
+    lower-precision one). The casts are new leaf tensors that keep ``requires_grad``, detached from the user's
+    graph.
+
+    Returns:
+        ``(args, kwargs, dtype)``: ``dtype`` is the output's floating dtype (``None``: nothing cast, the
+        arguments returned as they are).
+    """
+    from .kernels import cast
+
+    seen = output_dtype(out)
+    if seen is None:
+        return args, kwargs, None
+
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype in (seen, torch.float64):
+            return t
+        return t.detach().to(seen).requires_grad_(t.requires_grad)
+    return cast(tuple(args), conv), {k: cast(v, conv) for k, v in kwargs.items()}, seen
+
+
+def infer(input_dtypes: list[str], output_dtypes: list[str]) -> str | None:
+    """For a dump made elsewhere (no :data:`FIELD`): the dtype the call computed in when its dtypes say it ran
+    under autocast as msprobe infers it: float32 inputs with a bf16/fp16 floating output. ``None`` otherwise.
+
+    Args:
+        input_dtypes, output_dtypes: the dump's ``dtype`` strings (``torch.float32`` ...) of the call's floating
+            inputs and outputs.
+    """
+    low = ("torch.bfloat16", "torch.float16")
+    outs = [d for d in output_dtypes if d in low]
+    if outs and "torch.float32" in input_dtypes and all(d in ("torch.float32", *low) for d in input_dtypes):
+        return outs[0]
+    return None
+
+
+@contextlib.contextmanager
+def disabled(values: Any) -> Iterator[None]:
+    """Autocast off for the device types of ``values``' tensors (and the CPU): a reference or bench computation
+    runs on inputs already cast as the kernel saw them, in exactly their dtypes."""
+    from .kernels import tensors_of
+
+    kinds = {"cpu"} | {t.device.type for t in tensors_of(values)}
+    with contextlib.ExitStack() as stack:
+        for kind in sorted(kinds):
+            try:
+                stack.enter_context(torch.autocast(kind, enabled=False))
+            except (RuntimeError, TypeError, ValueError):  # a device type autocast does not know
+                continue
+        yield

@@ -1,0 +1,227 @@
+"""Automatic mixed precision (issue 48): a side run under ``torch.autocast`` (``--msprobe-target-autocast``), and
+every call made under autocast judged on its inputs as its kernel saw them (:mod:`msprobe_ci.amp`)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from msprobe_ci import amp
+from msprobe_ci.backends import Backend
+from msprobe_ci.errors import MsprobeError
+
+
+def test_the_kernel_sees_its_inputs_in_its_outputs_dtype():
+    x, w = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert amp.autocast_dtype((x, w), {}) == torch.bfloat16
+        out = F.linear(x, w)
+    args, kw, seen = amp.kernel_inputs((x, w), {}, out)
+    assert seen == torch.bfloat16 and [a.dtype for a in args] == [torch.bfloat16, torch.bfloat16]
+    assert torch.equal(args[0], x.to(torch.bfloat16)) and args[1].requires_grad and args[1].is_leaf
+    assert torch.equal(F.linear(*args), out)  # what the target computed, bit for bit
+    # a promote op (fp32 out of mixed inputs): the bf16 input is widened exactly; float64 is never cast
+    h = torch.randn(3, dtype=torch.bfloat16)
+    args, _, seen = amp.kernel_inputs((h, torch.randn(3), torch.randn(3, dtype=torch.float64)), {}, torch.zeros(3))
+    assert seen == torch.float32 and [a.dtype for a in args] == [torch.float32, torch.float32, torch.float64]
+    # nothing floating out: nothing cast
+    assert amp.kernel_inputs((x,), {}, torch.zeros(2, dtype=torch.long))[2] is None
+
+
+def test_autocast_state_is_read_per_device_and_off_outside_it():
+    x = torch.randn(2, 2)
+    assert amp.autocast_dtype((x,), {}) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert amp.autocast_dtype((x,), {}) == torch.float16
+        assert amp.autocast_dtype((x.double(),), {}) is None  # float64 is not eligible for autocast
+        assert amp.autocast_dtype((torch.ones(2, dtype=torch.long),), {}) is None
+        with amp.disabled((x,)):
+            assert amp.autocast_dtype((x,), {}) is None and F.linear(x, x).dtype == torch.float32
+
+
+def test_dumps_made_elsewhere_are_inferred_from_dtypes_as_msprobe_does():
+    assert amp.infer(["torch.float32", "torch.float32"], ["torch.bfloat16"]) == "torch.bfloat16"
+    assert amp.infer(["torch.float32"], ["torch.float32"]) is None
+    assert amp.infer(["torch.bfloat16"], ["torch.bfloat16"]) is None
+    assert amp.infer(["torch.float64"], ["torch.float16"]) is None
+
+
+def test_backend_autocast_option():
+    b = Backend.from_options("cpu", None, autocast="bf16")
+    assert b.autocast == torch.bfloat16 and b.label == "cpu/model-dtype+autocast(bf16)"
+    assert Backend.from_options("cpu", None, autocast="fp32").autocast is None
+    assert Backend.from_options("cpu", None, autocast="fp16").grad_scaler() is not None and b.grad_scaler() is None
+    with pytest.raises(MsprobeError, match="option 'autocast': expected fp16 or bf16"):
+        Backend.from_options("cpu", None, autocast="fp64")
+    with b.autocast_context():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_isolation_judges_a_gemm_under_autocast_on_what_its_kernel_saw(tmp_path):
+    """A linear layer called under bf16 autocast with fp32 weights: judged passing, and its record says which
+    dtype it ran under and computed in; a 2% fault on it is named. (Before: every GEMM under autocast failed its
+    ULP standard against an oracle fed the unrounded fp32 inputs.)"""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    verdicts = {}
+    for name, faults in (("benign", ()), ("fault", (Fault("Functional.linear", 1, "forward", "scale", 1.02),))):
+        iso = Isolator(backward=True)
+        cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / name), level="mix"), faults=faults, isolator=iso)
+        cap.start(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        cap.stop()
+        cap.close()
+        verdicts[name] = {k: v for k, v in iso.results.items() if "linear" in k}
+        dump = json.loads((tmp_path / name / "step0" / "rank" / "dump.json").read_text())
+        assert dump["data"]["Functional.linear.0.forward"]["autocast"] == "torch.bfloat16"
+    benign = verdicts["benign"]
+    assert {k: v["status"] for k, v in benign.items()} == {f"Functional.linear.{i}.{d}": "pass"
+                                                           for i in (0, 1) for d in ("forward", "backward")}
+    assert benign["Functional.linear.0.forward"]["autocast"] == "torch.bfloat16"
+    assert benign["Functional.linear.0.forward"]["computed_in"] == "torch.bfloat16"
+    fault = verdicts["fault"]
+    assert fault["Functional.linear.1.forward"]["status"] == "error"
+    assert fault["Functional.linear.0.forward"]["status"] == "pass"
+
+
+AMP_SUITE = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0,
+                     attn_pdrop=0)
+    cfg._attn_implementation = "eager"
+    return GPT2LMHeadModel(cfg)
+
+
+class OwnAutocast(torch.nn.Module):
+    # a user's model whose forward enters autocast itself: bench and target identical
+    def __init__(self):
+        super().__init__()
+        self.m = gpt2()
+
+    def forward(self, **kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.m(**kw)
+
+
+IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def test_amp_target(msprobe):
+    msprobe.check(gpt2().eval(), {"input_ids": IDS, "labels": IDS}, loss_fn=lambda o: o.loss)
+
+
+def test_own_autocast(msprobe):
+    msprobe.check(OwnAutocast().eval(), {"input_ids": IDS, "labels": IDS}, loss_fn=lambda o: o.loss,
+                  target_autocast=None)
+
+
+def test_amp_fault(msprobe):
+    msprobe.check(gpt2().eval(), {"input_ids": IDS, "labels": IDS}, loss_fn=lambda o: o.loss, inject="faults.yaml")
+
+
+def test_fp16_training(msprobe):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(5)
+    batches = [{"input_ids": i, "labels": i} for i in (torch.randint(0, 128, (1, 8), generator=g) for _ in range(2))]
+    msprobe.check_training(LlamaForCausalLM(cfg), batches, lambda out: out.loss,
+                           lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False), target_autocast="fp16")
+"""
+
+
+def test_an_amp_target_passes_against_fp32_and_a_fault_under_it_is_named(pytester):
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_amp_suite=AMP_SUITE)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Torch.addmm, call: 2, direction: forward, perturb: scale, "
+                                      "value: 1.02}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-autocast=bf16",
+                                           "--msprobe-junitxml=j.xml")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_amp_target*cpu/model-dtype vs cpu/model-dtype+autocast(bf16)*error 0*"])
+    result.stdout.fnmatch_lines(["*test_amp_fault*error 5, unmatched 0; first divergence: Torch.addmm.2.forward;*"])
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at Torch.addmm.2.forward*"])
+    result.stdout.fnmatch_lines(["*GradScaler (target): loss scale 65536 at step 0*"])
+    assert "error 0" in next(ln for ln in result.outlines if "test_own_autocast [check 0]" in ln)
+
+
+def _own_loop(folder, dtype=None, autocast=None, faults=None, steps=2):
+    """A user's own loop (AdamW, clip_grad_norm_, fp16 with a GradScaler) dumped by PrecisionDebugger."""
+    from msprobe_ci import PrecisionDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 4))
+    if dtype is not None:
+        model = model.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    scaler = torch.amp.GradScaler("cpu") if autocast == torch.float16 else None
+    debugger = PrecisionDebugger(dump_path=str(folder), level="mix", inject=faults)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        debugger.start(model)
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(x.to(dtype) if dtype is not None else x).float().pow(2).mean()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        debugger.stop()
+        debugger.step()
+
+
+@pytest.mark.parametrize("setup", ["bf16", "amp-bf16", "amp-fp16"])
+def test_a_users_own_loop_dumped_over_steps_compares_clean_and_names_a_step_1_fault(tmp_path, setup):
+    """Issue 48's table: the user's loop dumped over two steps against an fp32 bench. From step 1 the weights have
+    trained apart by rounding: context, not the first divergence (before: step 1 failed on a parameter input)."""
+    import subprocess
+    import sys
+
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.check import judge
+
+    kw = {"bf16": {"dtype": torch.bfloat16}, "amp-bf16": {"autocast": torch.bfloat16},
+          "amp-fp16": {"autocast": torch.float16}}[setup]
+    _own_loop(tmp_path / "bench")
+    _own_loop(tmp_path / "target", **kw)
+    _own_loop(tmp_path / "fault", faults=[Fault("Functional.layer_norm", 0, "forward", "scale", 1.02, step=1)], **kw)
+    cli = [sys.executable, "-m", "msprobe_ci.cli", "compare", "-gp", str(tmp_path / "bench")]
+    done = subprocess.run([*cli, "-tp", str(tmp_path / "target"), "-o", str(tmp_path / "cmp")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if "compare_result_step" in ln]
+    assert len(lines) == 2 and all("error 0" in ln for ln in lines), done.stdout
+    assert "step 1: parameters and optimizer state are context" in lines[1]
+    # the rule is what makes step 1 clean: its sources judged as at step 0, a parameter input fails
+    strict, _, _ = judge(str(tmp_path / "bench" / "step1" / "rank"), str(tmp_path / "target" / "step1" / "rank"),
+                         source_factor=4.0)
+    if setup == "bf16":
+        assert strict.first_divergence is not None
+    done = subprocess.run([*cli, "-tp", str(tmp_path / "fault"), "-o", str(tmp_path / "cmp2")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1
+    assert "first divergence: step1 rank0 Functional.layer_norm.0.forward" in done.stdout, done.stdout
