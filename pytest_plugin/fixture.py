@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-from .session import RESULT_PROPERTY, ProbeSession
+from .session import ERROR_PROPERTY, RESULT_PROPERTY, ProbeSession
 
 
 class MsprobeFixture:
@@ -90,7 +90,12 @@ class MsprobeFixture:
             self.request.node.user_properties.append((RESULT_PROPERTY, publish(dict(exc.row, skipped=str(exc)))))
             raise pytest.skip.Exception(f"msprobe: {exc}") from None
         except MsprobeError as exc:
+            self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc}"))
             raise pytest.fail.Exception(f"msprobe: {exc}", pytrace=False) from None
+        except Exception as exc:  # a check that raised inside (the user's model, torch): it ran, and failed
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            self.request.node.user_properties.append((ERROR_PROPERTY, f"{type(exc).__name__}: {first}"[:500]))
+            raise
 
     def _conclude(self, conclusion):
         """Map a :class:`~msprobe_ci.check.conclude.Conclusion`: rows (written as ``msprobe-result.json``, the
@@ -99,8 +104,12 @@ class MsprobeFixture:
         from ..check.conclude import publish
 
         props = self.request.node.user_properties
+        # the one verdict, decided by the Conclusion, stamped on every row it publishes: the terminal summary,
+        # report.html, the job summary, pytest-html's extras and JUnit read it, never re-derive it
+        verdict = {"verdict": "fail" if conclusion.failure else "pass",
+                   "failure": conclusion.failure.splitlines()[0] if conclusion.failure else None}
         for name, value in conclusion.properties:
-            props.append((name, publish(value) if name == RESULT_PROPERTY else value))
+            props.append((name, publish(dict(value, **verdict)) if name == RESULT_PROPERTY else value))
         for line in conclusion.warnings:
             warnings.warn(line, stacklevel=3)
         if conclusion.failure:

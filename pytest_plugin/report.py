@@ -10,7 +10,7 @@ import os
 
 from markupsafe import Markup
 
-from .summary import check_failed  # one rule for the page and the job summary
+from .summary import check_failed, row_verdict  # the one verdict, read as the job summary reads it
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msprobe accuracy gate</title>
@@ -202,7 +202,7 @@ def _groups(results: list[dict]) -> list[dict]:
                                  "verdict", "first divergence"],
                         "rows": [{"cells": [s, _fmt(r["loss_bench"]), _fmt(r["loss_target"]),
                                             f"{g['cosine']:.6f} ({g.get('param', '')})" if g else "-",
-                                            "fail" if check_failed(r) else "pass", r.get("first_divergence") or "none"],
+                                            row_verdict(r), r.get("first_divergence") or "none"],
                                   "mark": 5, "cls": "fail" if check_failed(r) else "pass"}
                                  for s, r, g in zip(steps, rows, lows)],
                         "note": "Losses and gradient cosines are context, never failed on: each step's verdict "
@@ -214,7 +214,7 @@ def _groups(results: list[dict]) -> list[dict]:
                         "plot": None, "head": ["step", "token agrees", "verdict", "first divergence"],
                         "rows": [{"cells": [f"{r.get('step', '')}" + (" (prefill)" if r.get("step") == 0 else ""),
                                             "yes" if r["token_agrees"] else "no",
-                                            "fail" if check_failed(r) else "pass", r.get("first_divergence") or "none"],
+                                            row_verdict(r), r.get("first_divergence") or "none"],
                                   "mark": 3, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
                         "note": "The target is teacher-forced on the bench's tokens; whether its own greedy pick "
                                 "agrees is context, never failed on."})
@@ -226,7 +226,7 @@ def _groups(results: list[dict]) -> list[dict]:
                                  + (f"rank{first['rank']}" if first else "none"),
                         "plot": None, "head": ["rank", "verdict", "first divergence over ranks", "own first node"],
                         "rows": [{"cells": [f"rank{r.get('rank')}" + (" (first)" if r.get("rank_first") else ""),
-                                            "fail" if check_failed(r) else "pass",
+                                            row_verdict(r),
                                             r.get("rank_divergence") or "none", r.get("first_divergence") or "none"],
                                   "mark": 2, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
                         "note": "A rank that only received diverged data through a collective is said to have "
@@ -250,6 +250,10 @@ def _link(path: str | None, base: str) -> dict | None:
 def _view(r: dict, base: str) -> dict:
     """What the templates show of one check summary (links relative to ``base``)."""
     c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
+    if r.get("error"):
+        c.update(verdict="fail", failed=True, sides="", nodes="", counts={"pass": "", "warning": "", "error": ""},
+                 first=None, note=f"the check raised before it concluded: {r['error']}")
+        return c
     if r.get("skipped") or r.get("recorded"):
         c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
                  nodes="", counts={"pass": "", "warning": "", "error": ""}, first=None,

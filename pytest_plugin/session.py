@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 
 from ..check.conclude import RESULT as RESULT_PROPERTY
+
+#: the property of a check that raised before it concluded (its one-line error): it ran, and failed
+ERROR_PROPERTY = "msprobe.check_error"
 from ..check.settings import check_keys
+from .summary import check_failed
 from ..errors import MsprobeError
 
 def dump_files(path: str) -> list[str]:
@@ -253,6 +257,9 @@ class ProbeSession:
             if name == RESULT_PROPERTY:  # the path of the check's msprobe-result.json (see fixture._publish)
                 with open(value, encoding="utf-8") as fh:
                     self.results.append(json.load(fh))
+            elif name == ERROR_PROPERTY and report.when == "call":
+                self.results.append({"test": report.nodeid, "index": "-", "dir": "", "error": value,
+                                     "verdict": "fail", "failure": value})
 
     api_nothing = ""
     no_checks = ""
@@ -278,6 +285,9 @@ class ProbeSession:
                 tr.write_line(f"{head}: SKIPPED, nothing compared: {r['skipped']} "
                               "(--msprobe-require-device makes this a failure)")
                 continue
+            if r.get("error"):
+                tr.write_line(f"{head}: verdict: fail: the check raised before it concluded: {r['error']}")
+                continue
             if r.get("recorded"):
                 tr.write_line(f"{head}: recorded the bench ({r['bench']}, {r['mode']}, {r['level']}): "
                               f"{_size(r['baseline_bytes'])} in {r['baseline']}")
@@ -288,7 +298,10 @@ class ProbeSession:
             tr.write_line(f"{head}: {r['nodes_compared']} nodes compared "
                           f"({r['bench']} vs {r['target']}, {r['mode']}, {r.get('level', '')}): pass {c['pass']}, "
                           f"warning {c['warning']}, error {c['error']}, unmatched {c['unmatched']}; "
-                          f"first divergence: {first}; first overflow: {overflow}")
+                          f"first divergence: {first}; first overflow: {overflow}; verdict: "
+                          f"{'fail' if check_failed(r) else 'pass'}")
+            if r.get("failure"):
+                tr.write_line(f"    failure: {r['failure']}")
             if r.get("isolated"):
                 n_iso = sum(1 for n in r["nodes"] if n.get("standard"))
                 n_skip = sum(1 for n in r["nodes"] if n.get("metric") == "isolation")

@@ -7,11 +7,30 @@ import os
 
 
 def check_failed(r: dict) -> bool:
-    """Whether a check summary failed its test: a first divergence, a new overflow, a fault that never fired, or a
-    failing model-level case or per-API pre-check."""
+    """Whether the check a summary row belongs to failed its test: the verdict its
+    :class:`~msprobe_ci.check.conclude.Conclusion` decided, stamped on every row it published (``verdict``), so
+    every artifact says what the test said (a fault that never fired, coverage short under
+    ``--msprobe-require-coverage``, a check that raised included). A row without the stamp (written by an older
+    version) falls back to its own evidence (:func:`step_failed`)."""
+    if r.get("verdict") in ("pass", "fail"):
+        return r["verdict"] == "fail"
+    return step_failed(r)
+
+
+def step_failed(r: dict) -> bool:
+    """Whether one row's own evidence fails (one step or rank of a loop or multi-rank check): a first divergence, a
+    new overflow, a fault that never fired, a failing model-level case or per-API pre-check."""
     return bool(r.get("first_divergence") or r.get("overflow_failed") or r.get("unapplied") or
                 any(m["status"] == "error" for m in r.get("model") or ()) or
                 any(a["status"] == "error" for a in r.get("api_checks") or ()))
+
+
+def row_verdict(r: dict) -> str:
+    """A loop step's or a rank's verdict cell: its own evidence, and where the check failed for another reason
+    (a fault that never fired, coverage, another step), said so: ``pass (check failed)``."""
+    if step_failed(r):
+        return "fail"
+    return "pass (check failed)" if check_failed(r) else "pass"
 
 
 def _cell(value) -> str:
@@ -47,6 +66,10 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
             continue
         if r.get("recorded"):
             lines.append(head + f"| recorded the bench ({_cell(r.get('baseline', ''))}) | | | | | | | |")
+            continue
+        if r.get("error"):
+            failed += 1
+            lines.append(head + f"| ❌ fail: the check raised: {_cell(r['error'])} | | | | | | | |")
             continue
         c = r["counts"]
         bad = check_failed(r)

@@ -1,0 +1,134 @@
+"""One verdict per check (issue 49): whatever failed a test, every artifact says so. Over the failure kinds
+(divergence, a model-level case, a fault that never fired in a single check and in a loop, coverage short with
+``--msprobe-require-coverage``, a check whose run raised, a check refused with an error) and a passing check, the
+test outcome, pytest's own JUnit, the plugin's JUnit, the terminal summary, report.html, the job summary
+($GITHUB_STEP_SUMMARY) and each msprobe-result.json agree."""
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+SUITE = '''
+import torch
+
+
+@torch.library.custom_op("msprobe_ci_verdicts::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    return x * x * x
+
+
+@cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, custom=False, broken=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        self.custom, self.broken = custom, broken
+
+    def forward(self, x):
+        h = self.norm(torch.relu(self.fc1(x)))
+        if self.custom:
+            h = torch.ops.msprobe_ci_verdicts.cube(h)
+        if self.broken:
+            raise RuntimeError("the user's model broke inside the check")
+        return self.fc2(h)
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def test_pass(msprobe):
+    msprobe.check(Net(), X, loss_fn=lambda o: o.sum())
+
+
+def test_divergence(msprobe):
+    msprobe.check(Net(), X, loss_fn=lambda o: o.sum(), inject="diverge.yaml")
+
+
+def test_never_fired(msprobe):
+    msprobe.check(Net(), X, inject="never.yaml")
+
+
+def test_loop_never_fired(msprobe):
+    msprobe.check_training(Net(), [X, X], lambda o: o.pow(2).mean(), lambda p: torch.optim.SGD(p, lr=0.1),
+                           inject="never.yaml")
+
+
+def test_coverage_short(msprobe):
+    msprobe.check(Net(custom=True), X)
+
+
+def test_raised(msprobe):
+    msprobe.check(Net(broken=True), X)
+
+
+def test_refused(msprobe):
+    msprobe.check(Net(), X, no_such_option=1)
+'''
+
+FAILING = {"test_divergence", "test_never_fired", "test_loop_never_fired", "test_coverage_short", "test_raised",
+           "test_refused"}
+
+
+def test_every_artifact_tells_the_tests_verdict(pytester, monkeypatch):
+    pytester.makepyfile(test_verdicts=SUITE)
+    pytester.makefile(".yaml", diverge="faults:\n  - {api: Functional.layer_norm, call: 0, perturb: scale, "
+                                       "value: 1.05}\n",
+                      never="faults:\n  - {api: Functional.layer_norm, call: 7, perturb: scale, value: 1.05}\n")
+    summary = pytester.path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-require-coverage", "--junitxml=pytest.xml",
+                                           "--msprobe-junitxml=msprobe.xml")
+    result.assert_outcomes(passed=1, failed=len(FAILING))
+
+    # pytest's own verdict per test
+    outcome = {c.get("name"): "fail" if (c.find("failure") is not None or c.find("error") is not None) else "pass"
+               for c in ET.parse(pytester.path / "pytest.xml").getroot().iter("testcase")}
+    assert outcome == {t: "fail" if t in FAILING else "pass" for t in FAILING | {"test_pass"}}
+
+    # the plugin's JUnit: a test's suites hold a failure exactly when the test failed
+    junit_fail: dict = {}
+    for suite in ET.parse(pytester.path / "msprobe.xml").getroot().iter("testsuite"):
+        test = suite.get("name").split("::")[-1].split(" ")[0].split(".")[-1]
+        test = next((t for t in outcome if suite.get("name").endswith(t) or f"{t} " in suite.get("name")
+                     or f".{t}" in suite.get("name")), test)
+        junit_fail[test] = junit_fail.get(test, False) or int(suite.get("failures", 0)) > 0
+    assert {t: ("fail" if f else "pass") for t, f in junit_fail.items()} == outcome
+
+    # the terminal summary: one verdict line per check, the same verdict
+    lines = [ln for ln in result.outlines if re.match(r"test_verdicts\.py::test_\w+ \[check", ln)]
+    terminal = {}
+    for ln in lines:
+        test = ln.split("::")[1].split(" ")[0]
+        verdict = re.search(r"verdict: (pass|fail)", ln).group(1)
+        terminal[test] = "fail" if "fail" in (terminal.get(test), verdict) else verdict
+    assert terminal == outcome
+
+    # each msprobe-result.json carries the verdict its check's conclusion decided
+    for path in (pytester.path / "msprobe-out").rglob("msprobe-result.json"):
+        row = json.loads(path.read_text())
+        assert row["verdict"] == outcome[row["test"].split("::")[1]], path
+
+    # report.html: each check's verdict cell
+    page = (pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8")
+    cells = re.findall(r'<tr><td><a href="#check\d+">test_verdicts\.py::(test_\w+)</a></td><td>[^<]*</td>\s*'
+                       r'<td class="(pass|fail)">', page)
+    html: dict = {}
+    for test, cls in cells:
+        html[test] = "fail" if "fail" in (html.get(test), cls) else cls
+    assert html == outcome
+    failing = int(re.search(r"(\d+) failing", page).group(1))
+    assert failing == sum(1 for t, c in cells if c == "fail") and failing >= len(FAILING)
+
+    # the job summary
+    text = summary.read_text(encoding="utf-8")
+    job: dict = {}
+    for test, verdict in re.findall(r"^\| test_verdicts\.py::(test_\w+) \| [^|]* \| (✅ pass|❌ fail)", text, re.M):
+        v = "fail" if "fail" in verdict else "pass"
+        job[test] = "fail" if "fail" in (job.get(test), v) else v
+    assert job == outcome
