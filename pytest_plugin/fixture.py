@@ -343,8 +343,13 @@ class MsprobeFixture:
         from ..check import check_dumps
 
         with self._guard():
+            # the run's and the marker's rule settings, as check() takes them: the drift rule's factors (ini
+            # msprobe_round_factor ...), msprobe_api_standards/msprobe_api_thresholds, the bench kernel of a
+            # replayed tensor dump
+            settings = self._settings({}, "msprobe.compare_dumps()")
             conclusion = check_dumps(self.context, target, bench, fuzzy=fuzzy, data_mapping=data_mapping,
-                                     layer_mapping=layer_mapping, cell_mapping=cell_mapping, api_mapping=api_mapping)
+                                     layer_mapping=layer_mapping, cell_mapping=cell_mapping, api_mapping=api_mapping,
+                                     settings=settings)
         return self._conclude(conclusion)
 
     def finish(self) -> None:

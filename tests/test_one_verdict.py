@@ -132,3 +132,34 @@ def test_every_artifact_tells_the_tests_verdict(pytester, monkeypatch):
         v = "fail" if "fail" in verdict else "pass"
         job[test] = "fail" if "fail" in (job.get(test), v) else v
     assert job == outcome
+
+
+LEAD = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def test_gpt2(msprobe):
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "eager"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(100))
+    msprobe.check(GPT2LMHeadModel(config).eval(), {"input_ids": ids}, bench_dtype="fp64")
+'''
+
+
+def test_a_model_output_failure_with_every_api_passing_names_a_lead(pytester):
+    """Issue 48, item 6: a 0.01% fault on an fp32 LayerNorm against an fp64 bench is within that call's error
+    budget, and only the logits fail; the failure then names the calls closest to their own standards, the faulty
+    one first, with its error beside its bench's."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_lead=LEAD)
+    pytester.makefile(".yaml", f="faults:\n  - {api: Functional.layer_norm, call: 3, perturb: scale, value: 1.0001}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-inject=f.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*model output model.output.logits drifts beyond the end-to-end tolerance*",
+                                 "closest to their own standards (a lead, none failing): "
+                                 "Functional.layer_norm.3.forward (*; max rel err target * vs bench *"])

@@ -170,15 +170,16 @@ def conclude_check(row: dict, outcome, check_dir: str, level: str, unapplied: li
     if outcome.model_errors:
         m = outcome.model_errors[0]
         value = float(m["value"])  # "inf"/"nan" are stored as strings (JSON has no such numbers)
+        lead = closest_calls(report) if report.isolated else ""
         if not math.isfinite(value):
             d.fail(f"msprobe: model output {m['name']}: {m['message'].split(': ', 1)[-1]}"
                    + ("; every isolated API passes its own standard" if report.isolated else "")
-                   + f". Artifacts: {check_dir}")
+                   + f". Artifacts: {check_dir}" + lead)
         else:
             d.fail(f"msprobe: model output {m['name']} drifts beyond the end-to-end tolerance: relative L2 error "
                    f"{value:.4g} > {float(m['threshold']):.4g} ("
                    + ("every isolated API passes its own standard; " if report.isolated else "")
-                   + f"set output_rtol to accept this drift). Artifacts: {check_dir}")
+                   + f"set output_rtol to accept this drift). Artifacts: {check_dir}" + lead)
         return d.done(report)
     api_errors = outcome.api_errors
     if api_errors:
@@ -282,3 +283,33 @@ def failure_message(report, check_dir: str, target_dump=None, graph_path: str | 
                  f"(incl. modules containing a failing API), unmatched {c['unmatched']}. "
                  f"Compare CSV and dumps: {check_dir}")
     return "\n".join(lines)
+
+
+def closest_calls(report, k: int = 3) -> str:
+    """A lead where the model output fails and every API passes its own standard: the ``k`` API calls whose judged
+    metric came closest to its threshold (value / threshold, highest first), each with its target's and its
+    bench's own relative errors where the standard measured them. A second line of the failure message ('' when
+    no call was judged)."""
+    calls = []
+    for n in report.nodes:
+        if n.name.startswith("Module.") or not n.metrics.get("isolated") or n.metrics.get("standard") == "source":
+            continue
+        try:
+            ratio = float(n.value) / float(n.threshold)
+        except (TypeError, ValueError, ZeroDivisionError):
+            continue
+        if math.isfinite(ratio):
+            calls.append((ratio, n))
+    if not calls:
+        return ""
+    calls.sort(key=lambda c: c[0], reverse=True)
+    parts = []
+    for ratio, n in calls[:k]:
+        m = n.metrics
+        errs = ""
+        if "target_max_rel_err" in m and "bench_max_rel_err" in m:
+            errs = (f"; max rel err target {m['target_max_rel_err']:.3g} vs bench {m['bench_max_rel_err']:.3g}, "
+                    f"mean {m.get('target_mean_rel_err', math.nan):.3g} vs {m.get('bench_mean_rel_err', math.nan):.3g}")
+        parts.append(f"{n.name} ({n.metric} {float(n.value):.4g} of {float(n.threshold):.4g}: {ratio:.0%} of its "
+                     f"threshold{errs})")
+    return "\nclosest to their own standards (a lead, none failing): " + "; ".join(parts)

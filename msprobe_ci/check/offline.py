@@ -11,7 +11,7 @@ from .context import CheckContext
 
 def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
                 layer_mapping: str | None = None, cell_mapping: str | None = None,
-                api_mapping: str | None = None) -> Conclusion:
+                api_mapping: str | None = None, settings=None) -> Conclusion:
     """Judge ``target`` against ``bench`` as :func:`~msprobe_ci.check.single.run_check` judges its two sides.
 
     Args:
@@ -19,6 +19,9 @@ def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = Fal
         target, bench: a dump.json, rank folder or step folder with one rank each.
         fuzzy: msprobe's ``-fm`` matching. data_mapping, layer_mapping, cell_mapping, api_mapping: msprobe's
             ``-dm``/``-lm``/``-cm``/``-am`` YAML files (optional; a MindSpore dump against a PyTorch one needs none).
+        settings: the run's :class:`~msprobe_ci.check.settings.CheckSettings`, whose rules a dump can honour are
+            applied as :func:`~msprobe_ci.check.single.run_check` applies them: the drift rule's factors, the API
+            standard and threshold overrides, the bench kernel of a replayed tensor dump. ``None``: the defaults.
 
     Returns:
         The :class:`~msprobe_ci.check.conclude.Conclusion`, its value the CompareReport.
@@ -39,8 +42,11 @@ def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = Fal
     factor, rule = sources_rule(step_of(folders[0]))
     row = {"test": ctx.nodeid, "index": index, "dir": check_dir, "bench": f"dump {folders[1]}",
            "target": f"dump {folders[0]}", "level": "mix", "notes": [rule]}
+    rules = {} if settings is None else dict(
+        thresholds=settings.thresholds, api_standards=settings.api_standards, api_thresholds=settings.api_thresholds,
+        bench_kernel=settings.bench_kernel)
     outcome = evaluate(folders[1], SideRun(folders[0]), check_dir, level="mix", fuzzy=fuzzy, isolate=True,
                        graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index), mappings=mappings,
-                       source_factor=factor)
+                       source_factor=factor, **rules)
     return conclude_check(row, outcome, check_dir, "mix", [], None, "--msprobe-target=cpu",
                           require_coverage=ctx.require_coverage)

@@ -238,7 +238,7 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             worst_row=row,
             passing_threshold=value,
             metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True,
-                         **({"rank": rec["rank"]} if "rank" in rec else {})), message=msg))
+                         **({"rank": rec["rank"]} if "rank" in rec else {}), **_errors_of(rec)), message=msg))
         if status == "error":
             failing_api[node.name] = node.name
     # module roll-up
@@ -433,3 +433,12 @@ def _float(x: Any) -> float:
 
 def _fmt(x: float) -> str:
     return f"{x:.4g}"  # inf, -inf and nan print as such (-inf printed "inf")
+
+
+def _errors_of(rec: dict) -> dict:
+    """The target's and the bench's own relative errors from an isolation record's metrics (benchmark standard:
+    ``target_max_rel_err``, ``bench_max_rel_err``, the means), so a lead can set each call's error beside its
+    bench's; empty for the other standards."""
+    m = rec.get("metrics") or {}
+    return {k: m[k] for k in ("target_max_rel_err", "bench_max_rel_err", "target_mean_rel_err", "bench_mean_rel_err")
+            if isinstance(m.get(k), (int, float))}
