@@ -210,8 +210,9 @@ class MsprobeFixture:
         return self._run("check_parallel", options, check_parallel, build, inputs, world_size=world_size,
                          bench_world_size=bench_world_size, loss_fn=loss_fn, timeout=timeout, tp=tp, pp=pp)
 
-    def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable,
-                       *, grad_cosine: float = 0.99, scaler_skips: int = 3, **options: Any):
+    def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any] | None, optimizer: Callable,
+                       *, grad_cosine: float = 0.99, scaler_skips: int = 3, step: Callable | None = None,
+                       **options: Any):
         """Train the model for one step per batch on the bench and the target, and fail at the first step whose
         computation diverges.
 
@@ -231,6 +232,10 @@ class MsprobeFixture:
             grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
             scaler_skips: with ``target_autocast="fp16"`` (a ``GradScaler`` on the target): fail when its scaler
                 skips this many optimizer steps in a row (default 3); fewer are reported as skipped, not failed.
+            step: your own training step, ``step(model, batch, state) -> loss`` (forward, backward, clipping,
+                accumulation, scheduler, your scaler and autocast, ``optimizer.step()``, ``zero_grad``), captured
+                whole as one step per batch; ``state`` is what ``optimizer(parameters)`` returned (an optimizer, or
+                a tuple holding a scheduler and a scaler too); ``loss_fn`` may be ``None``.
             options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...), and
                 ``monitor`` (default ``--msprobe-monitor``): run :class:`msprobe_ci.TrainerMon` on both sides and
                 fail on a target anomaly (NaN/Inf, a 10x jump over the running median) the bench does not share.
@@ -243,7 +248,7 @@ class MsprobeFixture:
         from ..check import check_training
 
         return self._run("check_training", options, check_training, model, batches, loss_fn, optimizer,
-                         grad_cosine=grad_cosine, scaler_skips=scaler_skips)
+                         grad_cosine=grad_cosine, scaler_skips=scaler_skips, step=step)
 
     def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, token_range: Any = None,
                        **options: Any):

@@ -225,3 +225,65 @@ def test_a_users_own_loop_dumped_over_steps_compares_clean_and_names_a_step_1_fa
                           text=True, timeout=300)
     assert done.returncode == 1
     assert "first divergence: step1 rank0 Functional.layer_norm.0.forward" in done.stdout, done.stdout
+
+
+OWN_STEP = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def state(params):
+    opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), torch.amp.GradScaler("cpu")
+
+
+def step(model, batch, state):
+    # the user's own step: two micro-batches accumulated, fp16 autocast, a GradScaler, clipping, a scheduler
+    opt, sched, scaler = state
+    opt.zero_grad()
+    for half in batch["input_ids"].chunk(2):
+        loss = model(input_ids=half, labels=half).loss / 2  # under the side's autocast (target_autocast)
+        scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    return loss
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": torch.randint(0, 128, (2, 8), generator=g)} for _ in range(2)]
+
+
+def test_own_step(msprobe):
+    r = msprobe.check_training(build(), batches(), None, state, step=step, target_autocast="fp16")
+    assert len(r["losses"]["target"]) == 2
+
+
+def test_own_step_fault(msprobe):
+    msprobe.check_training(build(), batches(), None, state, step=step, target_autocast="fp16",
+                           inject="faults.yaml")
+"""
+
+
+def test_a_users_own_training_step_with_amp_is_gated(pytester):
+    """check_training(step=...): the user's own step (accumulation, a GradScaler, clipping, a scheduler) under fp16
+    autocast on the target (``target_autocast`` wraps the whole step) against the same step in fp32 (a GradScaler
+    scales by powers of two: exact there): benign passes, a 2% fault at step 1 is named there."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_own=OWN_STEP)
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 1, perturb: scale, value: 1.02, "
+                                      "step: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Functional.silu.1.forward*"])

@@ -41,7 +41,8 @@ class TrainingRun:
 
 
 def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
-                 faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None) -> TrainingRun:
+                 faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None,
+                 step: Callable | None = None) -> TrainingRun:
     """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
 
     Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
@@ -49,8 +50,15 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     same step), ``zero_grad()``.
 
     Args:
-        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side.
+        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer``, called once per side; with ``step``, it may
+            return any training state (an optimizer, a tuple with a scheduler and a ``GradScaler`` ...), handed to
+            ``step`` as it is.
         monitor_dir: also run the training monitor (:class:`~msprobe_ci.monitor.TrainerMon`) into this folder.
+        step: the user's own training step, ``step(model, batch, state) -> loss``: forward, backward, clipping,
+            accumulation, scheduler, scaler, its own autocast, ``optimizer.step()`` and ``zero_grad`` as the user's
+            loop does them; captured whole as one step (``loss_fn`` unused). The side's ``autocast`` option, if
+            set, wraps the whole call. Gradients are recorded as ``step`` leaves them (``None`` after a
+            ``zero_grad(set_to_none=True)`` at its end: then none are compared).
 
     Raises:
         MsprobeError: a batch list that is empty, or nothing captured.
@@ -65,20 +73,37 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     side_model = backend.prepare_model(model)
     side_model.train()
     opt = optimizer(side_model.parameters())
-    scaler = backend.grad_scaler()  # fp16 autocast trains with a loss scale, as torch.amp prescribes
+    # fp16 autocast trains with a loss scale, as torch.amp prescribes (the user's own step brings its own)
+    scaler = backend.grad_scaler() if step is None else None
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = TrainingRun()
     mon = None
     if monitor_dir is not None:
         from ..monitor import TrainerMon
 
-        mon = TrainerMon(monitor_dir).set_monitor(side_model, opt)
+        mon = TrainerMon(monitor_dir).set_monitor(
+            side_model, opt if isinstance(opt, torch.optim.Optimizer) else None)
     torch.manual_seed(seed)
     try:
         with deterministic():
             for batch in batches:
                 inputs = backend.prepare_inputs((batch,))[0]
                 capture.start(side_model)
+                if step is not None:
+                    with backend.autocast_context():
+                        loss = step(side_model, inputs, opt)
+                    if not isinstance(loss, torch.Tensor):
+                        raise MsprobeError(f"check_training: step(model, batch, state) returned "
+                                           f"{type(loss).__name__}; expected the step's loss tensor")
+                    if mon is not None:
+                        mon.record_loss(loss)
+                    run.losses.append(float(loss.detach().float().cpu()))
+                    run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
+                                      for n, p in side_model.named_parameters() if p.grad is not None})
+                    capture.stop()
+                    run.folders.append(capture.dump_folder())
+                    capture.step()
+                    continue
                 with backend.autocast_context():  # forward and loss under the side's AMP; backward outside it
                     if isinstance(inputs, dict):
                         out = side_model(**inputs)
@@ -140,15 +165,16 @@ def grad_similarity(bench: dict, target: dict) -> list[dict]:
     return out
 
 
-def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], Any], optimizer: Callable, *,
-                   grad_cosine: float = 0.99, scaler_skips: int = 3):
+def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], Any] | None, optimizer: Callable, *,
+                   grad_cosine: float = 0.99, scaler_skips: int = 3, step: Callable | None = None):
     """Train ``model`` one step per batch on both sides (isolation on the target), judge every step, conclude.
 
     Args:
         ctx: the test's :class:`~msprobe_ci.check.context.CheckContext`. s: the check's
             :class:`~msprobe_ci.check.settings.CheckSettings` (``monitor``: TrainerMon on both sides, failing on a
             target anomaly the bench does not share).
-        model, batches, loss_fn, optimizer: as :func:`run_training`.
+        model, batches, loss_fn, optimizer, step: as :func:`run_training` (``step``: the user's own training step;
+            ``loss_fn`` may then be ``None``).
         grad_cosine: the gradient-similarity level reported (default 0.99; reported, never failed on).
         scaler_skips: with fp16 autocast (a ``GradScaler`` on that side), how many consecutive optimizer steps the
             target's scaler may skip (inf/NaN in its scaled gradients, the loss scale halved each time) before the
@@ -178,7 +204,8 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
             runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
                                       faults=s.faults if side == "target" else (), seed=s.seed,
                                       isolator=s.isolator(backward=True) if side == "target" else None,
-                                      monitor_dir=os.path.join(check_dir, "monitor", side) if s.monitor else None)
+                                      monitor_dir=os.path.join(check_dir, "monitor", side) if s.monitor else None,
+                                      step=step)
     except MsprobeError as exc:
         raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None
     outcomes = judge_steps(s, check_dir, runs["bench"].folders, runs["target"].folders)
