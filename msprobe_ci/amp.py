@@ -76,6 +76,46 @@ def kernel_inputs(args: tuple, kwargs: dict, out: Any) -> tuple[tuple, dict, tor
     return cast(tuple(args), conv), {k: cast(v, conv) for k, v in kwargs.items()}, seen
 
 
+def cast_inputs(args: Any, kwargs: dict, dtype: torch.dtype) -> tuple[Any, dict]:
+    """``args``/``kwargs`` with every floating tensor but float64 cast to ``dtype`` (detached): a replayed call
+    made under autocast, as its kernel saw its inputs."""
+    from .kernels import cast
+
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t
+    return cast(args, conv), {k: cast(v, conv) for k, v in kwargs.items()}
+
+
+def of_entry(entry: dict) -> tuple[torch.dtype | None, str]:
+    """The dtype a dumped forward call's kernel computed in under autocast, and how that is known: ``recorded``
+    (our dumps' :data:`FIELD`), ``inferred`` (a dump made elsewhere: :func:`infer` on its dtypes), or ``(None,
+    "")`` where it did not run under autocast."""
+    from .dtypes import lookup
+
+    recorded = entry.get(FIELD)
+    if isinstance(recorded, str):  # a dump is data: the string picks a row of our own dtype table, nothing else
+        d = lookup(recorded)
+        return (d.torch if d is not None and d.short in ("bf16", "fp16") else None), "recorded"
+
+    def dtypes(recs: Any) -> list[str]:
+        out: list[str] = []
+        if isinstance(recs, dict) and isinstance(recs.get("dtype"), str):
+            return [recs["dtype"]]
+        if isinstance(recs, dict):
+            recs = list(recs.values())
+        if isinstance(recs, list):
+            for r in recs:
+                out += dtypes(r)
+        return out
+    floating = ("torch.float", "torch.bfloat", "torch.half")
+    ins = [d for d in dtypes([entry.get("input_args"), entry.get("input_kwargs")]) if d.startswith(floating)]
+    outs = [d for d in dtypes(entry.get("output")) if d.startswith(floating)]
+    guess = infer(ins, outs)
+    if guess is None:
+        return None, ""
+    return {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}[guess], "inferred"
+
+
 def infer(input_dtypes: list[str], output_dtypes: list[str]) -> str | None:
     """For a dump made elsewhere (no :data:`FIELD`): the dtype the call computed in when its dtypes say it ran
     under autocast as msprobe infers it: float32 inputs with a bf16/fp16 floating output. ``None`` otherwise.

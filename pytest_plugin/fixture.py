@@ -86,6 +86,7 @@ class MsprobeFixture:
             yield
         except DeviceAbsent as exc:
             if self.session.require_device:
+                self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc} (--msprobe-require-device)"))
                 raise pytest.fail.Exception(f"msprobe: {exc} (--msprobe-require-device)", pytrace=False) from None
             self.request.node.user_properties.append((RESULT_PROPERTY, publish(dict(exc.row, skipped=str(exc)))))
             raise pytest.skip.Exception(f"msprobe: {exc}") from None

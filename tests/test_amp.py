@@ -287,3 +287,38 @@ def test_a_users_own_training_step_with_amp_is_gated(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Functional.silu.1.forward*"])
+
+
+def test_a_tensor_dump_made_under_autocast_replays_as_its_kernels_saw_their_inputs(tmp_path):
+    """The offline replay (api-check, a tensor dump's verdicts): a call made under bf16 autocast is replayed on its
+    inputs cast to bf16, whether our dump recorded it or the dtypes say it (a dump made elsewhere, msprobe's
+    inference). Fed the fp32 inputs as dumped, the GEMM failed its standard."""
+    from msprobe_ci import PrecisionDebugger
+    from msprobe_ci.dump.reader import load_dump
+    from msprobe_ci.replay.runner import ApiReplayer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    debugger = PrecisionDebugger(dump_path=str(tmp_path / "dump"), task="tensor", level="L1", isolate=False)
+    debugger.start(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(32, 64))
+    debugger.stop()
+    folder = tmp_path / "dump" / "step0" / "rank"
+    result = ApiReplayer(load_dump(str(folder))).check("Functional.linear.0.forward")
+    assert result.status == "pass" and result.autocast == "bfloat16 (recorded)", result.message
+    assert "[autocast: inputs replayed in bfloat16 (recorded)]" in result.message
+    # the same dump as another runner writes it: no autocast field, the dtypes tell
+    path = folder / "dump.json"
+    dump = json.loads(path.read_text())
+    for entry in dump["data"].values():
+        entry.pop("autocast", None)
+    path.write_text(json.dumps(dump))
+    result = ApiReplayer(load_dump(str(folder))).check("Functional.linear.0.forward")
+    assert result.status == "pass" and result.autocast == "bfloat16 (inferred)", result.message
+    # and what it was before: the fp32 inputs as dumped, against the bf16 output
+    replayer = ApiReplayer(load_dump(str(folder)))
+    args, kwargs = replayer.arguments("Functional.linear.0.forward")
+    gen_targets = replayer._recorded("Functional.linear.0.forward", [
+        ("Functional.linear.0.forward.output.0", dump["data"]["Functional.linear.0.forward"]["output"][0])])
+    assert replayer.check_inputs("Functional.linear.0.forward", args, kwargs, gen_targets).status == "error"

@@ -1,6 +1,7 @@
 """One verdict per check (issue 49): whatever failed a test, every artifact says so. Over the failure kinds
-(divergence, a model-level case, a fault that never fired in a single check and in a loop, coverage short with
-``--msprobe-require-coverage``, a check whose run raised, a check refused with an error) and a passing check, the
+(divergence, a fault that never fired in a single check and in a loop, coverage short with
+``--msprobe-require-coverage``, a check whose run raised, a check refused with an error, a required device absent,
+a rank that crashed) and a passing check, the
 test outcome, pytest's own JUnit, the plugin's JUnit, the terminal summary, report.html, the job summary
 ($GITHUB_STEP_SUMMARY) and each msprobe-result.json agree."""
 
@@ -68,10 +69,24 @@ def test_raised(msprobe):
 
 def test_refused(msprobe):
     msprobe.check(Net(), X, no_such_option=1)
+
+
+def test_device_absent(msprobe):
+    msprobe.check(Net(), X, target="npu")  # no Ascend runtime here; --msprobe-require-device makes it a failure
+
+
+def build(rank, world):
+    if rank == 1:
+        raise RuntimeError("rank 1 could not build its shard")
+    return Net()
+
+
+def test_rank_crashed(msprobe):
+    msprobe.check_parallel(build, X, world_size=2, timeout=120)
 '''
 
 FAILING = {"test_divergence", "test_never_fired", "test_loop_never_fired", "test_coverage_short", "test_raised",
-           "test_refused"}
+           "test_refused", "test_device_absent", "test_rank_crashed"}
 
 
 def test_every_artifact_tells_the_tests_verdict(pytester, monkeypatch):
@@ -82,7 +97,8 @@ def test_every_artifact_tells_the_tests_verdict(pytester, monkeypatch):
     summary = pytester.path / "step-summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
-                                           "--msprobe-require-coverage", "--junitxml=pytest.xml",
+                                           "--msprobe-require-coverage", "--msprobe-require-device",
+                                           "--junitxml=pytest.xml",
                                            "--msprobe-junitxml=msprobe.xml")
     result.assert_outcomes(passed=1, failed=len(FAILING))
 

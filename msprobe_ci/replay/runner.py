@@ -59,6 +59,8 @@ class ApiResult:
         outputs: ``[(row name, CheckResult)]`` per compared output.
         reason: why it was skipped (empty otherwise).
         info: ``{row: (oracle dtype, target dtype, shape)}`` for the details CSV.
+        autocast: for a call made under autocast, the dtype its inputs were replayed in and how that is known
+            (``bfloat16 (recorded)``, ``float16 (inferred)``: :func:`msprobe_ci.amp.of_entry`); empty otherwise.
     """
 
     name: str
@@ -66,16 +68,18 @@ class ApiResult:
     outputs: list[tuple[str, CheckResult]] = field(default_factory=list)
     reason: str = ""
     info: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    autocast: str = ""
 
     @property
     def message(self) -> str:
         if self.status == "skip":
             return self.reason
+        amp = f" [autocast: inputs replayed in {self.autocast}]" if self.autocast else ""
         bad = [(n, r) for n, r in self.outputs if r.status in ("error", "warning")]
         if not bad:
-            return f"{len(self.outputs)} output(s) pass"
+            return f"{len(self.outputs)} output(s) pass{amp}"
         n, r = bad[0]
-        return f"{n}: {r.standard} {r.status}: {r.message}"
+        return f"{n}: {r.standard} {r.status}: {r.message}{amp}"
 
 
 def parse_name(name: str) -> tuple[str, str, int, str]:
@@ -570,7 +574,17 @@ class ApiReplayer:
         records = _records(entry.get("output") or [], f"{name}.output")
         if "dropout" in short:
             return self._dropout(name, args, kwargs, records, func)
-        return self.check_inputs(name, args, kwargs, None if self.live else self._recorded(name, records))
+        from .. import amp
+
+        # a call made under autocast (recorded in our dumps, inferred from dtypes as msprobe does for others):
+        # replayed on its inputs as its kernel saw them, cast to the dtype it computed in
+        dtype, how = amp.of_entry(entry)
+        if dtype is not None:
+            args, kwargs = amp.cast_inputs(args, kwargs, dtype)
+        result = self.check_inputs(name, args, kwargs, None if self.live else self._recorded(name, records))
+        if dtype is not None:
+            result.autocast = f"{str(dtype).replace('torch.', '')} ({how})"
+        return result
 
     def check_inputs(self, name: str, args: list, kwargs: dict, targets: list | None = None) -> ApiResult:
         """Judge forward entry ``name`` on the given inputs; ``targets`` ``None`` runs the target live (CPU, in the
