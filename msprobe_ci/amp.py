@@ -31,10 +31,19 @@ def _floating(value: Any) -> list[torch.Tensor]:
     return [t for t in tensors_of(value) if t.is_floating_point()]
 
 
+def _any_enabled() -> bool:
+    """Whether autocast is on for any device type in this thread (torch's own flag; True where it is missing, so
+    the per-device check below decides)."""
+    flag = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return True if flag is None else bool(flag())
+
+
 def autocast_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The autocast dtype a call with these arguments runs under: ``None`` unless autocast is enabled for the
     device type of its first floating tensor and one of its floating tensors is one autocast may cast (any
     floating dtype but float64)."""
+    if not _any_enabled():  # the common case, paid once per captured call: 0.5 us instead of a walk (17 us)
+        return None
     tensors = _floating(args) + _floating(kwargs)
     if not tensors or all(t.dtype == torch.float64 for t in tensors):
         return None
