@@ -1,7 +1,9 @@
 """Every mode through the grid ``gate_quality.py`` puts ``check`` through: benign runs must pass, faults must be
 named exactly (with their step), nothing else blamed.
 
-Modes (each on both dtype pairings: the same dtype, fp32 against fp32, and bf16 against an fp32 bench):
+Modes (each on the dtype pairings asked: ``same`` fp32 against fp32, ``mixed`` bf16 against an fp32 bench, and
+``amp-bf16``/``amp-fp16``, an AMP target (fp32 weights under torch.autocast; fp16 loops with a GradScaler)
+against an fp32 bench):
 
 * ``train-adamw``, ``train-sgd``: the loop gate of ``msprobe.check_training`` (3 steps, AdamW or SGD with
   momentum; ``run_training`` on both sides, every step judged as the fixture judges it); faults at step 1 or 2 in a
@@ -18,7 +20,8 @@ Architectures: stock transformers configs none of the repo's tests or benchmarks
 StableLM), 2 layers, hidden 64, batch 2 x 12 tokens; seeds 7 and 8.
 
     python benchmarks/mode_grid.py [--modes train-adamw,train-sgd,generate,debugger,tensor,statistics]
-                                   [--models opt,bloom,falcon,stablelm] [--seeds 2] [--dtypes same,mixed] [--verbose]
+                                   [--models opt,bloom,falcon,stablelm] [--seeds 2]
+                                   [--dtypes same,mixed,amp-bf16,amp-fp16] [--verbose]
 
 Prints one row per mode and dtype pairing: benign runs, false fails, faults, named exactly (node and step), other
 API testcases failing besides the faulty one (enclosing modules aside).
@@ -46,7 +49,15 @@ from msprobe_ci.isolate import Isolator
 warnings.filterwarnings("ignore")
 MODELS = ("opt", "bloom", "falcon", "stablelm")
 MODES = ("train-adamw", "train-sgd", "generate", "debugger", "tensor", "statistics")
-DTYPES = {"same": (torch.float32, torch.float32), "mixed": (torch.float32, torch.bfloat16)}
+#: dtype pairing -> (bench dtype, target dtype, target autocast): ``amp-*`` is an AMP target (fp32 weights, its
+#: forward and loss under torch.autocast; fp16 training with a GradScaler) against the fp32 bench
+DTYPES = {"same": (torch.float32, torch.float32, None), "mixed": (torch.float32, torch.bfloat16, None),
+          "amp-bf16": (torch.float32, None, "bf16"), "amp-fp16": (torch.float32, None, "fp16")}
+
+
+def _computed_in(backend):
+    """The dtype a side rounds in: its autocast dtype, else its own."""
+    return backend.autocast if backend.autocast is not None else backend.dtype
 OPTIMIZER_APIS = ("Tensor.addcmul_", "Tensor.lerp_", "Tensor.addcdiv_", "Tensor.mul_", "Tensor.add_")
 FORWARD_APIS = ("Functional.linear", "Functional.softmax", "Functional.layer_norm", "Functional.gelu",
                 "Functional.silu", "Tensor.__mul__", "Functional.scaled_dot_product_attention")
@@ -91,7 +102,7 @@ def _errors(report) -> list[str]:
 
 def _judge_steps(bench_folders, target_folders, tmp, bench, target, steps=None):
     """Every step judged as the loop fixtures judge it: sources compared with the bench at step 0 only."""
-    cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+    cast_u = unit_roundoff(str(_computed_in(target)), str(bench.dtype))
     steps = steps if steps is not None else list(range(len(bench_folders)))
     return [(steps[i], evaluate(b, SideRun(t), os.path.join(tmp, f"judge{steps[i]}"), level="mix",
                                 cast_roundoff=cast_u, source_factor=4.0 if steps[i] == 0 else math.inf).report)
@@ -132,11 +143,13 @@ def run_dumps(mode, model, seed, bench, target, faults, tmp):
                                 inject=faults if side == "target" else None)
         torch.manual_seed(1234)
         dbg.start(m)
-        m(input_ids=ids, labels=ids).loss.backward()
+        with backend.autocast_context():
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
         dbg.stop()
         folders[side] = os.path.join(tmp, side, "step0", "rank")
     out = evaluate(folders["bench"], SideRun(folders["target"]), os.path.join(tmp, "judge"), level="mix",
-                   cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+                   cast_roundoff=unit_roundoff(str(_computed_in(target)), str(bench.dtype)))
     return [(0, out.report)]
 
 
@@ -186,8 +199,9 @@ def pick_faults(mode, reports, dtype) -> list[tuple[Fault, int, str]]:
 
 def grid(mode: str, dkey: str, models, seeds, verbose: bool = False) -> tuple[dict, list[str]]:
     """One row of the grid: ``({benign, false, faults, exact, other}, lines naming each miss)``."""
-    bench_dtype, target_dtype = DTYPES[dkey]
-    bench, target = Backend.from_options("cpu", bench_dtype), Backend.from_options("cpu", target_dtype)
+    bench_dtype, target_dtype, autocast = DTYPES[dkey]
+    bench = Backend.from_options("cpu", bench_dtype)
+    target = Backend.from_options("cpu", target_dtype, autocast=autocast)
     s = dict(benign=0, false=0, faults=0, exact=0, other=0)
     lines = []
     for kind in models:
@@ -199,7 +213,7 @@ def grid(mode: str, dkey: str, models, seeds, verbose: bool = False) -> tuple[di
             if bad:
                 s["false"] += 1
                 lines.append(f"  benign {mode} {dkey} {kind} seed {seed}: {bad[:4]}")
-            for f, step, node in pick_faults(mode, reports, target_dtype):
+            for f, step, node in pick_faults(mode, reports, _computed_in(target)):
                 got = run_mode(mode, model, seed, bench, target, [f])
                 s["faults"] += 1
                 errors = [(st, e) for st, r in got for e in _errors(r)]
@@ -236,8 +250,8 @@ def main() -> None:
             t0 = time.perf_counter()
             s, more = grid(mode, dkey, args.models.split(","), seeds, args.verbose)
             lines += more
-            bench_dtype, target_dtype = DTYPES[dkey]
-            label = f"{str(target_dtype)[6:]} vs {str(bench_dtype)[6:]} bench"
+            bench_dtype, target_dtype, autocast = DTYPES[dkey]
+            label = (f"{autocast} autocast" if autocast else str(target_dtype)[6:]) + f" vs {str(bench_dtype)[6:]} bench"
             exact = f"{100 * s['exact'] / s['faults']:.1f}%" if s["faults"] else "-"
             print(f"{mode:<12} {label:<22} {s['benign']:>6} {s['false']:>11} {s['faults']:>6} {exact:>7} "
                   f"{s['other']:>15} {time.perf_counter() - t0:>8.0f}", flush=True)

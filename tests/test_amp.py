@@ -322,3 +322,57 @@ def test_a_tensor_dump_made_under_autocast_replays_as_its_kernels_saw_their_inpu
     gen_targets = replayer._recorded("Functional.linear.0.forward", [
         ("Functional.linear.0.forward.output.0", dump["data"]["Functional.linear.0.forward"]["output"][0])])
     assert replayer.check_inputs("Functional.linear.0.forward", args, kwargs, gen_targets).status == "error"
+
+
+SCALER = """
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from msprobe_ci.backends import Backend
+
+
+@pytest.fixture(autouse=True)
+def huge_loss_scale(monkeypatch):
+    # a loss scale of 2^40: fp16 scaled gradients overflow, the scaler skips and halves it each step
+    monkeypatch.setattr(Backend, "grad_scaler", lambda self: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+                        if self.autocast == torch.float16 else None)
+
+
+def build():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": i, "labels": i} for i in (torch.randint(0, 128, (1, 8), generator=g) for _ in range(n))]
+
+
+def adamw(p):
+    return torch.optim.AdamW(p, lr=1e-2, foreach=False)
+
+
+def test_two_skips(msprobe):
+    msprobe.check_training(build(), batches(2), lambda o: o.loss, adamw, target_autocast="fp16")
+
+
+def test_three_skips(msprobe):
+    msprobe.check_training(build(), batches(3), lambda o: o.loss, adamw, target_autocast="fp16")
+"""
+
+
+def test_steps_the_grad_scaler_skips_are_reported_and_only_a_run_of_them_fails(pytester):
+    """A step whose fp16 scaled gradients overflow is skipped by the GradScaler: reported with the loss scale,
+    its overflow not failed on; ``scaler_skips`` (3) skips in a row fail the check, naming the steps and scales."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_scaler=SCALER)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*GradScaler (target): loss scale 1.09951e+12 at step 0*steps skipped by the "
+                                 "scaler (inf/NaN in the scaled gradients): [[]0, 1[]]*"])
+    result.stdout.fnmatch_lines(["*msprobe: the target's GradScaler skipped 3 optimizer steps in a row (steps "
+                                 "[[]0, 1, 2[]]*"])

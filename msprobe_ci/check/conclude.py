@@ -213,17 +213,30 @@ def judge_steps(s, check_dir: str, bench_folders: list, target_folders: list, st
 
 def conclude_steps(d: Draft, s, nodeid: str, index: int, check_dir: str, outcomes: list, unapplied: tuple,
                    first_notes: list, extra: list, label: Callable[[int], str], tail: str, inject: str | None,
-                   steps: list | None = None, require_coverage: bool = False) -> bool:
+                   steps: list | None = None, require_coverage: bool = False,
+                   scaler_skipped: frozenset = frozenset()) -> bool:
     """One result row per step of a loop (``extra[i]``: the step's own fields), then the first problem, naming
     the step (``label(i)``, e.g. ``step 2`` or ``step 2 (decode token 2)``; ``tail`` ends a divergence message).
-    Returns whether the draft has failed."""
+    ``scaler_skipped``: steps the target's ``GradScaler`` skipped (inf/NaN in its scaled gradients): their new
+    overflow is the scaler's business, reported as a note, not failed on (the check fails on ``scaler_skips`` in a
+    row instead). Returns whether the draft has failed."""
     steps = list(range(len(outcomes))) if steps is None else steps
+    skipped_notes = {}
+    for i, outcome in enumerate(outcomes):
+        if steps[i] in scaler_skipped:
+            ov = outcome.overflow.first if outcome.overflow_failed else None
+            skipped_notes[i] = (f"step {steps[i]} skipped by the target's GradScaler (inf/NaN in its scaled "
+                                "gradients)" + (f"; its overflow at {ov.name} is the scaler's to handle, not failed "
+                                                "on" if ov is not None else ""))
+    outcomes = [_without_overflow(o) if i in skipped_notes else o for i, o in enumerate(outcomes)]
     for i, outcome in enumerate(outcomes):
         row = {"test": nodeid, "index": f"{index} step{steps[i]}", "dir": os.path.join(check_dir, f"step{steps[i]}"),
                "bench": s.bench.label, "target": s.target.label, "level": s.level,
                "bench_kernel": s.bench_kernel if s.isolate else None,
                "notes": list(outcome.notes) + (list(first_notes) if i == 0 else [])}
         row.update(outcome.summary(), unapplied=[], step=steps[i], **extra[i])
+        if i in skipped_notes:
+            row["notes"].append(skipped_notes[i])
         d.properties.append((RESULT, row))
     if d.fail(unapplied_message(inject, unapplied, check_dir)):
         return True
@@ -313,3 +326,10 @@ def closest_calls(report, k: int = 3) -> str:
         parts.append(f"{n.name} ({n.metric} {float(n.value):.4g} of {float(n.threshold):.4g}: {ratio:.0%} of its "
                      f"threshold{errs})")
     return "\nclosest to their own standards (a lead, none failing): " + "; ".join(parts)
+
+
+def _without_overflow(outcome):
+    """``outcome`` with its new overflow set aside (a step the target's GradScaler skipped)."""
+    from dataclasses import replace
+
+    return replace(outcome, overflow=None)

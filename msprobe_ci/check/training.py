@@ -236,7 +236,8 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
                       [{"loss_bench": losses["bench"][i], "loss_target": losses["target"][i], "grads": grads[i]}
                        for i in range(len(outcomes))],
                       lambda i: f"step {i}", f"loss bench/target: {curve}; {sim}", s.inject or ctx.inject_path,
-                      require_coverage=ctx.require_coverage):
+                      require_coverage=ctx.require_coverage,
+                      scaler_skipped=frozenset(i for i, k in enumerate(runs["target"].skipped) if k)):
         return d.done(value)
     if skips["run"] >= max(1, int(scaler_skips)):
         d.fail(f"msprobe: the target's GradScaler skipped {skips['run']} optimizer steps in a row (steps "
