@@ -10,7 +10,7 @@ import os
 
 from markupsafe import Markup
 
-from .summary import check_failed, row_verdict  # the one verdict, read as the job summary reads it
+from .summary import check_failed, row_verdict, step_failed  # the one verdict, read as the job summary reads it
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msprobe accuracy gate</title>
@@ -187,6 +187,7 @@ def _groups(results: list[dict]) -> list[dict]:
             by_key.setdefault(key, []).append(r)
     out = []
     for (test, index), rows in by_key.items():
+        shown = any(step_failed(r) for r in rows)  # a row of this check shows why it failed
         if "loss_bench" in rows[0]:
             rows = sorted(rows, key=lambda r: r.get("step", 0))
             steps = [r.get("step", i) for i, r in enumerate(rows)]
@@ -202,8 +203,8 @@ def _groups(results: list[dict]) -> list[dict]:
                                  "verdict", "first divergence"],
                         "rows": [{"cells": [s, _fmt(r["loss_bench"]), _fmt(r["loss_target"]),
                                             f"{g['cosine']:.6f} ({g.get('param', '')})" if g else "-",
-                                            row_verdict(r), r.get("first_divergence") or "none"],
-                                  "mark": 5, "cls": "fail" if check_failed(r) else "pass"}
+                                            row_verdict(r, shown), r.get("first_divergence") or "none"],
+                                  "mark": 5, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"}
                                  for s, r, g in zip(steps, rows, lows)],
                         "note": "Losses and gradient cosines are context, never failed on: each step's verdict "
                                 "is its isolated API verdicts."})
@@ -214,8 +215,8 @@ def _groups(results: list[dict]) -> list[dict]:
                         "plot": None, "head": ["step", "token agrees", "verdict", "first divergence"],
                         "rows": [{"cells": [f"{r.get('step', '')}" + (" (prefill)" if r.get("step") == 0 else ""),
                                             "yes" if r["token_agrees"] else "no",
-                                            row_verdict(r), r.get("first_divergence") or "none"],
-                                  "mark": 3, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
+                                            row_verdict(r, shown), r.get("first_divergence") or "none"],
+                                  "mark": 3, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"} for r in rows],
                         "note": "The target is teacher-forced on the bench's tokens; whether its own greedy pick "
                                 "agrees is context, never failed on."})
         else:
@@ -226,9 +227,9 @@ def _groups(results: list[dict]) -> list[dict]:
                                  + (f"rank{first['rank']}" if first else "none"),
                         "plot": None, "head": ["rank", "verdict", "first divergence over ranks", "own first node"],
                         "rows": [{"cells": [f"rank{r.get('rank')}" + (" (first)" if r.get("rank_first") else ""),
-                                            row_verdict(r),
+                                            row_verdict(r, shown),
                                             r.get("rank_divergence") or "none", r.get("first_divergence") or "none"],
-                                  "mark": 2, "cls": "fail" if check_failed(r) else "pass"} for r in rows],
+                                  "mark": 2, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"} for r in rows],
                         "note": "A rank that only received diverged data through a collective is said to have "
                                 "received it, and from which rank; the first is the earliest own divergence."})
     return out

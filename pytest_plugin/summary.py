@@ -25,12 +25,12 @@ def step_failed(r: dict) -> bool:
                 any(a["status"] == "error" for a in r.get("api_checks") or ()))
 
 
-def row_verdict(r: dict) -> str:
-    """A loop step's or a rank's verdict cell: its own evidence, and where the check failed for another reason
-    (a fault that never fired, coverage, another step), said so: ``pass (check failed)``."""
+def row_verdict(r: dict, shown: bool = False) -> str:
+    """A loop step's or a rank's verdict cell: its own evidence; where the check failed for a reason no row of it
+    shows (``shown`` False: a fault that never fired, coverage), said so: ``pass (check failed)``."""
     if step_failed(r):
         return "fail"
-    return "pass (check failed)" if check_failed(r) else "pass"
+    return "pass (check failed)" if check_failed(r) and not shown else "pass"
 
 
 def _cell(value) -> str:
