@@ -97,14 +97,11 @@ def cast_inputs(args: Any, kwargs: dict, dtype: torch.dtype) -> tuple[Any, dict]
 
 def of_entry(entry: dict) -> tuple[torch.dtype | None, str]:
     """The dtype a dumped forward call's kernel computed in under autocast, and how that is known: ``recorded``
-    (our dumps' :data:`FIELD`), ``inferred`` (a dump made elsewhere: :func:`infer` on its dtypes), or ``(None,
-    "")`` where it did not run under autocast."""
+    (our dumps' :data:`FIELD` says autocast was on: the dtype is then its floating output's, as
+    :func:`kernel_inputs` reads it live), ``inferred`` (a dump made elsewhere: :func:`infer` on its dtypes), or
+    ``(None, "")`` where it did not run under autocast. A dump is data: its strings pick rows of our own dtype
+    table (:mod:`msprobe_ci.dtypes`), nothing else."""
     from .dtypes import lookup
-
-    recorded = entry.get(FIELD)
-    if isinstance(recorded, str):  # a dump is data: the string picks a row of our own dtype table, nothing else
-        d = lookup(recorded)
-        return (d.torch if d is not None and d.short in ("bf16", "fp16") else None), "recorded"
 
     def dtypes(recs: Any) -> list[str]:
         out: list[str] = []
@@ -116,13 +113,19 @@ def of_entry(entry: dict) -> tuple[torch.dtype | None, str]:
             for r in recs:
                 out += dtypes(r)
         return out
-    floating = ("torch.float", "torch.bfloat", "torch.half")
-    ins = [d for d in dtypes([entry.get("input_args"), entry.get("input_kwargs")]) if d.startswith(floating)]
-    outs = [d for d in dtypes(entry.get("output")) if d.startswith(floating)]
+
+    def floating(names: list[str]) -> list[str]:
+        return [d.dump for d in map(lookup, names) if d is not None and d.short in ("fp64", "fp32", "fp16", "bf16")]
+    ins = floating(dtypes([entry.get("input_args"), entry.get("input_kwargs")]))
+    outs = floating(dtypes(entry.get("output")))
+    if isinstance(entry.get(FIELD), str):
+        if not outs or outs[0] == "torch.float64":
+            return None, ""
+        return lookup(outs[0]).torch, "recorded"
     guess = infer(ins, outs)
     if guess is None:
         return None, ""
-    return {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}[guess], "inferred"
+    return lookup(guess).torch, "inferred"
 
 
 def infer(input_dtypes: list[str], output_dtypes: list[str]) -> str | None:

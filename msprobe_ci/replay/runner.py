@@ -698,6 +698,12 @@ class ApiReplayer:
 
         fwd_entry = self.dump.data[fwd]
         mindspore = getattr(self.dump, "framework", "pytorch") == "mindspore"
+        from .. import amp
+
+        # made under autocast: the forward replayed on its inputs as its kernel saw them (msprobe_ci.amp.of_entry)
+        amp_dtype, amp_how = amp.of_entry(fwd_entry)
+        if amp_dtype is not None:
+            args, kwargs = amp.cast_inputs(args, kwargs, amp_dtype)
 
         def want(r: Any) -> bool:  # MindSpore records have no requires_grad: every floating input may need one
             return isinstance(r, dict) and (bool(r.get("requires_grad")) or mindspore and "dtype" in r)
@@ -760,6 +766,17 @@ class ApiReplayer:
             return ApiResult(name, "error", [(name, CheckResult("structure", "error", message=(
                 f"{len(targets)} target gradients vs {len(bench)} bench gradients")))])
         keep = [i for i, (_, t) in enumerate(targets) if t is not None]  # inputs that needed no grad
+        if amp_dtype is not None:
+            # a gradient is as precise as the narrower of the kernel's dtype and the user's tensor's (autocast's
+            # cast hands it back rounded): the target judged there, the references rounded as the cast rounds
+            for i in keep:
+                row, t = targets[i]
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and \
+                        t.dtype.itemsize > amp_dtype.itemsize:
+                    t = t.to(amp_dtype)
+                    targets[i] = (row, t)
+                if i < len(bench):
+                    bench[i] = kernels.round_to(bench[i], t)
         scales: list = []
 
         def budget(j: int):
@@ -786,6 +803,9 @@ class ApiReplayer:
                 except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
                     scales.append(None)
             return scales[j] if j < len(scales) else None
-        return self._judge(name, _short(prefix, api), [targets[i] for i in keep],
-                           [(targets[i][0], bench[i]) for i in keep], [(targets[i][0], oracle[i]) for i in keep],
-                           budget=budget)
+        result = self._judge(name, _short(prefix, api), [targets[i] for i in keep],
+                             [(targets[i][0], bench[i]) for i in keep], [(targets[i][0], oracle[i]) for i in keep],
+                             budget=budget)
+        if amp_dtype is not None:
+            result.autocast = f"{str(amp_dtype).replace('torch.', '')} ({amp_how})"
+        return result
