@@ -108,6 +108,7 @@ def test_stacks_stop_at_the_harness_wherever_the_plugin_is_installed():
 @pytest.mark.parametrize("name", sorted(FOLDERS))
 def test_every_package_folder_is_found_by_setuptools(name):
     """setup.py's discovery lists every folder holding an ``__init__.py`` (a hand-kept list once missed two)."""
+    pytest.importorskip("setuptools")  # a venv of Python 3.12+ has none; the built wheel is checked by .ci/run
     done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import runpy, setuptools, json
         seen = {}
