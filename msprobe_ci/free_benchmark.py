@@ -54,6 +54,10 @@ class _Pending:
     reference: Any = None
     noisy: Any = None
     started: float = 0.0
+    # a call made under autocast: its reruns wait for its output, which says the dtype its kernel computed in
+    # (msprobe_ci.amp); ``deferred(args, kwargs)`` then runs them on the inputs cast that way
+    deferred: Any = None
+    inputs: Any = None
 
 
 def bit_noise(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -142,6 +146,19 @@ class FreeBenchmark:
             self.skip(name, reason)
             return None
         kw = {k: v for k, v in kwargs.items() if k != "out"}
+        from . import amp
+        from .isolate.support import is_inplace
+
+        if "out" not in kwargs and not is_inplace(short) and amp.autocast_dtype(args, kw) is not None:
+            # under autocast the kernel sees its inputs cast by the op's policy: rerun after the call, on those
+            return _Pending(name, started=started, inputs=(tuple(args), kw),
+                            deferred=lambda a, k: self._reruns(name, func, a, k, kernel, started))
+        return self._reruns(name, func, args, kw, kernel, started)
+
+    def _reruns(self, name: str, func: Callable, args: tuple, kw: dict, kernel: Callable[[Any], Any],
+                started: float) -> _Pending | None:
+        """The reference (higher precision) and the bit-noise rerun of one call on copies of ``args``/``kw``."""
+        floats = [t for t in _tensors(args) + _tensors(kw) if t.is_floating_point()]
         low = min((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
         # to_cpu: everything fp64 on the CPU; improve_precision: one level above the lowest floating input, on the
         # target's device (an fp32 input of an fp16 call stays fp32; nothing is ever lowered)
@@ -177,6 +194,14 @@ class FreeBenchmark:
         """Judge the target's output ``out`` of a call prepared by :meth:`before`."""
         if pending is None:
             return
+        if pending.deferred is not None:
+            from . import amp
+
+            args, kw, _ = amp.kernel_inputs(*pending.inputs, out)
+            with amp.disabled((args, kw)):
+                pending = pending.deferred(args, kw)
+            if pending is None:
+                return
         stem = f"{pending.name}.output"
         refs = dict(_flat_outputs(pending.reference, stem))
         noisy = dict(_flat_outputs(pending.noisy, stem))

@@ -376,3 +376,21 @@ def test_steps_the_grad_scaler_skips_are_reported_and_only_a_run_of_them_fails(p
                                  "scaler (inf/NaN in the scaled gradients): [[]0, 1[]]*"])
     result.stdout.fnmatch_lines(["*msprobe: the target's GradScaler skipped 3 optimizer steps in a row (steps "
                                  "[[]0, 1, 2[]]*"])
+
+
+def test_the_free_benchmark_reruns_a_call_under_autocast_as_its_kernel_saw_it(pytester):
+    """The free benchmark (no bench side) on an AMP target: each call made under autocast is rerun after it, on its
+    inputs cast to the dtype it computed in, autocast off (before: its higher-precision rerun ran under autocast
+    too and was cast back down, so a bf16 GEMM of bf16 inputs was compared with itself, and a 2% fault on
+    ``Torch.matmul.0`` came with a second call at risk). Benign passes; the fault is the one call at risk."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_amp_suite=AMP_SUITE)
+    pytester.makefile(".yaml", mm="faults:\n  - {api: Torch.matmul, call: 0, perturb: scale, value: 1.02}\n")
+    args = ("-p", "no:cacheprovider", "--msprobe-free-benchmark", "--msprobe-target-autocast=bf16",
+            "-k", "test_amp_target")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess(*args, "--msprobe-inject=mm.yaml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: free benchmark: 1 API call(s) at risk on cpu/model-dtype+autocast(bf16); "
+                                 "first: Torch.matmul.0.forward.output.0*"])
