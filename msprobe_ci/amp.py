@@ -128,6 +128,14 @@ def of_entry(entry: dict) -> tuple[torch.dtype | None, str]:
     return lookup(guess).torch, "inferred"
 
 
+def grad_dtype(user: torch.dtype, kernel: torch.dtype) -> torch.dtype:
+    """The dtype a gradient w.r.t. a tensor the user passed in ``user`` is as precise as, when its kernel computed
+    in ``kernel``: the narrower of the two (autocast's cast hands a kernel's gradient back in the user's dtype, so
+    a bf16 kernel's gradient of an fp32 weight holds bf16 values, and an fp32 kernel's of a bf16 input is rounded
+    to bf16); the kernel's where both are as wide (bf16 and fp16)."""
+    return user if user.itemsize < kernel.itemsize else kernel
+
+
 def infer(input_dtypes: list[str], output_dtypes: list[str]) -> str | None:
     """For a dump made elsewhere (no :data:`FIELD`): the dtype the call computed in when its dtypes say it ran
     under autocast as msprobe infers it: float32 inputs with a bf16/fp16 floating output. ``None`` otherwise.

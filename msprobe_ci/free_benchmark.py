@@ -147,7 +147,7 @@ class FreeBenchmark:
             return None
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         from . import amp
-        from .isolate.support import is_inplace
+        from .isolate import is_inplace
 
         if "out" not in kwargs and not is_inplace(short) and amp.autocast_dtype(args, kw) is not None:
             # under autocast the kernel sees its inputs cast by the op's policy: rerun after the call, on those

@@ -27,6 +27,11 @@ def test_the_kernel_sees_its_inputs_in_its_outputs_dtype():
     assert seen == torch.float32 and [a.dtype for a in args] == [torch.float32, torch.float32, torch.float64]
     # nothing floating out: nothing cast
     assert amp.kernel_inputs((x,), {}, torch.zeros(2, dtype=torch.long))[2] is None
+    # a gradient is as precise as the narrower dtype: an fp32 weight's through a bf16 kernel, a bf16 input's
+    # through an fp32 kernel; equal widths take the kernel's
+    assert amp.grad_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert amp.grad_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
+    assert amp.grad_dtype(torch.float16, torch.bfloat16) == torch.bfloat16
 
 
 def test_autocast_state_is_read_per_device_and_off_outside_it():
@@ -227,7 +232,8 @@ def test_a_users_own_loop_dumped_over_steps_compares_clean_and_names_a_step_1_fa
     assert "first divergence: step1 rank0 Functional.layer_norm.0.forward" in done.stdout, done.stdout
 
 
-OWN_STEP = """
+#: a stock Llama from a small config, for the pytester suites below
+LLAMA = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -238,7 +244,9 @@ def build():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
+"""
 
+OWN_STEP = LLAMA + """
 
 def state(params):
     opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
@@ -324,10 +332,8 @@ def test_a_tensor_dump_made_under_autocast_replays_as_its_kernels_saw_their_inpu
     assert replayer.check_inputs("Functional.linear.0.forward", args, kwargs, gen_targets).status == "error"
 
 
-SCALER = """
+SCALER = LLAMA + """
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from msprobe_ci.backends import Backend
 
@@ -337,14 +343,6 @@ def huge_loss_scale(monkeypatch):
     # a loss scale of 2^40: fp16 scaled gradients overflow, the scaler skips and halves it each step
     monkeypatch.setattr(Backend, "grad_scaler", lambda self: torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
                         if self.autocast == torch.float16 else None)
-
-
-def build():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
 
 
 def batches(n):

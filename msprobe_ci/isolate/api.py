@@ -234,7 +234,7 @@ class ApiIsolation:
         before = [x for x in _tensors(call.inputs[0]) + _tensors(call.inputs[1]) if kernels.needs_grad(x)]
         args, kw, seen = amp.kernel_inputs(*call.inputs, out)
         after = [x for x in _tensors(args) + _tensors(kw) if kernels.needs_grad(x)]
-        call.grad_dtypes = [u.dtype if u.dtype.itemsize < k.dtype.itemsize else k.dtype for u, k in zip(before, after)]
+        call.grad_dtypes = [amp.grad_dtype(u.dtype, k.dtype) for u, k in zip(before, after)]
         rec = self.results.setdefault(call.name, {})
         rec["autocast"] = str(call.autocast)
         if seen is not None:

@@ -772,7 +772,7 @@ class ApiReplayer:
             for i in keep:
                 row, t = targets[i]
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and \
-                        t.dtype.itemsize > amp_dtype.itemsize:
+                        amp.grad_dtype(t.dtype, amp_dtype) != t.dtype:
                     t = t.to(amp_dtype)
                     targets[i] = (row, t)
                 if i < len(bench):
