@@ -157,6 +157,7 @@ def case(name, seed):
 
 DTYPES = {"bf16": ("fp32", "bf16", (1.02, 1.05)), "fp16": ("fp32", "fp16", (1.02, 1.05)),
           "fp32": ("fp64", "fp32", (1.01, 1.02))}
+NOISE = {"bf16": 0.02, "fp16": 0.02, "fp32": 0.02}  # the noise fault's relative size
 _JUDGED = ("linear", "layer_norm", "softmax", "gelu", "silu", "matmul", "__mul__", "__add__", "conv2d",
            "batch_norm", "scaled_dot_product_attention", "embedding", "mean", "rsqrt", "tanh", "relu", "__matmul__",
            "cross_entropy", "pow", "sum", "bmm", "max_pool2d", "dropout")
@@ -204,7 +205,7 @@ def _floating(entry):
     return bool(recs) and any(t in str(recs[0]["dtype"]) for t in ("float", "bfloat"))
 
 
-def _pick_faults(data, scales, seed):
+def _pick_faults(data, scales, seed, noise=0.02):
     """Faults on APIs whose first output is floating (a scale fault cannot change an integer output)."""
     names = [n for n in data if not n.startswith("Module.") and _floating(data[n])]
     fwd = [n for n in names if n.endswith(".forward") and n.split(".")[1] in _JUDGED and "dropout" not in n]
@@ -222,7 +223,7 @@ def _pick_faults(data, scales, seed):
         out.append((node, Fault(f"{prefix}.{api}", int(call), d, "scale", scale)))
     node, d = picks[len(picks) // 3]
     prefix, api, call = node.split(".")[:3]
-    out.append((node, Fault(f"{prefix}.{api}", int(call), d, "noise", 0.02)))
+    out.append((node, Fault(f"{prefix}.{api}", int(call), d, "noise", noise)))
     return out
 
 
@@ -253,8 +254,15 @@ def main():
                          "Isolator's)")
     ap.add_argument("--no-isolation", action="store_true",
                     help="judge two plain dumps (the drift rule of `msprobe-ci compare`), no isolation records")
+    ap.add_argument("--anchor", action="store_true",
+                    help="faults at the anchor's level (issue 53): scale 1.01 and 1% noise at bf16/fp16, scale "
+                         "1.001 and 0.1% noise at fp32")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    if args.anchor:
+        for name, size in (("bf16", 0.01), ("fp16", 0.01), ("fp32", 0.001)):
+            DTYPES[name] = (*DTYPES[name][:2], (1 + size,))
+            NOISE[name] = size
     global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE
     if args.budget_draws is not None:
         ISOLATOR.update(budget_draws=args.budget_draws)
@@ -310,7 +318,7 @@ def _measure(args, failures: list, kernel: str) -> dict:
                     # APIs inside compiled regions neither fire faults nor count calls, so a fault picked from an
                     # eager dump lands elsewhere: compiled runs measure false fails only
                     continue
-                for node, fault in _pick_faults(ref.data, scales, seed):
+                for node, fault in _pick_faults(ref.data, scales, seed, NOISE[dname]):
                     expected = node if LEVEL != "L0" else ref.construct.get(node)
                     if expected is None:
                         continue

@@ -45,6 +45,7 @@ element where the scale does not exceed the element, which is where the arithmet
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any
 
@@ -346,38 +347,197 @@ _NO_ROUNDING = frozenset({"detach", "lift_fresh", "lift_fresh_copy", "ones_like"
                           "split_with_sizes", "unbind", "narrow", "flip", "roll", "repeat", "index", "as_strided"})
 
 
+#: ATen ops whose every output element is a sum of many products or terms (GEMMs, convolutions, sums): a kernel
+#: accumulates them in fp32, so the rounding they commit is the random walk of their terms at fp32's roundoff
+#: (``sqrt(sum t_j^2) * u32``), which jittering their inputs by the accumulation roundoff gives
+_CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "convolution",
+                           "_convolution", "convolution_backward", "mkldnn_convolution", "sum", "nansum", "mean",
+                           "cumsum", "prod", "_grouped_mm", "embedding_bag", "_embedding_bag", "index_add",
+                           "scatter_add", "scatter_reduce", "segment_reduce", "linalg_vector_norm", "norm"})
+
+#: PyTorch's CPU kernels that hold their terms or partial sums in the tensor's half-precision dtype, where GPU and NPU
+#: kernels accumulate in fp32 (measured: ``python benchmarks/cpu_half_accumulation.py``, docs/verdicts.md). A budget
+#: for a bf16/fp16 target on the CPU charges these as a kernel holding everything in the target dtype: their inputs
+#: (the terms) and every step of their decomposition rounded at the full unit roundoff. Sources: the LayerNorm
+#: backward keeps its weight- and bias-gradient sums in ``T`` (``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``);
+#: the mean ``nll_loss`` its cascade of partial sums (``LossNLL.cpp``); the embedding backward adds a repeated
+#: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
+#: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43, and the half batch norm folds the mean into
+#: its bias, ``x * a + (b - mean * a)`` in ``T``: its error is that of its terms where ``x`` is near the mean.
+CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nll_loss2d_forward",
+                           "embedding_dense_backward", "convolution_backward", "native_batch_norm",
+                           "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                           "native_batch_norm_backward"})
+#: inside a fused attention kernel (:func:`fused_attention`): the results held in the input dtype. Flash attention
+#: kernels (PyTorch's CPU ``_scaled_dot_product_flash_attention_for_cpu``, FlashAttention-2 on CUDA) compute
+#: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
+#: input dtype for the GEMMs that follow; everything else stays in fp32.
+ATTENTION_HELD = frozenset({"_softmax", "_safe_softmax", "_softmax_backward_data"})
+
+_KERNEL = threading.local()  # the stack of fused kernels the running ops are inside (their held results)
+
+
+def _inside() -> list:
+    if not hasattr(_KERNEL, "stack"):
+        _KERNEL.stack = []
+    return _KERNEL.stack
+
+
 class Perturb(TorchDispatchMode):
-    """Multiplies every floating ATen result that involves arithmetic by ``1 + eta * xi`` (``xi``: random signs
-    from ``generator``): a kernel that holds each intermediate in a dtype of unit roundoff ``eta``.
+    """The rounding a typical kernel of the target dtype commits, as random relative jitter of an fp64 run.
 
-    A *reduction* (an op whose floating outputs are all smaller than its largest floating input: a mean, a loss)
-    that PyTorch has a decomposition for runs as that decomposition, each step jittered: a reduction may hold its
-    total in the target dtype before it scales it (torch's own CPU fp16 ``nll_loss`` does, and overflows to inf at
-    16k tokens), which is one more rounding than its output alone shows."""
+    * Inputs are exact (they already are values of the target dtype; :func:`reference` copies them unchanged).
+    * Every ATen op is a kernel: its floating result is materialized in the target dtype, so it is multiplied by
+      ``1 + eta * xi`` (``xi``: random signs from ``generator``; ``eta``: the RMS of one rounding to the target
+      dtype, :func:`perturbation`).
+    * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
+      is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
+      ``inner`` before it runs: the random walk of the terms), and a *reduction* (an op whose floating outputs
+      are all smaller than its largest floating input: a mean, a loss) that PyTorch can decompose runs as that
+      decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
+    * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
+      ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
+      decomposition at the full unit roundoff ``unit``) and, inside a fused attention (:class:`FusedAttention`),
+      :data:`ATTENTION_HELD`.
 
-    def __init__(self, eta: float, generator: torch.Generator):
+    ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
+
+    def __init__(self, eta: float, generator: torch.Generator, inner: float | None = None,
+                 held: frozenset = frozenset()):
         super().__init__()
         self.eta, self.generator = eta, generator
+        self.inner = eta if inner is None else inner
+        self.held, self.unit = held, eta / ROUNDING_RMS
+        self._all_at: float | None = None  # inside a held kernel: every result and term at this size
+
+    def _at(self, eta: float, value: Any) -> Any:
+        return tree_map(lambda t: jitter(t, eta, self.generator), value)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.is_view or func._schema.is_mutable or func.overloadpacket.__name__ in _NO_ROUNDING:
+        name = func.overloadpacket.__name__
+        if func.is_view or func._schema.is_mutable or name in _NO_ROUNDING:
             return func(*args, **kwargs)
+        if self._all_at is not None:  # a step of a held kernel
+            if name in _CONTRACTIONS:
+                args, kwargs = self._at(self._all_at, args), self._at(self._all_at, kwargs)
+            out = func(*args, **kwargs)
+            return self._at(self._all_at, out)
+        inside = _inside()
+        if name in self.held and not inside:
+            return self._held(func, args, kwargs)
+        # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
+        out_eta = self.inner if inside and name not in inside[-1] else self.eta
+        if name in _CONTRACTIONS:
+            out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
+            return self._at(out_eta, out)
         out = func(*args, **kwargs)
         if _reduces(args, kwargs, out):
             from torch._decomp import decomposition_table
 
             fn = decomposition_table.get(func)
             if fn is not None:
+                inside.append(frozenset())
                 try:
                     with self:
                         steps = fn(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
                     steps = NotImplemented
+                finally:
+                    inside.pop()
                 if steps is not NotImplemented and _same_meta(steps, out):
-                    return steps
-        return tree_map(lambda t: jitter(t, self.eta, self.generator), out)
+                    return self._at(out_eta, steps)
+        return self._at(out_eta, out)
 
+    def _held(self, func, args, kwargs):
+        """A kernel holding its terms in the target dtype: inputs, every step of its decomposition (where PyTorch
+        has one) and its result rounded at the full unit roundoff."""
+        from torch._decomp import decomposition_table
+
+        args, kwargs = self._at(self.unit, args), self._at(self.unit, kwargs)
+        out = func(*args, **kwargs)
+        fn = decomposition_table.get(func)
+        if fn is not None:
+            self._all_at = self.unit
+            try:
+                with self:
+                    steps = fn(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
+                steps = NotImplemented
+            finally:
+                self._all_at = None
+            if steps is not NotImplemented and _same_meta(steps, out):
+                return steps
+        return self._at(self.unit, out)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` as one fused kernel for the budget's runs: its math (PyTorch's
+    ``_scaled_dot_product_attention_math``: ``Q K^T``, softmax, ``P V``), forward and backward, run inside a kernel
+    (:class:`Perturb`: intermediates in fp32, :data:`ATTENTION_HELD` in the input dtype), its results rounded once.
+    The backward recomputes the forward (as flash kernels do), with fresh draws."""
+
+    @staticmethod
+    def forward(ctx, eta_gen, kwargs, *tensors):
+        ctx.eta_gen, ctx.kwargs = eta_gen, kwargs
+        ctx.save_for_backward(*tensors)
+        _inside().append(ATTENTION_HELD)
+        try:
+            out = _attention_math(*tensors, **kwargs)
+        finally:
+            _inside().pop()
+        return _round_out(out, *eta_gen)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(ctx.needs_input_grad[2 + i]) if t.is_floating_point() else t
+                      for i, t in enumerate(tensors)]
+            want = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            _inside().append(ATTENTION_HELD)
+            try:
+                out = _attention_math(*leaves, **ctx.kwargs)
+                got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
+            finally:
+                _inside().pop()
+        grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+        return (None, None, *[_round_out(g, *ctx.eta_gen) if g is not None else None for g in grads])
+
+
+def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                              scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # the kernel's output rounding, once: not again as an op of the mode
+        return jitter(t, eta, generator)
+
+
+class FusedAttention(torch.overrides.TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` (without dropout) through :class:`_FusedAttention` in the
+    budget's runs (``perturb``: ``(eta, generator)`` of the kernel's output rounding)."""
+
+    def __init__(self, eta: float, generator: torch.Generator):
+        super().__init__()
+        self.eta_gen = (eta, generator)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("dropout_p") and \
+                (len(args) < 5 or not args[4]):
+            kw = dict(kwargs)
+            for key, value in zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]):
+                kw[key] = value
+            kw.pop("dropout_p", None)
+            mask = kw.pop("attn_mask", None)
+            if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[:3]) and \
+                    (mask is None or isinstance(mask, torch.Tensor)):
+                return _FusedAttention.apply(self.eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
+        return func(*args, **kwargs)
 
 def _reduces(args, kwargs, out) -> bool:
     ins = [t.numel() for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point()]
@@ -411,23 +571,21 @@ def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- references
-def copier(dtype: torch.dtype | None, device: str, perturb: tuple[float, torch.Generator] | None = None):
+def copier(dtype: torch.dtype | None, device: str):
     """A function making a detached copy of a tensor on ``device``: floating ones in ``dtype`` (complex ones in
-    complex128) when it is given, others as they are; jittered (:func:`jitter`) with ``perturb``."""
+    complex128) when it is given, others as they are."""
     def conv(t: torch.Tensor) -> torch.Tensor:
         x = t.detach()
         if dtype is not None and t.is_floating_point():
-            x = x.to(device=device, dtype=dtype, copy=True)
-        elif dtype is not None and t.is_complex():
-            x = x.to(device=device, dtype=torch.complex128, copy=True)
-        else:
-            x = x.to(device=device, copy=True)
-        return jitter(x, *perturb) if perturb is not None else x
+            return x.to(device=device, dtype=dtype, copy=True)
+        if dtype is not None and t.is_complex():
+            return x.to(device=device, dtype=torch.complex128, copy=True)
+        return x.to(device=device, copy=True)
     return conv
 
 
 def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device: str, grad: bool,
-              context=None, perturb: tuple[float, torch.Generator] | None = None):
+              context=None, perturb: tuple | None = None):
     """Run ``func`` on detached copies of the arguments.
 
     Args:
@@ -438,13 +596,14 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
             of :func:`cast`'s traversal).
         context: a context manager factory the call runs in (the ``decomposed`` kernel).
             An API without a float64 kernel runs in float64 as its reference decomposition (:data:`REFERENCES`).
-        perturb: ``(eta, generator)``: inputs and intermediates jittered (:class:`Perturb`).
+        perturb: ``(eta, generator, inner)``: the rounding of a typical kernel of the target dtype
+            (:func:`budget_modes`); the inputs stay exact.
 
     Returns:
         ``(leaves, out, (args, kwargs))``: the leaves, the output and the copied arguments.
     """
     leaves: list = []
-    copy = copier(dtype, device, perturb)
+    copy = copier(dtype, device)
     if dtype == torch.float64 and func in REFERENCES:  # no float64 kernel: its float64 reference decomposition
         func = REFERENCES[func]
 
@@ -464,7 +623,7 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
         if context is not None:
             stack.enter_context(context())
         if perturb is not None:
-            stack.enter_context(Perturb(*perturb))
+            budget_modes(stack, perturb)
         out = func(*a, **k)
     return leaves, out, (a, k)
 
@@ -472,8 +631,8 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
 def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, retain: bool = True) -> list:
     """The gradients w.r.t. ``leaves`` of the outputs of ``outs`` that require grad, for the incoming gradients
     ``grad_out`` (``{index among those outputs: gradient}``), cast to each output's dtype and device; ``None``
-    where a leaf gets none. ``context``/``perturb`` as for :func:`reference` (the incoming gradients are jittered
-    too); the graph is kept unless ``retain`` is False (its saved tensors are freed as the product is computed)."""
+    where a leaf gets none. ``context``/``perturb`` as for :func:`reference` (the incoming gradients stay exact:
+    they are values of the target dtype); the graph is kept unless ``retain`` is False (its saved tensors are freed as the product is computed)."""
     ref_outs = [t for t in tensors_of(outs) if t.requires_grad]
     keep, grads = [], []
     for i, t in enumerate(ref_outs):
@@ -482,7 +641,7 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
             continue
         g = g.detach().to(device=t.device, dtype=t.dtype)
         keep.append(t)
-        grads.append(jitter(g, *perturb) if perturb is not None else g)
+        grads.append(g)
     pos = [j for j, x in enumerate(leaves) if x is not None]
     if not keep or not pos:
         return [None] * len(leaves)
@@ -490,12 +649,20 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
         if context is not None:
             stack.enter_context(context())
         if perturb is not None:
-            stack.enter_context(Perturb(*perturb))
+            budget_modes(stack, perturb)
         got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=retain)
     out: list = [None] * len(leaves)
     for j, g in zip(pos, got):
         out[j] = g
     return out
+
+
+def budget_modes(stack: contextlib.ExitStack, perturb: tuple) -> None:
+    """Enter the modes of a budget's run on ``stack``: :class:`Perturb` and :class:`FusedAttention`
+    (``perturb``: ``(eta, generator[, inner[, held]])``, :func:`perturbation`)."""
+    eta, gen = perturb[0], perturb[1]
+    stack.enter_context(Perturb(eta, gen, *perturb[2:]))
+    stack.enter_context(FusedAttention(eta, gen))
 
 
 def round_to(ref: Any, like: Any) -> Any:
@@ -523,6 +690,36 @@ def _eta(run_dtype: torch.dtype, unit: float = 2.0 ** -24) -> float:
     too; at least 2^-30 in fp64 and 2^-10 in fp32 (where the run has no fp64 kernel), far above the run's own
     rounding."""
     return max(unit, 2.0 ** -30 if run_dtype == torch.float64 else 2.0 ** -10)
+
+
+#: the unit roundoff kernels accumulate in: fp32 for every floating dtype up to fp32 (GEMMs, reductions and
+#: elementwise math of bf16/fp16 tensors run in fp32 on CPUs, GPUs and NPUs alike: PyTorch's ``opmath_t``)
+ACCUMULATION = 2.0 ** -24
+
+
+#: the RMS of one round-to-nearest error in units of the unit roundoff ``u``: the error is uniform over
+#: ``[-u, u] / m`` for a value of mantissa ``m`` in ``[1, 2)``, so its RMS is ``u / (m sqrt(3))``, at most
+#: ``u / sqrt(3)`` (0.42 u averaged over log-uniform mantissas; PyTorch's CPU flash attention in bf16 measured 0.43-0.53
+#: u of the random walk of its held probabilities). Each jitter draws a sign with this size.
+ROUNDING_RMS = 3.0 ** -0.5
+
+
+def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generator) -> tuple:
+    """``(eta, generator, inner)`` of a budget's runs (:class:`Perturb`) in ``run_dtype`` for a call on
+    ``tensors``: ``eta`` the RMS of one rounding to the target dtype (:data:`ROUNDING_RMS` times its roundoff,
+    :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
+    (:data:`ACCUMULATION`, or the target's own where that is finer), and the kernels known to hold their terms in
+    the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere). The scales are measured in units of the
+    target's roundoff (:func:`unit_of`)."""
+    unit = target_roundoff(tensors)
+    cpu_half = unit > ACCUMULATION and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
+    return (_eta(run_dtype, unit) * ROUNDING_RMS, generator,
+            _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset())
+
+
+def unit_of(perturb: tuple) -> float:
+    """The target's roundoff a :func:`perturbation` was made for: the unit its scales are measured in."""
+    return perturb[0] / ROUNDING_RMS
 
 
 def _rms(diffs: list[list], eta: float) -> list:
@@ -562,12 +759,12 @@ def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, 
         dtype = torch.float64
     else:
         dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
-    eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
-    gen = torch.Generator().manual_seed(0x5CA1E + seed)
+    perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0x5CA1E + seed))
+    eta = unit_of(perturb)
     base_rows = flatten(base)
     diffs = []
     for _ in range(_draws(draws, [b for b in base_rows if isinstance(b, torch.Tensor)])):
-        _, out, _ = reference(func, args, kwargs, dtype, "cpu", False, perturb=(eta, gen))
+        _, out, _ = reference(func, args, kwargs, dtype, "cpu", False, perturb=perturb)
         diffs.append([(o.to(torch.float64) - b.to(torch.float64))
                       if isinstance(o, torch.Tensor) and o.is_floating_point() and isinstance(b, torch.Tensor)
                       and o.shape == b.shape else None for o, b in zip(flatten(out), base_rows)])
@@ -599,12 +796,12 @@ def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int =
         dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
         base = vjp(out, leaves, grad_out, retain=False)
         del leaves, out
-    eta = _eta(dtype, target_roundoff(tensors_of(args) + tensors_of(kwargs)))
-    gen = torch.Generator().manual_seed(0xBAC + seed)
+    perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0xBAC + seed))
+    eta = unit_of(perturb)
     diffs = []
     for _ in range(_draws(draws, [g for g in base if isinstance(g, torch.Tensor)])):
-        p_leaves, p_out, _ = reference(func, args, kwargs, dtype, "cpu", True, perturb=(eta, gen))
-        got = vjp(p_out, p_leaves, grad_out, perturb=(eta, gen), retain=False)
+        p_leaves, p_out, _ = reference(func, args, kwargs, dtype, "cpu", True, perturb=perturb)
+        got = vjp(p_out, p_leaves, grad_out, perturb=perturb, retain=False)
         diffs.append([None if g is None or b is None or g.shape != b.shape else (g.detach() - b.detach())
                       for g, b in zip(got, base)])
     return _rms(diffs, eta)

@@ -112,7 +112,7 @@ class ModuleIsolation:
         ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
         import contextlib
 
-        conv = kernels.copier(dtype, device, perturb)
+        conv = kernels.copier(dtype, device)
         st = {f"module.{k}": conv(v) for k, v in call.state.items()}
         leaves: list = []
         a = []
@@ -132,7 +132,7 @@ class ModuleIsolation:
             if context is not None:
                 stack.enter_context(context())
             if perturb is not None:
-                stack.enter_context(kernels.Perturb(*perturb))
+                kernels.budget_modes(stack, perturb)
             out = torch.func.functional_call(call.wrapper, st, tuple(a), k, strict=False)
         return leaves, out
 
@@ -148,9 +148,9 @@ class ModuleIsolation:
         if not self.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
                                           _tensors(call.kwargs)) != call.versions:
             return []
-        eta = kernels._eta(torch.float64, kernels.target_roundoff(_tensors(call.args) + list(call.state.values())
-                                                                  + _tensors(call.kwargs)))
-        gen = torch.Generator().manual_seed(0x30D)
+        perturb = kernels.perturbation(torch.float64, _tensors(call.args) + list(call.state.values()) +
+                                       _tensors(call.kwargs), torch.Generator().manual_seed(0x30D))
+        eta = kernels.unit_of(perturb)
         grad = grad_output is not None
 
         def one(perturb):
@@ -160,7 +160,7 @@ class ModuleIsolation:
             return _tensors(out)
         try:
             base = one(None)
-            draws = [one((eta, gen)) for _ in range(kernels._draws(2 * self.budget_draws,
+            draws = [one(perturb) for _ in range(kernels._draws(2 * self.budget_draws,
                                                                    [b for b in base if b is not None]))]
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
@@ -249,14 +249,12 @@ class ModuleIsolation:
         pos = [j for j, x in enumerate(leaves) if x is not None]
         if not pairs or not pos:
             return [None] * len(leaves)
-        grads = [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs]
-        if perturb is not None:
-            grads = [kernels.jitter(g, *perturb) for g in grads]
+        grads = [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs]  # exact: target-dtype values
         with contextlib.ExitStack() as stack:
             if context is not None:
                 stack.enter_context(context())
             if perturb is not None:
-                stack.enter_context(kernels.Perturb(*perturb))
+                kernels.budget_modes(stack, perturb)
             got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos], grads, allow_unused=True)
         res: list = [None] * len(leaves)
         for j, g in zip(pos, got):
