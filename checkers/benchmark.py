@@ -32,6 +32,12 @@ METRICS = ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")
 
 ROW_FLOOR = 0.5
 
+#: an error scale (:mod:`msprobe_ci.kernels`) is the RMS of the roundings a kernel commits, one rounding counting
+#: ``u / sqrt(3)`` (``kernels.ROUNDING_RMS``); one rounding's error reaches ``u``. The mean relative error and the
+#: RMSE, where a fault shows, are judged against the RMS; the max relative error, an extreme over every element,
+#: against the bound: the scale times this
+MAX_SCALE = 3.0 ** 0.5
+
 
 def _row_floor(scale):
     """``scale`` raised to at least :data:`ROW_FLOOR` times the RMS of its row (the last dimension).
@@ -66,7 +72,8 @@ class _Reference:
         self.finite = torch.isfinite(key)
         self.small = key.abs() <= small_value
         self.den_eps = self.den + eps
-        self.den_max_eps = self.den_eps if scale is None else torch.maximum(self.den, _row_floor(scale)) + eps
+        self.den_max_eps = self.den_eps if scale is None else \
+            torch.maximum(ref.abs(), MAX_SCALE * _row_floor(scale)) + eps
 
 
 #: the sums of one slice's statistics of one side, in order (:func:`_partial`); its maximum comes last
