@@ -26,20 +26,27 @@ choice, so one CPU-only machine can run the path a GPU bench and an NPU target t
 
 **Error budgets** (:func:`forward_scale`, :func:`backward_scale`). How far a *correct* kernel of a dtype may land
 from the oracle depends on the arithmetic, not only on the output's magnitude: an element that is a sum of terms
-that cancel (a LayerNorm output next to its bias, a weight gradient summed over the batch, an attention output
-``P @ V``) carries an error of the size of its terms, which can be many times the element itself. Relative errors
-measured against ``|oracle|`` alone then fail every benign kernel that is not bit-for-bit the bench's own (the same
-cancellation hits a GPU bench and an NPU target differently), and they would make a correctly rounded bench the
-strictest judge of all. The *scale* of an element is the random-walk size of the rounding a kernel of the target
-dtype may commit on the way to it: the API is run in fp64 with every floating input and every intermediate ATen
-result (forward, and the backward's own, with the incoming gradient) multiplied by ``1 + eta * xi`` (``xi`` random
-signs, ``eta`` the target dtype's unit roundoff), and ``scale = rms over draws of (perturbed - unperturbed) / eta``:
-the error of a kernel that rounds its inputs' first use and holds every intermediate in the target dtype, in units
-of its roundoff (a ReLU or max-pool whose input lies within a rounding of its kink moves whole elements, and that
-shows too). That is what the target dtype allows: accumulation over its terms (a sum's scale is the random walk
-of its terms, ``sqrt(sum t_j^2)``), intermediates held in the target dtype (the log-probabilities of a cross
-entropy, the ``P`` of an attention), and the condition of the reduction. A fault of 2% is a fault at every
-element where the scale does not exceed the element, which is where the arithmetic does not cancel.
+that cancel (a weight gradient summed over the batch, an fp32 LayerNorm output next to its bias, an attention
+output ``P @ V`` with ``P`` held in bf16) carries an error of the size of its terms, which can be many times the
+element itself. Relative errors measured against ``|oracle|`` alone then fail every benign kernel that is not
+bit-for-bit the bench's own, and they would make a correctly rounded bench the strictest judge of all. The *scale*
+of an element is the RMS of the rounding a typical kernel of the target dtype commits on the way to it, in units of
+the dtype's unit roundoff ``u``: the API is run in fp64 (forward, and the backward with the incoming gradient) under
+:class:`Perturb`, which models what real kernels do:
+
+* the inputs are exact: a kernel reads values that already are of the target dtype;
+* every ATen kernel's result is rounded once to the target dtype;
+* inside a kernel, GEMMs, convolutions and reductions accumulate in fp32 (the random walk of their terms at fp32's
+  roundoff) and elementwise math runs in fp32 (PyTorch's ``opmath_t``; GPU and NPU kernels alike);
+* intermediates are held in the target dtype only where a kernel is known to hold them there, each with its
+  source: a fused attention's probabilities and their gradient (:data:`ATTENTION_HELD`), and PyTorch's own CPU
+  half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only).
+
+Each rounding is a random sign times its RMS (``u / sqrt(3)``, :data:`ROUNDING_RMS`), and ``scale = rms over draws
+of (perturbed - unperturbed) / u``. An elementwise op's scale is then its output's size (one rounding), a bf16
+GEMM's the same, an fp32 GEMM's the random walk of its terms. A fault of 1% in bf16 (2.56 u) is a fault at every
+element where the arithmetic does not cancel; the benchmark standard judges the max relative error against the
+bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE against the RMS.
 """
 
 from __future__ import annotations
@@ -358,7 +365,7 @@ _CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "
 #: PyTorch's CPU kernels that hold their terms or partial sums in the tensor's half-precision dtype, where GPU and NPU
 #: kernels accumulate in fp32 (measured: ``python benchmarks/cpu_half_accumulation.py``, docs/verdicts.md). A budget
 #: for a bf16/fp16 target on the CPU charges these as a kernel holding everything in the target dtype: their inputs
-#: (the terms) and every step of their decomposition rounded at the full unit roundoff. Sources: the LayerNorm
+#: (the terms) and every step of their decomposition rounded in it. Sources: the LayerNorm
 #: backward keeps its weight- and bias-gradient sums in ``T`` (``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``);
 #: the mean ``nll_loss`` its cascade of partial sums (``LossNLL.cpp``); the embedding backward adds a repeated
 #: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
@@ -397,7 +404,7 @@ class Perturb(TorchDispatchMode):
       decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
     * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
       ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
-      decomposition at the full unit roundoff ``unit``) and, inside a fused attention (:class:`FusedAttention`),
+      decomposition rounded by ``eta``) and, inside a fused attention (:class:`FusedAttention`),
       :data:`ATTENTION_HELD`.
 
     ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
@@ -407,8 +414,8 @@ class Perturb(TorchDispatchMode):
         super().__init__()
         self.eta, self.generator = eta, generator
         self.inner = eta if inner is None else inner
-        self.held, self.unit = held, eta / ROUNDING_RMS
-        self._all_at: float | None = None  # inside a held kernel: every result and term at this size
+        self.held = held
+        self._all_at: float | None = None  # inside a held kernel: every result and term rounded at ``eta``
 
     def _at(self, eta: float, value: Any) -> Any:
         return tree_map(lambda t: jitter(t, eta, self.generator), value)
@@ -450,15 +457,15 @@ class Perturb(TorchDispatchMode):
         return self._at(out_eta, out)
 
     def _held(self, func, args, kwargs):
-        """A kernel holding its terms in the target dtype: inputs, every step of its decomposition (where PyTorch
-        has one) and its result rounded at the full unit roundoff."""
+        """A kernel holding its terms in the target dtype: its inputs (the terms), every step of its decomposition
+        (where PyTorch has one) and its result rounded in the target dtype (``eta``)."""
         from torch._decomp import decomposition_table
 
-        args, kwargs = self._at(self.unit, args), self._at(self.unit, kwargs)
+        args, kwargs = self._at(self.eta, args), self._at(self.eta, kwargs)
         out = func(*args, **kwargs)
         fn = decomposition_table.get(func)
         if fn is not None:
-            self._all_at = self.unit
+            self._all_at = self.eta
             try:
                 with self:
                     steps = fn(*args, **kwargs)
@@ -468,7 +475,7 @@ class Perturb(TorchDispatchMode):
                 self._all_at = None
             if steps is not NotImplemented and _same_meta(steps, out):
                 return steps
-        return self._at(self.unit, out)
+        return self._at(self.eta, out)
 
 
 class _FusedAttention(torch.autograd.Function):
