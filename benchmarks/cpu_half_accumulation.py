@@ -12,6 +12,13 @@ Cross entropy (mean reduction): the CPU ``nll_loss`` keeps its cascade of partia
 unit roundoff (mean and worst), the share of draws beyond 2 units (the benchmark standard's mean/RMSE ratio 2
 against a bench credited with one unit), and the same for log_softmax in the dtype followed by an fp32 sum.
 
+The other kernels ``msprobe_ci.kernels.CPU_HALF_HELD`` names: the embedding backward (a token repeated ``n``
+times: its gradient rows added one by one), the convolution backward and the batch norm in training mode. Printed
+per dtype: the mean error over the output in units of one rounding of each element (``u * |exact|``), beside the
+same for the exact result rounded once (about 0.36-0.43: a kernel that accumulates in fp32), and for the batch norm
+the mean over the elements near their channel's mean (``|x| > 5 |x - mean|``), where a kernel that folds the mean
+into its bias (``x * a + (b - mean * a)`` in the half dtype) is off by the size of its terms.
+
     python benchmarks/cpu_half_accumulation.py [--hidden 64] [--draws 200]
 """
 
@@ -33,6 +40,51 @@ def main() -> None:
     torch.set_num_threads(1)
     _layer_norm(args.hidden)
     _cross_entropy(args.draws)
+    _held_kernels()
+
+
+def _units(got: torch.Tensor, exact: torch.Tensor, u: float, mask=None) -> float:
+    """Mean of |got - exact| / (u |exact|) over the elements not within 1e-3 of the largest's zero."""
+    keep = exact.abs() > exact.abs().max() * 1e-3
+    if mask is not None:
+        keep = keep & mask
+    return float(((got.double() - exact).abs()[keep] / exact.abs()[keep]).mean()) / u
+
+
+def _held_kernels() -> None:
+    print("Other CPU half kernels, mean error in units of one rounding of each element (rounded once: the exact "
+          "result rounded to the dtype)")
+    print(f"{'dtype':<9} {'kernel':<40} {'CPU kernel':>10} {'rounded once':>13}")
+    for dtype, u in UNIT.items():
+        g = torch.Generator().manual_seed(0)
+        rows = []
+        for n in (16, 512):  # a token repeated n times: the embedding backward adds its rows in the half dtype
+            grad = torch.randn(n, 64, generator=g).to(dtype)
+            ids = torch.zeros(n, dtype=torch.long)
+            got, exact = (torch.ops.aten.embedding_dense_backward(grad.to(d), ids, 4, -1, False)[0]
+                          for d in (dtype, torch.float64))
+            rows.append((f"embedding backward, {n} repeats", got, exact))
+        x, w, gy = (torch.randn(*s, generator=g).to(dtype) for s in ((4, 8, 16, 16), (8, 8, 3, 3), (4, 8, 16, 16)))
+        out = {}
+        for d in (dtype, torch.float64):
+            xx, ww = x.detach().to(d).requires_grad_(), w.detach().to(d).requires_grad_()
+            F.conv2d(xx, ww, padding=1).backward(gy.to(d))
+            out[d] = (xx.grad, ww.grad)
+        rows += [("conv2d backward, input gradient", out[dtype][0], out[torch.float64][0]),
+                 ("conv2d backward, weight gradient", out[dtype][1], out[torch.float64][1])]
+        xb = torch.relu(torch.randn(4, 8, 16, 16, generator=g) * 2 + 0.5).to(dtype)
+        ones, zeros = torch.ones(8), torch.zeros(8)
+        got, exact = (F.batch_norm(xb.to(d), None, None, ones.to(d), zeros.to(d), training=True)
+                      for d in (dtype, torch.float64))
+        rows.append(("batch_norm (training), all elements", got, exact))
+        xd = xb.double()
+        near = xd.abs() > 5 * (xd - xd.mean((0, 2, 3), keepdim=True)).abs()
+        for label, got, exact in rows:
+            print(f"{str(dtype).replace('torch.', ''):<9} {label:<40} {_units(got, exact, u):>10.2f} "
+                  f"{_units(exact.to(dtype), exact, u):>13.2f}")
+        got, exact = rows[-1][1], rows[-1][2]
+        print(f"{str(dtype).replace('torch.', ''):<9} {'batch_norm (training), near the mean':<40} "
+              f"{_units(got, exact, u, near):>10.2f} {_units(exact.to(dtype), exact, u, near):>13.2f}")
 
 
 def _layer_norm(h: int) -> None:
