@@ -528,6 +528,10 @@ def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch
         return jitter(t, eta, generator)
 
 
+#: the attention API itself (``F.scaled_dot_product_attention``), not whatever a capture's hook put in its place
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
 class FusedAttention(torch.overrides.TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` (without dropout) through :class:`_FusedAttention` in the
     budget's runs (``perturb``: ``(eta, generator)`` of the kernel's output rounding)."""
@@ -538,7 +542,7 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and not kwargs.get("dropout_p") and \
+        if func is _SDPA and not kwargs.get("dropout_p") and \
                 (len(args) < 5 or not args[4]):
             kw = dict(kwargs)
             for key, value in zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]):
@@ -634,7 +638,7 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
         if context is not None:
             stack.enter_context(context())
         if perturb is not None:
-            budget_modes(stack, perturb)
+            budget_modes(stack, perturb, func)
         out = func(*a, **k)
     return leaves, out, (a, k)
 
@@ -660,7 +664,7 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
         if context is not None:
             stack.enter_context(context())
         if perturb is not None:
-            budget_modes(stack, perturb)
+            budget_modes(stack, perturb, forward=False)
         got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=retain)
     out: list = [None] * len(leaves)
     for j, g in zip(pos, got):
@@ -668,12 +672,14 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
     return out
 
 
-def budget_modes(stack: contextlib.ExitStack, perturb: tuple) -> None:
-    """Enter the modes of a budget's run on ``stack``: :class:`Perturb` and :class:`FusedAttention`
+def budget_modes(stack: contextlib.ExitStack, perturb: tuple, func: Any = None, forward: bool = True) -> None:
+    """Enter the modes of a budget's run on ``stack``: :class:`Perturb`, and for a forward that may call
+    ``F.scaled_dot_product_attention`` (``func`` that API, or ``None``: a module's code) :class:`FusedAttention`
     (``perturb``: ``(eta, generator[, inner[, held]])``, :func:`perturbation`)."""
     eta, gen = perturb[0], perturb[1]
     stack.enter_context(Perturb(eta, gen, *perturb[2:]))
-    stack.enter_context(FusedAttention(eta, gen))
+    if forward and (func is None or func is _SDPA):
+        stack.enter_context(FusedAttention(eta, gen))
 
 
 def round_to(ref: Any, like: Any) -> Any:

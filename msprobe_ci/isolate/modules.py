@@ -254,7 +254,7 @@ class ModuleIsolation:
             if context is not None:
                 stack.enter_context(context())
             if perturb is not None:
-                kernels.budget_modes(stack, perturb)
+                kernels.budget_modes(stack, perturb, forward=False)
             got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos], grads, allow_unused=True)
         res: list = [None] * len(leaves)
         for j, g in zip(pos, got):
