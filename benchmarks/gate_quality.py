@@ -19,7 +19,9 @@ With ``--no-isolation`` the target is judged by the drift rule alone (``msprobe-
 models ``neox,phi3,qwen2,mistral,gemma`` are stock decoder configs.
 
     python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--bench-kernel all]
-                                      [--no-isolation]
+                                      [--no-isolation] [--anchor]
+
+``--anchor``: faults at the anchor's level (scale 1.01 and 1% noise at bf16/fp16, 1.001 and 0.1% at fp32).
 """
 
 from __future__ import annotations
@@ -205,6 +207,14 @@ def _floating(entry):
     return bool(recs) and any(t in str(recs[0]["dtype"]) for t in ("float", "bfloat"))
 
 
+def anchor_faults() -> None:
+    """Faults at the anchor's level from here on (issue 53; what msprobe's benchmark standard flags): scale 1.01
+    and 1% noise at bf16/fp16, scale 1.001 and 0.1% noise at fp32."""
+    for name, size in (("bf16", 0.01), ("fp16", 0.01), ("fp32", 0.001)):
+        DTYPES[name] = (*DTYPES[name][:2], (1 + size,))
+        NOISE[name] = size
+
+
 def _pick_faults(data, scales, seed, noise=0.02):
     """Faults on APIs whose first output is floating (a scale fault cannot change an integer output)."""
     names = [n for n in data if not n.startswith("Module.") and _floating(data[n])]
@@ -260,9 +270,7 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.anchor:
-        for name, size in (("bf16", 0.01), ("fp16", 0.01), ("fp32", 0.001)):
-            DTYPES[name] = (*DTYPES[name][:2], (1 + size,))
-            NOISE[name] = size
+        anchor_faults()
     global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE
     if args.budget_draws is not None:
         ISOLATOR.update(budget_draws=args.budget_draws)

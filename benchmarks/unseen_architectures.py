@@ -3,7 +3,7 @@ DistilBERT, ViT), isolated gate per bench kernel: benign bf16/fp16 runs against 
 faults ``gate_quality.py`` would pick for each run, each expected to be named exactly.
 
     python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
-                                              [--dtypes bf16,fp16]
+                                              [--dtypes bf16,fp16] [--anchor]
 
 Prints one line per kernel, model, dtype and seed (7, 8): the API and module testcases failing in the benign run
 (the first two), failing model-level testcases, and how many faults were named exactly.
@@ -74,7 +74,11 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--kernels", default="upcast,rounded,decomposed")
     ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--anchor", action="store_true",
+                    help="faults at the anchor's level (gate_quality.py --anchor: 1% at bf16/fp16, 0.1% at fp32)")
     args = ap.parse_args()
+    if args.anchor:
+        gq.anchor_faults()
     torch.set_num_threads(1)
     for kernel in args.kernels.split(","):
         gq.ISOLATOR.update(bench_kernel=kernel)
@@ -88,7 +92,7 @@ def main() -> None:
                     bad = [c["name"] for c in cases if c["status"] == "error"]
                     exact = total = 0
                     misses = []
-                    for node, fault in gq._pick_faults(tdump.data, scales, seed)[:4]:
+                    for node, fault in gq._pick_faults(tdump.data, scales, seed, gq.NOISE[dname])[:4]:
                         rep, _, _, _, unapplied = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype,
                                                           (fault,))
                         if unapplied:

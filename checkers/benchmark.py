@@ -60,7 +60,7 @@ class _Reference:
     """What the metrics of the target and of the bench share: the reference and, from it (and the error scale),
     each element's relative-error denominator and whether it is a small value."""
 
-    def __init__(self, ref, small_value: float, scale=None):
+    def __init__(self, ref, small_value: float, scale=None, atol: float = 0.0):
         import torch
 
         eps = float(np.finfo(np.float64).eps)
@@ -74,13 +74,14 @@ class _Reference:
         self.den_eps = self.den + eps
         self.den_max_eps = self.den_eps if scale is None else \
             torch.maximum(ref.abs(), MAX_SCALE * _row_floor(scale)) + eps
+        self.atol = atol
 
 
 #: the sums of one slice's statistics of one side, in order (:func:`_partial`); its maximum comes last
 _SUMS = ("sq_err", "left_out", "rel_err", "n_rel", "den_sq", "n_normal", "small_err", "n_small")
 
 
-def _partial(x, r: _Reference, atol: float) -> list:
+def _partial(x, r: _Reference) -> list:
     """One slice's statistics of ``x`` against the reference (masks as :func:`~.common.finite_masks`): the
     :data:`_SUMS` and the largest relative error for the max (0 when none), as 0-d tensors on their device;
     :func:`_metrics` makes msprobe's metrics of their totals."""
@@ -95,7 +96,7 @@ def _partial(x, r: _Reference, atol: float) -> list:
     re_max = re if r.den_max_eps is r.den_eps else torch.where(normal, ae / r.den_max_eps, -1.0)
     pos = re >= 0
     return [torch.where(left_out, 0.0, ae).square().sum(), left_out.sum(), torch.where(pos, re, 0.0).sum(),
-            pos.sum(), torch.where(normal, r.den, 0.0).square().sum(), normal.sum(), ((ae > atol) & small).sum(),
+            pos.sum(), torch.where(normal, r.den, 0.0).square().sum(), normal.sum(), ((ae > r.atol) & small).sum(),
             small.sum(),
             # a NaN from a non-finite scale's row is no value, as the elements left out
             torch.where(re_max >= 0, re_max, 0.0).amax() if re_max.numel() else re_max.new_zeros(())]
@@ -173,8 +174,8 @@ class BenchmarkStandard:
         # judged where the target lies, in float64 slices of whole rows; every metric comes back in one transfer
         for ts, bs, rs, ss in _row_slices(t, b, ref, sc, device=t.device):
             ts, bs, rs = f64(ts), f64(bs, ts.device), f64(rs, ts.device)
-            ref_s = _Reference(rs, self.small, None if ss is None else f64(ss, ts.device))
-            mine, theirs = _partial(ts, ref_s, self.atol), _partial(bs, ref_s, self.atol)
+            ref_s = _Reference(rs, self.small, None if ss is None else f64(ss, ts.device), self.atol)
+            mine, theirs = _partial(ts, ref_s), _partial(bs, ref_s)
             # inf/nan: the target must have them exactly where the same-dtype bench has them
             odd = (torch.isfinite(ts) != torch.isfinite(bs)) | (torch.isnan(ts) != torch.isnan(bs)) | \
                 (torch.isinf(ts) & (ts != bs))

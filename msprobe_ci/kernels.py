@@ -377,6 +377,10 @@ CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nl
                            "embedding_dense_backward", "convolution_backward", "native_batch_norm",
                            "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                            "native_batch_norm_backward"})
+#: add and sub with an ``alpha`` (``p.add_(grad, alpha=-lr)``): the CPU half kernels cast ``alpha`` to the tensor's
+#: dtype (measured: 0.25 u of the term in bf16, 0.5 u in fp16, for alpha -0.1)
+_ALPHA_OPS = frozenset({"add", "sub", "add_", "sub_"})
+
 #: inside a fused attention kernel (:func:`fused_attention`): the results held in the input dtype. Flash attention
 #: kernels (PyTorch's CPU ``_scaled_dot_product_flash_attention_for_cpu``, FlashAttention-2 on CUDA) compute
 #: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
@@ -401,7 +405,8 @@ class Perturb(TorchDispatchMode):
       dtype, :func:`perturbation`).
     * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
       is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
-      ``inner`` before it runs: the random walk of the terms), and a *reduction* (an op whose floating outputs
+      ``inner`` before it runs: the random walk of the terms), a half-precision kernel combining several tensors
+      (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a *reduction* (an op whose floating outputs
       are all smaller than its largest floating input: a mean, a loss) that PyTorch can decompose runs as that
       decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
     * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
@@ -425,8 +430,26 @@ class Perturb(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if func.is_view or func._schema.is_mutable or name in _NO_ROUNDING:
+        if func.is_view or name in _NO_ROUNDING:
             return func(*args, **kwargs)
+        if self.held and self._all_at is None and name in _ALPHA_OPS and len(args) > 1 and \
+                kwargs.get("alpha", 1) != 1:
+            # PyTorch's CPU half add/sub casts ``alpha`` to the tensor's dtype: the ``alpha * b`` term is off by
+            # up to a rounding of its own (0.25-0.5 u measured for alpha 0.1)
+            args = (args[0], self._at(self.unit, args[1]), *args[2:])
+        if func._schema.is_mutable:
+            if not _rounds_in_place(name):
+                return func(*args, **kwargs)
+            if self._all_at is None and self.inner < self.eta and _terms(args, kwargs) > 1:
+                # its fp32 math rounds the terms it adds to the tensor it overwrites (not that tensor itself)
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                inside = _inside()
+                eta = self._all_at or (self.inner if inside and name not in inside[-1] else self.eta)
+                out.copy_(jitter(out, eta, self.generator))  # an in-place kernel rounds what it writes
+            return out
         if self._all_at is not None:  # a step of a held kernel
             if name in _CONTRACTIONS:
                 args, kwargs = self._at(self._all_at, args), self._at(self._all_at, kwargs)
@@ -437,7 +460,9 @@ class Perturb(TorchDispatchMode):
             return self._held(func, args, kwargs)
         # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
         out_eta = self.inner if inside and name not in inside[-1] else self.eta
-        if name in _CONTRACTIONS:
+        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1):
+            # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
+            # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
             out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
             return self._at(out_eta, out)
         out = func(*args, **kwargs)
@@ -553,6 +578,26 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
                     (mask is None or isinstance(mask, torch.Tensor)):
                 return _FusedAttention.apply(self.eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
         return func(*args, **kwargs)
+
+# in-place ops that write no arithmetic result: copies, fills, random draws, index writes, metadata
+_NO_ROUNDING_INPLACE = frozenset({"copy_", "fill_", "zero_", "set_", "resize_", "resize_as_", "normal_", "uniform_",
+                                  "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+                                  "masked_fill_", "index_fill_", "scatter_", "index_put_", "_index_put_impl_",
+                                  "put_", "detach_", "requires_grad_", "as_strided_", "squeeze_", "unsqueeze_",
+                                  "transpose_", "t_", "clamp_", "clamp_min_", "clamp_max_", "relu_", "masked_scatter_"})
+
+
+def _terms(args, kwargs) -> int:
+    """How many floating tensors an op reads (the terms its arithmetic may combine)."""
+    return sum(1 for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point())
+
+
+def _rounds_in_place(name: str) -> bool:
+    """An in-place ATen op (``add_``, ``addcdiv_``, ``lerp_``) whose written result is arithmetic: rounded once
+    in the target dtype like its functional form."""
+    return name.endswith("_") and not name.startswith("_foreach") and name not in _NO_ROUNDING_INPLACE and \
+        name[:-1] not in _NO_ROUNDING
+
 
 def _reduces(args, kwargs, out) -> bool:
     ins = [t.numel() for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point()]

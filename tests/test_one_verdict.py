@@ -166,14 +166,15 @@ def test_gpt2(msprobe):
 
 
 def test_a_model_output_failure_with_every_api_passing_names_a_lead(pytester):
-    """Issue 48, item 6: a 0.01% fault on an fp32 LayerNorm against an fp64 bench is within that call's error
-    budget, and only the logits fail; the failure then names the calls closest to their own standards, the faulty
+    """Issue 48, item 6: a 0.006% fault on an fp32 LayerNorm against an fp64 bench is under what its standard
+    names (msprobe's fp32 floor 2^-14 = 0.0061%: RMSE ratio about 1 <= 1.2; 0.01% is named, issue 53), and only
+    the logits fail; the failure then names the calls closest to their own standards, the faulty
     one first, with its error beside its bench's."""
     import pytest
 
     pytest.importorskip("transformers")
     pytester.makepyfile(test_lead=LEAD)
-    pytester.makefile(".yaml", f="faults:\n  - {api: Functional.layer_norm, call: 3, perturb: scale, value: 1.0001}\n")
+    pytester.makefile(".yaml", f="faults:\n  - {api: Functional.layer_norm, call: 3, perturb: scale, value: 1.00006}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-inject=f.yaml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*model output model.output.logits drifts beyond the end-to-end tolerance*",
