@@ -467,44 +467,45 @@ class Perturb(TorchDispatchMode):
             return self._at(out_eta, out)
         out = func(*args, **kwargs)
         if _reduces(args, kwargs, out):
-            from torch._decomp import decomposition_table
-
-            fn = decomposition_table.get(func)
-            if fn is not None:
-                inside.append(frozenset())
-                try:
-                    with self:
-                        steps = fn(*args, **kwargs)
-                except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
-                    steps = NotImplemented
-                finally:
-                    inside.pop()
-                if steps is not NotImplemented and _same_meta(steps, out):
-                    return self._at(out_eta, steps)
+            steps = self._steps(func, args, kwargs, out, held=False)
+            if steps is not None:
+                return self._at(out_eta, steps)
         return self._at(out_eta, out)
+
+    def _steps(self, func, args, kwargs, out, held: bool):
+        """``func`` run as its decomposition, each step an op of this mode inside the kernel (``held``: every step
+        at the full unit roundoff); None where PyTorch has none, or it does not take these arguments or gives
+        results of other dtypes or shapes than ``out``."""
+        from torch._decomp import decomposition_table
+
+        fn = decomposition_table.get(func)
+        if fn is None:
+            return None
+        if held:
+            self._all_at = self.unit
+        else:
+            _inside().append(frozenset())
+        try:
+            with self:
+                steps = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
+            return None
+        finally:
+            if held:
+                self._all_at = None
+            else:
+                _inside().pop()
+        return steps if _same_meta(steps, out) else None
 
     def _held(self, func, args, kwargs):
         """A kernel holding its terms in the target dtype: its inputs (the terms), every step of its decomposition
         (where PyTorch has one) and its result jittered by the full unit roundoff, not the RMS of one rounding:
         these kernels' half sums grow past one rounding per term (a sequential sum's error is the random walk of
         its partial sums), measured in ``benchmarks/cpu_half_accumulation.py``."""
-        from torch._decomp import decomposition_table
-
         args, kwargs = self._at(self.unit, args), self._at(self.unit, kwargs)
         out = func(*args, **kwargs)
-        fn = decomposition_table.get(func)
-        if fn is not None:
-            self._all_at = self.unit
-            try:
-                with self:
-                    steps = fn(*args, **kwargs)
-            except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
-                steps = NotImplemented
-            finally:
-                self._all_at = None
-            if steps is not NotImplemented and _same_meta(steps, out):
-                return steps
-        return self._at(self.unit, out)
+        steps = self._steps(func, args, kwargs, out, held=True)
+        return steps if steps is not None else self._at(self.unit, out)
 
 
 class _FusedAttention(torch.autograd.Function):
