@@ -386,6 +386,10 @@ _ALPHA_OPS = frozenset({"add", "sub", "add_", "sub_"})
 #: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
 #: input dtype for the GEMMs that follow; everything else stays in fp32.
 ATTENTION_HELD = frozenset({"_softmax", "_safe_softmax", "_softmax_backward_data"})
+#: and whose inputs are held too: a flash backward's ``D = rowsum(dO * O)`` reads the forward output ``O`` rounded
+#: to the input dtype, so ``dP - D`` cancels at the size of a rounding of its terms (the probabilities and their
+#: gradient rounded where they enter ``dS = P * (dP - D)``); T5's attention backward missed by 10.7 u otherwise
+ATTENTION_HELD_INPUTS = frozenset({"_softmax_backward_data"})
 
 _KERNEL = threading.local()  # the stack of fused kernels the running ops are inside (their held results)
 
@@ -460,6 +464,8 @@ class Perturb(TorchDispatchMode):
             return self._held(func, args, kwargs)
         # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
         out_eta = self.inner if inside and name not in inside[-1] else self.eta
+        if inside and name in ATTENTION_HELD_INPUTS:
+            args = self._at(self.eta, args)
         if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1):
             # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
             # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
