@@ -464,7 +464,7 @@ class Perturb(TorchDispatchMode):
             return self._held(func, args, kwargs)
         # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
         out_eta = self.inner if inside and name not in inside[-1] else self.eta
-        if inside and name in ATTENTION_HELD_INPUTS:
+        if inside and name in ATTENTION_HELD_INPUTS and self.inner < self.eta:  # a half-precision attention
             args = self._at(self.eta, args)
         if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1):
             # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
