@@ -410,12 +410,14 @@ class Perturb(TorchDispatchMode):
     * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
       is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
       ``inner`` before it runs: the random walk of the terms), a half-precision kernel combining several tensors
-      (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a *reduction* (an op whose floating outputs
+      (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a
+      *reduction* (an op whose floating outputs
       are all smaller than its largest floating input: a mean, a loss) that PyTorch can decompose runs as that
       decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
     * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
       ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
-      decomposition jittered by the full unit roundoff ``unit``) and, inside a fused attention (:class:`FusedAttention`),
+      decomposition jittered by the full unit roundoff ``unit``) and, inside a fused attention
+      (:class:`FusedAttention`),
       :data:`ATTENTION_HELD`.
 
     ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
@@ -699,7 +701,8 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
     """The gradients w.r.t. ``leaves`` of the outputs of ``outs`` that require grad, for the incoming gradients
     ``grad_out`` (``{index among those outputs: gradient}``), cast to each output's dtype and device; ``None``
     where a leaf gets none. ``context``/``perturb`` as for :func:`reference` (the incoming gradients stay exact:
-    they are values of the target dtype); the graph is kept unless ``retain`` is False (its saved tensors are freed as the product is computed)."""
+    they are values of the target dtype); the graph is kept unless ``retain`` is False (its saved tensors are freed
+    as the product is computed)."""
     ref_outs = [t for t in tensors_of(outs) if t.requires_grad]
     keep, grads = [], []
     for i, t in enumerate(ref_outs):
@@ -778,7 +781,8 @@ def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generat
     ``tensors``: ``eta`` the RMS of one rounding to the target dtype (:data:`ROUNDING_RMS` times its roundoff,
     :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
     (:data:`ACCUMULATION`, or the target's own where that is finer), and the kernels known to hold their terms in
-    the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere). The scales are measured in units of the
+    the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere). The scales are
+    measured in units of the
     target's roundoff (:func:`unit_of`)."""
     unit = target_roundoff(tensors)
     cpu_half = unit > ACCUMULATION and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
