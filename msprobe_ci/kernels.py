@@ -411,14 +411,12 @@ class Perturb(TorchDispatchMode):
       is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
       ``inner`` before it runs: the random walk of the terms), a half-precision kernel combining several tensors
       (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a
-      *reduction* (an op whose floating outputs
-      are all smaller than its largest floating input: a mean, a loss) that PyTorch can decompose runs as that
-      decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
+      *reduction* (an op whose floating outputs are all smaller than its largest floating input: a mean, a loss)
+      that PyTorch can decompose runs as that decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
     * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
       ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
       decomposition jittered by the full unit roundoff ``unit``) and, inside a fused attention
-      (:class:`FusedAttention`),
-      :data:`ATTENTION_HELD`.
+      (:class:`FusedAttention`), :data:`ATTENTION_HELD`.
 
     ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
 
