@@ -385,7 +385,7 @@ _ALPHA_OPS = frozenset({"add", "sub", "add_", "sub_"})
 #: kernels (PyTorch's CPU ``_scaled_dot_product_flash_attention_for_cpu``, FlashAttention-2 on CUDA) compute
 #: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
 #: input dtype for the GEMMs that follow; everything else stays in fp32.
-ATTENTION_HELD = frozenset()
+ATTENTION_HELD = frozenset({"_softmax", "_safe_softmax", "_softmax_backward_data"})
 #: and whose inputs are held too: a flash backward's ``D = rowsum(dO * O)`` reads the forward output ``O`` rounded
 #: to the input dtype, so ``dP - D`` cancels at the size of a rounding of its terms (the probabilities and their
 #: gradient rounded where they enter ``dS = P * (dP - D)``); T5's attention backward missed by 10.7 u otherwise
