@@ -99,7 +99,7 @@ def test_fused_attention_budget_covers_the_cpu_flash_kernel_forward_and_backward
     oracle.backward(up.double())
     (scale,) = kernels.forward_scale(sdpa, (q, k, v), {"is_causal": True}, _rows)
     # the held probabilities widen the budget beyond one rounding of the output where their terms cancel
-    assert float((scale / oracle.detach().abs()).median()) > kernels.ROUNDING_RMS
+    assert float((scale / oracle.detach().abs()).median()) > 1.3 * kernels.ROUNDING_RMS
     bench = oracle.detach().bfloat16()
     name = "scaled_dot_product_attention"
     assert judge_pair(name, out.detach(), bench, oracle.detach(), terms=scale).status == "pass"
