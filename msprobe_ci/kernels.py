@@ -42,7 +42,8 @@ the dtype's unit roundoff ``u``: the API is run in fp64 (forward, and the backwa
   source: a fused attention's probabilities and their gradient (:data:`ATTENTION_HELD`), and PyTorch's own CPU
   half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only).
 
-Each rounding is a random sign times its RMS (``u / sqrt(3)``, :data:`ROUNDING_RMS`), and ``scale = rms over draws
+Each rounding is a uniform error of RMS ``u / sqrt(3)`` (:data:`ROUNDING_RMS`; uniform as a round-to-nearest error
+is, :func:`jitter`), and ``scale = rms over draws
 of (perturbed - unperturbed) / u``. An elementwise op's scale is then its output's size (one rounding), a bf16
 GEMM's the same, an fp32 GEMM's the random walk of its terms. A fault of 1% in bf16 (2.56 u) is a fault at every
 element where the arithmetic does not cancel; the benchmark standard judges the max relative error against the
@@ -405,7 +406,7 @@ class Perturb(TorchDispatchMode):
 
     * Inputs are exact (they already are values of the target dtype; :func:`reference` copies them unchanged).
     * Every ATen op is a kernel: its floating result is materialized in the target dtype, so it is multiplied by
-      ``1 + eta * xi`` (``xi``: random signs from ``generator``; ``eta``: the RMS of one rounding to the target
+      ``1 + eta * xi`` (``xi``: uniform errors of RMS 1 from ``generator``, :func:`jitter`; ``eta``: the RMS of one rounding to the target
       dtype, :func:`perturbation`).
     * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
       is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
@@ -612,28 +613,36 @@ def _reduces(args, kwargs, out) -> bool:
     return bool(ins) and bool(outs) and max(outs) < max(ins)
 
 
-_SIGNS: list = []  # one buffer of random bits, drawn once: each jitter reads it from a random offset
-_SIGN_BITS = 1 << 22
+_DRAWN: list = []  # one buffer of rounding errors, drawn once: each jitter reads it from a random offset
+_DRAWN_SIZE = 1 << 22
+_UNIFORM_RMS = 3.0 ** 0.5  # U(-1, 1) times this has RMS 1
 
 
 def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
-    """``t * (1 + eta * xi)`` for a floating tensor ``t`` (``xi`` random signs), anything else unchanged.
+    """``t * (1 + eta * xi)`` for a floating tensor ``t``, anything else unchanged: ``xi`` uniform with RMS 1
+    (uniform on ``[-sqrt 3, sqrt 3]``), so ``eta * xi`` is a round-to-nearest error of RMS ``eta``, uniform as
+    one is.
 
-    The signs are a window of one buffer of 4M random bits at an offset ``generator`` draws: drawing a sign per
-    element of every jittered intermediate took 60% of a budget's time, and windows at independent random offsets
-    are as good as fresh signs for a random walk (tensors larger than the buffer draw their own)."""
+    Uniform, not a random sign of the same RMS: where an element's error comes from two roundings of equal size
+    (a softmax gradient ``y_i (g_i - sum_j g_j y_j)`` of two routed experts whose terms cancel exactly), random signs
+    cancel too, in half of the draws, and 4 draws estimated a scale of 0 in 1 case out of 16 (a benign MoE router's
+    softmax backward failed the small-value rule on it); uniform errors never cancel exactly.
+
+    The errors are a window of one buffer of 4M draws at an offset ``generator`` draws: drawing one per element
+    of every jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as
+    good as fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
         return t
     n = t.numel()
-    if n > _SIGN_BITS // 2:
-        bits = torch.randint(0, 2, t.shape, generator=generator, dtype=t.dtype)
+    if n > _DRAWN_SIZE // 2:
+        xi = torch.rand(t.shape, generator=generator, dtype=t.dtype).mul_(2 * _UNIFORM_RMS).sub_(_UNIFORM_RMS)
     else:
-        if not _SIGNS:
-            _SIGNS.append(torch.randint(0, 2, (_SIGN_BITS,), generator=torch.Generator().manual_seed(0x516E),
-                                        dtype=torch.uint8))
-        start = int(torch.randint(0, _SIGN_BITS - n + 1, (1,), generator=generator))
-        bits = _SIGNS[0][start:start + n].view(t.shape).to(t.dtype)
-    factor = bits.mul_(2 * eta).add_(1 - eta)  # 1 - eta or 1 + eta
+        if not _DRAWN:
+            _DRAWN.append(torch.rand(_DRAWN_SIZE, generator=torch.Generator().manual_seed(0x516E),
+                                     dtype=torch.float64).mul_(2 * _UNIFORM_RMS).sub_(_UNIFORM_RMS).to(torch.float32))
+        start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
+        xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
+    factor = xi.mul_(eta).add_(1.0)
     return t * (factor if t.device.type == "cpu" else factor.to(t.device))
 
 
@@ -770,7 +779,7 @@ ACCUMULATION = 2.0 ** -24
 #: the RMS of one round-to-nearest error in units of the unit roundoff ``u``: the error is uniform over
 #: ``[-u, u] / m`` for a value of mantissa ``m`` in ``[1, 2)``, so its RMS is ``u / (m sqrt(3))``, at most
 #: ``u / sqrt(3)`` (0.42 u averaged over log-uniform mantissas; PyTorch's CPU flash attention in bf16 measured 0.43-0.53
-#: u of the random walk of its held probabilities). Each jitter draws a sign with this size.
+#: u of the random walk of its held probabilities). Each jitter draws a uniform error of this RMS.
 ROUNDING_RMS = 3.0 ** -0.5
 
 

@@ -173,14 +173,16 @@ def test_replayer_bench_kernels(kernel):
 
 def test_perturb_leaves_copies_views_and_in_place_ops_alone():
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 4, dtype=torch.float64)
+    x = torch.randn(64, 64, dtype=torch.float64)
     with kernels.Perturb(1e-3, g):
-        v = x.view(16)
+        v = x.view(-1)
         c = x.clone()
         y = x + 0
     assert v.data_ptr() == x.data_ptr() and torch.equal(c, x)
-    assert not torch.equal(y, x) and torch.allclose(y, x, rtol=2e-3)
-    assert math.isclose(float(((y - x) / x).abs().max()), 1e-3, rel_tol=1e-6)
+    # the result rounded once: a uniform relative error of RMS eta, within sqrt(3) eta, never exactly 0
+    rel = (y - x) / x
+    assert float(rel.abs().max()) <= 3 ** 0.5 * 1e-3 * (1 + 1e-9) and bool((rel != 0).all())
+    assert math.isclose(float(rel.square().mean().sqrt()), 1e-3, rel_tol=0.05)
 
 
 def test_float64_without_a_kernel_runs_as_its_reference_or_in_float32():
