@@ -270,15 +270,23 @@ class Backend:
             raise MsprobeError(f"device {self.device!r} is not available: only {ns.device_count()} "
                                f"{kind.name} device(s) here")
 
-    def prepare_model(self, model: "torch.nn.Module", *, eval_mode: bool = False) -> "torch.nn.Module":
-        """Return a deep copy of ``model`` on this device, floating parameters/buffers cast to ``dtype``
-        (process groups a module holds are shared with the copy, not copied; a ``DistributedDataParallel``
-        model is re-wrapped around a prepared copy of its module, on the same process group).
+    def prepare_model(self, model: "torch.nn.Module", *, eval_mode: bool = False,
+                      owned: bool = False) -> "torch.nn.Module":
+        """Return ``model`` on this device, floating parameters/buffers cast to ``dtype``: a deep copy (process
+        groups a module holds are shared with the copy, not copied; a ``DistributedDataParallel`` model is
+        re-wrapped around a prepared copy of its module, on the same process group), or with ``owned`` the model
+        itself.
 
         Args:
-            model: left untouched.
+            model: left untouched unless ``owned``.
             eval_mode: put the copy in ``eval()`` (dropout off), for comparisons across device types whose
                 random streams differ.
+            owned: ``model`` was built for this side alone (:func:`msprobe_ci.check.check_parallel` builds each
+                side's model on each rank): prepared in place. A model sharded by FSDP (``fully_shard``,
+                ``FullyShardedDataParallel``) cannot be copied, so it must be owned.
+
+        Raises:
+            MsprobeError: the device is not available; a sharded model that is not owned.
         """
         self.check_available()
         ddp = _ddp_class(model)
@@ -287,7 +295,15 @@ class Backend:
             return ddp(inner, process_group=model.process_group, broadcast_buffers=model.broadcast_buffers,
                        find_unused_parameters=model.find_unused_parameters,
                        gradient_as_bucket_view=model.gradient_as_bucket_view)
-        clone = copy.deepcopy(model, _shared_handles(model))
+        if owned:
+            clone = model
+        else:
+            sharded = fsdp_kind(model)
+            if sharded is not None:
+                raise MsprobeError(f"the model is sharded by {sharded}, which cannot be copied for each side: hand "
+                                   f"msprobe.check_parallel a build(rank, world_size) function that shards it, so "
+                                   f"each side builds its own")
+            clone = copy.deepcopy(model, _shared_handles(model))
         clone.to(self.torch_device)
         if self.dtype is not None:
             clone.to(self.dtype)  # nn.Module.to(dtype) casts floating params and buffers only
@@ -321,6 +337,21 @@ class Backend:
         if isinstance(value, (list, tuple)):
             return type(value)(self.prepare_inputs(v) for v in value)
         return value
+
+
+def fsdp_kind(model: Any) -> str | None:
+    """``"fully_shard"`` (FSDP2) or ``"FullyShardedDataParallel"`` (FSDP1) when a module of ``model`` is sharded by
+    it, else ``None``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return None
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            return "fully_shard"
+        if isinstance(mod, FullyShardedDataParallel):
+            return "FullyShardedDataParallel"
+    return None
 
 
 def _shared_handles(model: Any) -> dict:

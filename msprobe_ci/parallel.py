@@ -72,7 +72,8 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
                                     bench_kernel=job.bench_kernel, **backend.oracle_options(job.oracle_device))
             cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
             run = run_side(job.build(rank, world), job.inputs, job.loss_fn, backend, cfg,
-                           faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator)
+                           faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator,
+                           owned=True)  # built for this side: never copied (FSDP models cannot be)
             if run.unapplied:
                 with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
                     fh.write("\n".join(run.unapplied))

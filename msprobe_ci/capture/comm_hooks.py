@@ -39,6 +39,16 @@ class CommCapture:
                 self.data[name] = entry
             finally:
                 self._busy = False
+        from ..isolate.collectives import JUDGED, input_of, output_of
+
+        api_id = f"Distributed.{op}"
+        faults = [f for f in self.faults if f.on_rank(self.fault_rank) and
+                  f.matches(api_id, n, "forward", self.current_step)] if api_id in self._fault_apis else []
+        judged = self.isolator is not None and record and not functional and op in JUDGED
+        before = None
+        if judged and op == "all_reduce":  # it overwrites its input: the judgement needs the input as it was
+            inp = input_of(op, args, kwargs)
+            before = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
         self._busy = True  # a collective built from other collectives is one record, as msprobe's
         try:
             result = func(*args, **kwargs)
@@ -46,6 +56,24 @@ class CommCapture:
             self._busy = False
 
         def record_output() -> None:
+            out = output_of(op, args, kwargs) if (faults or judged) else None
+            if faults and out is not None:  # a faulty collective: what it wrote is off, as the rank receives it
+                was, self._busy = self._busy, True
+                try:
+                    value = out
+                    for f in faults:
+                        value = self.fault_log.apply(f, value, n)
+                    out.copy_(value)
+                finally:
+                    self._busy = was
+            if judged:
+                was, self._busy = self._busy, True
+                try:
+                    self.isolator.judge_collective(name, op, args, kwargs, before, _group_of(args, kwargs))
+                except Exception as exc:  # noqa: BLE001 - never break the user's run
+                    self.isolator.skip(name, f"collective isolation failed: {type(exc).__name__}: {exc}"[:200])
+                finally:
+                    self._busy = was
             if entry is None or not self._fwd_out:
                 return
             was, self._busy = self._busy, True
@@ -91,6 +119,16 @@ class CommCapture:
         if isinstance(v, (list, tuple)) and v and not isinstance(v, torch.Size):
             return [self._comm_value(x, None if name is None else f"{name}.{i}") for i, x in enumerate(v)]
         return self.builder.value(v, name, key)
+
+
+def _group_of(args: tuple, kwargs: dict) -> Any:
+    """The process group a torch.distributed collective was called with (``None``: the default group)."""
+    import torch.distributed as dist
+
+    g = kwargs.get("group")
+    if g is None:
+        g = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return g
 
 
 def _resolved_groups(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -59,6 +59,10 @@ _PLUMBING_NODES = frozenset(("_AliasBackward", "BackwardHookFunctionBackward", "
 # op namespaces of communication: collectives are recorded as Distributed.* where torch.distributed is called;
 # the functional ones DTensor issues inside its redistributions are listed, not counted
 _COMMUNICATION = frozenset(("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d"))
+# op namespaces of data movement: FSDP2's copies into and out of its communication buffers (``fsdp::``
+# ``all_gather_copy_in``, ``split_with_sizes_copy``, ``chunk_cat``: shards copied, padded and cast, in
+# ``torch.distributed.fsdp._fully_shard._fsdp_collectives``), as ``cat`` and ``_to_copy`` are movement
+_MOVING_NAMESPACES = frozenset(("fsdp",))
 
 
 def _snake(camel: str) -> str:
@@ -198,7 +202,7 @@ class Coverage(TorchDispatchMode):
         if func.namespace in _COMMUNICATION:
             self.excluded[f"{func.namespace}.{name} (communication)"] += 1
             return out
-        if func.is_view or name in MOVES:
+        if func.is_view or name in MOVES or func.namespace in _MOVING_NAMESPACES:
             self.excluded[f"{func.namespace}.{name}"] += 1
             return out
         elements = _floating_elements(out)

@@ -17,11 +17,11 @@ from .outcome import SideRun, flatten_outputs
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
              seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
-             free_bench=None, spill_outputs: bool = False) -> SideRun:
+             free_bench=None, spill_outputs: bool = False, owned: bool = False) -> SideRun:
     """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
 
     Args:
-        model: the user's ``nn.Module`` (deep-copied by the backend, left untouched).
+        model: the user's ``nn.Module`` (deep-copied by the backend, left untouched, unless ``owned``).
         inputs: positional inputs, or one dict of keyword inputs.
         loss_fn: maps the output to a scalar loss; its ``backward()`` is captured too.
         backend: a :class:`~msprobe_ci.backends.Backend`.
@@ -36,6 +36,8 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
             after the forward pass, until the judgement reads them back (:meth:`SideRun.final_outputs`), rather
             than held in memory through the backward pass and the other side (GPT-2's fp32 logits at 1024 tokens
             are 206 MB).
+        owned: ``model`` was built for this side alone: prepared in place, not copied (an FSDP-sharded model
+            cannot be copied; :meth:`~msprobe_ci.backends.Backend.prepare_model`).
 
     Raises:
         MsprobeError: nothing was captured.
@@ -45,7 +47,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     from ..backends import deterministic
     from ..capture import CaptureSession
 
-    side_model = backend.prepare_model(model, eval_mode=eval_mode)
+    side_model = backend.prepare_model(model, eval_mode=eval_mode, owned=owned)
     side_inputs = backend.prepare_inputs(inputs)
     capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type

@@ -21,8 +21,9 @@ recorded API call on the target side,
 
 Only metrics are kept (no tensors), so isolation works with the statistics task, against a recorded baseline and
 on a runner whose only other device is a CPU. What cannot be judged gets a named skip: random ops (dropout is
-judged by its zero share), uninitialised memory, communication and device-only ops, in-place ops in backward,
-calls whose oracle fails on CPU.
+judged by its zero share), uninitialised memory, device-only ops, in-place ops in backward, calls whose oracle
+fails on CPU. Collectives are judged on the inputs every rank of their group gave them
+(:mod:`msprobe_ci.isolate.collectives`).
 
 **Sources.** A tensor input that no torch call of the run produced (a parameter, a buffer, a model input) is a
 *source*: it is judged against the bench dump at compare time, at the first node that consumes it, together with
@@ -48,6 +49,7 @@ import torch
 from .. import kernels
 from .api import ApiIsolation
 from .backward import BackwardIsolation
+from .collectives import CollectiveIsolation
 from .modules import ModuleIsolation
 from .provenance import Provenance
 from .support import (DROPOUT, headline, is_inplace, NOT_COMPARABLE, RANDOM, _SCHEMA_VERSION, UNSUPPORTED_PREFIX,
@@ -56,7 +58,7 @@ from .support import (DROPOUT, headline, is_inplace, NOT_COMPARABLE, RANDOM, _SC
 __all__ = ["DROPOUT", "NOT_COMPARABLE", "RANDOM", "UNSUPPORTED_PREFIX", "Isolator", "headline", "is_inplace", "verdict_fields"]
 
 
-class Isolator(ApiIsolation, BackwardIsolation, ModuleIsolation, Provenance):
+class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsolation, Provenance):
     """Per-step isolation state of one target capture.
 
     The judge sees tensors only: the target's output (and the gradients it hands back), the oracle and the
