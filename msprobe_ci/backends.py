@@ -271,7 +271,7 @@ class Backend:
                                f"{kind.name} device(s) here")
 
     def prepare_model(self, model: "torch.nn.Module", *, eval_mode: bool = False,
-                      owned: bool = False) -> "torch.nn.Module":
+                      owned: bool = False, cast: bool = True) -> "torch.nn.Module":
         """Return ``model`` on this device, floating parameters/buffers cast to ``dtype``: a deep copy (process
         groups a module holds are shared with the copy, not copied; a ``DistributedDataParallel`` model is
         re-wrapped around a prepared copy of its module, on the same process group), or with ``owned`` the model
@@ -284,6 +284,8 @@ class Backend:
             owned: ``model`` was built for this side alone (:func:`msprobe_ci.check.check_parallel` builds each
                 side's model on each rank): prepared in place. A model sharded by FSDP (``fully_shard``,
                 ``FullyShardedDataParallel``) cannot be copied, so it must be owned.
+            cast: cast floating parameters and buffers to ``dtype`` (default); ``False`` keeps the model's own
+                dtypes (a build that applied the dtype itself, as an FSDP ``MixedPrecisionPolicy``).
 
         Raises:
             MsprobeError: the device is not available; a sharded model that is not owned.
@@ -305,7 +307,7 @@ class Backend:
                                    f"each side builds its own")
             clone = copy.deepcopy(model, _shared_handles(model))
         clone.to(self.torch_device)
-        if self.dtype is not None:
+        if self.dtype is not None and cast:
             clone.to(self.dtype)  # nn.Module.to(dtype) casts floating params and buffers only
         if eval_mode:
             clone.eval()

@@ -41,6 +41,32 @@ class RankJob:
     backend: str
     bench_kernel: str = "device"
     oracle_device: str = "cpu"  # "cpu" or "target": each rank's own target device, at most its oracle_max
+    optimizer: Callable | None = None  # with it, ``steps`` training steps per side (run_training)
+    steps: int = 1
+
+
+def takes_dtype(build: Callable) -> bool:
+    """Whether ``build`` takes the side's dtype: a third positional parameter or a ``dtype`` keyword
+    (``build(rank, world_size, dtype)``)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(build).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or any(p.name == "dtype" for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 3
+
+
+def build_side(build: Callable, rank: int, world: int, dtype) -> tuple[Any, bool]:
+    """``(model, cast)``: this rank's model of one side, and whether the side casts it to its dtype. A ``build``
+    that takes the dtype (:func:`takes_dtype`; ``None`` for ``model-dtype``) applies it itself, e.g. as an FSDP
+    ``MixedPrecisionPolicy(param_dtype=dtype)``: its model is used as built."""
+    if takes_dtype(build):
+        return build(rank, world, dtype), False
+    return build(rank, world), True
 
 
 def free_port() -> int:
@@ -71,9 +97,18 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
                                     target_device=backend.torch_device, backward=job.loss_fn is not None,
                                     bench_kernel=job.bench_kernel, **backend.oracle_options(job.oracle_device))
             cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
-            run = run_side(job.build(rank, world), job.inputs, job.loss_fn, backend, cfg,
-                           faults=job.faults if side == "target" else (), seed=job.seed, isolator=isolator,
-                           owned=True)  # built for this side: never copied (FSDP models cannot be)
+            model, cast = build_side(job.build, rank, world, backend.dtype)
+            faults = job.faults if side == "target" else ()
+            # the model was built for this side: never copied (FSDP models cannot be)
+            if job.optimizer is not None:
+                from .check.training import run_training
+
+                batch = job.inputs[0] if len(job.inputs) == 1 else job.inputs
+                run = run_training(model, [batch] * job.steps, job.loss_fn, job.optimizer, backend, cfg,
+                                   faults=faults, seed=job.seed, isolator=isolator, owned=True, cast=cast)
+            else:
+                run = run_side(model, job.inputs, job.loss_fn, backend, cfg, faults=faults, seed=job.seed,
+                               isolator=isolator, owned=True, cast=cast)
             if run.unapplied:
                 with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
                     fh.write("\n".join(run.unapplied))

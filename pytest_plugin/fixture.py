@@ -172,7 +172,7 @@ class MsprobeFixture:
     def check_parallel(self, build: Callable[[int, int], Any], *inputs: Any, world_size: int,
                        bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
                        timeout: float = 300.0, tp: int | tuple | None = None, pp: int | tuple | None = None,
-                       **options: Any):
+                       optimizer: Callable | None = None, steps: int = 1, **options: Any):
         """Run a model split over ``world_size`` ranks on the bench and the target, compare rank by rank, and fail
         naming the rank whose own computation diverged first.
 
@@ -195,11 +195,23 @@ class MsprobeFixture:
                 pipeline is checked forward-only here (a pipeline training step your own schedule dumped merges
                 through ``msprobe-ci compare --pp``).
             timeout: seconds before hung ranks are terminated and the check fails naming them (default 300).
+            optimizer: ``optimizer(parameters) -> torch.optim.Optimizer`` (module-level): each side trains
+                ``steps`` steps on ``inputs``, every step judged, faults taking ``step: N`` (rank against rank:
+                not with a merged bench).
+            steps: training steps with an ``optimizer`` (default 1).
             options: as for :meth:`check` (bench, target, bench_dtype, target_dtype, level, task, inject, seed,
                 isolate, api_standards, api_thresholds).
 
+        Sharded models (FSDP2 ``fully_shard``, FSDP1): each side builds its own model on each rank, never a copy.
+        A ``build(rank, world_size, dtype)`` gets the side's dtype (``None`` for ``model-dtype``) and applies it
+        itself, e.g. ``fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=dtype,
+        reduce_dtype=torch.float32))``: a mixed-precision policy target against an fp32 bench, the policy's casts
+        part of the target's arithmetic. Collectives (FSDP's all-gathers and reduce-scatters included) are
+        judged on the inputs every rank of their group gave them.
+
         Returns:
-            ``{rank: CompareReport}``; when the sides were merged, ``{(step, data-parallel group): CompareReport}``.
+            ``{rank: CompareReport}`` (with several ``steps``: ``{(step, rank): CompareReport}``); when the sides
+            were merged, ``{(step, data-parallel group): CompareReport}``.
 
         Raises:
             pytest.fail.Exception: a rank raised or hung, the first divergence, an overflow, a fault that never
@@ -209,7 +221,8 @@ class MsprobeFixture:
         from ..check import check_parallel
 
         return self._run("check_parallel", options, check_parallel, build, inputs, world_size=world_size,
-                         bench_world_size=bench_world_size, loss_fn=loss_fn, timeout=timeout, tp=tp, pp=pp)
+                         bench_world_size=bench_world_size, loss_fn=loss_fn, timeout=timeout, tp=tp, pp=pp,
+                         optimizer=optimizer, steps=steps)
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any] | None, optimizer: Callable,
                        *, grad_cosine: float = 0.99, scaler_skips: int = 3, step: Callable | None = None,

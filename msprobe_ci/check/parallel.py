@@ -6,6 +6,7 @@ themselves run on :mod:`msprobe_ci.parallel`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable
 
@@ -22,20 +23,31 @@ def _positive_int(value: Any, name: str) -> int:
 
 def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], inputs: tuple, *, world_size: int,
                    bench_world_size: int | None = None, loss_fn: Callable[[Any], Any] | None = None,
-                   timeout: float = 300.0, tp: Any = None, pp: Any = None):
+                   timeout: float = 300.0, tp: Any = None, pp: Any = None, optimizer: Callable | None = None,
+                   steps: int = 1):
     """Run ``build(rank, world_size)`` on every rank of both sides, judge, conclude.
 
     Args:
         ctx: the test's :class:`~msprobe_ci.check.context.CheckContext`. s: the check's settings.
-        build: a module-level function returning a rank's module; inputs: every rank's inputs.
+        build: a module-level function returning a rank's module; inputs: every rank's inputs. A ``build`` that
+            takes a third argument, the side's dtype (``build(rank, world_size, dtype)``; ``None`` for
+            ``model-dtype``), applies it itself (an FSDP ``MixedPrecisionPolicy(param_dtype=dtype)``, the
+            policy's casts then part of the target's arithmetic): its model is not cast.
+        optimizer: ``optimizer(parameters) -> torch.optim.Optimizer`` (module-level): each side trains ``steps``
+            steps on ``inputs`` (forward, loss, backward, ``step()``, ``zero_grad()``, as
+            :func:`~msprobe_ci.check.training.run_training`), one ``step<N>`` folder each, every step judged; from
+            step 1 on the weights are context (they moved apart by rounding, which the steps that made them
+            judged). ``loss_fn`` is required then.
+        steps: training steps with an ``optimizer`` (default 1).
         world_size, bench_world_size: ranks of the target and of the bench (default the same).
         loss_fn: output -> scalar loss on every rank. timeout: seconds before hung ranks are terminated.
         tp, pp: tensor/pipeline-parallel sizes, ``(target, bench)`` or one int for the target; any of
             ``bench_world_size != world_size``, ``tp``, ``pp`` merges each side per data-parallel group.
 
     Returns:
-        A :class:`~msprobe_ci.check.conclude.Conclusion` whose value is ``{rank: CompareReport}``, or when merged
-        ``{(step, data-parallel group): CompareReport}``.
+        A :class:`~msprobe_ci.check.conclude.Conclusion` whose value is ``{rank: CompareReport}`` (with several
+        ``steps``: ``{(step, rank): CompareReport}``), or when merged ``{(step, data-parallel group):
+        CompareReport}``.
 
     Raises:
         MsprobeError: a bad size, a rank that raised or hung, unreadable dumps (``. Artifacts: <dir>`` appended).
@@ -49,6 +61,14 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     bench_world_size = _positive_int(world_size if bench_world_size is None else bench_world_size,
                                      "bench_world_size")
     merged = bench_world_size != world_size or tp is not None or pp is not None
+    steps = _positive_int(steps, "steps")
+    if optimizer is not None and loss_fn is None:
+        raise MsprobeError("check_parallel: optimizer needs a loss_fn (the loss each training step backpropagates)")
+    if steps > 1 and optimizer is None:
+        raise MsprobeError(f"check_parallel: steps={steps} needs an optimizer (one training step per step)")
+    if merged and optimizer is not None:
+        raise MsprobeError("check_parallel: training steps (optimizer) are checked rank against rank; a bench of "
+                           "another partition (bench_world_size, tp, pp) is checked for one forward/backward")
     index, check_dir = ctx.next_check()
     os.makedirs(check_dir, exist_ok=True)
     job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
@@ -56,40 +76,48 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
                          ("target", s.target_device, s.target_dtype, s.target_autocast)),
                   level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), isolate=s.isolate,
                   standards=dict(s.api_standards), thresholds=dict(s.api_thresholds), port=free_port(),
-                  backend=s.target.dist_backend, bench_kernel=s.bench_kernel, oracle_device=s.oracle_device)
+                  backend=s.target.dist_backend, bench_kernel=s.bench_kernel, oracle_device=s.oracle_device,
+                  optimizer=optimizer, steps=steps if optimizer is not None else 1)
     if merged:
         return _check_merged(ctx, s, job, index, world_size, bench_world_size, tp, pp, float(timeout))
     outcomes = {}
     try:
         run_ranks(job, world_size, float(timeout))
-        for rank in range(world_size):
-            folder = {side: os.path.join(check_dir, side, "step0", f"rank{rank}") for side in ("bench", "target")}
-            target_run = SideRun(folder["target"], notes=rank_notes(check_dir, rank))
-            outcomes[rank] = evaluate(folder["bench"], target_run, os.path.join(check_dir, f"rank{rank}"),
-                                      level=s.level, isolate=job.isolate, api_standards=s.api_standards,
-                                      api_thresholds=s.api_thresholds, bench_kernel=job.bench_kernel)
+        for step in range(job.steps):
+            for rank in range(world_size):
+                folder = {side: os.path.join(check_dir, side, f"step{step}", f"rank{rank}")
+                          for side in ("bench", "target")}
+                target_run = SideRun(folder["target"], notes=rank_notes(check_dir, rank) if step == 0 else ())
+                out = os.path.join(check_dir, f"rank{rank}" if job.steps == 1 else f"step{step}_rank{rank}")
+                # from step 1 on the weights and optimizer state are context (moved apart by rounding)
+                outcomes[(step, rank)] = evaluate(folder["bench"], target_run, out, level=s.level,
+                                                  isolate=job.isolate, api_standards=s.api_standards,
+                                                  api_thresholds=s.api_thresholds, bench_kernel=job.bench_kernel,
+                                                  source_factor=4.0 if step == 0 else math.inf)
         graph = None
         if ctx.graph_dir is not None:
             graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
-                                   ctx.graph_dir(index), reports={(0, r): o.report for r, o in outcomes.items()})
+                                   ctx.graph_dir(index), reports={k: o.report for k, o in outcomes.items()})
     except MsprobeError as exc:
         raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None
     d = Draft()
-    cross = first_divergence_across_ranks({(0, r): (o.report, o.target_dump) for r, o in outcomes.items()})
-    per_rank = {r.rank: r for r in cross.ranks}
-    for rank, outcome in outcomes.items():
-        row = {"test": ctx.nodeid, "index": f"{index} rank{rank}", "dir": os.path.join(check_dir, f"rank{rank}"),
+    cross = first_divergence_across_ranks({k: (o.report, o.target_dump) for k, o in outcomes.items()})
+    per_rank = {(r.step, r.rank): r for r in cross.ranks}
+    for (step, rank), outcome in outcomes.items():
+        where = f"rank{rank}" if job.steps == 1 else f"step{step} rank{rank}"
+        row = {"test": ctx.nodeid, "index": f"{index} {where}",
+               "dir": os.path.join(check_dir, where.replace(" ", "_")),
                "bench": f"{s.bench.label} x{world_size}", "target": f"{s.target.label} x{world_size}",
                "level": s.level, "bench_kernel": job.bench_kernel if job.isolate else None,
                "notes": list(outcome.notes), "rank": rank,
                # the cross-rank answer, for the report: this rank's own divergence or what it received
-               "rank_divergence": per_rank[rank].message if rank in per_rank else None,
-               "rank_first": cross.first is not None and cross.first.rank == rank}
+               "rank_divergence": per_rank[(step, rank)].message if (step, rank) in per_rank else None,
+               "rank_first": cross.first is not None and (cross.first.step, cross.first.rank) == (step, rank)}
         row.update(outcome.summary(), unapplied=[])
         d.properties.append((RESULT, row))
     if graph:
         d.properties.append(("msprobe.graph", graph))
-    value = {r: o.report for r, o in outcomes.items()}
+    value = {k if job.steps > 1 else k[1]: o.report for k, o in outcomes.items()}
     inject = s.inject or ctx.inject_path
     if d.fail(unapplied_message(inject, unapplied_faults_on_ranks(s.faults, world_size, check_dir), check_dir)):
         return d.done(value)
@@ -102,8 +130,9 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
         lines.append(f"Artifacts: {check_dir}")
         d.fail("\n".join(lines))
         return d.done(value)
-    for rank, outcome in outcomes.items():
-        if overflow_or_api(d, outcome, f"rank{rank} ", check_dir, ctx.require_coverage):
+    for (step, rank), outcome in outcomes.items():
+        where = f"rank{rank} " if job.steps == 1 else f"step{step} rank{rank} "
+        if overflow_or_api(d, outcome, where, check_dir, ctx.require_coverage):
             break
     return d.done(value)
 

@@ -17,7 +17,7 @@ from .outcome import SideRun, flatten_outputs
 
 def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, *, faults: tuple = (),
              seed: int = 1234, regions: list | tuple = (), eval_mode: bool = False, isolator=None,
-             free_bench=None, spill_outputs: bool = False, owned: bool = False) -> SideRun:
+             free_bench=None, spill_outputs: bool = False, owned: bool = False, cast: bool = True) -> SideRun:
     """Run ``model(*inputs)`` (one dict input: ``model(**inputs)``) on ``backend`` under capture.
 
     Args:
@@ -38,6 +38,8 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
             are 206 MB).
         owned: ``model`` was built for this side alone: prepared in place, not copied (an FSDP-sharded model
             cannot be copied; :meth:`~msprobe_ci.backends.Backend.prepare_model`).
+        cast: cast the model to the backend's dtype (default); ``False``: its build applied the dtype (an FSDP
+            ``MixedPrecisionPolicy``), the model is used in its own dtypes.
 
     Raises:
         MsprobeError: nothing was captured.
@@ -47,7 +49,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
     from ..backends import deterministic
     from ..capture import CaptureSession
 
-    side_model = backend.prepare_model(model, eval_mode=eval_mode, owned=owned)
+    side_model = backend.prepare_model(model, eval_mode=eval_mode, owned=owned, cast=cast)
     side_inputs = backend.prepare_inputs(inputs)
     capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type

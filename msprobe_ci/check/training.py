@@ -42,7 +42,7 @@ class TrainingRun:
 
 def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callable, backend, cfg, *,
                  faults: tuple = (), seed: int = 1234, isolator=None, monitor_dir: str | None = None,
-                 step: Callable | None = None) -> TrainingRun:
+                 step: Callable | None = None, owned: bool = False, cast: bool = True) -> TrainingRun:
     """Train a copy of ``model`` on ``backend`` for one step per batch under capture, one ``step<N>`` folder each.
 
     Each step: forward (``model(*batch)``, a dict batch as keywords, a tensor as the one input), ``loss_fn(out)``,
@@ -59,6 +59,8 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
             loop does them; captured whole as one step (``loss_fn`` unused). The side's ``autocast`` option, if
             set, wraps the whole call. Gradients are recorded as ``step`` leaves them (``None`` after a
             ``zero_grad(set_to_none=True)`` at its end: then none are compared).
+        owned, cast: as :meth:`~msprobe_ci.backends.Backend.prepare_model` (a rank's model built for this side:
+            trained in place, FSDP-sharded ones included; its gradients kept as this rank's shards).
 
     Raises:
         MsprobeError: a batch list that is empty, or nothing captured.
@@ -70,7 +72,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
 
     if not batches:
         raise MsprobeError("check_training: batches is empty (one training step per batch)")
-    side_model = backend.prepare_model(model)
+    side_model = backend.prepare_model(model, owned=owned, cast=cast)
     side_model.train()
     opt = optimizer(side_model.parameters())
     # fp16 autocast trains with a loss scale, as torch.amp prescribes (the user's own step brings its own)
@@ -98,8 +100,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                     if mon is not None:
                         mon.record_loss(loss)
                     run.losses.append(float(loss.detach().float().cpu()))
-                    run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
-                                      for n, p in side_model.named_parameters() if p.grad is not None})
+                    run.grads.append(_grads(side_model))
                     capture.stop()
                     run.folders.append(capture.dump_folder())
                     capture.step()
@@ -120,8 +121,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                 if mon is not None:
                     mon.record_loss(loss)
                 run.losses.append(float(loss.detach().float().cpu()))
-                run.grads.append({n: p.grad.detach().to("cpu", torch.float64).clone()
-                                  for n, p in side_model.named_parameters() if p.grad is not None})
+                run.grads.append(_grads(side_model))
                 if scaler is not None:
                     scale = float(scaler.get_scale())
                     scaler.step(opt)  # skipped where the scaled gradients hold inf/NaN
@@ -141,6 +141,20 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     run.unapplied = unapplied_faults(faults, capture)
     run.notes = precision_notes(capture, backend)
     return run
+
+
+def _grads(model: Any) -> dict:
+    """``{parameter name: float64 CPU copy of its gradient}`` (a DTensor's: this rank's local shard)."""
+    import torch
+
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = getattr(g, "_local_tensor", g)
+        out[n] = g.detach().to("cpu", torch.float64).clone()
+    return out
 
 
 def grad_similarity(bench: dict, target: dict) -> list[dict]:

@@ -12,8 +12,8 @@ from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
 from ..replay.runner import judged_as
 from ..replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
-from .support import (_Call, _cpu, DROPOUT, _has_dtensor, is_inplace, NOT_COMPARABLE, RANDOM, UNSUPPORTED_PREFIX,
-                      verdict_fields)
+from .support import (_Call, _cpu, DROPOUT, _has_dtensor, is_inplace, local_pointwise, NOT_COMPARABLE, RANDOM,
+                      to_local, UNSUPPORTED_PREFIX, verdict_fields)
 
 
 class ApiIsolation:
@@ -40,9 +40,12 @@ class ApiIsolation:
             reason = f"{api}: uninitialised memory, not comparable"
         elif short in RANDOM or (kwargs.get("dropout_p") or 0) > 0:
             reason = f"{api}: random output, not comparable element-wise"
-        elif _has_dtensor(args) or _has_dtensor(kwargs):
-            reason = (f"{api}: DTensor call (its sharding may redistribute inside the op): no single-device "
-                      "reference; the rank-merged compare shows its drift")
+        local = None
+        if reason is None and (_has_dtensor(args) or _has_dtensor(kwargs)):
+            local = local_pointwise(short, args, kwargs)
+            if local is None:
+                reason = (f"{api}: DTensor call (its sharding may redistribute inside the op): no single-device "
+                          "reference; the rank-merged compare shows its drift")
         if reason:
             self.skip(name, reason)
             self.skip(bwd_name, reason)
@@ -50,6 +53,10 @@ class ApiIsolation:
             return None, args, kwargs
         call = _Call(name, judged_as(short, args, kwargs, self.standards), func=func)
         self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
+        if local is not None:
+            # a pointwise op on DTensors of one sharding (an optimizer's update of FSDP's sharded parameters): the
+            # rank computes it on its local shards, judged there; its gradient is not isolated
+            return self._local_call(call, func, short, bwd_name, args, kwargs, *local)
         if short in DROPOUT:
             p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
@@ -86,6 +93,25 @@ class ApiIsolation:
                                        if kind == "input" and k in taps}}
         if want_grad:
             args, kwargs = self._tap(call, bwd_name, args, kwargs)
+        return call, args, kwargs
+
+    def _local_call(self, call: _Call, func, short: str, bwd_name: str, args: tuple, kwargs: dict,
+                    largs: tuple, lkw: dict):
+        """:meth:`before` of a pointwise call on DTensors (:func:`~.support.local_pointwise`): its references on the
+        local shards ``largs``/``lkw``, the target called with its own ``args``/``kwargs``; :meth:`after` judges
+        the local shard of its output."""
+        if torch.is_grad_enabled() and any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kwargs)):
+            self.skip(bwd_name, f"{call.short}: DTensor call judged on its local shards, forward only")
+        call.local = True
+        kw = {k: v for k, v in lkw.items() if k != "out"}
+        ok, _ = self._references(call, func, largs, kw, False)
+        if not ok:
+            return None, args, kwargs
+        kept = tuple(largs)
+        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
+                kept[0].is_floating_point():
+            kept = (kept[0].detach().clone(), *kept[1:])
+        call.inputs = (kept, kw)
         return call, args, kwargs
 
     def _references(self, call: _Call, func, args: tuple, kw: dict, want_grad: bool) -> tuple[bool, bool]:
@@ -176,7 +202,7 @@ class ApiIsolation:
         from ..replay.runner import judge_pair, judge_rows
 
         stem = f"{call.name}.output"
-        targets = _flat_outputs(out, stem)
+        targets = _flat_outputs(to_local(out) if call.local else out, stem)
         if call.dropout is not None:
             p, training = call.dropout
             args, kwargs = call.inputs

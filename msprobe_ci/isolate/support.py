@@ -91,6 +91,7 @@ class _Call:
     taps: int = 0
     grad_out: dict = field(default_factory=dict)
     dropout: tuple | None = None
+    local: bool = False  # a pointwise call on DTensors, judged on the local shards (local_pointwise)
     func: Any = None
     inputs: tuple | None = None  # the target's (args, kwargs), for the error budget, until the call is judged
     versions: tuple = ()  # the inputs' version counters at the call: an input written since is not the call's
@@ -139,3 +140,71 @@ def _has_dtensor(value: Any, depth: int = 0) -> bool:
         return any(_has_dtensor(v, depth + 1) for v in value.values())
     return False
 
+
+
+#: Python operator names of the Tensor API -> the ATen op they call (for :func:`local_pointwise`)
+_DUNDER_ATEN = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__rsub__": "rsub",
+                "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div",
+                "__rtruediv__": "div", "__itruediv__": "div_", "__neg__": "neg", "__pow__": "pow",
+                "__rpow__": "pow", "__ipow__": "pow_"}
+
+
+def _pointwise(short: str) -> bool:
+    """Whether API ``short`` is an ATen op tagged ``pointwise`` (each output element from the same element of its
+    inputs: ``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ``gelu``)."""
+    packet = getattr(torch.ops.aten, _DUNDER_ATEN.get(short, short), None)
+    try:
+        return packet is not None and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def local_pointwise(short: str, args: tuple, kwargs: dict):
+    """``(args, kwargs)`` with every DTensor replaced by this rank's local shard, where that is the whole call: a
+    pointwise op whose DTensors share one mesh, placements (``Shard``/``Replicate``, no pending ``Partial`` sum) and
+    shape, beside no other tensor but 0-d ones (an optimizer's update of a sharded parameter: what the rank
+    computes is the op on its shards). ``None`` otherwise."""
+    if not _pointwise(short):
+        return None
+    found: list = []
+
+    def walk(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif depth < 4 and isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, depth + 1)
+        elif depth < 4 and isinstance(v, dict):
+            for x in v.values():
+                walk(x, depth + 1)
+    walk(args)
+    walk(kwargs)
+    dts = [t for t in found if _has_dtensor(t)]
+    if not dts or any(not _has_dtensor(t) and t.dim() > 0 for t in found):
+        return None
+    first = dts[0]
+    for t in dts:
+        if t.device_mesh != first.device_mesh or tuple(t.placements) != tuple(first.placements) or \
+                t.shape != first.shape:
+            return None
+        if any(p.is_partial() for p in t.placements):
+            return None
+
+    def local(v, depth=0):
+        if isinstance(v, torch.Tensor):
+            return v._local_tensor if _has_dtensor(v) else v
+        if depth < 4 and isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(local(x, depth + 1) for x in v)
+        if depth < 4 and isinstance(v, dict):
+            return {k: local(x, depth + 1) for k, x in v.items()}
+        return v
+    return local(tuple(args)), local(dict(kwargs))
+
+
+def to_local(value: Any, depth: int = 0) -> Any:
+    """``value`` with every DTensor replaced by its local shard (nested lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value._local_tensor if _has_dtensor(value) else value
+    if depth < 4 and isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_local(v, depth + 1) for v in value)
+    return value
