@@ -17,6 +17,8 @@ class CommCapture:
         ``functional`` (out-of-place) collective's output is its returned tensor."""
         if self._busy or not self.running:
             return func(*args, **kwargs)
+        from ..isolate.collectives import JUDGED, input_of, output_of
+
         key = f"Distributed.{op}."
         n = self.api_counts.get(key, 0)
         self.api_counts[key] = n + 1
@@ -26,21 +28,27 @@ class CommCapture:
         record = self._keep(name)
         entry = None
         if record:
+            # an out-of-place collective's output buffer holds uninitialised memory before the call: its shape is
+            # recorded, not its values (they would read as an overflow where the buffer held NaN bits)
+            buf = output_of(op, args, kwargs) if op in JUDGED and JUDGED[op][1] is not None else None
+
+            def arg(v, stem, key=None):
+                if buf is not None and v is buf:
+                    return self.builder.shape_only(v)
+                return self._comm_value(v, stem, key)
             self._busy = True
             try:
                 files = self._tensor_file(name)
                 rec_args, rec_kwargs = _resolved_groups(func, args, kwargs) if functional else (args, kwargs)
-                entry = {"input_args": [self._comm_value(a, f"{name}.input.{i}" if files else None)
+                entry = {"input_args": [arg(a, f"{name}.input.{i}" if files else None)
                                         for i, a in enumerate(rec_args)],
-                         "input_kwargs": {k: self._comm_value(v, f"{name}.input.{k}" if files else None, k)
+                         "input_kwargs": {k: arg(v, f"{name}.input.{k}" if files else None, k)
                                           for k, v in rec_kwargs.items()},
                          "output": []}
                 self._stack(name)
                 self.data[name] = entry
             finally:
                 self._busy = False
-        from ..isolate.collectives import JUDGED, input_of, output_of
-
         api_id = f"Distributed.{op}"
         faults = [f for f in self.faults if f.on_rank(self.fault_rank) and
                   f.matches(api_id, n, "forward", self.current_step)] if api_id in self._fault_apis else []

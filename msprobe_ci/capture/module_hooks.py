@@ -10,6 +10,18 @@ import torch
 from .coverage import quiet
 
 
+def class_name(mod: torch.nn.Module) -> str:
+    """The class name a module's nodes carry: its own, except for FSDP2's ``FSDP<Class>`` (the subclass
+    ``fully_shard`` makes of ``(FSDPModule, Class)``), which keeps ``Class``: a sharded model's nodes match an
+    unsharded bench and msprobe's dumps of the same model."""
+    cls = type(mod)
+    bases = cls.__bases__
+    if cls.__name__.startswith("FSDP") and len(bases) == 2 and bases[0].__name__ == "FSDPModule" and \
+            cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1].__name__
+    return cls.__name__
+
+
 class ModuleCapture:
     """The module half of :class:`~msprobe_ci.capture.session.CaptureSession` (L0 and mix)."""
 
@@ -21,7 +33,7 @@ class ModuleCapture:
         for path, mod in model.named_modules():
             if mod is model or path.startswith(self.opaque_prefixes):
                 continue
-            base = f"Module.{root_prefix}{path}.{type(mod).__name__}"
+            base = f"Module.{root_prefix}{path}.{class_name(mod)}"
             # modules whose APIs are not seen (L0 capture, a torch.compile region) are isolated whole
             whole = self.isolator is not None and (not self.api_level or f"{path}." in self.opaque_prefixes)
             handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))

@@ -55,7 +55,10 @@ class RecordBuilder:
         """Record one tensor; ``data_name`` (a file name) also keeps a CPU copy for ``dump_tensor_data/``.
         A DTensor is recorded as this rank's local shard (shape and statistics), as every other rank's tensors
         are; merging ranks (:mod:`msprobe_ci.compare.merge`) puts the shards back together."""
+        placement = None
         if type(t) is not torch.Tensor and hasattr(t, "_local_tensor") and hasattr(t, "placements"):
+            # where the shard sits in the whole (extra fields msprobe ignores): placements and the global shape
+            placement = {"placements": [repr(p) for p in t.placements], "global_shape": list(t.shape)}
             t = t._local_tensor
         rec: dict[str, Any] = {
             "type": "torch.Tensor",
@@ -64,6 +67,8 @@ class RecordBuilder:
             "Max": None, "Min": None, "Mean": None, "Norm": None,
             "requires_grad": bool(t.requires_grad),
         }
+        if placement is not None:
+            rec.update(placement)
         src = t
         version = _version(src)
         hit = self._seen.get(id(src))
@@ -121,6 +126,12 @@ class RecordBuilder:
         if version is not None:
             self._seen[id(src)] = [weakref.ref(src), version, stats, md5, copy]
         return rec
+
+    def shape_only(self, t: torch.Tensor) -> dict:
+        """The record of a tensor whose values mean nothing yet (a collective's output buffer before the call:
+        uninitialised memory): type, dtype, shape, ``None`` statistics."""
+        return {"type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(getattr(t, "_local_tensor", t).shape),
+                "Max": None, "Min": None, "Mean": None, "Norm": None, "requires_grad": bool(t.requires_grad)}
 
     def _upcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t.float()`` (a contiguous CPU half tensor of at most :data:`SCRATCH` elements) written into one

@@ -1,0 +1,169 @@
+"""Sharded training as people run it: FSDP2 (``fully_shard``) with a ``MixedPrecisionPolicy``, through
+``msprobe.check_parallel`` on 2 CPU ranks (gloo), trained for 2 steps; collectives judged on their group's inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+
+import pytest
+import torch
+
+from msprobe_ci.isolate.collectives import references
+
+FSDP_TESTS = '''
+import torch
+import transformers
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+X = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def mlp(rank, world, dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(4)])
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in m:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(m, mp_policy=policy)
+    return m
+
+
+def llama(rank, world, dtype):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def mse(o):
+    return o.float().pow(2).mean()
+
+
+def lm_loss(o):
+    return o.loss
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def test_llama_clean(msprobe):
+    msprobe.check_parallel(llama, {"input_ids": IDS, "labels": IDS}, world_size=2, loss_fn=lm_loss,
+                           optimizer=adamw, steps=2)
+
+
+def test_llama_reduce_scatter_fault(msprobe):
+    msprobe.check_parallel(llama, {"input_ids": IDS, "labels": IDS}, world_size=2, loss_fn=lm_loss,
+                           optimizer=adamw, steps=2, inject="rs.yaml")
+
+
+def test_mlp_linear_fault(msprobe):
+    msprobe.check_parallel(mlp, X, world_size=2, loss_fn=mse, optimizer=adamw, steps=2, inject="linear.yaml")
+
+
+def test_mlp_bench_on_one_rank(msprobe):
+    msprobe.check_parallel(mlp, X, world_size=2, bench_world_size=1, loss_fn=mse)
+'''
+
+
+def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
+    """FSDP2 models built per side by build(rank, world_size, dtype) under a bf16 MixedPrecisionPolicy: a stock
+    Llama trained 2 steps passes every step and rank; a 2% scale of rank 1's gradient shard in one
+    reduce-scatter at step 1 is named at the collective, and a 2% fault on rank 1's linear at step 1 at that
+    linear; a one-rank bench of the same sharded build merges and passes. The dumps record FSDP's collectives, the
+    parameters' gradients as this rank's shards with their placement, and the module classes unsharded."""
+    pytester.makepyfile(test_fsdp2=FSDP_TESTS)
+    pytester.makefile(".yaml", rs="faults:\n  - {api: Distributed.reduce_scatter_single, call: 1, perturb: scale, "
+                                  "value: 1.02, step: 1, rank: 1}\n",
+                      linear="faults:\n  - {api: Functional.linear, call: 2, perturb: scale, value: 1.02, step: 1, "
+                             "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
+    out = result.stdout.str()
+    result.assert_outcomes(passed=2, failed=2)
+    assert "msprobe: first divergence: step1 rank1 Distributed.reduce_scatter_single.1.forward: " in out, out
+    assert "msprobe: first divergence: step1 rank1 Functional.linear.2.forward: " in out, out
+    for rank in (0, 1):
+        assert re.search(rf"test_llama_clean \[check 0 step1 rank{rank}\]: .*error 0, unmatched 0; first divergence: "
+                         r"none; first overflow: none; verdict: pass", out), out
+    check = pytester.path / "msprobe-out" / "test_fsdp2.py_test_llama_clean" / "check0"
+    dump = json.loads((check / "target" / "step1" / "rank1" / "dump.json").read_text())["data"]
+    assert any(n.startswith("Distributed.all_gather_single.") for n in dump)
+    grads = next(v for k, v in dump.items() if k.endswith(".parameters_grad.0") and "q_proj" in k)
+    rec = next(iter(grads.values()))[0]
+    assert rec["placements"] == ["Shard(dim=0)"] and rec["shape"][0] * 2 == rec["global_shape"][0]
+    assert rec["dtype"] == "torch.float32"  # reduced in fp32 by the policy
+    assert not any("FSDP" in n for n in dump if n.startswith("Module."))
+    iso = json.loads((check / "target" / "step1" / "rank0" / "isolation.json").read_text())["nodes"]
+    judged = [v for k, v in iso.items() if k.startswith("Distributed.reduce_scatter_single.")]
+    assert judged and all(v["status"] == "pass" and v["collective"]["world_size"] == 2 for v in judged)
+    optimizer = [v for k, v in iso.items() if k.startswith("Tensor.addcdiv_.")]  # AdamW on the sharded weights
+    assert optimizer and all(v["status"] == "pass" for v in optimizer)
+
+
+def test_collective_references_reduce_in_rank_order():
+    """The oracle, the rank-order bench and the error scale of a reduction, per reduce op and collective."""
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, -2.0, 1.0, 1e-3]])
+    gathered = x.to(torch.bfloat16).reshape(-1)
+    o, b, sc = references("all_reduce", "SUM", gathered, 2, 0, torch.bfloat16)
+    assert torch.equal(o, x.to(torch.bfloat16).double().sum(0)) and b.dtype == torch.bfloat16
+    assert torch.equal(b, (x.to(torch.bfloat16).double().sum(0)).to(torch.bfloat16))
+    assert sc[1] == 0 and sc[0] > 0  # an exact cancellation has no rounding to allow
+    o, b, sc = references("reduce_scatter_single", "AVG", gathered, 2, 1, torch.bfloat16)
+    assert o.shape == (2,) and torch.allclose(o, x.to(torch.bfloat16).double().sum(0)[2:] / 2)
+    o, b, _ = references("all_reduce", "MAX", gathered, 2, 0, torch.bfloat16)
+    assert torch.equal(b.double(), o) and torch.equal(o, x.to(torch.bfloat16).double().amax(0))
+    o, b, sc = references("all_gather_into_tensor", "SUM", gathered, 2, 0, torch.bfloat16)
+    assert torch.equal(b, gathered) and not sc.any()
+    with pytest.raises(ValueError):
+        references("all_reduce", "BAND", gathered, 2, 0, torch.bfloat16)
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_is_never_copied_and_its_pointwise_updates_are_local(one_rank):
+    """A fully_shard model handed to a side that does not own it is refused in one line (it cannot be copied);
+    its module classes keep their own names; an optimizer's pointwise update of its sharded parameters is the op
+    on the local shards, while a reduction over them is not."""
+    from torch.distributed.fsdp import fully_shard
+
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.capture.module_hooks import class_name
+    from msprobe_ci.errors import MsprobeError
+    from msprobe_ci.isolate.support import local_pointwise
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    fully_shard(m)
+    with pytest.raises(MsprobeError, match=r"^the model is sharded by fully_shard, which cannot be copied for each "
+                                           r"side: hand msprobe.check_parallel a build\(rank, world_size\)"):
+        Backend.from_options("cpu", "bf16").prepare_model(m)
+    owned = Backend.from_options("cpu", "bf16").prepare_model(m, owned=True)
+    assert owned is m and m[0].weight.dtype == torch.bfloat16
+    assert type(m).__name__ == "FSDPSequential" and class_name(m) == "Sequential" and class_name(m[0]) == "Linear"
+    w, g = m[0].weight.detach(), m[0].weight.detach() * 2
+    args, kwargs = local_pointwise("addcdiv_", (w, g, g), {"value": -0.1})
+    assert all(type(a) is torch.Tensor for a in args) and args[0] is w._local_tensor
+    assert local_pointwise("__mul__", (w, torch.tensor(2.0)), {}) is not None
+    assert local_pointwise("sum", (w,), {}) is None  # a reduction over the sharded dim is not local
+    assert local_pointwise("__mul__", (w, torch.ones(4)), {}) is None  # a plain tensor beside the shard
