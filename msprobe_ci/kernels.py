@@ -42,8 +42,8 @@ the dtype's unit roundoff ``u``: the API is run in fp64 (forward, and the backwa
   source: a fused attention's probabilities and their gradient (:data:`ATTENTION_HELD`), and PyTorch's own CPU
   half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only).
 
-Each rounding is a uniform error of RMS ``u / sqrt(3)`` (:data:`ROUNDING_RMS`; uniform as a round-to-nearest error
-is, :func:`jitter`), and ``scale = rms over draws
+Each rounding is a random error of RMS ``u / sqrt(3)`` (:data:`ROUNDING_RMS`; a random sign times a magnitude
+on ``[0.5, 1.5]`` of it, :func:`jitter`), and ``scale = rms over draws
 of (perturbed - unperturbed) / u``. An elementwise op's scale is then its output's size (one rounding), a bf16
 GEMM's the same, an fp32 GEMM's the random walk of its terms. A fault of 1% in bf16 (2.56 u) is a fault at every
 element where the arithmetic does not cancel; the benchmark standard judges the max relative error against the
@@ -406,7 +406,7 @@ class Perturb(TorchDispatchMode):
 
     * Inputs are exact (they already are values of the target dtype; :func:`reference` copies them unchanged).
     * Every ATen op is a kernel: its floating result is materialized in the target dtype, so it is multiplied by
-      ``1 + eta * xi`` (``xi``: uniform errors of RMS 1 from ``generator``, :func:`jitter`; ``eta``: the RMS of one rounding to the target
+      ``1 + eta * xi`` (``xi``: random errors of RMS 1 from ``generator``, :func:`jitter`; ``eta``: the RMS of one rounding to the target
       dtype, :func:`perturbation`).
     * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
       is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
@@ -615,31 +615,39 @@ def _reduces(args, kwargs, out) -> bool:
 
 _DRAWN: list = []  # one buffer of rounding errors, drawn once: each jitter reads it from a random offset
 _DRAWN_SIZE = 1 << 22
-_UNIFORM_RMS = 3.0 ** 0.5  # U(-1, 1) times this has RMS 1
+_SPREAD = (13.0 / 12.0) ** -0.5  # |xi| = this * (0.5 + U(0, 1)): RMS 1
+
+
+def _draw(n: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` draws of ``xi``: a random sign times a magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1."""
+    sign = torch.randint(0, 2, (n,), generator=generator, dtype=dtype).mul_(2).sub_(1)
+    return torch.rand(n, generator=generator, dtype=dtype).add_(0.5).mul_(sign).mul_(_SPREAD)
 
 
 def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
-    """``t * (1 + eta * xi)`` for a floating tensor ``t``, anything else unchanged: ``xi`` uniform with RMS 1
-    (uniform on ``[-sqrt 3, sqrt 3]``), so ``eta * xi`` is a round-to-nearest error of RMS ``eta``, uniform as
-    one is.
+    """``t * (1 + eta * xi)`` for a floating tensor ``t``, anything else unchanged: ``xi`` a random sign times a
+    magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1, so ``eta * xi`` has the RMS ``eta`` of one rounding.
 
-    Uniform, not a random sign of the same RMS: where an element's error comes from two roundings of equal size
-    (a softmax gradient ``y_i (g_i - sum_j g_j y_j)`` of two routed experts whose terms cancel exactly), random signs
-    cancel too, in half of the draws, and 4 draws estimated a scale of 0 in 1 case out of 16 (a benign MoE router's
-    softmax backward failed the small-value rule on it); uniform errors never cancel exactly.
+    The budget estimates each element's error RMS from a few draws, so ``xi`` is chosen for that estimate, not to
+    mimic one rounding's (uniform) error: a random sign of fixed size (every draw of a one-rounding element
+    exact) let two roundings of equal size cancel exactly in half of the draws, and 4 draws estimated a scale of 0
+    in 1 case out of 16 (Mixtral's router softmax backward, ``y_i (g_i - sum_j g_j y_j)`` over two routed
+    experts, false-failed the small-value rule there); a uniform error never cancels, but one of 4 draws near 0
+    estimates a one-rounding element far under its size (GPT-2's attention backward false-failed its max
+    relative error). Magnitudes on ``[0.5, 1.5]`` do neither: a one-rounding element is estimated within
+    ``[0.48, 1.44]`` of its size, two equal roundings never cancel exactly.
 
-    The errors are a window of one buffer of 4M draws at an offset ``generator`` draws: drawing one per element
-    of every jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as
-    good as fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
+    The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
+    jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
+    fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
         return t
     n = t.numel()
     if n > _DRAWN_SIZE // 2:
-        xi = torch.rand(t.shape, generator=generator, dtype=t.dtype).mul_(2 * _UNIFORM_RMS).sub_(_UNIFORM_RMS)
+        xi = _draw(n, generator, t.dtype).view(t.shape)
     else:
         if not _DRAWN:
-            _DRAWN.append(torch.rand(_DRAWN_SIZE, generator=torch.Generator().manual_seed(0x516E),
-                                     dtype=torch.float64).mul_(2 * _UNIFORM_RMS).sub_(_UNIFORM_RMS).to(torch.float32))
+            _DRAWN.append(_draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32))
         start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
         xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
     factor = xi.mul_(eta).add_(1.0)
@@ -779,7 +787,7 @@ ACCUMULATION = 2.0 ** -24
 #: the RMS of one round-to-nearest error in units of the unit roundoff ``u``: the error is uniform over
 #: ``[-u, u] / m`` for a value of mantissa ``m`` in ``[1, 2)``, so its RMS is ``u / (m sqrt(3))``, at most
 #: ``u / sqrt(3)`` (0.42 u averaged over log-uniform mantissas; PyTorch's CPU flash attention in bf16 measured 0.43-0.53
-#: u of the random walk of its held probabilities). Each jitter draws a uniform error of this RMS.
+#: u of the random walk of its held probabilities). Each jitter draws an error of this RMS (:func:`jitter`).
 ROUNDING_RMS = 3.0 ** -0.5
 
 

@@ -179,10 +179,10 @@ def test_perturb_leaves_copies_views_and_in_place_ops_alone():
         c = x.clone()
         y = x + 0
     assert v.data_ptr() == x.data_ptr() and torch.equal(c, x)
-    # the result rounded once: a uniform relative error of RMS eta, within sqrt(3) eta, never exactly 0
-    rel = (y - x) / x
-    assert float(rel.abs().max()) <= 3 ** 0.5 * 1e-3 * (1 + 1e-9) and bool((rel != 0).all())
-    assert math.isclose(float(rel.square().mean().sqrt()), 1e-3, rel_tol=0.05)
+    # the result rounded once: a relative error of RMS eta, each draw within [0.48, 1.44] eta of either sign
+    rel = ((y - x) / x).abs()
+    assert 0.48e-3 <= float(rel.min()) and float(rel.max()) <= 1.45e-3
+    assert math.isclose(float(((y - x) / x).square().mean().sqrt()), 1e-3, rel_tol=0.05)
 
 
 def test_float64_without_a_kernel_runs_as_its_reference_or_in_float32():
