@@ -45,6 +45,15 @@ def llama(rank, world, dtype):
     return model
 
 
+def fsdp1(rank, world, dtype):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(3)])
+    policy = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+    return FullyShardedDataParallel(m, device_id=torch.device("cpu"), mixed_precision=policy, use_orig_params=True)
+
+
 def mse(o):
     return o.float().pow(2).mean()
 
@@ -71,6 +80,10 @@ def test_mlp_linear_fault(msprobe):
     msprobe.check_parallel(mlp, X, world_size=2, loss_fn=mse, optimizer=adamw, steps=2, inject="linear.yaml")
 
 
+def test_fsdp1_clean(msprobe):
+    msprobe.check_parallel(fsdp1, X, world_size=2, loss_fn=mse, optimizer=adamw, steps=2)
+
+
 def test_mlp_bench_on_one_rank(msprobe):
     msprobe.check_parallel(mlp, X, world_size=2, bench_world_size=1, loss_fn=mse)
 '''
@@ -80,8 +93,9 @@ def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
     """FSDP2 models built per side by build(rank, world_size, dtype) under a bf16 MixedPrecisionPolicy: a stock
     Llama trained 2 steps passes every step and rank; a 2% scale of rank 1's gradient shard in one
     reduce-scatter at step 1 is named at the collective, and a 2% fault on rank 1's linear at step 1 at that
-    linear; a one-rank bench of the same sharded build merges and passes. The dumps record FSDP's collectives, the
-    parameters' gradients as this rank's shards with their placement, and the module classes unsharded."""
+    linear; FSDP1 under its MixedPrecision passes; a one-rank bench of the same sharded build merges and passes.
+    The dumps record FSDP's collectives, the parameters' gradients as this rank's shards with their placement,
+    and the module classes and paths unwrapped."""
     pytester.makepyfile(test_fsdp2=FSDP_TESTS)
     pytester.makefile(".yaml", rs="faults:\n  - {api: Distributed.reduce_scatter_single, call: 1, perturb: scale, "
                                   "value: 1.02, step: 1, rank: 1}\n",
@@ -89,7 +103,7 @@ def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
                              "rank: 1}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=3, failed=2)
     assert "msprobe: first divergence: step1 rank1 Distributed.reduce_scatter_single.1.forward: " in out, out
     assert "msprobe: first divergence: step1 rank1 Functional.linear.2.forward: " in out, out
     for rank in (0, 1):
@@ -103,6 +117,11 @@ def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
     assert rec["placements"] == ["Shard(dim=0)"] and rec["shape"][0] * 2 == rec["global_shape"][0]
     assert rec["dtype"] == "torch.float32"  # reduced in fp32 by the policy
     assert not any("FSDP" in n for n in dump if n.startswith("Module."))
+    fsdp1 = pytester.path / "msprobe-out" / "test_fsdp2.py_test_fsdp1_clean" / "check0" / "target" / "step1"
+    names = list(json.loads((fsdp1 / "rank0" / "dump.json").read_text())["data"])
+    # FSDP1's wrapper records nothing and leaves its attribute out of the names; its copy into the low-precision
+    # shard (uninitialised before) is no overflow
+    assert "Module.0.0.Linear.forward.0" in names and not any("_fsdp_wrapped_module" in n for n in names)
     iso = json.loads((check / "target" / "step1" / "rank0" / "isolation.json").read_text())["nodes"]
     judged = [v for k, v in iso.items() if k.startswith("Distributed.reduce_scatter_single.")]
     assert judged and all(v["status"] == "pass" and v["collective"]["world_size"] == 2 for v in judged)

@@ -12,6 +12,10 @@ from . import naming
 from .coverage import quiet
 from .inject import Fault
 
+#: in-place APIs that overwrite their first argument without reading it: that argument is recorded by shape only
+OVERWRITES = frozenset({"copy_", "zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                        "geometric_", "cauchy_", "log_normal_", "set_", "resize_"})
+
 
 class _ApiMode(TorchFunctionMode):
     """Routes every torch API call to the session. Inside code that ``torch.compile`` traces it steps aside: API
@@ -64,8 +68,12 @@ class ApiCapture:
             self._busy = True
             try:
                 files = self._tensor_file(fwd_name)
+                # the destination of an op that overwrites it without reading it (FSDP1's copy_ into a fresh
+                # low-precision shard) holds whatever was there, often uninitialised memory: its shape only
                 entry = {
-                    "input_args": [self.builder.value(a, f"{fwd_name}.input.{i}" if files else None)
+                    "input_args": [self.builder.shape_only(a) if i == 0 and api in OVERWRITES and
+                                   isinstance(a, torch.Tensor) else
+                                   self.builder.value(a, f"{fwd_name}.input.{i}" if files else None)
                                    for i, a in enumerate(args)],
                     "input_kwargs": {k: self.builder.value(v, f"{fwd_name}.kwargs.{k}" if files else None, k)
                                      for k, v in kwargs.items()},

@@ -10,6 +10,21 @@ import torch
 from .coverage import quiet
 
 
+#: modules that wrap the user's module and compute nothing of their own (FSDP1, activation checkpointing, CPU
+#: offload): not recorded, and their attribute left out of the names beneath (:func:`model_path`)
+WRAPPERS = frozenset({"FullyShardedDataParallel", "CheckpointWrapper", "OffloadWrapper"})
+_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_offload_wrapped_module")
+
+
+def model_path(path: str) -> str:
+    """A module's path as the unwrapped model has it: the wrappers' attributes (:data:`WRAPPERS`:
+    ``_fsdp_wrapped_module``, ``_checkpoint_wrapped_module``) left out, so an FSDP1-wrapped or checkpointed model's
+    nodes match an unwrapped bench and msprobe's dumps of the same model."""
+    if "_wrapped_module" not in path:
+        return path
+    return ".".join(p for p in path.split(".") if p not in _WRAPPED)
+
+
 def class_name(mod: torch.nn.Module) -> str:
     """The class name a module's nodes carry: its own, except for FSDP2's ``FSDP<Class>`` (the subclass
     ``fully_shard`` makes of ``(FSDPModule, Class)``), which keeps ``Class``: a sharded model's nodes match an
@@ -33,11 +48,15 @@ class ModuleCapture:
         for path, mod in model.named_modules():
             if mod is model or path.startswith(self.opaque_prefixes):
                 continue
-            base = f"Module.{root_prefix}{path}.{class_name(mod)}"
+            base = f"Module.{root_prefix}{model_path(path)}.{class_name(mod)}"
+            # a wrapper records nothing of its own; the module it wraps at the root is the model itself
+            wrapper = type(mod).__name__ in WRAPPERS or not model_path(path)
             # modules whose APIs are not seen (L0 capture, a torch.compile region) are isolated whole
             whole = self.isolator is not None and (not self.api_level or f"{path}." in self.opaque_prefixes)
-            handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
-            handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True, always_call=True))
+            if not wrapper:
+                handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
+                handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True,
+                                                         always_call=True))
             if self._bwd:
                 # the module's backward hooks are set per call by the forward hooks (see _module_io)
                 for pname, p in mod.named_parameters(recurse=False):
