@@ -186,3 +186,65 @@ def test_a_sharded_model_is_never_copied_and_its_pointwise_updates_are_local(one
     assert local_pointwise("__mul__", (w, torch.tensor(2.0)), {}) is not None
     assert local_pointwise("sum", (w,), {}) is None  # a reduction over the sharded dim is not local
     assert local_pointwise("__mul__", (w, torch.ones(4)), {}) is None  # a plain tensor beside the shard
+
+
+def _loop_rank(rank: int, world: int, port: int, dtype, out: str, inject: str | None) -> None:
+    """A user's own FSDP2 loop on one rank: 2 AdamW steps with gradient clipping, dumped by PrecisionDebugger."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from msprobe_ci import PrecisionDebugger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU()) for _ in range(3)])
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in m:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(m, mp_policy=policy)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        dbg = PrecisionDebugger(dump_path=out, level="mix", inject=inject)
+        for step in range(2):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))  # each rank its data
+            dbg.start(m)
+            m(x).float().pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            dbg.stop()
+            dbg.step()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_users_own_fsdp2_loop_dumped_over_steps_names_a_faulty_reduce_scatter(tmp_path, capsys):
+    """The loop users run under torchrun (FSDP2 with a bf16 policy, clip_grad_norm_ over DTensors, AdamW), dumped by
+    PrecisionDebugger on every rank for 2 steps: against the same loop in fp32, msprobe-ci compare passes every
+    step and rank; with rank 1's gradient shard scaled by 2% in one reduce-scatter at step 1 it names that
+    collective, step and rank first."""
+    import torch.multiprocessing as mp
+
+    from msprobe_ci.cli import main
+
+    (tmp_path / "rs.yaml").write_text("faults:\n  - {api: Distributed.reduce_scatter_single, call: 1, perturb: "
+                                      "scale, value: 1.02, step: 1, rank: 1}\n")
+    for name, dtype, inject in (("bench", None, None), ("target", torch.bfloat16, None),
+                                ("faulty", torch.bfloat16, str(tmp_path / "rs.yaml"))):
+        mp.spawn(_loop_rank, args=(2, _free_port(), dtype, str(tmp_path / name), inject), nprocs=2)
+    capsys.readouterr()
+    assert main(["compare", "-tp", str(tmp_path / "target"), "-gp", str(tmp_path / "bench"),
+                 "-o", str(tmp_path / "c1")]) == 0
+    clean = capsys.readouterr().out
+    assert clean.count("error 0, unmatched 0") == 4 and "first divergence: none" in clean, clean
+    assert main(["compare", "-tp", str(tmp_path / "faulty"), "-gp", str(tmp_path / "bench"),
+                 "-o", str(tmp_path / "c2")]) == 1
+    faulty = capsys.readouterr().out
+    assert "first divergence: step1 rank1 Distributed.reduce_scatter_single.1.forward: " in faulty, faulty
