@@ -445,7 +445,14 @@ class Perturb(TorchDispatchMode):
         if func._schema.is_mutable:
             if not _rounds_in_place(name):
                 return func(*args, **kwargs)
-            if self._all_at is None and self.inner < self.eta and _terms(args, kwargs) > 1:
+            if self._all_at is None and _fused(args, kwargs):
+                # a fused update (``exp_avg.lerp_(grad, 0.1)``: ``a + w * (b - a)``) rounds inside, on its
+                # overwritten tensor's terms too (jittered where it lies: the op must write into it)
+                if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                    args[0].copy_(jitter(args[0], self.inner, self.generator))
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            elif self._all_at is None and self.inner < self.eta and _terms(args, kwargs) > 1:
                 # its fp32 math rounds the terms it adds to the tensor it overwrites (not that tensor itself)
                 args = (args[0], *self._at(self.inner, tuple(args[1:])))
                 kwargs = self._at(self.inner, kwargs)
@@ -467,7 +474,7 @@ class Perturb(TorchDispatchMode):
         out_eta = self.inner if inside and name not in inside[-1] else self.eta
         if inside and name in ATTENTION_HELD_INPUTS and self.inner < self.eta:  # a half-precision attention
             args = self._at(self.eta, args)
-        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1):
+        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1) or _fused(args, kwargs):
             # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
             # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
             out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
@@ -598,6 +605,19 @@ _NO_ROUNDING_INPLACE = frozenset({"copy_", "fill_", "zero_", "set_", "resize_", 
 def _terms(args, kwargs) -> int:
     """How many floating tensors an op reads (the terms its arithmetic may combine)."""
     return sum(1 for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point())
+
+
+def _fused(args, kwargs) -> bool:
+    """Whether an op's arithmetic rounds inside, before its result: it reads three floating tensors or more
+    (``addcmul``, ``addcdiv``, ``lerp`` with a tensor weight) or two and a floating scalar factor (``lerp(a, b,
+    0.1)``, ``add(a, b, alpha=-0.1)``). Its terms are rounded at the accumulation roundoff (:class:`Perturb`), which
+    matters where that is the target's own (fp32: the CPU's ``lerp`` is ``a + w * (b - a)`` in fp32, three roundings
+    where the correctly rounded result has one, off by 2 u where AdamW's first moment cancels)."""
+    n = _terms(args, kwargs)
+    if n >= 3:
+        return True
+    scalars = [v for v in list(args) + list(kwargs.values()) if isinstance(v, float) and not isinstance(v, bool)]
+    return n >= 2 and any(v not in (1.0, -1.0, 0.0) for v in scalars)
 
 
 def _rounds_in_place(name: str) -> bool:

@@ -131,3 +131,30 @@ def test_cpu_half_kernels_are_held_only_for_a_half_target_on_the_cpu():
     assert float((scale[0] / walk).median()) > 0.5 * kernels.ROUNDING_RMS
     # where the fp32 model gives one rounding of the sum (ROUNDING_RMS of it)
     assert float((scale[0] / exact.abs()).median()) > 1.5 * kernels.ROUNDING_RMS
+
+
+def test_an_fp32_fused_update_rounds_inside_and_a_tenth_of_a_percent_fault_still_fails(monkeypatch):
+    """AdamW's first moment in fp32 master weights (an FSDP mixed-precision policy, AMP): ``exp_avg.lerp_(grad,
+    0.1)`` is ``a + w * (b - a)`` in fp32 on the CPU, three roundings where the correctly rounded result has one;
+    where the moment cancels (the gradient turned back) its error is of the size of its terms. The budget rounds
+    a fused op's terms inside (kernels._fused), so the CPU kernel passes against the correctly rounded bench; a
+    0.1% fault still fails. Without it the benign update failed the small-value rule (Llama and Qwen2 under
+    FSDP2, step 1)."""
+    g = torch.Generator().manual_seed(55)
+    grad0 = torch.randn(64, 256, generator=g) * 1e-3
+    a = grad0 * 0.1  # the moment after step 0
+    b = torch.randn(64, 256, generator=g) * 1e-3  # the next gradient
+    back = torch.rand(64, 256, generator=g) < 0.05  # where it turned back, the moment cancels to a rounding
+    b = torch.where(back, -9 * a * (1 + 1e-6 * torch.randn(64, 256, generator=g)), b)
+    target = a.clone().lerp_(b, 0.1)
+    oracle = a.double().lerp(b.double(), 0.1)
+    bench = oracle.float()  # upcast / rounded: the fp64 result rounded once
+    (scale,) = kernels.forward_scale(torch.Tensor.lerp_, (a.clone(), b, 0.1), {}, _rows)
+    ok = judge_pair("lerp_", target, bench, oracle, terms=scale)
+    bad = judge_pair("lerp_", (target.double() * 1.001).float(), bench, oracle, terms=scale)
+    assert ok.status == "pass", ok.message
+    assert bad.status == "error", bad.message
+    monkeypatch.setattr(kernels, "_fused", lambda args, kwargs: False)  # the budget before: one rounding
+    (unfused,) = kernels.forward_scale(torch.Tensor.lerp_, (a.clone(), b, 0.1), {}, _rows)
+    was = judge_pair("lerp_", target, bench, oracle, terms=unfused)
+    assert was.status == "error" and "small_value_err" in was.message, was.message  # the case the rule is for

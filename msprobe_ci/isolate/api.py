@@ -112,6 +112,7 @@ class ApiIsolation:
                 kept[0].is_floating_point():
             kept = (kept[0].detach().clone(), *kept[1:])
         call.inputs = (kept, kw)
+        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
         return call, args, kwargs
 
     def _references(self, call: _Call, func, args: tuple, kw: dict, want_grad: bool) -> tuple[bool, bool]:
