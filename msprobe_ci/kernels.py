@@ -445,7 +445,7 @@ class Perturb(TorchDispatchMode):
         if func._schema.is_mutable:
             if not _rounds_in_place(name):
                 return func(*args, **kwargs)
-            if self._all_at is None and _fused(args, kwargs):
+            if self._all_at is None and _fused(func, args, kwargs):
                 # a fused update (``exp_avg.lerp_(grad, 0.1)``: ``a + w * (b - a)``) rounds inside, on its
                 # overwritten tensor's terms too (jittered where it lies: the op must write into it)
                 if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
@@ -474,7 +474,8 @@ class Perturb(TorchDispatchMode):
         out_eta = self.inner if inside and name not in inside[-1] else self.eta
         if inside and name in ATTENTION_HELD_INPUTS and self.inner < self.eta:  # a half-precision attention
             args = self._at(self.eta, args)
-        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1) or _fused(args, kwargs):
+        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1) or \
+                _fused(func, args, kwargs):
             # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
             # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
             out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
@@ -607,12 +608,15 @@ def _terms(args, kwargs) -> int:
     return sum(1 for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point())
 
 
-def _fused(args, kwargs) -> bool:
-    """Whether an op's arithmetic rounds inside, before its result: it reads three floating tensors or more
-    (``addcmul``, ``addcdiv``, ``lerp`` with a tensor weight) or two and a floating scalar factor (``lerp(a, b,
+def _fused(func, args, kwargs) -> bool:
+    """Whether a pointwise op's arithmetic rounds inside, before its result: it reads three floating tensors or
+    more (``addcmul``, ``addcdiv``, ``lerp`` with a tensor weight) or two and a floating scalar factor (``lerp(a, b,
     0.1)``, ``add(a, b, alpha=-0.1)``). Its terms are rounded at the accumulation roundoff (:class:`Perturb`), which
     matters where that is the target's own (fp32: the CPU's ``lerp`` is ``a + w * (b - a)`` in fp32, three roundings
-    where the correctly rounded result has one, off by 2 u where AdamW's first moment cancels)."""
+    where the correctly rounded result has one, off by 2 u where AdamW's first moment cancels). Only ATen ops
+    tagged ``pointwise``: a normalization's inputs (LayerNorm's ``x, weight, bias``) are not terms it adds."""
+    if torch.Tag.pointwise not in getattr(func, "tags", ()):
+        return False
     n = _terms(args, kwargs)
     if n >= 3:
         return True

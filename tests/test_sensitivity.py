@@ -154,7 +154,7 @@ def test_an_fp32_fused_update_rounds_inside_and_a_tenth_of_a_percent_fault_still
     bad = judge_pair("lerp_", (target.double() * 1.001).float(), bench, oracle, terms=scale)
     assert ok.status == "pass", ok.message
     assert bad.status == "error", bad.message
-    monkeypatch.setattr(kernels, "_fused", lambda args, kwargs: False)  # the budget before: one rounding
+    monkeypatch.setattr(kernels, "_fused", lambda func, args, kwargs: False)  # the budget before: one rounding
     (unfused,) = kernels.forward_scale(torch.Tensor.lerp_, (a.clone(), b, 0.1), {}, _rows)
     was = judge_pair("lerp_", target, bench, oracle, terms=unfused)
     assert was.status == "error" and "small_value_err" in was.message, was.message  # the case the rule is for
