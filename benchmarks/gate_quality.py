@@ -265,8 +265,8 @@ def main():
     ap.add_argument("--no-isolation", action="store_true",
                     help="judge two plain dumps (the drift rule of `msprobe-ci compare`), no isolation records")
     ap.add_argument("--anchor", action="store_true",
-                    help="faults at the anchor's level (issue 53): scale 1.01 and 1% noise at bf16/fp16, scale "
-                         "1.001 and 0.1% noise at fp32")
+                    help="faults at the anchor's level (issue 53): scale 1.01 and 1%% noise at bf16/fp16, scale "
+                         "1.001 and 0.1%% noise at fp32")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.anchor:

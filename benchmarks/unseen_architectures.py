@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="upcast,rounded,decomposed")
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--anchor", action="store_true",
-                    help="faults at the anchor's level (gate_quality.py --anchor: 1% at bf16/fp16, 0.1% at fp32)")
+                    help="faults at the anchor's level (gate_quality.py --anchor: 1%% at bf16/fp16, 0.1%% at fp32)")
     args = ap.parse_args()
     if args.anchor:
         gq.anchor_faults()
