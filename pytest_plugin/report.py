@@ -220,13 +220,19 @@ def _groups(results: list[dict]) -> list[dict]:
                         "note": "The target is teacher-forced on the bench's tokens; whether its own greedy pick "
                                 "agrees is context, never failed on."})
         else:
-            rows = sorted(rows, key=lambda r: r.get("rank", 0))
+            rows = sorted(rows, key=lambda r: (r.get("step", 0), r.get("rank", 0)))
             first = next((r for r in rows if r.get("rank_first")), None)
+            steps = sorted({r["step"] for r in rows if "step" in r})  # a training check_parallel: steps x ranks
+
+            def where(r):
+                return (f"step{r['step']} " if "step" in r else "") + f"rank{r.get('rank')}"
+            ranks = len({r.get("rank") for r in rows})
             out.append({"test": test, "index": index,
-                        "title": f"{len(rows)} ranks, first divergence: "
-                                 + (f"rank{first['rank']}" if first else "none"),
-                        "plot": None, "head": ["rank", "verdict", "first divergence over ranks", "own first node"],
-                        "rows": [{"cells": [f"rank{r.get('rank')}" + (" (first)" if r.get("rank_first") else ""),
+                        "title": f"{ranks} ranks" + (f" x {len(steps)} steps" if steps else "")
+                                 + ", first divergence: " + (where(first) if first else "none"),
+                        "plot": None, "head": ["step, rank" if steps else "rank", "verdict",
+                                               "first divergence over ranks", "own first node"],
+                        "rows": [{"cells": [where(r) + (" (first)" if r.get("rank_first") else ""),
                                             row_verdict(r, shown),
                                             r.get("rank_divergence") or "none", r.get("first_divergence") or "none"],
                                   "mark": 2, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"} for r in rows],

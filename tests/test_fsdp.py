@@ -109,6 +109,9 @@ def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
     for rank in (0, 1):
         assert re.search(rf"test_llama_clean \[check 0 step1 rank{rank}\]: .*error 0, unmatched 0; first divergence: "
                          r"none; first overflow: none; verdict: pass", out), out
+    page = (pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8")  # steps x ranks per check
+    assert "test_fsdp2.py::test_llama_reduce_scatter_fault &middot; check 0: 2 ranks x 2 steps, first divergence: " \
+           "step1 rank1</h2>" in page
     check = pytester.path / "msprobe-out" / "test_fsdp2.py_test_llama_clean" / "check0"
     dump = json.loads((check / "target" / "step1" / "rank1" / "dump.json").read_text())["data"]
     assert any(n.startswith("Distributed.all_gather_single.") for n in dump)

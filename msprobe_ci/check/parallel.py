@@ -109,7 +109,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
                "dir": os.path.join(check_dir, where.replace(" ", "_")),
                "bench": f"{s.bench.label} x{world_size}", "target": f"{s.target.label} x{world_size}",
                "level": s.level, "bench_kernel": job.bench_kernel if job.isolate else None,
-               "notes": list(outcome.notes), "rank": rank,
+               "notes": list(outcome.notes), "rank": rank, **({"step": step} if job.steps > 1 else {}),
                # the cross-rank answer, for the report: this rank's own divergence or what it received
                "rank_divergence": per_rank[(step, rank)].message if (step, rank) in per_rank else None,
                "rank_first": cross.first is not None and (cross.first.step, cross.first.rank) == (step, rank)}
