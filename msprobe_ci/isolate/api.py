@@ -76,14 +76,7 @@ class ApiIsolation:
                 return None, args, kwargs
         # else: under autocast the kernel sees its inputs cast by the op's policy, which its output's dtype tells:
         # the oracle and the bench run in after(), on the inputs cast as the kernel saw them (msprobe_ci.amp)
-        kept = tuple(args)
-        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
-                kept[0].is_floating_point():
-            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
-            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
-            kept = (kept[0].detach().clone(), *kept[1:])
-        call.inputs = (kept, dict(kw))
-        call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
+        self._keep_inputs(call, short, args, kw)
         regions = kernels.unwritten(func, tuple(args), kw)
         if regions:
             taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
@@ -107,13 +100,19 @@ class ApiIsolation:
         ok, _ = self._references(call, func, largs, kw, False)
         if not ok:
             return None, args, kwargs
-        kept = tuple(largs)
+        self._keep_inputs(call, short, largs, kw)
+        return call, args, kwargs
+
+    def _keep_inputs(self, call: _Call, short: str, args: tuple, kw: dict) -> None:
+        """Keep the call's inputs (and their versions) for its error budget and its gradient."""
+        kept = tuple(args)
         if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
                 kept[0].is_floating_point():
+            # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
+            # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
             kept = (kept[0].detach().clone(), *kept[1:])
-        call.inputs = (kept, kw)
+        call.inputs = (kept, dict(kw))
         call.versions = tuple(t._version for t in _tensors(kept) + _tensors(kw))
-        return call, args, kwargs
 
     def _references(self, call: _Call, func, args: tuple, kw: dict, want_grad: bool) -> tuple[bool, bool]:
         """The oracle (where the standard needs one) and the same-dtype bench of one call, on copies of ``args``.
