@@ -2,7 +2,8 @@
 block (attention heads and MLP hidden units split over ranks: column-parallel then row-parallel linears, one
 all_reduce each, Megatron's f/g so gradients are exact) and a pipeline of MLP blocks cut into stages (send/recv).
 ``build(rank, world)`` returns a rank's shard of the same full weights, so every world size computes the same
-function, and a TP=2 or PP=2 target can be checked against the whole model on one rank."""
+function, and a TP=2 or PP=2 target can be checked against the whole model on one rank. A Llama sharded with FSDP2
+under a mixed-precision policy trains 2 steps, its ``build(rank, world, dtype)`` applying the side's dtype."""
 
 import torch
 import torch.distributed as dist
@@ -267,3 +268,38 @@ def test_qwen2_dtensor_tp_against_one_rank(msprobe):
     shards, equal on both ranks, are merged as shards (the bench's bias is twice as long), not kept as a replica."""
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     msprobe.check_parallel(build_qwen2_dtensor_tp, ids, world_size=2, bench_world_size=1, loss_fn=llama_loss)
+
+
+def build_llama_fsdp2(rank: int, world: int, dtype) -> torch.nn.Module:
+    """A stock transformers Llama sharded with FSDP2 (``fully_shard`` on each decoder layer and the root) under a
+    mixed-precision policy: parameters all-gathered in ``dtype`` for compute (``None``: the model's fp32, the
+    bench), gradients reduce-scattered in fp32. Taking ``dtype``, the build applies the side's dtype itself."""
+    import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def lm_loss(out):
+    return out.loss
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def test_llama_fsdp2_mixed_precision_training(msprobe):
+    """Sharded training as people run it: FSDP2 with a bf16 MixedPrecisionPolicy on 2 ranks, 2 AdamW steps, every
+    step and rank judged; FSDP's all-gathers and reduce-scatters judged as collectives on their group's inputs."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    msprobe.check_parallel(build_llama_fsdp2, {"input_ids": ids, "labels": ids}, world_size=2, loss_fn=lm_loss,
+                           optimizer=adamw, steps=2)
