@@ -183,6 +183,15 @@ def test_a_sharded_model_is_never_copied_and_its_pointwise_updates_are_local(one
     owned = Backend.from_options("cpu", "bf16").prepare_model(m, owned=True)
     assert owned is m and m[0].weight.dtype == torch.bfloat16
     assert type(m).__name__ == "FSDPSequential" and class_name(m) == "Sequential" and class_name(m[0]) == "Linear"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from msprobe_ci.capture.module_hooks import WRAPPERS, model_path
+
+    wrapped = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(4, 4)))
+    fully_shard(wrapped[0])
+    paths = [p for p, _ in wrapped.named_modules()]
+    assert class_name(wrapped[0]) in WRAPPERS  # FSDP's subclass of activation checkpointing's wrapper, unwrapped
+    assert [model_path(p) for p in paths] == ["", "0", "0"] and "0._checkpoint_wrapped_module" in paths
     w, g = m[0].weight.detach(), m[0].weight.detach() * 2
     args, kwargs = local_pointwise("addcdiv_", (w, g, g), {"value": -0.1})
     assert all(type(a) is torch.Tensor for a in args) and args[0] is w._local_tensor

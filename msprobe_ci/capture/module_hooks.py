@@ -50,7 +50,7 @@ class ModuleCapture:
                 continue
             base = f"Module.{root_prefix}{model_path(path)}.{class_name(mod)}"
             # a wrapper records nothing of its own; the module it wraps at the root is the model itself
-            wrapper = type(mod).__name__ in WRAPPERS or not model_path(path)
+            wrapper = class_name(mod) in WRAPPERS or not model_path(path)
             # modules whose APIs are not seen (L0 capture, a torch.compile region) are isolated whole
             whole = self.isolator is not None and (not self.api_level or f"{path}." in self.opaque_prefixes)
             if not wrapper:
