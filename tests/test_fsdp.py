@@ -14,12 +14,17 @@ import torch
 from msprobe_ci.isolate.collectives import references
 
 FSDP_TESTS = '''
+import os
+import sys
+
 import torch
-import transformers
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+sys.path.insert(0, os.environ["MSPROBE_EXAMPLES"])
+from test_parallel import adamw, build_llama_fsdp2 as llama, lm_loss  # noqa: E402
+
 X = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
-IDS = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
 def mlp(rank, world, dtype):
@@ -30,19 +35,6 @@ def mlp(rank, world, dtype):
         fully_shard(layer, mp_policy=policy)
     fully_shard(m, mp_policy=policy)
     return m
-
-
-def llama(rank, world, dtype):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(cfg)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
 
 
 def fsdp1(rank, world, dtype):
@@ -56,14 +48,6 @@ def fsdp1(rank, world, dtype):
 
 def mse(o):
     return o.float().pow(2).mean()
-
-
-def lm_loss(o):
-    return o.loss
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def test_llama_clean(msprobe):
@@ -89,13 +73,14 @@ def test_mlp_bench_on_one_rank(msprobe):
 '''
 
 
-def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester):
+def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester, monkeypatch):
     """FSDP2 models built per side by build(rank, world_size, dtype) under a bf16 MixedPrecisionPolicy: a stock
     Llama trained 2 steps passes every step and rank; a 2% scale of rank 1's gradient shard in one
     reduce-scatter at step 1 is named at the collective, and a 2% fault on rank 1's linear at step 1 at that
     linear; FSDP1 under its MixedPrecision passes; a one-rank bench of the same sharded build merges and passes.
     The dumps record FSDP's collectives, the parameters' gradients as this rank's shards with their placement,
     and the module classes and paths unwrapped."""
+    monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
     pytester.makepyfile(test_fsdp2=FSDP_TESTS)
     pytester.makefile(".yaml", rs="faults:\n  - {api: Distributed.reduce_scatter_single, call: 1, perturb: scale, "
                                   "value: 1.02, step: 1, rank: 1}\n",
