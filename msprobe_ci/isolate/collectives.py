@@ -28,42 +28,31 @@ import math
 
 import torch
 
-#: collective -> (positional index of its output, of its input; None: the input is the output, before the call)
-JUDGED = {"all_reduce": (0, None), "reduce_scatter_tensor": (0, 1), "reduce_scatter_single": (0, 1),
-          "all_gather_into_tensor": (0, 1), "all_gather_single": (0, 1)}
-_NAMES = {"all_reduce": ("tensor", None), "reduce_scatter_tensor": ("output", "input"),
-          "reduce_scatter_single": ("output", "input"), "all_gather_into_tensor": ("output_tensor", "input_tensor"),
-          "all_gather_single": ("output_tensor", "input_tensor")}
+#: collective -> its output argument and its input argument, each ``(position, keyword)``; the input ``None``
+#: where the output is also the input (an ``all_reduce`` reads the tensor it writes: the caller snapshots it)
+JUDGED = {"all_reduce": ((0, "tensor"), None),
+          "reduce_scatter_tensor": ((0, "output"), (1, "input")),
+          "reduce_scatter_single": ((0, "output"), (1, "input")),
+          "all_gather_into_tensor": ((0, "output_tensor"), (1, "input_tensor")),
+          "all_gather_single": ((0, "output_tensor"), (1, "input_tensor"))}
 
 
-def _arg(op: str, which: int, args: tuple, kwargs: dict):
-    pos = JUDGED[op][which]
-    key = _NAMES[op][which]
-    if pos is None:
-        return None
-    if len(args) > pos:
-        return args[pos]
-    return kwargs.get(key)
+def _arg(where: tuple, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    pos, key = where
+    t = args[pos] if len(args) > pos else kwargs.get(key)
+    return t if isinstance(t, torch.Tensor) else None
 
 
 def output_of(op: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The tensor a judged collective writes its result into (``None`` for other ops)."""
-    if op not in JUDGED:
-        return None
-    t = _arg(op, 0, args, kwargs)
-    return t if isinstance(t, torch.Tensor) else None
+    return _arg(JUDGED[op][0], args, kwargs) if op in JUDGED else None
 
 
 def input_of(op: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The tensor a judged collective reads, before the call (an ``all_reduce`` reads the tensor it writes: the
-    caller snapshots it)."""
+    """The tensor a judged collective reads, before the call (an ``all_reduce``'s is its output)."""
     if op not in JUDGED:
         return None
-    if JUDGED[op][1] is None:
-        t = _arg(op, 0, args, kwargs)
-    else:
-        t = _arg(op, 1, args, kwargs)
-    return t if isinstance(t, torch.Tensor) else None
+    return _arg(JUDGED[op][1] or JUDGED[op][0], args, kwargs)
 
 
 def _reduce_op(args: tuple, kwargs: dict, op: str) -> str:

@@ -3,6 +3,7 @@ per-call state (:class:`_Call`) and the record fields a verdict becomes."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,7 @@ _DUNDER_ATEN = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub_
                 "__rpow__": "pow", "__ipow__": "pow_"}
 
 
+@functools.lru_cache(maxsize=1024)
 def _pointwise(short: str) -> bool:
     """Whether API ``short`` is an ATen op tagged ``pointwise`` (each output element from the same element of its
     inputs: ``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ``gelu``)."""
@@ -160,51 +162,32 @@ def _pointwise(short: str) -> bool:
 
 
 def local_pointwise(short: str, args: tuple, kwargs: dict):
-    """``(args, kwargs)`` with every DTensor replaced by this rank's local shard, where that is the whole call: a
-    pointwise op whose DTensors share one mesh, placements (``Shard``/``Replicate``, no pending ``Partial`` sum) and
-    shape, beside no other tensor but 0-d ones (an optimizer's update of a sharded parameter: what the rank
-    computes is the op on its shards). ``None`` otherwise."""
+    """``(args, kwargs)`` with every DTensor replaced by this rank's local shard (:func:`to_local`), where that is the
+    whole call: a pointwise op whose DTensors share one mesh, placements (``Shard``/``Replicate``, no pending
+    ``Partial`` sum) and shape, beside no other tensor but 0-d ones (an optimizer's update of a sharded parameter:
+    what the rank computes is the op on its shards). ``None`` otherwise."""
+    from ..kernels import tensors_of
+
     if not _pointwise(short):
         return None
-    found: list = []
-
-    def walk(v, depth=0):
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif depth < 4 and isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x, depth + 1)
-        elif depth < 4 and isinstance(v, dict):
-            for x in v.values():
-                walk(x, depth + 1)
-    walk(args)
-    walk(kwargs)
+    found = tensors_of(args) + tensors_of(kwargs)
     dts = [t for t in found if _has_dtensor(t)]
     if not dts or any(not _has_dtensor(t) and t.dim() > 0 for t in found):
         return None
     first = dts[0]
     for t in dts:
         if t.device_mesh != first.device_mesh or tuple(t.placements) != tuple(first.placements) or \
-                t.shape != first.shape:
+                t.shape != first.shape or any(p.is_partial() for p in t.placements):
             return None
-        if any(p.is_partial() for p in t.placements):
-            return None
-
-    def local(v, depth=0):
-        if isinstance(v, torch.Tensor):
-            return v._local_tensor if _has_dtensor(v) else v
-        if depth < 4 and isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            return type(v)(local(x, depth + 1) for x in v)
-        if depth < 4 and isinstance(v, dict):
-            return {k: local(x, depth + 1) for k, x in v.items()}
-        return v
-    return local(tuple(args)), local(dict(kwargs))
+    return to_local(tuple(args)), to_local(dict(kwargs))
 
 
 def to_local(value: Any, depth: int = 0) -> Any:
-    """``value`` with every DTensor replaced by its local shard (nested lists and tuples)."""
+    """``value`` with every DTensor replaced by its local shard (nested lists, tuples and dicts)."""
     if isinstance(value, torch.Tensor):
         return value._local_tensor if _has_dtensor(value) else value
     if depth < 4 and isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(to_local(v, depth + 1) for v in value)
+    if depth < 4 and isinstance(value, dict):
+        return {k: to_local(v, depth + 1) for k, v in value.items()}
     return value
