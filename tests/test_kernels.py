@@ -258,3 +258,32 @@ def test_small_values_are_judged_at_the_tensors_own_scale(dtype, size):
         assert judge_pair(api, o.to(dtype), bench, o).status == "pass"
         assert judge_pair(api, (o * 1.02).to(dtype), bench, o).status == "error", (api, size)
 
+
+
+def test_upcast_bench_holds_the_intermediates_the_definition_holds():
+    """A multi-query attention's ``Q @ K^T`` broadcasts one key over the heads: its key gradient is, on every device,
+    a GEMM per head rounded to the target dtype, then their sum. The upcast/rounded bench runs as those kernels, each
+    rounded once (kernels.Materialized): bit for bit the fp16 CPU target here, which the call computed one precision
+    up and rounded once is not (it is twice as accurate)."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 4, 16, 16, generator=g) * 0.2).half().requires_grad_()
+    k_t = (torch.randn(2, 1, 16, 16, generator=g) * 0.2).half().requires_grad_()
+    up = (torch.randn(2, 4, 16, 16, generator=g) * 3e-5).half()
+    f = torch.Tensor.__matmul__
+    _, target = torch.autograd.grad(f(q, k_t), (q, k_t), up)
+
+    def bench(held):
+        probe = kernels.Materialized()
+        leaves, out, _ = kernels.reference(f, (q, k_t), {}, torch.float32, "cpu", True, lambda: probe)
+        assert not probe.read  # the forward is one GEMM: its oracle rounded once is its bench
+        return kernels.vjp(out, leaves, {0: up}, None if held is None else kernels.materialized(held))[1].half()
+    assert torch.equal(bench(torch.float16), target)
+    assert not torch.equal(bench(None), target)
+    # which calls hold intermediates: recorded, not guessed from names
+    x, t = torch.randn(4, 10, generator=g), torch.randint(0, 10, (4,), generator=g)
+    for fn, held in ((lambda: F.cross_entropy(x, t), True), (lambda: F.gelu(x), False),
+                     (lambda: F.linear(x.view(2, 2, 10), x[:3], x[0, :3]), False)):
+        probe = kernels.Materialized()
+        with probe:
+            fn()
+        assert probe.read is held

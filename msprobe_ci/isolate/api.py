@@ -135,14 +135,20 @@ class ApiIsolation:
             # no graphs now: the forward is judged on values; the backward runs the oracle and the bench again on
             # the call's inputs when its gradient arrives (holding every call's graphs until then cost more memory
             # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
+            # an upcast/rounded bench is this run rounded once, unless the call's kernels hold intermediates
+            probe = kernels.Materialized() if self.bench_kernel in ("upcast", "rounded") else None
             try:
-                call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False)
+                call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False, probe)
                 call.oracle_how = (dtype, False)
+                call.composite = probe is not None and probe.read
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
-                    call.oracle_in, call.oracle_out, copies = kernels.reference(func, args, kw, dtype, "cpu", False)
+                    probe = kernels.Materialized() if probe is not None else None
+                    call.oracle_in, call.oracle_out, copies = kernels.reference(
+                        func, args, kw, dtype, "cpu", False, None if probe is None else lambda: probe)
                     call.oracle_how = (dtype, True)
+                    call.composite = probe is not None and probe.read
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -169,7 +175,8 @@ class ApiIsolation:
                 return
             device = "cpu" if kernel == "rounded" else self.bench_device
             try:
-                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad)
+                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad,
+                                                                     self._materialized(args, kw))
             except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
                 if call.oracle_out is None:
                     raise
@@ -177,6 +184,12 @@ class ApiIsolation:
             return
         context = kernels.decomposed if kernel == "decomposed" else None
         call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
+
+    @staticmethod
+    def _materialized(args: tuple, kw: dict):
+        """The ``upcast``/``rounded`` bench's context: the call's kernels, each rounded once to the target dtype
+        (:class:`msprobe_ci.kernels.Materialized`)."""
+        return kernels.materialized(kernels.target_dtype(_tensors(args) + _tensors(kw)))
 
     def _bench_precision(self, args: tuple, kw: dict) -> torch.dtype:
         """The precision the ``upcast`` (one up from the inputs') or ``rounded`` (float64) bench computes in."""
@@ -187,7 +200,7 @@ class ApiIsolation:
     def _bench_is_oracle(self, call: _Call, args: tuple, kw: dict) -> bool:
         """Whether the ``upcast``/``rounded`` bench of a call is its oracle's own computation (the oracle's outputs
         and leaves are already in the bench's precision): then it is not run twice."""
-        if self.bench_kernel not in ("upcast", "rounded") or call.oracle_out is None:
+        if self.bench_kernel not in ("upcast", "rounded") or call.oracle_out is None or call.composite:
             return False
         up = self._bench_precision(args, kw)
         return all(x.dtype == up for x in _tensors(call.oracle_out) if x.is_floating_point()) and \
@@ -290,10 +303,12 @@ class ApiIsolation:
         """``v`` detached on :attr:`judge_device` (a non-tensor as it is)."""
         return v.detach().to(self.judge_device) if isinstance(v, torch.Tensor) else v
 
-    def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool):
+    def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool, probe=None):
         """:func:`~msprobe_ci.kernels.reference` in ``dtype`` on :attr:`oracle_device`, or on CPU where that device
         offers no such precision (:attr:`oracle_max`: float32 on an NPU, as msprobe's own bench upcast) or the
-        call fails there; each API that fell back is kept in :attr:`oracle_fallbacks` with the reason."""
+        call fails there; each API that fell back is kept in :attr:`oracle_fallbacks` with the reason. ``probe``: a
+        :class:`~msprobe_ci.kernels.Materialized` the run is recorded under (a fresh one per try)."""
+        context = None if probe is None else (lambda: probe)
         device = self.oracle_device
         if self.oracle_on_target:
             name = kernels._qualified(func)
@@ -304,12 +319,12 @@ class ApiIsolation:
                 device = "cpu"
             else:
                 try:
-                    return kernels.reference(func, args, kw, dtype, device, grad)
+                    return kernels.reference(func, args, kw, dtype, device, grad, context)
                 except Exception as exc:  # noqa: BLE001 - the device lacks the op in this dtype: CPU then
                     first = str(exc).splitlines()[0][:120] if str(exc) else ""
                     self.oracle_fallbacks.setdefault(name, f"{type(exc).__name__} on {self.oracle_label}: {first}")
                     device = "cpu"
-        return kernels.reference(func, args, kw, dtype, device, grad)
+        return kernels.reference(func, args, kw, dtype, device, grad, context)
 
     def _unchanged(self, call: _Call) -> bool:
         """Whether the call's inputs still hold the values it was called with (no in-place write since)."""

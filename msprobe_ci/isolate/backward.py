@@ -93,10 +93,20 @@ class BackwardIsolation:
         shared = self._bench_is_oracle(call, args, kw)
         # one graph at a time: the oracle's is spent by its product and freed before the bench's is built (on
         # GPT-2's 50257-wide float64 loss the two graphs together were the whole check's peak memory)
-        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, retain=False)
+        # a shared upcast/rounded bench is the oracle's product rounded once, unless the backward's kernels hold
+        # intermediates (a broadcast operand's gradient summed over its copies): then the same graph's product
+        # again, each kernel rounded (kernels.Materialized)
+        probe = kernels.Materialized() if shared else None
+        oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, None if probe is None else lambda: probe,
+                             retain=probe is not None)
+        bench = oracle
+        if probe is not None and probe.read:
+            bench = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, self._materialized(args, kw),
+                                retain=False)
         call.oracle_out = call.oracle_in = None
-        with off():
-            bench = oracle if shared else self._bench_vjp(call, oracle)
+        if not shared:
+            with off():
+                bench = self._bench_vjp(call, oracle)
         oracle = [self._judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
@@ -161,7 +171,8 @@ class BackwardIsolation:
             if self.bench_kernel not in ("upcast", "rounded"):
                 raise
             return oracle
-        context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+        context = kernels.decomposed if self.bench_kernel == "decomposed" else \
+            self._materialized(args, kw) if self.bench_kernel in ("upcast", "rounded") else None
         try:
             return kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context, retain=False)
         finally:

@@ -89,6 +89,7 @@ class _Call:
     bench_in: list = field(default_factory=list)
     bench_out: Any = None
     bench_round: bool = False  # the bench is a higher-precision result, rounded to the target's dtype when judged
+    composite: bool = False  # its forward's kernels read an intermediate (kernels.Materialized): the bench reruns
     taps: int = 0
     grad_out: dict = field(default_factory=dict)
     dropout: tuple | None = None

@@ -620,10 +620,18 @@ class ApiReplayer:
         if self.bench_kernel == "decomposed":
             with kernels.decomposed():
                 return self._run(func, args, kwargs, _fresh)
-        if self.bench_kernel == "rounded":
-            return oracle  # the replay's oracle is fp64 wherever the API has an fp64 kernel
-        up = kernels.upcast_dtype(kernels.tensors_of(args) + kernels.tensors_of(kwargs))
-        return self._run(func, args, kwargs, _upcast(up))
+        # upcast/rounded: the call's kernels one precision up (float64), each result rounded once to the target
+        # dtype where another kernel of the call reads it (kernels.Materialized)
+        ts = kernels.tensors_of(args) + kernels.tensors_of(kwargs)
+        up = torch.float64 if self.bench_kernel == "rounded" else kernels.upcast_dtype(ts)
+        try:
+            with kernels.Materialized(kernels.target_dtype(ts)):
+                return self._run(kernels.REFERENCES.get(func, func) if up == torch.float64 else func, args, kwargs,
+                                 _upcast(up))
+        except (RuntimeError, TypeError, NotImplementedError):
+            if self.bench_kernel == "rounded":
+                return oracle  # no float64 kernel: the oracle's own precision
+            raise
 
     def _forward_budget(self, func, args, kwargs, name):
         """``budget(i)``: the error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), computed
@@ -711,23 +719,31 @@ class ApiReplayer:
         wants = [want(r) for r in fwd_entry.get("input_args") or []]
         wants_kw = {k: want(r) for k, r in (fwd_entry.get("input_kwargs") or {}).items()}
 
-        def grads(cast):
+        def grads(cast, held=None):
             """The gradients the API's autograd node hands to its inputs (``grad_inputs``, the order the dump
-            records them in), for the dumped upstream gradient."""
+            records them in), for the dumped upstream gradient. ``held``: the dtype an ``upcast``/``rounded``
+            bench holds the call's intermediates in (:class:`msprobe_ci.kernels.Materialized`), forward and
+            backward each."""
+            import contextlib
+
+            def mode():
+                return contextlib.nullcontext() if held is None else kernels.Materialized(held)
             a = _cast(args, cast)
             k = _cast(kwargs, cast)
             for x, want in list(zip(a, wants)) + [(k.get(key), w) for key, w in wants_kw.items()]:
                 if want and isinstance(x, torch.Tensor) and x.is_floating_point():
                     x.requires_grad_(True)  # as in the dumped call: the node's grad_inputs then line up
             with torch.enable_grad():
-                out = func(*a, **k)
+                with mode():
+                    out = func(*a, **k)
                 out0 = out[0] if isinstance(out, (tuple, list)) else out
                 if not isinstance(out0, torch.Tensor) or out0.grad_fn is None:
                     raise MsprobeError(f"{name}: the forward output does not depend on an input that needs grad")
                 captured: list = []
                 handle = out0.grad_fn.register_hook(lambda grad_inputs, grad_outputs: captured.append(grad_inputs))
                 g = cast(upstream) if isinstance(upstream, torch.Tensor) else upstream
-                out0.backward(g.to(out0.dtype))
+                with mode():
+                    out0.backward(g.to(out0.dtype))
                 handle.remove()
             return list(captured[0]) if captured else []
 
@@ -743,10 +759,14 @@ class ApiReplayer:
             elif self.bench_kernel == "decomposed":
                 with kernels.decomposed():
                     bench = grads(_fresh)
-            elif self.bench_kernel == "rounded":
-                bench = oracle
-            else:
-                bench = grads(_upcast(kernels.upcast_dtype(kernels.tensors_of(args) + kernels.tensors_of(kwargs))))
+            else:  # upcast/rounded: the call's kernels one precision up (float64), each rounded once
+                held = kernels.target_dtype(kernels.tensors_of(args) + kernels.tensors_of(kwargs))
+                up = torch.float64 if self.bench_kernel == "rounded" else \
+                    kernels.upcast_dtype(kernels.tensors_of(args) + kernels.tensors_of(kwargs))
+                try:
+                    bench = grads(_upcast(up), held)
+                except (RuntimeError, TypeError, NotImplementedError):
+                    bench = oracle
         except MsprobeError:
             raise
         except Exception as exc:  # noqa: BLE001
