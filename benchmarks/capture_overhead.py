@@ -6,7 +6,7 @@ as on a device target) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
-Prints per-mode median ms per iteration, the ratio to no capture, records per step and ms per record, and the
+Prints per-mode median ms per iteration, the ratio to no capture, records per step and microseconds per record, and the
 physical floor: the bytes of the tensors captured per step, read once at the measured single-thread read bandwidth.
 msprobe runs in a subprocess (its API wrapping is global and cannot be undone in-process).
 """
@@ -172,6 +172,8 @@ def main():
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                     help="model dtype (isolation's oracle is fp64 for fp32, fp32 for bf16/fp16)")
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (default: all)")
+    ap.add_argument("--json", help="also write the medians here: per mode ms/iter, ratio to no capture, records "
+                                   "(benchmarks/floors.py reads it)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -204,12 +206,19 @@ def main():
     print(f"physical floor: {captured['msprobe-ci'] / 2**20:.1f} MB of distinct captured tensors per step, read "
           f"once at {bw / 1e9:.1f} GB/s (1 thread) = {floor:.2f} ms -> x{(base + floor) / base:.3f} of no capture "
           f"(four separate reductions, amax/amin/sum/norm, read them 4 times: x{(base + 4 * floor) / base:.3f})")
+    summary = {"size": args.size, "dtype": args.dtype, "rounds": args.rounds, "iters": iters,
+               "floor_ratio": (base + floor) / base, "modes": {}}
     for m in modes:
         med = statistics.median(results[m])
         per = (med - base) / recs[m] if recs.get(m) else float("nan")
+        summary["modes"][m] = {"ms": med, "ratio": med / base, "records": recs.get(m, 0),
+                               "us_per_record": per * 1000 if recs.get(m) else None}
         print(f"{m:>19}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
-              f"{per:6.3f} ms/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
+              f"{per * 1000:6.1f} us/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
                                          if m.startswith("isolated") else ""))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1)
 
 
 if __name__ == "__main__":

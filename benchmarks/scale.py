@@ -199,7 +199,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per tool and size, the tools taking turns")
     ap.add_argument("--nonfinite", action="store_true",
                     help="softmax statistics as a masked attention dumps them: -Infinity, Infinity, NaN tokens")
+    ap.add_argument("--json", help="also write the measurements here: per size, per job (compare, msprobe_compare, "
+                                   "graph, msprobe_graph), [wall s, CPU s, peak MB] (benchmarks/floors.py reads it)")
     args = ap.parse_args()
+    measured: dict = {}
     import msprobe_ci
 
     compileall.compile_dir(os.path.dirname(msprobe_ci.__file__), quiet=1)
@@ -243,12 +246,17 @@ def main() -> None:
             for k, cmd in jobs:
                 runs[k].append(run(cmd, folder))
         r = {k: best(v) for k, v in runs.items()}
+        names = {"o": "compare", "m": "msprobe_compare", "g": "graph", "mg": "msprobe_graph"}
+        measured[str(n)] = {"entries": entries, "dump_mb": mb, **{names[k]: list(v) for k, v in r.items()}}
         line += f" | {cell(r['o'])}"
         line += f" | {cell(r['m'])} | {ratio(r['m'], r['o'])}" if theirs else f" | {'-':>{w}} | {'-':>11}"
         if args.graph:
             line += f" | {cell(r['g'])}"
             line += f" | {cell(r['mg'])} | {ratio(r['mg'], r['g'])}" if theirs else f" | {'-':>{w}} | {'-':>11}"
         print(line, flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"nonfinite": args.nonfinite, "repeat": args.repeat, "sizes": measured}, fh, indent=1)
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -67,3 +67,24 @@ def test_accuracy_gate_records_on_gpu_and_replays_on_npu():
     junit = next(a.split("=", 1)[1] for a in gate_cmd if a.startswith("--msprobe-junitxml="))
     report = next(s for s in gate["steps"] if "junit-report" in s.get("uses", ""))
     assert report["with"]["report_paths"] == junit and report["if"] == "always()"
+
+
+def test_benchmark_job_runs_the_floors_weekly_and_on_demand_and_fails_below_a_floor():
+    import importlib.util
+    import sys
+
+    wf = _load("benchmarks.yml")
+    triggers = wf[True] if True in wf else wf["on"]  # YAML 1.1 reads the key `on` as True
+    assert "workflow_dispatch" in triggers and triggers["schedule"][0]["cron"]
+    runs = " ".join(_runs(wf["jobs"]["floors"]))
+    assert "python benchmarks/floors.py" in runs and "torch==2.13.0" in runs
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("floors", os.path.join(ROOT, "benchmarks", "floors.py"))
+        floors = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(floors)
+    finally:
+        sys.path.pop(0)
+    table, ok = floors.check([("capture", 1.21, "<= 1.3", True), ("graph", 2.02, ">= 3.0", False)])
+    assert not ok and "| graph | 2.02 | >= 3.0 | **below floor** |" in table
+    assert floors.check([("capture", 1.21, "<= 1.3", True)])[1]

@@ -21,6 +21,7 @@ syntax error, which the in-memory reader then reports).
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import re
@@ -96,36 +97,56 @@ _CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
 
 # NaN, Infinity and -Infinity as Python's json (and so msprobe) writes them: bare tokens JSON lacks, which orjson and
 # yajl refuse. Every dump of a model with an attention mask holds some (-Infinity minima, NaN means).
-_NONFINITE = re.compile(rb"([:,\[]\s*)(NaN|-Infinity|Infinity)(?=\s*[,\]}])")
+_NONFINITE = re.compile(rb"(NaN|-Infinity|Infinity)(?=\s*[,\]}])")  # led by the token: few places to try
 _MARK = b"@msprobe-ci-nonfinite:"
 _MARKED = {f"@msprobe-ci-nonfinite:{k}": v for k, v in (("NaN", math.nan), ("Infinity", math.inf),
                                                          ("-Infinity", -math.inf))}
 
 
-def _mark_nonfinite(body: bytes) -> tuple[bytes | None, bool]:
+def _mark_nonfinite(body: bytes) -> tuple[bytes | None, list[int]]:
     """``body`` with each bare ``NaN``/``Infinity``/``-Infinity`` value token made a marker string orjson reads, and
-    whether there was one; ``(None, False)`` when the text already holds the marker (it could not be told apart).
+    the offsets in ``body`` where there was one; ``(None, [])`` when the text already holds the marker (it could
+    not be told apart).
 
     Only tokens in value position (after ``:``, ``,`` or ``[``, before ``,``, ``]`` or ``}``) are marked. Such a
     sequence inside a JSON string would get the marker's quotes, which end that string and leave the marker text
     bare: invalid JSON, so the chunk goes to the slower readers, never misread."""
     if b"NaN" not in body and b"Infinity" not in body:
-        return body, False
+        return body, []
     if _MARK in body:
-        return None, False
-    marked, n = _NONFINITE.subn(lambda m: m.group(1) + b'"' + _MARK + m.group(2) + b'"', body)
-    return marked, n > 0
+        return None, []
+    at: list[int] = []
+
+    def mark(m: re.Match) -> bytes:
+        j = m.start() - 1
+        while j >= 0 and body[j] in b" \t\r\n":
+            j -= 1
+        if j < 0 or body[j] not in b":,[":  # not in value position: left bare (orjson refuses it)
+            return m.group(0)
+        at.append(m.start())
+        return b'"' + _MARK + m.group(1) + b'"'
+    return _NONFINITE.sub(mark, body), at
 
 
 def _unmark(v: Any) -> Any:
     """A parsed value with :func:`_mark_nonfinite`'s marker strings back as the floats they stand for."""
-    if isinstance(v, str):
+    t = type(v)
+    if t is str:
         return _MARKED.get(v, v)
-    if isinstance(v, dict):
+    if t is dict:
         return {k: _unmark(x) for k, x in v.items()}
-    if isinstance(v, list):
+    if t is list:
         return [_unmark(x) for x in v]
     return v
+
+
+def _unmark_entries(items: dict, starts: list[int], at: list[int]) -> dict:
+    """``items`` (the entries of one chunk, in file order, the i-th starting at ``starts[i]`` in its text) with the
+    markers put back in the entries whose text held one (``at``: the marks' offsets): the others are not walked."""
+    hit = {bisect.bisect_right(starts, a) - 1 for a in at}
+    if len(hit) == len(items):
+        return {k: _unmark(v) for k, v in items.items()}
+    return {k: _unmark(v) if i in hit else v for i, (k, v) in enumerate(items.items())}
 
 
 def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool | None]:
@@ -173,24 +194,26 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
             if not body.endswith(b","):
                 return
             body, entries = body[:-1], len(cuts)
+            starts = [0] + [c - pos for c in cuts[:-1]]  # each entry's offset in body
         else:
+            starts = [0]
             tail = _DATA_END.search(buf, pos)
             if tail is None:
                 return
             body, entries = buf[pos:tail.start()], 1
         if _LONG_INT in body.translate(_INT_MAP):
             return
-        body, marked = _mark_nonfinite(body)
+        body, marks = _mark_nonfinite(body)
         if body is None:
             return
         try:
             items = orjson.loads(b"{" + body + b"}")
         except orjson.JSONDecodeError:
             return
-        if marked:
-            items = {k: _unmark(v) for k, v in items.items()}
         if len(items) != entries:
             return
+        if marks:
+            items = _unmark_entries(items, starts, marks)
         yield from items.items()
         if not cuts:
             return True
