@@ -69,7 +69,13 @@ def bound_heap() -> None:
     (2.0 GB) at the loss either way; with the threshold fixed at 1 MiB the captured step peaks at 2.4 GB. The
     price is a page fault per fresh block: ``benchmarks/realistic_size.py``'s check without isolation took 17.6 s
     and 3.3 GB instead of 15.0 s and 5.2 GB, with isolation 50.5 s and 5.0 GB instead of 36.2 s and 6.9 GB.
-    Called when a capture starts.
+    Called when a check runs a side (``run_side``, ``run_training``, ``run_decode``): a check runs its sides,
+    their copies and the judgement in one process, where the freed heap of one phase pinned the next (the
+    isolation-off check of GPT-2 small at 1024 tokens peaked at 4,752 MB with a 32 MiB threshold, 3,038 MB with
+    this one). A ``PrecisionDebugger`` or ``CaptureSession`` in a user's own process leaves that process's malloc
+    policy alone: there the page faults were the capture's largest cost (a 4-layer transformer block, 8 x 128
+    tokens, width 256: 1.87x the uncaptured step with the bound, 1.28x without, ``benchmarks/capture_overhead.py``;
+    GPT-2 small's fp32 capture peaked at 4.9 GB without it, the uncaptured steps at 4.8 GB).
 
     Raises:
         MsprobeError: ``MSPROBE_CI_HEAP`` is neither ``keep`` nor a positive number of bytes.

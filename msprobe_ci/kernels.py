@@ -8,11 +8,12 @@ choice, so one CPU-only machine can run the path a GPU bench and an NPU target t
 ============  ==========================================================================================================
 ``device``    the API on the bench device in the target's dtypes: the bench device's own kernels (a GPU bench for an
               NPU target; on a CPU-vs-CPU run, the target's own kernel, recomputed)
-``upcast``    the API computed one precision up from the target-dtype inputs (bf16/fp16 → fp32, fp32 → fp64) and
-              rounded once to the target's dtype: what a GPU kernel with fp32 accumulation and fp32 intermediates
-              gives
-``rounded``   the API in fp64 from the target-dtype inputs, rounded once: the correctly rounded result, the most
-              accurate kernel the dtype allows
+``upcast``    the API computed one precision up from the target-dtype inputs (bf16/fp16 → fp32, fp32 → fp64), each
+              of its ATen kernels' results rounded once to the target's dtype (:class:`Materialized`: only an
+              intermediate another kernel of the call reads, and the outputs): what GPU kernels with fp32
+              accumulation and fp32 intermediates give
+``rounded``   the API's kernels in fp64 from the target-dtype inputs, each result rounded once: the correctly
+              rounded kernels, the most accurate the dtype allows
 ``decomposed``  the API with every ATen op that has a Python decomposition in PyTorch (the reference implementations
               inductor and ``torch.export`` lower through) run as that decomposition, with oneDNN off, in the target's
               dtypes on the bench device: real CPU kernels other than the target's own. Measured on torch 2.13 CPU

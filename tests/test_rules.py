@@ -1310,7 +1310,7 @@ def test_marker_help_lists_every_check_option(pytester):
 
 def test_heap_policy_is_chosen_by_environment_with_one_line_for_a_bad_value():
     """``MSPROBE_CI_HEAP``: a positive byte count or ``keep``; anything else is refused with one line when a
-    capture starts (a subprocess: the choice is made once per process)."""
+    check's side starts (a subprocess: the choice is made once per process)."""
     import subprocess
     import sys
 

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
-from .._perf import bound_heap
 from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
@@ -86,7 +85,6 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
                  opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None,
                  coverage: bool = True):
         config.validate()
-        bound_heap()  # statistics' transient copies must not pin freed heap (see msprobe_ci._perf.bound_heap)
         self.isolator = isolator
         self.free_bench = free_bench
         self._harness = _harness_dirs()  # where a call stack's walk stops (the test harness, when one runs)

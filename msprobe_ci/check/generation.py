@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._perf import bound_heap
 from ..errors import MsprobeError
 from .sides import precision_notes, unapplied_faults
 
@@ -53,6 +54,7 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
 
     side_model = backend.prepare_model(model, eval_mode=True)
     ids = backend.prepare_inputs((input_ids,))[0]
+    bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = DecodeRun()
     torch.manual_seed(seed)

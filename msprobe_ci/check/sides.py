@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .._perf import release_free_memory
+from .._perf import bound_heap, release_free_memory
 from ..errors import MsprobeError
 from .outcome import SideRun, flatten_outputs
 
@@ -51,6 +51,7 @@ def run_side(model: Any, inputs: tuple, loss_fn: Callable | None, backend, cfg, 
 
     side_model = backend.prepare_model(model, eval_mode=eval_mode, owned=owned, cast=cast)
     side_inputs = backend.prepare_inputs(inputs)
+    bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
     capture = CaptureSession(cfg, faults=faults, opaque_modules=regions, isolator=isolator, free_bench=free_bench)
     torch.manual_seed(seed)  # seeds every device's generator: identical dropout masks on one device type
     out = loss = spilled = None

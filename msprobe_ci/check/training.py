@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._perf import bound_heap
 from ..errors import MsprobeError
 from .sides import precision_notes, unapplied_faults
 
@@ -77,6 +78,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     opt = optimizer(side_model.parameters())
     # fp16 autocast trains with a loss scale, as torch.amp prescribes (the user's own step brings its own)
     scaler = backend.grad_scaler() if step is None else None
+    bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = TrainingRun()
     mon = None
