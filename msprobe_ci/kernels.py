@@ -180,13 +180,37 @@ def grouped_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torc
     return out.to(out_dtype) if out_dtype is not None else out
 
 
+def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        bias: torch.Tensor | None = None, scale_result: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
+    """``torch._scaled_mm`` (an FP8 GEMM: ``mat_a`` ``(M, K)`` and ``mat_b`` ``(K, N)`` in float8, their scales
+    float32) as its definition, ``(mat_a * scale_a) @ (mat_b * scale_b) + bias``, in the inputs' dtype: the
+    reference the oracle runs in float64, where the op only takes float8 operands. ``scale_a``/``scale_b``: one
+    scale per tensor (a 0-d or 1-element tensor) or per row of ``mat_a`` (``(M, 1)``) and per column of ``mat_b``
+    (``(1, N)``), which broadcast as written. ``out_dtype`` is the target's rounding, applied where the result is
+    judged, not here; ``use_fast_accum`` is the kernel's accumulation, which the oracle does not imitate.
+
+    Raises:
+        ValueError: ``scale_result`` (an FP8 output's scale), or scales of any other shape.
+    """
+    if scale_result is not None:
+        raise ValueError("_scaled_mm with scale_result (an fp8 output) has no float64 reference here")
+    m, n = mat_a.shape[0], mat_b.shape[1]
+    for s, ok in ((scale_a, (m, 1)), (scale_b, (1, n))):
+        if s.numel() != 1 and tuple(s.shape) != ok:
+            raise ValueError(f"_scaled_mm: scale of shape {tuple(s.shape)}; expected one element or {ok}")
+    out = torch.matmul(mat_a * scale_a.reshape(()) if scale_a.numel() == 1 else mat_a * scale_a,
+                       mat_b * scale_b.reshape(()) if scale_b.numel() == 1 else mat_b * scale_b)
+    return out + bias if bias is not None else out
+
+
 def unwritten(func, args: tuple, kwargs: dict) -> dict:
     """Where a grouped GEMM leaves its result unwritten: ``{("output", i) or ("input", k): (dim, end)}``, the
     elements at ``end`` and past it along ``dim`` (of output ``i``, or of the gradient w.r.t. positional input
     ``k``) are uninitialised memory when the groups (``offs[-1]``) stop short of the jagged dimension (a padded
     token buffer), so no judge may read them (msprobe zeroes the rows past a grouped matmul's valid length, for the
     same reason). Empty for every other API and where the groups cover the whole dimension."""
-    if func not in REFERENCES or len(args) < 2:
+    if REFERENCES.get(func) is not grouped_mm_reference or len(args) < 2:
         return {}
     a, b, offs = args[0], args[1], kwargs.get("offs")
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(offs, torch.Tensor)) or \
@@ -220,6 +244,8 @@ def _references() -> dict:
         fn = getattr(owner, name, None)
         if fn is not None:
             refs[fn] = grouped_mm_reference
+    if hasattr(torch, "_scaled_mm"):
+        refs[torch._scaled_mm] = scaled_mm_reference
     return refs
 
 

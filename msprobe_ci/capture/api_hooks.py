@@ -105,6 +105,7 @@ class ApiCapture:
         cov = self.coverage if record else None
         if cov is not None:
             before = cov.grad_fns(args, kwargs)
+            seen_before = cov.captured
             cov.depth += 1
         try:
             out = orig = self._call(func, args, kwargs)
@@ -113,7 +114,8 @@ class ApiCapture:
         finally:
             if cov is not None:
                 cov.depth -= 1
-        if cov is not None:
+        unjudged = iso is not None and fwd_name in iso.unjudged
+        if cov is not None and not unjudged:
             cov.adopt(out, before)
         self.api_counts[key] = n + 1
         if pending is not None:
@@ -128,6 +130,8 @@ class ApiCapture:
                 iso.after(call, out)
             finally:
                 self._busy = False
+            if cov is not None and fwd_name in iso.unjudged:  # computed, not judged: unseen in the coverage figure
+                cov.unjudged(api_id, cov.captured - seen_before, iso.unjudged[fwd_name])
         elif self.isolator is not None:
             self.isolator.propagate(args, kwargs, out)
         if record:

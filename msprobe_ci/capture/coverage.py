@@ -189,6 +189,16 @@ class Coverage(TorchDispatchMode):
             limit -= 1
             stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
+    def unjudged(self, api: str, elements: int, reason: str) -> None:
+        """A recorded call that computed ``elements`` floating-point elements but could not be judged (its oracle or
+        bench failed, ``reason``): counted as unseen, not captured, so ``--msprobe-require-coverage`` sees it."""
+        if elements <= 0:
+            return
+        self.captured -= elements
+        key = (api, f"forward, not judged: {reason}"[:160])
+        self.uncaptured[key] += elements
+        self.uncaptured_calls[key] += 1
+
     def captures(self, node) -> bool:
         """Whether ``node`` was created by one of this step's recorded calls (:meth:`adopt`)."""
         return node.metadata.get(_TAG) is self.token

@@ -90,6 +90,9 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
                  budget_draws: int = kernels.DRAWS, oracle_device: str = "cpu",
                  oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None):
         self.oracle_device = str(oracle_device)
+        # calls that computed but could not be judged (their oracle or bench failed): name -> why; the capture
+        # counts them as unseen in its coverage figure
+        self.unjudged: dict[str, str] = {}
         self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
         self.oracle_max = oracle_max
         self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device

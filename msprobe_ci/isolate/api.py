@@ -152,6 +152,7 @@ class ApiIsolation:
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                    self.unjudged[name] = self.results[name]["message"]
                     return False, want_grad
             ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
             if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
@@ -161,6 +162,7 @@ class ApiIsolation:
         except Exception as exc:  # noqa: BLE001
             self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
                                               f"{self.bench_device}: {type(exc).__name__}")
+            self.unjudged[name] = self.results[name]["message"]
             return False, want_grad
         return True, want_grad
 

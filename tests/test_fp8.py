@@ -1,0 +1,102 @@
+"""FP8 GEMMs (``torch._scaled_mm``) judged on their own inputs, and a call that computes but cannot be judged counted
+as unseen in the coverage figure.
+
+A bf16 model whose linear layers quantize their input and weight to e4m3 with per-tensor scales and call
+``torch._scaled_mm`` (what torchao's and Transformer Engine's float8 linears do), against an fp32 bench. Before,
+every ``_scaled_mm`` call was "not isolated (oracle failed on CPU: Invalid scaling configuration)": a 2% fault on
+one passed, and coverage said nothing was missing.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from msprobe_ci.backends import Backend
+from msprobe_ci.capture.inject import Fault
+from msprobe_ci.check import judge, run_side
+from msprobe_ci.config import BENCH_KERNELS, DumpConfig
+from msprobe_ci.isolate import Isolator
+from msprobe_ci.kernels import scaled_mm_reference
+
+E4M3 = torch.float8_e4m3fn
+
+
+class FP8Linear(torch.nn.Linear):
+    """A linear layer that computes through an FP8 GEMM in low precision (per-tensor scales from the amax), and
+    as itself in fp32 (the bench). ``scale_result``: also pass ``_scaled_mm`` a result scale (an FP8 output's)."""
+
+    scale_result = False
+
+    def forward(self, x):
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        sx = flat.abs().amax().float().clamp_min(1e-12) / 448.0
+        sw = self.weight.abs().amax().float().clamp_min(1e-12) / 448.0
+        xq, wq = (flat.float() / sx).to(E4M3), (self.weight.float() / sw).to(E4M3)
+        extra = {"scale_result": torch.tensor(1.0)} if self.scale_result else {}
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=x.dtype, **extra)
+        return (y + self.bias).reshape(*x.shape[:-1], -1)
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = FP8Linear(64, 128), FP8Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def _check(tmp_path, kernel="device", faults=()):
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 16, 64)
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, (x,), None, Backend.from_options("cpu", "fp32"),
+                 cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
+    t = run_side(model, (x,), None, Backend.from_options("cpu", "bf16"),
+                 cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")), faults=tuple(faults),
+                 isolator=Isolator(backward=False, bench_kernel=kernel))
+    report, _, _ = judge(b.folder, t.folder, isolate=True)
+    return report, t.folder
+
+
+def test_scaled_mm_reference_is_its_definition():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 32, generator=g).to(E4M3)
+    b = torch.randn(16, 32, generator=g).to(E4M3).t()
+    for sa, sb in ((torch.tensor(0.5), torch.tensor(2.0)), (torch.rand(8, 1, generator=g) + 0.5,
+                                                          torch.rand(1, 16, generator=g) + 0.5)):
+        kernel = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        ref = scaled_mm_reference(a.double(), b.double(), sa.double(), sb.double())
+        terms = scaled_mm_reference(a.double().abs(), b.double().abs(), sa.double(), sb.double())
+        # fp32 accumulation of 32 products: within 32 fp32 roundings of the sum of the terms' magnitudes
+        assert ((kernel.double() - ref).abs() <= 32 * 2 ** -24 * terms).all()
+        assert not ((kernel.double() - 1.01 * ref).abs() <= 32 * 2 ** -24 * terms).all()  # a 1% error would not pass
+    with pytest.raises(ValueError, match="scale of shape"):
+        scaled_mm_reference(a.double(), b.double(), torch.ones(3, 1, dtype=torch.float64), sb.double())
+
+
+@pytest.mark.parametrize("kernel", BENCH_KERNELS)
+def test_fp8_gemms_are_judged_and_a_two_percent_fault_is_named(tmp_path, kernel):
+    report, _ = _check(tmp_path / "benign", kernel)
+    gemms = [n for n in report.nodes if "_scaled_mm" in n.name]
+    assert len(gemms) == 2 and all("on its own inputs" in n.message for n in gemms), [n.message for n in gemms]
+    assert not [n.message for n in report.nodes if n.status == "error"]
+    report, _ = _check(tmp_path / "fault", kernel, [Fault("Torch._scaled_mm", 1, "forward", "scale", 1.02)])
+    assert report.first_divergence is not None and report.first_divergence.name == "Torch._scaled_mm.1.forward", \
+        report.first_divergence and report.first_divergence.message
+
+
+def test_a_call_that_computes_but_cannot_be_judged_is_unseen_in_coverage(tmp_path, monkeypatch):
+    # an FP8 GEMM with a result scale: no reference here, so neither oracle runs; it must not count as covered
+    monkeypatch.setattr(FP8Linear, "scale_result", True)
+    report, folder = _check(tmp_path)
+    with open(os.path.join(folder, "coverage.json"), encoding="utf-8") as fh:
+        cov = json.load(fh)
+    unseen = [u for u in cov["uncaptured"] if u["op"] == "Torch._scaled_mm"]
+    assert cov["share"] < 1 and unseen and unseen[0]["calls"] == 2
+    assert unseen[0]["pass"].startswith("forward, not judged: oracle failed on CPU")
+    assert unseen[0]["elements"] == 4 * 16 * 128 + 4 * 16 * 64  # the two GEMMs' outputs
