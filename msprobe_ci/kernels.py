@@ -199,8 +199,7 @@ def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch
     for s, ok in ((scale_a, (m, 1)), (scale_b, (1, n))):
         if s.numel() != 1 and tuple(s.shape) != ok:
             raise ValueError(f"_scaled_mm: scale of shape {tuple(s.shape)}; expected one element or {ok}")
-    out = torch.matmul(mat_a * scale_a.reshape(()) if scale_a.numel() == 1 else mat_a * scale_a,
-                       mat_b * scale_b.reshape(()) if scale_b.numel() == 1 else mat_b * scale_b)
+    out = torch.matmul(mat_a * scale_a, mat_b * scale_b)  # a 0-d, (1,), (M, 1) or (1, N) scale broadcasts
     return out + bias if bias is not None else out
 
 
@@ -896,8 +895,9 @@ _UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.
 
 
 def target_roundoff(tensors: list) -> float:
-    """The unit roundoff of the coarsest floating dtype among ``tensors`` (fp32's when there is none)."""
-    return max((_UNIT.get(t.dtype, 2.0 ** -24) for t in tensors if t.is_floating_point()), default=2.0 ** -24)
+    """The unit roundoff of the coarsest floating dtype among ``tensors`` (:func:`target_dtype`; fp32's when there is
+    none, or for a dtype without one here: float8 operands, whose GEMM rounds to its output's dtype)."""
+    return _UNIT.get(target_dtype(tensors), 2.0 ** -24)
 
 
 def _eta(run_dtype: torch.dtype, unit: float = 2.0 ** -24) -> float:

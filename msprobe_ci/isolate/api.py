@@ -136,24 +136,24 @@ class ApiIsolation:
             # the call's inputs when its gradient arrives (holding every call's graphs until then cost more memory
             # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
             # an upcast/rounded bench is this run rounded once, unless the call's kernels hold intermediates
-            probe = kernels.Materialized() if self.bench_kernel in ("upcast", "rounded") else None
+            held = self.bench_kernel in ("upcast", "rounded")
+            probe = kernels.Materialized() if held else None
             try:
                 call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False, probe)
                 call.oracle_how = (dtype, False)
-                call.composite = probe is not None and probe.read
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
-                    probe = kernels.Materialized() if probe is not None else None
+                    probe = kernels.Materialized() if held else None
                     call.oracle_in, call.oracle_out, copies = kernels.reference(
-                        func, args, kw, dtype, "cpu", False, None if probe is None else lambda: probe)
+                        func, args, kw, dtype, "cpu", False, None if probe is None else (lambda: probe))
                     call.oracle_how = (dtype, True)
-                    call.composite = probe is not None and probe.read
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
                     self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
                     self.unjudged[name] = self.results[name]["message"]
                     return False, want_grad
+            call.composite = probe is not None and probe.read
             ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
             if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
                 want_grad = False  # it returned an input: it wrote in place (F.leaky_relu(x, 0.1, True)), as above

@@ -560,12 +560,17 @@ class ApiReplayer:
         return func(*a, **k)
 
     def _oracle(self, func, args, kwargs):
-        from ..kernels import REFERENCES
+        """``(output, "fp64"|"fp32", composite)``: ``composite`` whether the fp64 run's kernels read an intermediate
+        (:class:`msprobe_ci.kernels.Materialized`; a ``rounded`` bench is then not this run rounded once)."""
+        from ..kernels import REFERENCES, Materialized
 
+        probe = Materialized()
         try:  # an API without a float64 kernel (torch._grouped_mm) as its float64 reference decomposition
-            return self._run(REFERENCES.get(func, func), args, kwargs, _upcast(torch.float64)), "fp64"
+            with probe:
+                out = self._run(REFERENCES.get(func, func), args, kwargs, _upcast(torch.float64))
+            return out, "fp64", probe.read
         except (RuntimeError, TypeError, NotImplementedError):
-            return self._run(func, args, kwargs, _upcast(torch.float32)), "fp32"
+            return self._run(func, args, kwargs, _upcast(torch.float32)), "fp32", True
 
     def _forward(self, name, prefix, api, n, func) -> ApiResult:
         entry = self.dump.data[name]
@@ -593,8 +598,9 @@ class ApiReplayer:
         func = resolve(prefix, api)
         short = _short(prefix, api)
         try:
-            oracle, _ = self._oracle(func, args, kwargs)
-            bench = self._bench(func, args, kwargs, oracle)
+            oracle, how, composite = self._oracle(func, args, kwargs)
+            bench = oracle if self.bench_kernel == "rounded" and how == "fp64" and not composite else \
+                self._bench(func, args, kwargs, oracle)
         except Exception as exc:  # noqa: BLE001 - an API that fails on CPU is unjudgeable, not a crash
             raise MsprobeError(f"{name}: replay failed on CPU: {type(exc).__name__}: {exc}") from None
         if targets is None:
