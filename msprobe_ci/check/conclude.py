@@ -125,7 +125,9 @@ def overflow_or_api(draft: Draft, outcome, where: str, artifacts: str, require_c
                           f"there. Artifacts: {artifacts}")
     if outcome.api_errors:
         a = outcome.api_errors[0]
-        return draft.fail(f"msprobe: per-API pre-check at {where}{a.name}: {a.message}. Artifacts: {artifacts}")
+        rerun = repro_command(getattr(outcome.target_dump, "folder", None), a.name)
+        return draft.fail(f"msprobe: per-API pre-check at {where}{a.name}: {a.message}. Artifacts: {artifacts}"
+                          + (f"\nreproduce this call alone: {rerun}" if rerun else ""))
     return False
 
 
@@ -183,8 +185,10 @@ def conclude_check(row: dict, outcome, check_dir: str, level: str, unapplied: li
         return d.done(report)
     api_errors = outcome.api_errors
     if api_errors:
+        rerun = repro_command(getattr(target_dump, "folder", None), api_errors[0].name)
         d.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
-               f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}")
+               f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}"
+               + (f"\nreproduce this call alone: {rerun}" if rerun else ""))
         return d.done(report)
     coverage(d, outcome, "", check_dir, require_coverage)
     return d.done(report)
@@ -286,6 +290,10 @@ def failure_message(report, check_dir: str, target_dump=None, graph_path: str | 
     if graph_path:
         lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))}; "
                      f"red boxes lead down to {first.name}, or type it in the viewer's search)")
+    rerun = repro_command(getattr(target_dump, "folder", None), first.name)
+    if rerun:
+        lines.append(f"reproduce this call alone, without the model (--no-fault leaves an injected fault out): "
+                     f"{rerun}")
     if replay and re.match(r"^(Tensor|Torch|Functional)\.", first.name):
         lines.append(f"replay this API alone: {replay} -k '{first.name}'")
     if len(own) > 1:
@@ -296,6 +304,15 @@ def failure_message(report, check_dir: str, target_dump=None, graph_path: str | 
                  f"(incl. modules containing a failing API), unmatched {c['unmatched']}. "
                  f"Compare CSV and dumps: {check_dir}")
     return "\n".join(lines)
+
+
+def repro_command(folder: str | None, name: str) -> str:
+    """``python <folder>/repro/<name>.py`` where the capture wrote that reproduction (:mod:`msprobe_ci.repro`),
+    else ''."""
+    if not folder:
+        return ""
+    path = os.path.join(folder, "repro", f"{name}.py")
+    return f"python {path}" if os.path.isfile(path) else ""
 
 
 def closest_calls(report, k: int = 3) -> str:

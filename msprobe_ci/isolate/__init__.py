@@ -93,6 +93,9 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
         # calls that computed but could not be judged (their oracle or bench failed): name -> why; the capture
         # counts them as unseen in its coverage figure
         self.unjudged: dict[str, str] = {}
+        # writes a standalone reproduction of each failing call (msprobe_ci.repro.Reproducer; set by the capture
+        # session, None: none written)
+        self.reproducer = None
         self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
         self.oracle_max = oracle_max
         self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device

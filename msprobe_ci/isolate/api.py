@@ -77,6 +77,8 @@ class ApiIsolation:
         # else: under autocast the kernel sees its inputs cast by the op's policy, which its output's dtype tells:
         # the oracle and the bench run in after(), on the inputs cast as the kernel saw them (msprobe_ci.amp)
         self._keep_inputs(call, short, args, kw)
+        if self.reproducer is not None:
+            self._keep_raw(call, short, args, kwargs)
         regions = kernels.unwritten(func, tuple(args), kw)
         if regions:
             taps = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad and
@@ -87,6 +89,20 @@ class ApiIsolation:
         if want_grad:
             args, kwargs = self._tap(call, bwd_name, args, kwargs)
         return call, args, kwargs
+
+    def _keep_raw(self, call: _Call, short: str, args: tuple, kwargs: dict) -> None:
+        """Keep what the call's reproduction needs (:mod:`msprobe_ci.repro`): its arguments as given (an in-place
+        call's first argument as it was before the call), the grad mode and the autocast state."""
+        raw = tuple(args)
+        if (is_inplace(short) or kwargs.get("inplace") is True) and raw and isinstance(raw[0], torch.Tensor):
+            kept = call.inputs[0][0] if call.inputs and call.inputs[0] else None
+            raw = ((kept if kept is not None and kept is not raw[0] else raw[0].detach().clone()), *raw[1:])
+        call.raw = (raw, dict(kwargs))
+        call.grad_enabled = torch.is_grad_enabled()
+        if call.autocast is not None:
+            floating = [t for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
+            call.autocast_state = {"device_type": floating[0].device.type, "dtype": str(call.autocast).replace(
+                "torch.", "")}
 
     def _local_call(self, call: _Call, func, short: str, bwd_name: str, args: tuple, kwargs: dict,
                     largs: tuple, lkw: dict):
@@ -258,6 +274,10 @@ class ApiIsolation:
         if not call.taps:
             call.inputs = None
         self._store(call.name, results, oracles)
+        if self.reproducer is not None and self.results[call.name].get("status") == "error":
+            self.reproducer.write(self, call, "forward", self.results[call.name])
+        if not call.taps:
+            call.raw = None
         if call.taps:
             # the hooks live on the outputs' autograd nodes: the outputs themselves are not kept (an output that no
             # backward formula saves is freed as in the plain run)

@@ -65,12 +65,14 @@ class BackwardIsolation:
                     self.on_fault_applied(f, before, new)
             try:
                 self._judge_backward(call, name, list(new if new is not None else grads))
+                if self.reproducer is not None and self.results.get(name, {}).get("status") == "error":
+                    self.reproducer.write(self, call, "backward", self.results[name])
             except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
                 self.results[name] = {"status": "skip", "message": f"backward isolation failed: "
                                                                    f"{type(exc).__name__}: {exc}"[:200]}
             finally:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
-                call.inputs = None
+                call.inputs = call.raw = None
             return new
         return quiet(prehook)
 

@@ -107,6 +107,11 @@ class _Call:
     # under autocast: the dtype each tapped input's gradient is judged in (the narrower of the user's tensor's and
     # the kernel's), by tap position
     grad_dtypes: list = field(default_factory=list)
+    # for its reproduction (msprobe_ci.repro), while a reproducer is set: the (args, kwargs) the API was given (an
+    # in-place call's first argument copied before the call), the grad mode and the autocast state at the call
+    raw: tuple | None = None
+    grad_enabled: bool = True
+    autocast_state: dict | None = None
 
 
 

@@ -1,0 +1,400 @@
+"""A standalone reproduction beside every failing API call: ``repro/<node>.py``, its inputs and its settings.
+
+When isolation judges a call (or the gradients it hands back) and it fails its standard, the capture writes three
+files into ``repro/`` beside the step's ``dump.json``:
+
+* ``<node>.safetensors``: the tensors the call was given, as it was given them (an in-place call's first argument
+  as it was before the call; under autocast the user's tensors, before autocast cast them), and for a backward node
+  the gradients that reached its outputs. safetensors, never pickle: the file holds tensors and nothing that runs.
+* ``<node>.json``: everything else the gate used: the API and its call index, the non-tensor arguments, which
+  tensors required grad, the grad mode and autocast state, the step, the bench kernel and devices, the oracle's
+  device, the standards' overrides and the error-budget draws, the faults injected into this call, and the gate's
+  own verdict (to print beside the reproduction's).
+* ``<node>.py``: ``python <node>.py`` re-runs that one call without the model through the same isolation the gate
+  ran (:class:`~msprobe_ci.isolate.Isolator`, the same oracle, bench kernel, budget and standard), prints the
+  standard's metrics against their thresholds, and exits 1 when the call fails (0 when it passes, 2 when the files
+  cannot be read). ``--no-fault`` leaves an injected fault out; ``--target-device`` runs the target elsewhere.
+
+Reading is data, never code: the API is looked up on the replay allowlist (:mod:`msprobe_ci.replay.allowlist`),
+dtypes and memory formats in torch's own tables, tensors come from safetensors; nothing in the files picks a
+function, a path to write or an object to unpickle.
+
+Limits (a node that hits one gets no files, and its isolation record says why in ``repro``): at most
+:data:`MAX_FILES` reproductions and :data:`MAX_BYTES` of inputs per step folder; a call whose arguments hold
+something other than tensors, numbers, strings, dtypes, devices, shapes, slices and their lists, tuples and dicts
+(a KV-cache object, a DTensor's local shard); dropout (random by definition); a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from typing import Any
+
+import torch
+
+from .errors import MsprobeError
+
+#: reproductions written per step folder at most (a model broken everywhere would otherwise write one per call)
+MAX_FILES = 32
+#: bytes of saved inputs per step folder at most (GPT-2's LM-head weight alone is 154 MB in fp32)
+MAX_BYTES = 1 << 30
+#: the spec's format version
+VERSION = 1
+
+_DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_FORMATS = {str(f).replace("torch.", ""): f for f in vars(torch).values() if isinstance(f, torch.memory_format)}
+_LAYOUTS = {str(f).replace("torch.", ""): f for f in vars(torch).values() if isinstance(f, torch.layout)}
+
+
+class _Unsaved(Exception):
+    """An argument the spec cannot hold (the reason is the message)."""
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+def _encode(v: Any, tensors: dict, keys: dict, grads: dict) -> Any:
+    """``v`` as JSON, each tensor replaced by ``{"tensor": key}`` (the same tensor, the same key)."""
+    if isinstance(v, torch.Tensor):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            raise _Unsaved(f"a {type(v).__name__} argument")
+        key = keys.get(id(v))
+        if key is None:
+            key = keys[id(v)] = f"t{len(keys)}"
+            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
+            grads[key] = bool(v.requires_grad)
+        return {"tensor": key}
+    if v is None or isinstance(v, (bool, str)) or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).replace("torch.", "")}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.Size):
+        return {"size": list(v)}
+    if isinstance(v, slice):
+        return {"slice": [_encode(x, tensors, keys, grads) for x in (v.start, v.stop, v.step)]}
+    if v is Ellipsis:
+        return {"ellipsis": True}
+    if isinstance(v, list):
+        return [_encode(x, tensors, keys, grads) for x in v]
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return {"tuple": [_encode(x, tensors, keys, grads) for x in v]}
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {"dict": {k: _encode(x, tensors, keys, grads) for k, x in v.items()}}
+    raise _Unsaved(f"a {type(v).__name__} argument")
+
+
+def _decode(v: Any, tensors: dict, where: str) -> Any:
+    """The inverse of :func:`_encode`, with every tag checked against a closed list (the spec is data)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, list):
+        return [_decode(x, tensors, where) for x in v]
+    if isinstance(v, dict) and len(v) == 1:
+        (tag, x), = v.items()
+        if tag == "tensor" and isinstance(x, str) and x in tensors:
+            return tensors[x]
+        if tag == "float" and x in ("inf", "-inf", "nan"):
+            return float(x)
+        if tag == "dtype" and x in _DTYPES:
+            return _DTYPES[x]
+        if tag == "memory_format" and x in _FORMATS:
+            return _FORMATS[x]
+        if tag == "layout" and x in _LAYOUTS:
+            return _LAYOUTS[x]
+        if tag == "device" and isinstance(x, str):
+            return torch.device(x)
+        if tag == "size" and isinstance(x, list) and all(isinstance(i, int) for i in x):
+            return torch.Size(x)
+        if tag == "slice" and isinstance(x, list) and len(x) == 3:
+            return slice(*(_decode(i, tensors, where) for i in x))
+        if tag == "ellipsis" and x is True:
+            return Ellipsis
+        if tag == "tuple" and isinstance(x, list):
+            return tuple(_decode(i, tensors, where) for i in x)
+        if tag == "dict" and isinstance(x, dict):
+            return {str(k): _decode(i, tensors, where) for k, i in x.items()}
+    raise MsprobeError(f"{where}: unexpected argument encoding {json.dumps(v)[:80]}")
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class Reproducer:
+    """Writes the reproduction of each failing call of a capture (set as an isolator's ``reproducer`` by
+    :class:`~msprobe_ci.capture.CaptureSession`).
+
+    Args:
+        session: the capture session (its step folder, step, rank and faults).
+    """
+
+    def __init__(self, session):
+        self.session = session
+        self._written: dict[str, tuple[int, int]] = {}  # folder -> (files, bytes)
+
+    def folder(self) -> str:
+        return os.path.join(self.session.dump_folder(), "repro")
+
+    def write(self, iso, call, direction: str, record: dict) -> None:
+        """Write the files of ``call``'s failing ``direction`` (``forward``/``backward``); the script's path (or
+        why none was written) goes into ``record["repro"]``. Never raises: the user's run goes on."""
+        try:
+            record["repro"] = self._write(iso, call, direction, record)
+        except _Unsaved as exc:
+            record["repro"] = f"not written: {exc} cannot be saved"
+        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
+            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+
+    def _write(self, iso, call, direction: str, record: dict) -> str:
+        from safetensors.torch import save_file
+
+        from .capture import naming
+        from .replay import allowlist
+
+        if call.raw is None:
+            raise _Unsaved("an argument that was not kept")
+        info = naming.table().get(call.func)
+        if info is None or allowlist.lookup(info[0], info[1]) is not call.func:
+            return f"not written: {call.name}: its function is not on the replay allowlist"
+        stem_name = call.name[: -len(".forward")]
+        prefix, api, n = stem_name.split(".", 1)[0], stem_name.split(".", 1)[1].rsplit(".", 1)[0], \
+            int(stem_name.rsplit(".", 1)[1])
+        node = f"{stem_name}.{direction}"
+        folder = self.folder()
+        files, size = self._written.get(folder, (0, 0))
+        if files >= MAX_FILES:
+            return f"not written: {MAX_FILES} reproductions in this step already"
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[int, str] = {}
+        grads: dict[str, bool] = {}
+        args, kwargs = call.raw
+        spec_args = _encode(list(args), tensors, keys, grads)
+        spec_kwargs = _encode(dict(kwargs), tensors, keys, grads)
+        grad_out = {}
+        if direction == "backward":
+            for i, g in sorted(call.grad_out.items()):
+                key = f"g{i}"
+                tensors[key] = g.detach().to("cpu", copy=True).contiguous()
+                grad_out[str(i)] = key
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size + nbytes > MAX_BYTES:
+            return f"not written: its inputs ({nbytes / 2**20:.0f} MiB) pass this step's {MAX_BYTES >> 20} MiB"
+        session = self.session
+        rank = session.fault_rank
+        faults = [f for f in session.faults if f.matches(f"{prefix}.{api}", n, direction, session.current_step)
+                  and f.on_rank(rank)]
+        spec = {
+            "version": VERSION, "node": node, "forward": call.name, "prefix": prefix, "api": api, "call": n,
+            "direction": direction, "function": {"prefix": info[0], "api": info[1]},
+            "args": spec_args, "kwargs": spec_kwargs, "requires_grad": grads, "grad_outputs": grad_out,
+            "grad_enabled": call.grad_enabled, "autocast": call.autocast_state,
+            "step": session.current_step, "rank": rank,
+            "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
+                         "target_device": iso.target_device, "bench_device": iso.bench_device,
+                         "backward": iso.backward, "bench_kernel": iso.bench_kernel,
+                         "budget_draws": iso.budget_draws, "oracle_device": iso.oracle_device,
+                         "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label},
+            "faults": [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
+                       for f in faults],
+            "gate": {k: record.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row",
+                                                "message")},
+        }
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]+", "_", node))
+        if os.path.exists(stem + ".py"):
+            return f"not written: {stem}.py exists (never overwritten)"
+        save_file(tensors, stem + ".safetensors")
+        with open(stem + ".json", "w", encoding="utf-8") as fh:
+            json.dump(spec, fh, indent=1)
+        gate = str(record.get("message", "")).replace("\\", "/").replace('"""', "'''")
+        with open(stem + ".py", "w", encoding="utf-8") as fh:
+            fh.write(_SCRIPT.format(node=node, gate=gate, name=os.path.basename(stem)))
+        self._written[folder] = (files + 1, size + nbytes)
+        return stem + ".py"
+
+
+_SCRIPT = '''"""msprobe-ci: reproduce one failing API call without the model.
+
+Node: {node}
+Gate: {gate}
+
+Run:  python {name}.py [--no-fault] [--target-device DEVICE]
+Inputs in {name}.safetensors, settings in {name}.json. Exits 1 when the call fails its standard, 0 when it passes.
+"""
+
+import sys
+
+from msprobe_ci.repro import main
+
+if __name__ == "__main__":
+    sys.exit(main([__file__, *sys.argv[1:]]))
+'''
+
+
+# ------------------------------------------------------------------------------------------------ running
+def load(path: str) -> tuple[dict, dict]:
+    """The spec and the tensors of a reproduction (``path``: its ``.py``, ``.json`` or stem).
+
+    Raises:
+        MsprobeError: a missing or malformed file, naming it and the field.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    stem = re.sub(r"\.(py|json|safetensors)$", "", os.fspath(path))
+    try:
+        with open(stem + ".json", encoding="utf-8") as fh:
+            spec = json.load(fh)
+    except FileNotFoundError:
+        raise MsprobeError(f"{stem}.json: reproduction settings not found") from None
+    except ValueError as exc:
+        raise MsprobeError(f"{stem}.json: not valid JSON ({exc})") from None
+    if not isinstance(spec, dict) or spec.get("version") != VERSION:
+        raise MsprobeError(f"{stem}.json: expected a reproduction spec of version {VERSION}")
+    for key, kind in (("node", str), ("forward", str), ("prefix", str), ("api", str), ("call", int),
+                      ("direction", str), ("function", dict), ("args", list), ("kwargs", dict),
+                      ("requires_grad", dict), ("grad_outputs", dict), ("isolator", dict), ("faults", list)):
+        if not isinstance(spec.get(key), kind):
+            raise MsprobeError(f"{stem}.json: field '{key}': expected {kind.__name__}")
+    if spec["direction"] not in ("forward", "backward"):
+        raise MsprobeError(f"{stem}.json: field 'direction': expected forward or backward")
+    try:
+        tensors = load_file(stem + ".safetensors")
+    except FileNotFoundError:
+        raise MsprobeError(f"{stem}.safetensors: reproduction inputs not found") from None
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise MsprobeError(f"{stem}.safetensors: not a safetensors file ({str(exc)[:120]})") from None
+    return spec, tensors
+
+
+def run(path: str, fault: bool = True, target_device: str | None = None) -> tuple[dict, dict]:
+    """Re-run a reproduction's call through isolation, as the gate ran it.
+
+    Args:
+        path: the reproduction's ``.py`` (or ``.json``, or their stem).
+        fault: apply the faults the gate injected into this call (``False``: the call as its kernel computes it).
+        target_device: where the target call runs (default: the gate's target device).
+
+    Returns:
+        ``(record, spec)``: the isolation record of the node (``status``, ``standard``, ``metric``, ``value``,
+        ``threshold``, ``row``, ``message``, ``metrics``) and the spec read.
+
+    Raises:
+        MsprobeError: unreadable files, an API not on the replay allowlist, a bad field.
+    """
+    from .capture.inject import parse_faults
+    from .isolate import Isolator
+    from .replay import allowlist
+    from .replay.runner import _outputs
+
+    spec, tensors = load(path)
+    where = re.sub(r"\.(py|json|safetensors)$", "", os.fspath(path)) + ".json"
+    func = allowlist.lookup(str(spec["function"].get("prefix")), str(spec["function"].get("api")))
+    if func is None:
+        raise MsprobeError(f"{where}: field 'function': not on the replay allowlist")
+    s = spec["isolator"]
+    device = target_device or str(s.get("target_device") or "cpu")
+    oracle_max = _DTYPES.get(str(s.get("oracle_max")), torch.float64)
+    iso = Isolator(standards=s.get("standards") or {}, thresholds=s.get("thresholds") or {},
+                   target_device=device, bench_device=str(s.get("bench_device") or "cpu"),
+                   backward=bool(s.get("backward", True)), bench_kernel=str(s.get("bench_kernel") or "device"),
+                   budget_draws=int(s.get("budget_draws", 3)), oracle_device=str(s.get("oracle_device") or "cpu"),
+                   oracle_max=oracle_max, oracle_label=s.get("oracle_label"))
+    faults = parse_faults({"faults": spec["faults"]}, where) if fault else ()
+    for key, want in spec["requires_grad"].items():
+        t = tensors.get(key)
+        if t is None:
+            raise MsprobeError(f"{where}: field 'requires_grad': no tensor {key!r} in the inputs")
+    moved = {k: t.to(device) for k, t in tensors.items()}
+    for key, want in spec["requires_grad"].items():
+        if want and (moved[key].is_floating_point() or moved[key].is_complex()):
+            moved[key].requires_grad_(True)
+    args = _decode(spec["args"], moved, where)
+    kwargs = _decode(spec["kwargs"], moved, where)
+    name, n = spec["forward"], spec["call"]
+    prefix, api = spec["prefix"], spec["api"]
+    api_id = f"{prefix}.{api}"
+    ac = spec.get("autocast")
+    # under autocast on the target's device type (the gate's, or the one --target-device names)
+    autocast = torch.autocast(torch.device(device).type if target_device else str(ac["device_type"]),
+                              dtype=_DTYPES[str(ac["dtype"])]) \
+        if isinstance(ac, dict) and str(ac.get("dtype")) in _DTYPES else _Null()
+    with torch.set_grad_enabled(bool(spec.get("grad_enabled", True))), autocast:
+        call, a, k = iso.before(name, prefix, api, func, tuple(args), dict(kwargs))
+        out = func(*a, **k)
+        for f in faults:
+            if f.matches(api_id, n, "forward"):
+                out = f.apply(out, n)
+        bwd = [(f, n) for f in faults if f.matches(api_id, n, "backward")]
+        if bwd and call is not None and call.taps:
+            iso.faults_at_tap[f"{prefix}.{api}.{n}.backward"] = bwd
+        iso.after(call, out)
+    if spec["direction"] == "backward":
+        flat = [t for _, t in _outputs(out, "output")
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        pairs = []
+        for i, key in spec["grad_outputs"].items():
+            if not str(i).isdigit() or int(i) >= len(flat) or key not in moved:
+                raise MsprobeError(f"{where}: field 'grad_outputs': {i!r} names no output that requires grad")
+            pairs.append((flat[int(i)], moved[key]))
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+    record = iso.results.get(spec["node"]) or {"status": "skip", "message": "nothing judged"}
+    return record, spec
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python repro/<node>.py [--no-fault] [--target-device DEV]``: prints the verdict, returns the exit code
+    (1: fails its standard, 0: passes, 2: the reproduction cannot run)."""
+    argv = list(sys.argv if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=os.path.basename(argv[0]),
+                                     description="Re-run one failing API call as the msprobe-ci gate ran it.")
+    parser.add_argument("--no-fault", action="store_true", help="leave out the fault the gate injected")
+    parser.add_argument("--target-device", default=None, help="run the target call on this device "
+                                                              "(default: the gate's)")
+    opts = parser.parse_args(argv[1:])
+    try:
+        record, spec = run(argv[0], fault=not opts.no_fault, target_device=opts.target_device)
+    except MsprobeError as exc:
+        print(f"msprobe-ci repro: {exc}", file=sys.stderr)
+        return 2
+    s = spec["isolator"]
+    ac = spec.get("autocast")
+    faults = [] if opts.no_fault else spec["faults"]
+    print(f"node: {spec['node']}")
+    print(f"ran as the gate: target {opts.target_device or s.get('target_device')}, bench kernel "
+          f"{s.get('bench_kernel')} on {s.get('bench_device')}, oracle {s.get('oracle_label') or 'cpu'}"
+          + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "")
+          + (f", step {spec.get('step')}" if spec.get("step") else "")
+          + (", fault: " + "; ".join(f"{f['perturb']} {f['value']:g} on the {f['direction']}" for f in faults)
+             if faults else (", fault left out" if spec["faults"] else "")))
+    print(f"status: {record.get('status')}")
+    if record.get("standard"):
+        print(f"standard: {record['standard']}: {record.get('metric')} {_fmt(record.get('value'))} "
+              f"(threshold {_fmt(record.get('threshold'))}, row {record.get('row')})")
+    print(f"message: {record.get('message')}")
+    for k, v in sorted((record.get("metrics") or {}).items()):
+        print(f"  {k}: {_fmt(v)}")
+    gate = spec.get("gate") or {}
+    print(f"gate: {gate.get('status')}: {gate.get('message')}")
+    return 1 if record.get("status") == "error" else 0
