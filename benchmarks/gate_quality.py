@@ -173,7 +173,8 @@ ISOLATE = True
 ISOLATOR: dict = {}
 
 
-def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None, bench_folder=None, level=None):
+def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None, bench_folder=None, level=None,
+         inspect=None):
     isolate = ISOLATE if isolate is None else isolate
     tmp = tempfile.mkdtemp(prefix="gateq-")
     if FORWARD_ONLY:
@@ -197,6 +198,8 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
         cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
         report, tdump, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
         cases = model_cases(b.outputs, t.outputs, None, cast_u)
+        if inspect is not None:  # before the folders go
+            inspect(report, t.folder)
         return report, cases, tdump, elapsed, t.unapplied
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -237,6 +240,46 @@ def _pick_faults(data, scales, seed, noise=0.02):
     return out
 
 
+def check_repro(report, folder: str, s: dict, failures: list, label: str) -> None:
+    """``--repro``: the first divergence's reproduction (``repro/<node>.py``, msprobe_ci.repro), run alone in a fresh
+    process, must fail with the gate's message and every metric to the printed digits, and pass with the fault
+    left out (``--no-fault``)."""
+    import json
+    import subprocess
+
+    from msprobe_ci.repro import _fmt
+
+    first = report.first_divergence
+    if first is None:
+        return
+    script = os.path.join(folder, "repro", f"{first.name}.py")
+    with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
+        record = json.load(fh)["nodes"].get(first.name, {})
+    s["repro_tried"] += 1
+    if not os.path.isfile(script):
+        failures.append(f"{label}: no reproduction for {first.name}: {record.get('repro')}")
+        return
+
+    def run(*flags):
+        proc = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=600)
+        fields = {}
+        for line in proc.stdout.splitlines():
+            k, _, v = line.strip().partition(": ")
+            fields.setdefault(k, v)
+        return proc.returncode, fields
+    rc, out = run()
+    same = rc == 1 and out.get("message") == record.get("message") and \
+        all(out.get(k) == _fmt(v) for k, v in (record.get("metrics") or {}).items())
+    s["repro_same"] += same
+    if not same:
+        failures.append(f"{label}: reproduction of {first.name} differs: rc {rc}, {out.get('message')!r} vs "
+                        f"{record.get('message')!r}")
+    rc, out = run("--no-fault")
+    s["repro_clean_pass"] += rc == 0
+    if rc != 0:
+        failures.append(f"{label}: reproduction of {first.name} without the fault: rc {rc}, {out.get('message')!r}")
+
+
 def rep_construct(report, name, ref_dump):
     """The parent of a module node in the reference dump's construct.json."""
     return ref_dump.construct.get(name)
@@ -267,6 +310,9 @@ def main():
     ap.add_argument("--anchor", action="store_true",
                     help="faults at the anchor's level (issue 53): scale 1.01 and 1%% noise at bf16/fp16, scale "
                          "1.001 and 0.1%% noise at fp32")
+    ap.add_argument("--repro", action="store_true",
+                    help="run each fault's first-divergence reproduction (repro/<node>.py) alone: it must fail with "
+                         "the gate's values and pass with --no-fault")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.anchor:
@@ -295,6 +341,12 @@ def main():
         print(f"{kernel:<13} {target_dtype + ' vs ' + bench_dtype + ' bench':<22} {int(s['benign']):>6} "
               f"{int(s['false_fail']):>11} {int(s['faults']):>6} {s['detected'] / f:>8.1%} {s['exact'] / f:>8.1%} "
               f"{int(s['other_api_fails']):>15} {s['overhead_sum'] / max(s['benign'], 1):>17.2f}x")
+    if args.repro:
+        print(f"{'bench kernel':<13} {'target':<22} {'reproductions':>13} {'same values':>11} {'pass w/o fault':>14}")
+        for kernel, dname, s in rows:
+            bench_dtype, target_dtype, _ = DTYPES[dname]
+            print(f"{kernel:<13} {target_dtype + ' vs ' + bench_dtype + ' bench':<22} {int(s['repro_tried']):>13} "
+                  f"{int(s['repro_same']):>11} {int(s['repro_clean_pass']):>14}")
     for line in failures:
         print("  " + line)
 
@@ -330,7 +382,12 @@ def _measure(args, failures: list, kernel: str) -> dict:
                     expected = node if LEVEL != "L0" else ref.construct.get(node)
                     if expected is None:
                         continue
-                    rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,))
+                    label = (f"{kernel}: fault {dname} {mname} seed {seed} {fault.api}.{fault.call} {fault.direction} "
+                             f"{fault.perturb} {fault.value}")
+                    inspect = (lambda r, folder: check_repro(r, folder, s, failures, label)) \
+                        if args.repro and ISOLATE and LEVEL != "L0" else None
+                    rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,),
+                                                   inspect=inspect)
                     if unapplied:
                         continue
                     s["faults"] += 1

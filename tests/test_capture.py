@@ -322,3 +322,36 @@ def test_half_statistics_from_the_scratch_buffer_are_those_of_a_fresh_upcast(mon
     assert none is None and scratch is not None and scratch.numel() == 1 << 16  # its least size, never regrown
     assert reused == fresh
     assert fresh[-1] == (-3.0, -3.0, -3.0, pytest.approx(3.0 * math.sqrt(5)))
+
+
+def test_views_over_the_same_elements_share_statistics_and_others_do_not():
+    """A dense view (a transpose, a reshape, a permute) over exactly the elements of a tensor already recorded,
+    unchanged since, reuses its statistics; a slice with gaps, another range, or a write in place since gets its
+    own; a parameter whose ``.data`` was swapped (its old storage freed, its address free to be reused) no longer
+    vouches for the range. Every statistic is that of the tensor's own values (computed in float64)."""
+    from msprobe_ci.capture import records
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 40, 32, generator=gen)
+    rb = records.RecordBuilder()
+    cases = [x, x.transpose(1, 2), x.view(240, 32), x.permute(2, 0, 1), x[:, ::2], x[1:3].transpose(0, 1)]
+    recs = [rb.tensor(t) for t in cases]
+    expected = [t.detach().double().clone() for t in cases]
+    shared = [st for _, st in rb._pending]
+    assert shared[1] is shared[0] and shared[2] is shared[0] and shared[3] is shared[0]
+    assert shared[4] is not shared[0] and shared[5] is not shared[0]
+    x.mul_(2)  # a new version: its own statistics
+    cases.append(x.transpose(0, 2))
+    recs.append(rb.tensor(cases[-1]))
+    expected.append(cases[-1].double())
+    assert rb._pending[-1][1] is not shared[0]
+    rb.resolve()
+    for d, r in zip(expected, recs):
+        assert r["Max"] == pytest.approx(float(d.max()), rel=1e-6) and r["Min"] == pytest.approx(float(d.min()), rel=1e-6)
+        assert r["Mean"] == pytest.approx(float(d.mean()), rel=1e-4, abs=1e-6)
+        assert r["Norm"] == pytest.approx(float(d.norm()), rel=1e-5)
+    p = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+    key, _ = records._dense_key(p.detach(), p._version)
+    assert records._holds(p, key)
+    p.data = torch.randn(8, 8, generator=gen)
+    assert not records._holds(p, key)

@@ -29,6 +29,8 @@ import torch
 _LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SCRATCH = 1 << 22  # elements: half tensors up to this size are upcast into RecordBuilder's buffer (16 MiB)
 _ALL4 = ("Max", "Min", "Mean", "Norm")
+_NORM_SQ = "Norm^2"  # a statistic fetched as the sum of squares: Norm is its square root, taken at resolve()
+_ALL4_SQ = ("Max", "Min", "Mean", _NORM_SQ)
 _EXTREMA = ("Max", "Min")
 
 
@@ -47,6 +49,9 @@ class RecordBuilder:
         self.tensors: dict[str, torch.Tensor] = {}
         # id(tensor) -> (weakref, _version, stats stack or None, md5 or None, cpu copy or None)
         self._seen: dict[int, list] = {}
+        # (storage address, storage offset, numel, dtype, _version) of a dense tensor -> (weakref, stats): another
+        # tensor object over the same elements (a view, a module's output re-wrapped) reuses the statistics
+        self._dense: dict[tuple, tuple] = {}
         self._scratch: torch.Tensor | None = None  # float32 upcasts of CPU half tensors (see _upcast)
         self._scratch_lock = threading.Lock()  # held while the buffer is in use (another thread takes .float())
 
@@ -88,35 +93,47 @@ class RecordBuilder:
         t = t.detach()
         numel = t.numel()
         stats = None
+        key = flat = None
+        if numel and t.device.type != "meta" and version is not None:
+            key, flat = _dense_key(t, version)
+            known = self._dense.get(key) if key is not None else None
+            if known is not None and _holds(known[0](), key):
+                # the same elements in memory, unchanged since (the storage is alive while that tensor is):
+                # statistics are order-free, so any view over exactly them has the same ones
+                stats = known[1]
+                numel = 0
         if numel and t.device.type != "meta":
+            st = flat if flat is not None else t  # a permuted dense view is reduced in memory order (fast)
             dt = t.dtype
             if t.dim() == 0:
-                v = t.float() if dt in _LOW_FLOATS else t.clone()  # a copy: an in-place op (all_reduce) may follow
+                v = st.float() if dt in _LOW_FLOATS else st.clone()  # a copy: an in-place op (all_reduce) may follow
                 stats = (_ALL4, (v, v, v, v), None)
             elif dt.is_floating_point:
                 # amax/amin rather than aminmax: 3x faster on contiguous fp32 and 20x on transposed views
                 # (CPU, torch 2.13); half types are upcast once, which beats four reductions in bf16. Mean is
                 # the sum divided by numel on the host at resolve() (one kernel fewer per tensor).
-                scratch = dt not in (torch.float32, torch.float64) and t.device.type == "cpu" and \
-                    numel <= SCRATCH and t.is_contiguous() and self._scratch_lock.acquire(blocking=False)
+                scratch = dt not in (torch.float32, torch.float64) and st.device.type == "cpu" and \
+                    numel <= SCRATCH and st.is_contiguous() and self._scratch_lock.acquire(blocking=False)
                 try:
-                    w = t if dt in (torch.float32, torch.float64) else self._upcast(t) if scratch else t.float()
+                    w = st if dt in (torch.float32, torch.float64) else self._upcast(st) if scratch else st.float()
                     mx, mn = w.amax(), w.amin()
-                    total, norm, divisor = _sum_and_norm(w, dt, mx, mn, numel)
+                    total, norm, divisor, squared = _sum_and_norm(w, dt, mx, mn, numel)
                 finally:
                     if scratch:
                         self._scratch_lock.release()
-                stats = (_ALL4, (mx, mn, total, norm), divisor)
+                stats = (_ALL4_SQ if squared else _ALL4, (mx, mn, total, norm), divisor)
             elif dt == torch.bool:
-                stats = (_EXTREMA, (t.any(), t.all()), None)
+                stats = (_EXTREMA, (st.any(), st.all()), None)
             elif not dt.is_complex:
-                mn, mx = torch.aminmax(t)
+                mn, mx = torch.aminmax(st)
                 stats = (_EXTREMA, (mx, mn), None)
             else:
-                a = t.abs()
+                a = st.abs()
                 stats = (_ALL4[:3], (a.amax(), a.amin(), a.sum()), numel)
         if stats is not None:
             self._pending.append((rec, stats))
+            if key is not None and key not in self._dense:
+                self._dense[key] = (weakref.ref(src), stats)
         md5 = copy = None
         if self.md5:
             md5 = rec["md5"] = crc32_hex(t)
@@ -155,12 +172,16 @@ class RecordBuilder:
             groups.setdefault((first.device, first.dtype), []).append((rec, st))
         self._pending = []
         self._seen.clear()
+        self._dense.clear()
         for items in groups.values():
             values = torch.stack([x for _, st in items for x in st[1]]).tolist()
             i = 0
             for rec, (fields, tensors, numel) in items:
                 for field, x in zip(fields, values[i:i + len(tensors)]):
-                    rec[field] = x
+                    if field is _NORM_SQ:
+                        rec["Norm"] = math.sqrt(x) if x >= 0 else x  # inf stays inf, NaN stays NaN
+                    else:
+                        rec[field] = x
                 i += len(tensors)
                 if numel is not None and rec["Mean"] is not None:
                     rec["Mean"] = rec["Mean"] / numel
@@ -214,27 +235,72 @@ class RecordBuilder:
 
 
 def _sum_and_norm(w: torch.Tensor, dtype: torch.dtype, mx: torch.Tensor, mn: torch.Tensor, numel: int):
-    """``(sum, norm, divisor)`` of ``w`` (``dtype``: the recorded tensor's; Mean = sum / divisor at resolve, or
-    the Mean itself where the divisor is None), finite wherever every element is finite and the statistic itself
-    is representable.
+    """``(sum, norm, divisor, squared)`` of ``w`` (``dtype``: the recorded tensor's; Mean = sum / divisor at
+    resolve, or the Mean itself where the divisor is None; ``squared``: ``norm`` is the sum of squares, its square
+    root taken at resolve), finite wherever every element is finite and the statistic itself is representable.
+
+    A contiguous CPU tensor's sum of squares is one BLAS dot product of it with itself (1.5-2x faster than
+    ``vector_norm`` on one thread, ``benchmarks/capture_overhead.py``), safe from overflow by the same bound.
 
     Summed and squared in its own dtype, as msprobe does, an fp32 tensor of ``-1e38`` masks has ``Mean -inf`` and
     ``Norm inf``. Where that could happen (``s^2 * numel`` near the dtype's max, ``s`` the largest magnitude) both
     are taken of ``w / s`` and scaled back in float64. On the CPU the scaled pass runs only then (one host read of
     ``s`` decides); on a device it always runs, which keeps statistics free of host syncs. fp16 (upcast to fp32)
     cannot overflow."""
+    cpu = w.device.type == "cpu"
+    if cpu and w.is_contiguous():
+        def plain():
+            v = w.view(-1)
+            return w.sum(), torch.dot(v, v), numel, True
+    else:
+        def plain():
+            return w.sum(), torch.linalg.vector_norm(w), numel, False
     if dtype == torch.float16:
-        return w.sum(), torch.linalg.vector_norm(w), numel
-    if w.device.type == "cpu":
+        return plain()
+    if cpu:
         bound = max(float(mx), -float(mn))  # two host reads of 0-d CPU tensors: cheaper than one more op
         # s^2 * n below the max bounds the sum (s * n) too: s >= 1 makes it the larger, s < 1 leaves s * n < n
         if not math.isfinite(bound) or bound * bound * numel < torch.finfo(w.dtype).max / 4:
-            return w.sum(), torch.linalg.vector_norm(w), numel
+            return plain()
     s = torch.maximum(mx, -mn)
     scale = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
     scaled = w / scale
     big = scale.to(torch.float64)
-    return scaled.sum(dtype=torch.float64) * (big / numel), torch.linalg.vector_norm(scaled) * big, None
+    return scaled.sum(dtype=torch.float64) * (big / numel), torch.linalg.vector_norm(scaled) * big, None, False
+
+
+def _dense_key(t: torch.Tensor, version: int) -> tuple[tuple | None, torch.Tensor | None]:
+    """``(key, flat)`` of a tensor whose elements fill one gap-free range of its storage (contiguous, or a
+    permutation of contiguous: a transpose): ``key`` names that range and its contents' version, ``flat`` is the
+    range as a contiguous 1-D view where ``t`` itself is not contiguous (``None`` otherwise). ``(None, None)`` for
+    any other layout (a slice with gaps, a broadcast, a tensor without storage)."""
+    if t.is_contiguous():
+        flat = None
+    else:
+        expect = 1
+        for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+            if stride != expect:
+                return None, None
+            expect *= size
+        flat = t.as_strided((t.numel(),), (1,))
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a functional or wrapper subclass)
+        return None, None
+    return (ptr, t.device, t.storage_offset(), t.numel(), t.dtype, version), flat
+
+
+def _holds(ref: torch.Tensor | None, key: tuple) -> bool:
+    """Whether ``ref`` (the tensor a dense key was made from) is alive and still over that storage range at that
+    version: then the storage cannot have been freed and its address reused (a parameter whose ``.data`` was
+    swapped no longer holds it)."""
+    if ref is None:
+        return False
+    try:
+        return ref.untyped_storage().data_ptr() == key[0] and ref.storage_offset() == key[2] and \
+            ref._version == key[5]
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _version(t: torch.Tensor) -> int | None:
