@@ -16,6 +16,8 @@ standard                      rule (source)
 ``accumulative``              reductions: error bound and error balance (msprobe 2.9)
 ``legacy``                    msprobe acc_check's cosine / MaxAbsErr / dual-hundredth chain (msprobe 2.1)
 ``dropout``                   share of zeros against p
+``quantization``              a cast into FP8 against its own wider input: error against the input's own amax
+                              scale, underflow and saturation shares (Transformer Engine's debug statistics)
 ============================  =================================================================================
 """
 
@@ -32,13 +34,14 @@ from .binary import BinaryStandard
 from .common import dtype_key, load_yaml
 from .dropout import DropoutStandard
 from .legacy import LegacyStandard
+from .quantization import QuantizationStandard
 from .result import CheckResult, worst
 from .thousandth import ThousandthStandard
 from .ulp import UlpStandard
 
 STANDARDS = {cls.name: cls for cls in (AbsoluteThresholdStandard, AccumulativeStandard, BenchmarkStandard,
-                                       BinaryStandard, DropoutStandard, LegacyStandard, ThousandthStandard,
-                                       UlpStandard)}
+                                       BinaryStandard, DropoutStandard, LegacyStandard, QuantizationStandard,
+                                       ThousandthStandard, UlpStandard)}
 
 __all__ = ["CheckResult", "STANDARDS", "standard_for", "make_standard", "dtype_key", "worst"] + \
     [cls.__name__ for cls in STANDARDS.values()]

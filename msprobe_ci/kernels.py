@@ -66,6 +66,10 @@ from .config import BENCH_KERNELS  # the vocabulary lives where the torch-free o
 
 _HALF = (torch.float16, torch.bfloat16)
 
+#: the FP8 formats this torch has (a cast into one is judged by the quantization standard)
+FP8_DTYPES = frozenset(d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                                     "float8_e5m2fnuz")) if d is not None)
+
 
 def check_bench_kernel(name: str) -> str:
     """``name`` if it is a bench kernel; raises :class:`~msprobe_ci.errors.MsprobeError` naming the choices."""

@@ -28,12 +28,15 @@ class FP8Linear(torch.nn.Linear):
     as itself in fp32 (the bench). ``scale_result``: also pass ``_scaled_mm`` a result scale (an FP8 output's)."""
 
     scale_result = False
+    stale = None  # the second layer's activation scale from an amax this many times the current one (a stale history)
 
     def forward(self, x):
         if x.dtype == torch.float32:
             return super().forward(x)
         flat = x.reshape(-1, x.shape[-1])
         sx = flat.abs().amax().float().clamp_min(1e-12) / 448.0
+        if self.stale is not None and self.out_features == 64:
+            sx = sx * self.stale
         sw = self.weight.abs().amax().float().clamp_min(1e-12) / 448.0
         xq, wq = (flat.float() / sx).to(E4M3), (self.weight.float() / sw).to(E4M3)
         extra = {"scale_result": torch.tensor(1.0)} if self.scale_result else {}
@@ -100,3 +103,23 @@ def test_a_call_that_computes_but_cannot_be_judged_is_unseen_in_coverage(tmp_pat
     assert cov["share"] < 1 and unseen and unseen[0]["calls"] == 2
     assert unseen[0]["pass"].startswith("forward, not judged: oracle failed on CPU")
     assert unseen[0]["elements"] == 4 * 16 * 128 + 4 * 16 * 64  # the two GEMMs' outputs
+
+
+@pytest.mark.parametrize("stale, metric", [(3e4, "underflow_share"), (0.05, "saturated_share")])
+def test_a_scale_that_does_not_fit_is_named_at_its_cast(tmp_path, monkeypatch, stale, metric):
+    """A stale amax history (a scale 30000x too large: every activation in e4m3's subnormals or flushed to zero)
+    or a wrong one (20x too small: a third of the values clipped at 448) fails at the cast that quantized with it,
+    against the cast's own wider input; the benign casts pass, their underflow, saturation and range in the dump."""
+    report, folder = _check(tmp_path / "benign")
+    casts = [n for n in report.nodes if n.name.startswith("Tensor.to.")]
+    assert len(casts) == 4 and not [n.message for n in report.nodes if n.status == "error"]
+    with open(os.path.join(folder, "dump.json"), encoding="utf-8") as fh:
+        data = json.load(fh)["data"]
+    q = data["Tensor.to.0.forward"]["quantization"]["Tensor.to.0.forward.output.0"]
+    assert q["underflow_share"] < 0.01 and q["saturated_share"] == 0 and q["amax_use"] == pytest.approx(1.0)
+    assert q["dynamic_range"] > 5
+    monkeypatch.setattr(FP8Linear, "stale", stale)
+    report, _ = _check(tmp_path / "stale")
+    first = report.first_divergence
+    assert first is not None and first.name == "Tensor.to.2.forward", first and first.message
+    assert f"quantization standard on its own inputs: {metric}" in first.message and "scale does not fit" in first.message

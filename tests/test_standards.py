@@ -66,7 +66,7 @@ def test_common_pieces():
 
 def test_registry_and_constructors():
     assert set(STANDARDS) == {"absolute_threshold", "accumulative", "benchmark", "binary", "dropout", "legacy",
-                              "thousandth", "ulp"}
+                              "quantization", "thousandth", "ulp"}
     assert all(cls.name == name for name, cls in STANDARDS.items())
     assert standard_for("argmax", torch.bool) == "binary" and standard_for("linear", "torch.int32") == "binary"
     assert standard_for("linear", torch.int32, {"lin*": "ulp"}) == "ulp"  # an override wins over the dtype rule

@@ -62,7 +62,10 @@ class ApiCapture:
             if api_id in self._fault_apis else ()
         if self.with_construct and self.api_level:
             self.construct[fwd_name] = self._fwd_stack[-1] if self._fwd_stack else None
-        record = self.api_level and kind == naming.RECORD and self._keep(fwd_name)
+        # a cast into an FP8 format is where a quantization recipe's scale shows: recorded (and judged by the
+        # quantization standard under isolation) although msprobe's FOCUS level leaves casts out
+        record = self.api_level and (kind == naming.RECORD or (api in _CASTS and _fp8_cast(args, kwargs))) and \
+            self._keep(fwd_name)
         entry = None
         if record and self._fwd_in:
             self._busy = True
@@ -146,6 +149,9 @@ class ApiCapture:
                 ac = amp.autocast_dtype(args, kwargs)
                 if ac is not None:  # the autocast dtype it ran under (msprobe_ci.amp; msprobe ignores the field)
                     entry[amp.FIELD] = str(ac)
+                quantized = iso.results.get(fwd_name, {}).get("quantization") if iso is not None else None
+                if quantized:  # a cast into FP8: its underflow, saturation and range (msprobe ignores the field)
+                    entry["quantization"] = quantized
                 self.data[fwd_name] = entry
             finally:
                 self._busy = False
@@ -200,6 +206,16 @@ class ApiCapture:
                     self._busy = False
             return new
         return quiet(hook)
+
+
+_CASTS = frozenset({"to", "type"})
+
+
+def _fp8_cast(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``to``/``type`` call names an FP8 dtype (:data:`msprobe_ci.kernels.FP8_DTYPES`)."""
+    from ..kernels import FP8_DTYPES
+
+    return any(a in FP8_DTYPES for a in args if isinstance(a, torch.dtype)) or kwargs.get("dtype") in FP8_DTYPES
 
 
 def _first_grad_fn(value: Any):

@@ -271,9 +271,13 @@ class ApiIsolation:
         results = judge_rows(call.short, rows, standards=self.standards, thresholds=self.thresholds,
                              inputs=(call.func, *call.inputs) if call.inputs is not None else None,
                              budget=self._forward_budget(call, stem, len(targets)))
+        quantized = self._quantization(call, targets)
+        results += quantized
         if not call.taps:
             call.inputs = None
         self._store(call.name, results, oracles)
+        if quantized:  # extra fields of the record and of the dump entry (msprobe ignores them)
+            self.results[call.name]["quantization"] = {row: r.metrics for row, r in quantized}
         if self.reproducer is not None and self.results[call.name].get("status") == "error":
             self.reproducer.write(self, call, "forward", self.results[call.name])
         if not call.taps:
@@ -286,6 +290,26 @@ class ApiIsolation:
                 t.register_hook(self._grad_out_hook(call, i))
             del grads_of
         call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
+
+    def _quantization(self, call: _Call, targets: list) -> list:
+        """The ``quantization`` standard's rows (:class:`msprobe_ci.checkers.quantization.QuantizationStandard`) of
+        a call that casts a wider floating tensor into an FP8 format: each FP8 output judged against the call's
+        first wider floating input of its shape (the scaled tensor a recipe quantizes)."""
+        from ..checkers import make_standard
+
+        if call.inputs is None:
+            return []
+        sources = [x for x in _tensors(call.inputs[0]) + _tensors(call.inputs[1])
+                   if x.is_floating_point() and x.dtype.itemsize > 1]
+        out = []
+        for row, t in targets:
+            if not isinstance(t, torch.Tensor) or t.dtype not in kernels.FP8_DTYPES:
+                continue
+            x = next((x for x in sources if x.shape == t.shape), None)
+            if x is not None:
+                out.append((row, make_standard("quantization", t.dtype, **self.thresholds.get("quantization", {}))(
+                    t, x)))
+        return out
 
     def _autocast_references(self, call: _Call, out: Any) -> bool:
         """The oracle and the bench of a call made under autocast, now that its output says which dtype its kernel

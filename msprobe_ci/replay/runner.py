@@ -386,6 +386,8 @@ def abs_peak(x: torch.Tensor) -> float:
     ``|x|`` copy (ten times faster on GPT-2's logits, CPU); 0.0 for an empty tensor."""
     if x.numel() == 0:
         return 0.0
+    if x.is_floating_point() and x.dtype.itemsize == 1:  # FP8: no reductions of its own, exact in float32
+        x = x.float()
     lo, hi = (float(v) for v in torch.aminmax(x.detach()))
     if math.isnan(lo) or math.isnan(hi):
         return math.nan
@@ -398,6 +400,8 @@ def finite_peak(x: torch.Tensor) -> float:
     peak = abs_peak(x)
     if math.isfinite(peak):
         return peak
+    if x.is_floating_point() and x.dtype.itemsize == 1:
+        x = x.float()
     return float(torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax())
 
 
