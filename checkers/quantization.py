@@ -13,7 +13,9 @@ value (a scale too large). The standard measures, on the wider input ``x`` the c
   implementation makes on the same input), at most :data:`thresholds.yaml` ``quantization.quant_err_ratio``;
 * ``underflow_share``: non-zero finite elements quantized to 0 (Transformer Engine's ``underflows%``);
 * ``saturated_share``: finite elements beyond the format's largest value by more than half its spacing there
-  (where rounding cannot reach: clipped, or NaN where the format has no saturation);
+  (where rounding cannot reach: the cast clips them, or makes them NaN where the format has no saturation). A
+  recipe that clamps before its cast (torchao's ``to_fp8_saturated``) hands the cast values already clipped: that
+  clipping is the clamp's, out of this standard's sight;
 * reported only: ``subnormal_share`` (non-zero elements left with fewer mantissa bits), ``dynamic_range``
   (``log2(amax) - log2(smallest non-zero |x|)``, Transformer Engine's ``dynamic_range``), ``amax`` and
   ``amax_use`` (``amax / format max``: how much of the range the scale uses).
@@ -59,6 +61,8 @@ class QuantizationStandard:
         metrics = {
             "underflow_share": float((nonzero & (qf == 0)).sum() / max(int(nonzero.sum()), 1)),
             # beyond the largest value by more than half its spacing: rounding cannot reach it, the cast clips
+            # (values exactly at the largest value are not counted: an amax a current scale maps there, and its
+            # ties, sit there by design)
             "saturated_share": float((ax > float(fmt.max) + 2.0 ** math.floor(math.log2(float(fmt.max))) *
                                       float(fmt.eps) / 2).sum() / n),
             "subnormal_share": float((nonzero & (np.abs(qf) < fmt.smallest_normal)).sum() /

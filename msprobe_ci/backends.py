@@ -166,16 +166,22 @@ class Backend:
             type>, dtype=autocast)`` on the model's own weights (fp32 unless ``dtype`` says otherwise); ``None``
             (default) runs without it. Every call made under it is judged on its inputs as its kernel saw them
             (:mod:`msprobe_ci.amp`).
+        fp8: the side's linear layers compute through FP8 GEMMs: torchao's float8 training
+            (``torchao.float8.convert_to_float8_training``: per-tensor dynamic scaling, e4m3 activations and weights,
+            e5m2 gradients) on every ``nn.Linear`` whose in and out features are multiples of 16 (the FP8 GEMM's
+            alignment); each cast into FP8 is judged by the quantization standard and each FP8 GEMM on its own
+            inputs. Needs ``torchao`` (``pip install torchao``).
     """
 
     device: str = "cpu"
     dtype: Any = None
     compile: bool = False
     autocast: Any = None
+    fp8: bool = False
 
     @classmethod
     def from_options(cls, device: str, dtype: str | None = None, compile: bool = False,
-                     autocast: str | None = None) -> "Backend":
+                     autocast: str | None = None, fp8: bool = False) -> "Backend":
         """A backend from option strings: a device (``cpu``, ``gpu``, ``cuda:1``, ``npu``), a dtype and an autocast
         dtype (``fp16``/``bf16``, or ``fp32``/``fp64`` and ``None`` for none).
 
@@ -188,14 +194,16 @@ class Backend:
                                f"got {autocast!r}")
         import torch
 
-        return cls(parse_device(device), parse_dtype(dtype), bool(compile), None if ac == torch.float32 else ac)
+        return cls(parse_device(device), parse_dtype(dtype), bool(compile), None if ac == torch.float32 else ac,
+                   bool(fp8))
 
     @property
     def label(self) -> str:
         from .dtypes import short_name
 
         return (f"{self.device}/{short_name(self.dtype)}" + ("+compile" if self.compile else "") +
-                (f"+autocast({short_name(self.autocast)})" if self.autocast is not None else ""))
+                (f"+autocast({short_name(self.autocast)})" if self.autocast is not None else "") +
+                ("+fp8" if self.fp8 else ""))
 
     def autocast_context(self):
         """The context the side's forward and loss run in: ``torch.autocast`` of this device type in
@@ -311,6 +319,8 @@ class Backend:
             clone.to(self.dtype)  # nn.Module.to(dtype) casts floating params and buffers only
         if eval_mode:
             clone.eval()
+        if self.fp8:
+            to_float8(clone)
         if self.compile:
             import torch
 
@@ -339,6 +349,33 @@ class Backend:
         if isinstance(value, (list, tuple)):
             return type(value)(self.prepare_inputs(v) for v in value)
         return value
+
+
+def to_float8(model: "torch.nn.Module") -> int:
+    """Swap ``model``'s linear layers for torchao's float8 training linears, in place (:attr:`Backend.fp8`): each
+    ``nn.Linear`` whose in and out features are multiples of 16. Returns how many were swapped.
+
+    Raises:
+        MsprobeError: torchao is not installed, or the model has no such linear layer (an FP8 target that
+            computes nothing in FP8 would test nothing).
+    """
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        raise MsprobeError("option 'fp8': needs torchao (pip install torchao), whose float8 linears the FP8 target "
+                           "computes through") from None
+    eligible = [m for m in model.modules() if type(m) is torch.nn.Linear and m.in_features % 16 == 0 and
+                m.out_features % 16 == 0]
+    if not eligible:
+        raise MsprobeError("option 'fp8': the model has no nn.Linear whose in and out features are multiples of 16 "
+                           "(what an FP8 GEMM takes): nothing would compute in FP8")
+    ids = {id(m) for m in eligible}
+    convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: id(mod) in ids)
+    return len(eligible)
 
 
 def fsdp_kind(model: Any) -> str | None:

@@ -787,10 +787,42 @@ def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- references
+def scaled_fp8_values(t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    """The values a scaled FP8 tensor subclass stands for, as a plain tensor in ``dtype`` (exact in float64: an
+    FP8 value divided by a float32 scale), or ``None`` for any other tensor.
+
+    Known: torchao's ``Float8TrainingTensor`` (what ``torchao.float8.convert_to_float8_training`` linears hand to
+    ``torch.mm``): its ``_data`` (float8) times ``1 / _scale`` (its documented convention: multiply by the scale to
+    go to the float8 range, divide to come back; "Float8-aware user code can use the private fields")."""
+    if type(t).__name__ != "Float8TrainingTensor" or not type(t).__module__.startswith("torchao."):
+        return None
+    data, scale = getattr(t, "_data", None), getattr(t, "_scale", None)
+    if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor) or data.dtype not in FP8_DTYPES:
+        return None
+    return data.detach().to(dtype) / scale.detach().to(dtype)
+
+
+def _clone_wrapper(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A detached copy of a traceable wrapper subclass (``__tensor_flatten__``, torch's protocol for them) with its
+    inner tensors cloned onto ``device``: the same subclass, so the same kernel runs on it."""
+    inner, ctx = t.__tensor_flatten__()
+    parts = {k: getattr(t, k).detach().to(device=device, copy=True) for k in inner}
+    return type(t).__tensor_unflatten__(parts, ctx, t.shape, t.stride())
+
+
 def copier(dtype: torch.dtype | None, device: str):
     """A function making a detached copy of a tensor on ``device``: floating ones in ``dtype`` (complex ones in
-    complex128) when it is given, others as they are."""
+    complex128) when it is given, others as they are. A scaled FP8 subclass (:func:`scaled_fp8_values`) becomes
+    the plain tensor of its values in ``dtype``; kept in its own dtype, a wrapper subclass is rebuilt around copies
+    of its inner tensors."""
     def conv(t: torch.Tensor) -> torch.Tensor:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            if dtype is not None and t.is_floating_point():
+                values = scaled_fp8_values(t, dtype)
+                if values is not None:
+                    return values.to(device)
+            elif dtype is None and hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__"):
+                return _clone_wrapper(t, device)
         x = t.detach()
         if dtype is not None and t.is_floating_point():
             return x.to(device=device, dtype=dtype, copy=True)

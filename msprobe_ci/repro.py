@@ -161,7 +161,7 @@ class Reproducer:
 
         if call.raw is None:
             raise _Unsaved("an argument that was not kept")
-        info = naming.table().get(call.func)
+        info = naming.lookup(call.func)
         if info is None or allowlist.lookup(info[0], info[1]) is not call.func:
             return f"not written: {call.name}: its function is not on the replay allowlist"
         stem_name = call.name[: -len(".forward")]

@@ -64,7 +64,7 @@ class MsprobeFixture:
         s.validate_files()
         self.context.dump_config, self.context.faults = s.dump_config, s.faults
         run = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
-               "bench_autocast": s.bench_autocast, "target_autocast": s.target_autocast,
+               "bench_autocast": s.bench_autocast, "target_autocast": s.target_autocast, "target_fp8": s.target_fp8,
                "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
                "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device, "output_rtol": s.output_rtol,

@@ -21,6 +21,7 @@ BENCH_AUTOCAST, TARGET_AUTOCAST = "--msprobe-bench-autocast", "--msprobe-target-
 LEVEL, TASK, CONFIG = "--msprobe-level", "--msprobe-task", "--msprobe-config"
 OUT, JUNIT, INJECT = "--msprobe-out", "--msprobe-junitxml", "--msprobe-inject"
 BASELINE, RECORD, COMPILE = "--msprobe-baseline", "--msprobe-record", "--msprobe-target-compile"
+TARGET_FP8 = "--msprobe-target-fp8"
 NO_GRAPH, ISOLATE, OUTPUT_RTOL = "--msprobe-no-graph", "--msprobe-isolate", "--msprobe-output-rtol"
 REQUIRE_DEVICE, BENCH_KERNEL = "--msprobe-require-device", "--msprobe-bench-kernel"
 REQUIRE_COVERAGE, REQUIRE_CHECKS = "--msprobe-require-coverage", "--msprobe-require-checks"
@@ -93,6 +94,7 @@ FLAGS = [
     (REQUIRE_COVERAGE, "msprobe_require_coverage", "fail a check whose target ran floating-point work outside every captured API (coverage below 100%, the uncaptured ATen ops named); without it that is a warning."),
     (MONITOR, "msprobe_monitor", "msprobe.check_training also runs the training monitor on both sides (activation, gradient and optimizer-state statistics per step; NaN/Inf and 10x-median jump alerts): a target anomaly the bench does not share fails the test; monitor.db, CSVs and monitor.png in the artifacts."),
     (COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides."),
+    (TARGET_FP8, "msprobe_target_fp8", "the target's linear layers compute through FP8 GEMMs (torchao's float8 training linears: per-tensor dynamic scaling, e4m3 forward, e5m2 gradients; every nn.Linear whose features are multiples of 16); each cast into FP8 is judged by the quantization standard (underflow, saturation, error against its own amax scale) and each FP8 GEMM on its own inputs. Needs torchao."),
 ]
 
 

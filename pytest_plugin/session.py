@@ -94,6 +94,7 @@ class ProbeSession:
         self.baseline = os.path.abspath(self.baseline) if self.baseline else None
         self.record = bool(_opt(config, "msprobe_record"))
         self.target_compile = bool(_opt(config, "msprobe_target_compile"))
+        self.target_fp8 = bool(_opt(config, "msprobe_target_fp8"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.require_device = bool(_opt(config, "msprobe_require_device"))
         self.require_coverage = bool(_opt(config, "msprobe_require_coverage"))

@@ -70,7 +70,7 @@ def test_binary_dropout_and_registry():
     assert standard_for("some_new_api", torch.float32) == "benchmark"  # documented default
     assert standard_for("linear", torch.float32, {"lin*": "legacy"}) == "legacy"
     assert set(STANDARDS) == {"absolute_threshold", "accumulative", "benchmark", "binary", "dropout", "legacy",
-                              "thousandth", "ulp"}
+                              "quantization", "thousandth", "ulp"}
 
 
 def test_statistics_inputs_plant_the_extremes_and_do_not_depend_on_order(fixtures_dir):

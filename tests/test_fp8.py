@@ -123,3 +123,79 @@ def test_a_scale_that_does_not_fit_is_named_at_its_cast(tmp_path, monkeypatch, s
     first = report.first_divergence
     assert first is not None and first.name == "Tensor.to.2.forward", first and first.message
     assert f"quantization standard on its own inputs: {metric}" in first.message and "scale does not fit" in first.message
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    return transformers.LlamaForCausalLM(cfg), (ids,), lambda out: out.logits.float().square().mean()
+
+
+def _fp8_check(tmp_path, faults=(), kernel="upcast"):
+    """A stock Llama whose linears compute through torchao's float8 training (bf16 model, FP8 GEMMs) against an
+    fp32 bench, isolated forward and backward: (report, target folder)."""
+    from msprobe_ci.check.settings import CheckSettings
+
+    model, inputs, loss_fn = _llama()
+    s = CheckSettings.resolve({"bench": "cpu", "target": "cpu", "bench_dtype": "fp32", "target_dtype": "bf16",
+                               "target_fp8": True, "level": "mix", "task": "statistics", "bench_kernel": kernel,
+                               "isolate": "on"})
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, inputs, loss_fn, s.bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
+    t = run_side(model, inputs, loss_fn, s.target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
+                 faults=tuple(faults), isolator=s.isolator(backward=True))
+    report, _, _ = judge(b.folder, t.folder, isolate=True, cast_roundoff=s.cast_roundoff)
+    return report, t.folder
+
+
+def test_an_fp8_target_through_torchao_passes_and_a_one_percent_gemm_fault_is_named(tmp_path):
+    pytest.importorskip("torchao")
+    report, folder = _fp8_check(tmp_path / "benign")
+    assert not [n.message for n in report.nodes if n.status == "error"]
+    gemms = [n for n in report.nodes if n.name.startswith("Torch.mm.")]  # torchao's float8 mm, by its own name
+    assert len(gemms) >= 14 and all("on its own inputs" in n.message for n in gemms)
+    with open(os.path.join(folder, "dump.json"), encoding="utf-8") as fh:
+        data = json.load(fh)["data"]
+    ins = data["Torch.mm.0.forward"]["input_args"]
+    assert [r["fp8_dtype"] for r in ins] == ["torch.float8_e4m3fn"] * 2 and ins[0]["dtype"] == "torch.bfloat16"
+    casts = [e["quantization"] for e in data.values() if isinstance(e, dict) and "quantization" in e]
+    assert casts and all(q["underflow_share"] < 0.05 and q["quant_err_ratio"] < 1.01
+                         for c in casts for q in c.values())
+    report, _ = _fp8_check(tmp_path / "fault", [Fault("Torch.mm", 9, "forward", "scale", 1.01)])
+    assert report.first_divergence is not None and report.first_divergence.name == "Torch.mm.9.forward", \
+        report.first_divergence and report.first_divergence.message
+
+
+def test_the_fp8_option_says_what_it_needs(monkeypatch):
+    import sys
+
+    from msprobe_ci.backends import to_float8
+    from msprobe_ci.errors import MsprobeError
+
+    pytest.importorskip("torchao")
+    with pytest.raises(MsprobeError, match="no nn.Linear whose in and out features are multiples of 16"):
+        to_float8(torch.nn.Sequential(torch.nn.Linear(10, 20)))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(MsprobeError, match=r"option 'fp8': needs torchao \(pip install torchao\)"):
+        to_float8(Net())
+    assert Backend.from_options("cpu", "bf16", fp8=True).label == "cpu/bf16+fp8"
+
+
+def test_the_fp8_target_flag_in_a_users_suite(pytester):
+    pytest.importorskip("torchao")
+    pytester.makepyfile(test_fp8_suite="""
+import torch
+
+
+def test_block(msprobe):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    msprobe.check(model, torch.randn(4, 16, 64), loss_fn=lambda out: out.float().square().mean())
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-target-fp8", "--msprobe-bench-kernel=upcast")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_block*cpu/model-dtype vs cpu/bf16+fp8*error 0*"])

@@ -42,7 +42,7 @@ class ApiCapture:
         if self._busy or not self.running:
             return func(*args, **kwargs)
         try:
-            info = naming.table().get(func)
+            info = naming.lookup(func)
         except TypeError:  # unhashable callable
             info = None
         if info is None or info[2] == naming.SKIP:

@@ -68,6 +68,9 @@ def called_from_hook_plumbing() -> bool:
     return f is not None and f.f_code.co_filename in _PLUMBING_FILES
 
 _TABLE: dict[Any, tuple[str, str, int]] | None = None
+# id(function object) -> its entry: torch binds some functions under several names to C functions that compare
+# equal (torch.mm, torch.dsmm, torch.spmm), which one dict key cannot tell apart; the objects can
+_BY_ID: dict[int, tuple[str, str, int]] = {}
 
 
 # torch's private functions that compute what a model's public calls leave to them: MoE experts' grouped GEMMs
@@ -101,9 +104,11 @@ def table() -> dict[Any, tuple[str, str, int]]:
                 if isinstance(obj, type) or not callable(obj):
                     continue
                 try:
+                    entry = (prefix, name, _classify(name))
+                    _BY_ID.setdefault(id(obj), entry)  # module attributes: alive, so their ids stay theirs
                     if obj in tab:
                         continue
-                    tab[obj] = (prefix, name, _classify(name))
+                    tab[obj] = entry
                 except TypeError:  # unhashable callables
                     continue
         _TABLE = tab
@@ -192,3 +197,14 @@ def _right_operand_is(frame: Any, first: Any) -> bool:
     if name == "LOAD_GLOBAL":
         return frame.f_globals.get(argval, _MISSING) is first
     return False
+
+
+def lookup(func: Any) -> tuple[str, str, int] | None:
+    """``(prefix, api name, kind)`` of a function object, by the name it was reached under (``torch.mm`` is
+    ``Torch.mm``, not its equal twin ``torch.dsmm``), ``None`` when it is not a torch API.
+
+    Raises:
+        TypeError: an unhashable callable.
+    """
+    tab = table()
+    return _BY_ID.get(id(func)) or tab.get(func)

@@ -65,6 +65,8 @@ class RecordBuilder:
             # where the shard sits in the whole (extra fields msprobe ignores): placements and the global shape
             placement = {"placements": [repr(p) for p in t.placements], "global_shape": list(t.shape)}
             t = t._local_tensor
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return self._subclass(t, data_name)
         rec: dict[str, Any] = {
             "type": "torch.Tensor",
             "dtype": str(t.dtype),
@@ -144,6 +146,30 @@ class RecordBuilder:
             self._seen[id(src)] = [weakref.ref(src), version, stats, md5, copy]
         return rec
 
+    def _subclass(self, t: torch.Tensor, data_name: str | None) -> dict:
+        """The record of a tensor subclass (other than DTensor): a scaled FP8 one (torchao's float8 training
+        tensors) by the values it stands for (:func:`msprobe_ci.kernels.scaled_fp8_values`, in float32), with its
+        storage format in ``fp8_dtype`` (an extra field msprobe ignores); any other by its own statistics where its
+        ops give them, else shape only (its statistics ``None``): never an error in the user's run."""
+        from ..kernels import scaled_fp8_values
+
+        values = scaled_fp8_values(t, torch.float32)
+        if values is not None:
+            rec = self.tensor(values.to(t.dtype) if t.dtype != torch.float32 else values, data_name)
+            rec["requires_grad"] = bool(t.requires_grad)
+            rec["fp8_dtype"] = str(t._data.dtype)
+            return rec
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                plain = t.as_subclass(torch.Tensor) if hasattr(t, "as_subclass") else t
+            if plain.data_ptr() == 0:  # a wrapper with no storage of its own
+                raise RuntimeError("no storage")
+            return self.tensor(plain, data_name)
+        except Exception:  # noqa: BLE001 - its ops may refuse ours: the shape, never a crash
+            rec = self.shape_only(t)
+            rec["type"] = "torch.Tensor"
+            return rec
+
     def shape_only(self, t: torch.Tensor) -> dict:
         """The record of a tensor whose values mean nothing yet (a collective's output buffer before the call:
         uninitialised memory): type, dtype, shape, ``None`` statistics."""
@@ -187,10 +213,14 @@ class RecordBuilder:
                     rec["Mean"] = rec["Mean"] / numel
 
     def forget(self, value: Any) -> None:
-        """Drop cached statistics of the tensors in ``value``: a collective writes them in place without bumping
-        their version counter, so the cache could not tell."""
+        """Drop cached statistics of the tensors in ``value`` (by object and by storage range): a collective
+        writes them in place without bumping their version counter, so the caches could not tell."""
         if isinstance(value, torch.Tensor):
             self._seen.pop(id(value), None)
+            version = _version(value)
+            if version is not None and value.numel():
+                key, _ = _dense_key(value, version)
+                self._dense.pop(key, None)
         elif isinstance(value, (list, tuple)):
             for v in value:
                 self.forget(v)

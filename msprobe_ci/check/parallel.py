@@ -69,6 +69,10 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     if merged and optimizer is not None:
         raise MsprobeError("check_parallel: training steps (optimizer) are checked rank against rank; a bench of "
                            "another partition (bench_world_size, tp, pp) is checked for one forward/backward")
+    if s.target.fp8:
+        raise MsprobeError("check_parallel: target_fp8 converts a copy of one model, and each rank builds its own "
+                           "(sharded) model: convert it in your build function (torchao.float8."
+                           "convert_to_float8_training before fully_shard, as torchao's FSDP2 recipe does)")
     index, check_dir = ctx.next_check()
     os.makedirs(check_dir, exist_ok=True)
     job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,

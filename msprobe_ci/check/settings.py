@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 from ..errors import MsprobeError
 
 #: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
-CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "bench_autocast", "target_autocast", "level", "task", "inject", "seed", "fuzzy",
+CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "bench_autocast", "target_autocast", "target_fp8",
+                 "level", "task", "inject", "seed", "fuzzy",
                  "compile", "isolate", "bench_kernel", "oracle_device", "output_rtol", "round_factor", "propagation",
                  "error_factor", "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
 
@@ -52,6 +53,7 @@ class CheckSettings:
             and baseline manifests; a dtype of ``None`` keeps the model's own).
         bench_autocast, target_autocast: each side's AMP as given (``fp16``/``bf16``: its forward and loss under
             ``torch.autocast`` on its own weights, :attr:`~msprobe_ci.backends.Backend.autocast`; ``None``: none).
+            The target's ``target_fp8`` option is :attr:`~msprobe_ci.backends.Backend.fp8` of :attr:`target`.
         level: ``L0``, ``L1`` or ``mix``. task: ``statistics``, ``tensor`` or ``md5``.
         inject: the check's own fault file (``None``: the run's). faults: the faults applied to the target.
         seed: ``torch.manual_seed`` of each side (default 1234). fuzzy: msprobe's fuzzy name matching.
@@ -110,7 +112,7 @@ class CheckSettings:
         o = options
         bench = Backend.from_options(o["bench"], o["bench_dtype"], autocast=o.get("bench_autocast"))
         target = Backend.from_options(o["target"], o["target_dtype"], bool(o.get("compile")) and compile_target,
-                                      autocast=o.get("target_autocast"))
+                                      autocast=o.get("target_autocast"), fp8=bool(o.get("target_fp8")))
         thresholds = Thresholds.from_mapping({k: o.get(k) for k in _RULE_FACTORS})
         faults = tuple(load_faults(o["inject"]) if o.get("inject") else run_faults)
         isolate = isolate_flag(o.get("isolate"))
@@ -129,10 +131,14 @@ class CheckSettings:
 
     @property
     def cast_roundoff(self) -> float:
-        """The unit roundoff of casting the bench's values to the target's dtype (0 where the bench is coarser)."""
+        """The unit roundoff of casting the bench's values to the dtype the target computes in (its dtype, its
+        autocast dtype, e4m3 for an FP8 target; 0 where the bench is coarser)."""
         from ..compare.verdict import unit_roundoff
 
-        def computed_in(side):  # under autocast a side computes (and rounds) in the autocast dtype
+        def computed_in(side):  # under autocast a side computes (and rounds) in the autocast dtype; an FP8 side's
+            # GEMMs round their inputs to e4m3
+            if getattr(side, "fp8", False):
+                return "torch.float8_e4m3fn"
             return side.autocast if getattr(side, "autocast", None) is not None else side.dtype
         return unit_roundoff(str(computed_in(self.target)), str(computed_in(self.bench)))
 
