@@ -81,6 +81,20 @@ else
     -p no:cacheprovider -q
 fi
 
+echo "-- a fault's reproduction, run alone from the installed wheel: fails with the fault, passes without it"
+set +e
+pytest examples/test_gpt2.py --msprobe-bench=cpu --msprobe-target=cpu --msprobe-target-dtype=bf16 \
+  --msprobe-inject examples/faults/layer_norm.yaml -p no:cacheprovider -q >"$work/fault.log" 2>&1
+set -e
+repro="$(grep -m1 -o 'reproduce this call alone.*: python .*\.py' "$work/fault.log" | sed 's/.*: python //')"
+[ -n "$repro" ] || { cat "$work/fault.log"; echo "no reproduction command in the failure message"; exit 1; }
+set +e
+"$vpy" "$repro" >"$work/repro.log" 2>&1; rc=$?
+"$vpy" "$repro" --no-fault >>"$work/repro.log" 2>&1; rc_clean=$?
+set -e
+[ "$rc" -eq 1 ] && [ "$rc_clean" -eq 0 ] || { cat "$work/repro.log"; echo "repro: exit $rc with the fault, $rc_clean without"; exit 1; }
+echo "reproduction $(basename "$repro"): fails with the fault, passes without it"
+
 echo "-- the same package from the sdist (no dependencies reinstalled)"
 quiet_pip "$vpy" -m pip install -q --no-deps --force-reinstall "$sdist"
 check_loads
