@@ -95,6 +95,7 @@ def table() -> dict[Any, tuple[str, str, int]]:
         import torch.nn.functional as F
 
         tab: dict[Any, tuple[str, str, int]] = {}
+        _BY_ID.clear()  # rebuilt with the table (a test that changes the classification rebuilds both)
         for prefix, owner in (("Functional", F), ("Tensor", torch.Tensor), ("Torch", torch)):
             for name in dir(owner):
                 try:
