@@ -6,8 +6,9 @@ files into ``repro/`` beside the step's ``dump.json``:
 * ``<node>.safetensors``: the tensors the call was given, as it was given them (an in-place call's first argument
   as it was before the call; under autocast the user's tensors, before autocast cast them), and for a backward node
   the gradients that reached its outputs. safetensors, never pickle: the file holds tensors and nothing that runs.
-* ``<node>.json``: everything else the gate used: the API and its call index, the non-tensor arguments, which
-  tensors required grad, the grad mode and autocast state, the step, the bench kernel and devices, the oracle's
+* ``<node>.json``: everything else the gate used: the API and its call index, the non-tensor arguments (and the
+  layout of an argument that is not contiguous), which tensors required grad, the grad mode and autocast state, the
+  CPU thread count (a kernel's summation order follows it), the step, the bench kernel and devices, the oracle's
   device, the standards' overrides and the error-budget draws, the faults injected into this call, and the gate's
   own verdict (to print beside the reproduction's).
 * ``<node>.py``: ``python <node>.py`` re-runs that one call without the model through the same isolation the gate
@@ -56,15 +57,30 @@ class _Unsaved(Exception):
 
 
 # ------------------------------------------------------------------------------------------------ encoding
-def _encode(v: Any, tensors: dict, keys: dict, grads: dict) -> Any:
-    """``v`` as JSON, each tensor replaced by ``{"tensor": key}`` (the same tensor, the same key)."""
+def _saved(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+    """A CPU copy of ``t`` to save, and its layout where it is not contiguous: the storage range it spans, copied
+    as one flat tensor, with the sizes and strides that view it (a transposed, expanded or sliced argument runs the
+    same kernel path as in the gate: a contiguous copy of a broadcast gradient reduced in another order)."""
+    t = t.detach()
+    if t.is_contiguous() or t.numel() == 0:
+        return t.to("cpu", copy=True).contiguous(), None
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    flat = t.as_strided((span,), (1,), t.storage_offset()).to("cpu", copy=True)
+    return flat, {"size": list(t.shape), "stride": list(t.stride())}
+
+
+def _encode(v: Any, tensors: dict, keys: dict, grads: dict, layouts: dict | None = None) -> Any:
+    """``v`` as JSON, each tensor replaced by ``{"tensor": key}`` (the same tensor, the same key); a tensor that is
+    not contiguous has its layout in ``layouts``."""
     if isinstance(v, torch.Tensor):
         if type(v) not in (torch.Tensor, torch.nn.Parameter):
             raise _Unsaved(f"a {type(v).__name__} argument")
         key = keys.get(id(v))
         if key is None:
             key = keys[id(v)] = f"t{len(keys)}"
-            tensors[key] = v.detach().to("cpu", copy=True).contiguous()
+            tensors[key], layout = _saved(v)
+            if layout is not None and layouts is not None:
+                layouts[key] = layout
             grads[key] = bool(v.requires_grad)
         return {"tensor": key}
     if v is None or isinstance(v, (bool, str)) or (isinstance(v, int) and not isinstance(v, bool)):
@@ -82,15 +98,15 @@ def _encode(v: Any, tensors: dict, keys: dict, grads: dict) -> Any:
     if isinstance(v, torch.Size):
         return {"size": list(v)}
     if isinstance(v, slice):
-        return {"slice": [_encode(x, tensors, keys, grads) for x in (v.start, v.stop, v.step)]}
+        return {"slice": [_encode(x, tensors, keys, grads, layouts) for x in (v.start, v.stop, v.step)]}
     if v is Ellipsis:
         return {"ellipsis": True}
     if isinstance(v, list):
-        return [_encode(x, tensors, keys, grads) for x in v]
+        return [_encode(x, tensors, keys, grads, layouts) for x in v]
     if isinstance(v, tuple) and not hasattr(v, "_fields"):
-        return {"tuple": [_encode(x, tensors, keys, grads) for x in v]}
+        return {"tuple": [_encode(x, tensors, keys, grads, layouts) for x in v]}
     if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-        return {"dict": {k: _encode(x, tensors, keys, grads) for k, x in v.items()}}
+        return {"dict": {k: _encode(x, tensors, keys, grads, layouts) for k, x in v.items()}}
     raise _Unsaved(f"a {type(v).__name__} argument")
 
 
@@ -176,13 +192,16 @@ class Reproducer:
         keys: dict[int, str] = {}
         grads: dict[str, bool] = {}
         args, kwargs = call.raw
-        spec_args = _encode(list(args), tensors, keys, grads)
-        spec_kwargs = _encode(dict(kwargs), tensors, keys, grads)
+        layouts: dict[str, dict] = {}
+        spec_args = _encode(list(args), tensors, keys, grads, layouts)
+        spec_kwargs = _encode(dict(kwargs), tensors, keys, grads, layouts)
         grad_out = {}
         if direction == "backward":
             for i, g in sorted(call.grad_out.items()):
                 key = f"g{i}"
-                tensors[key] = g.detach().to("cpu", copy=True).contiguous()
+                tensors[key], layout = _saved(g)
+                if layout is not None:
+                    layouts[key] = layout
                 grad_out[str(i)] = key
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if size + nbytes > MAX_BYTES:
@@ -195,8 +214,11 @@ class Reproducer:
             "version": VERSION, "node": node, "forward": call.name, "prefix": prefix, "api": api, "call": n,
             "direction": direction, "function": {"prefix": info[0], "api": info[1]},
             "args": spec_args, "kwargs": spec_kwargs, "requires_grad": grads, "grad_outputs": grad_out,
+            "layouts": layouts,
             "grad_enabled": call.grad_enabled, "autocast": call.autocast_state,
             "step": session.current_step, "rank": rank,
+            # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
+            "threads": torch.get_num_threads(),
             "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
                          "target_device": iso.target_device, "bench_device": iso.bench_device,
                          "backward": iso.backward, "bench_kernel": iso.bench_kernel,
@@ -297,6 +319,9 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
 
     spec, tensors = load(path)
     where = re.sub(r"\.(py|json|safetensors)$", "", os.fspath(path)) + ".json"
+    threads = spec.get("threads")
+    if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)  # the gate's: a CPU kernel's summation order follows it
     func = allowlist.lookup(str(spec["function"].get("prefix")), str(spec["function"].get("api")))
     if func is None:
         raise MsprobeError(f"{where}: field 'function': not on the replay allowlist")
@@ -314,6 +339,11 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         if t is None:
             raise MsprobeError(f"{where}: field 'requires_grad': no tensor {key!r} in the inputs")
     moved = {k: t.to(device) for k, t in tensors.items()}
+    layouts = spec.get("layouts") or {}
+    if not isinstance(layouts, dict):
+        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
+    for key, layout in layouts.items():
+        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
     for key, want in spec["requires_grad"].items():
         if want and (moved[key].is_floating_point() or moved[key].is_complex()):
             moved[key].requires_grad_(True)
@@ -349,6 +379,20 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     record = iso.results.get(spec["node"]) or {"status": "skip", "message": "nothing judged"}
     return record, spec
+
+
+def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:
+    """The saved flat range ``base`` viewed with the layout the argument had (:func:`_saved`), after checking that
+    the layout stays inside it."""
+    size, stride = (layout.get("size"), layout.get("stride")) if isinstance(layout, dict) else (None, None)
+    if base is None or base.dim() != 1 or not isinstance(size, list) or not isinstance(stride, list) or \
+            len(size) != len(stride) or not all(isinstance(x, int) and x >= 0 for x in size + stride):
+        raise MsprobeError(f"{where}: expected sizes and strides of a saved flat tensor")
+    if any(n == 0 for n in size):
+        return base[:0].reshape(size)
+    if 1 + sum((n - 1) * st for n, st in zip(size, stride)) > base.numel():
+        raise MsprobeError(f"{where}: the layout reaches past the saved tensor ({base.numel()} elements)")
+    return base.as_strided(size, stride, 0).detach()
 
 
 class _Null:
