@@ -68,9 +68,6 @@ def called_from_hook_plumbing() -> bool:
     return f is not None and f.f_code.co_filename in _PLUMBING_FILES
 
 _TABLE: dict[Any, tuple[str, str, int]] | None = None
-# id(function object) -> its entry: torch binds some functions under several names to C functions that compare
-# equal (torch.mm, torch.dsmm, torch.spmm), which one dict key cannot tell apart; the objects can
-_BY_ID: dict[int, tuple[str, str, int]] = {}
 
 
 # torch's private functions that compute what a model's public calls leave to them: MoE experts' grouped GEMMs
@@ -95,7 +92,6 @@ def table() -> dict[Any, tuple[str, str, int]]:
         import torch.nn.functional as F
 
         tab: dict[Any, tuple[str, str, int]] = {}
-        _BY_ID.clear()  # rebuilt with the table (a test that changes the classification rebuilds both)
         for prefix, owner in (("Functional", F), ("Tensor", torch.Tensor), ("Torch", torch)):
             for name in dir(owner):
                 try:
@@ -105,11 +101,9 @@ def table() -> dict[Any, tuple[str, str, int]]:
                 if isinstance(obj, type) or not callable(obj):
                     continue
                 try:
-                    entry = (prefix, name, _classify(name))
-                    _BY_ID.setdefault(id(obj), entry)  # module attributes: alive, so their ids stay theirs
                     if obj in tab:
                         continue
-                    tab[obj] = entry
+                    tab[obj] = (prefix, name, _classify(name))
                 except TypeError:  # unhashable callables
                     continue
         _TABLE = tab
@@ -201,11 +195,25 @@ def _right_operand_is(frame: Any, first: Any) -> bool:
 
 
 def lookup(func: Any) -> tuple[str, str, int] | None:
-    """``(prefix, api name, kind)`` of a function object, by the name it was reached under (``torch.mm`` is
-    ``Torch.mm``, not its equal twin ``torch.dsmm``), ``None`` when it is not a torch API.
+    """``(prefix, api name, kind)`` of a function object, by the name it was reached under, ``None`` when it is
+    not a torch API. torch binds some C functions under several names as distinct objects that compare equal
+    (``torch.mm``, ``torch.dsmm``, ``torch.spmm``), which one dict key cannot tell apart: such an object is named
+    by its own ``__name__`` (``Torch.mm``); one object under several names (``Tensor.abs`` is ``Tensor.__abs__``)
+    keeps the table's name.
 
     Raises:
         TypeError: an unhashable callable.
     """
-    tab = table()
-    return _BY_ID.get(id(func)) or tab.get(func)
+    info = table().get(func)
+    if info is None:
+        return None
+    prefix, name, _ = info
+    own = getattr(func, "__name__", None)
+    if own and own != name:
+        import torch
+        import torch.nn.functional as F
+
+        owner = {"Functional": F, "Tensor": torch.Tensor, "Torch": torch}[prefix]
+        if getattr(owner, name, None) is not func and getattr(owner, own, None) is func:
+            return prefix, own, _classify(own)
+    return info
