@@ -29,6 +29,7 @@ something other than tensors, numbers, strings, dtypes, devices, shapes, slices 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -356,7 +357,7 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     # under autocast on the target's device type (the gate's, or the one --target-device names)
     autocast = torch.autocast(torch.device(device).type if target_device else str(ac["device_type"]),
                               dtype=_DTYPES[str(ac["dtype"])]) \
-        if isinstance(ac, dict) and str(ac.get("dtype")) in _DTYPES else _Null()
+        if isinstance(ac, dict) and str(ac.get("dtype")) in _DTYPES else contextlib.nullcontext()
     with torch.set_grad_enabled(bool(spec.get("grad_enabled", True))), autocast:
         call, a, k = iso.before(name, prefix, api, func, tuple(args), dict(kwargs))
         out = func(*a, **k)
@@ -393,14 +394,6 @@ def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:
     if 1 + sum((n - 1) * st for n, st in zip(size, stride)) > base.numel():
         raise MsprobeError(f"{where}: the layout reaches past the saved tensor ({base.numel()} elements)")
     return base.as_strided(size, stride, 0).detach()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _fmt(v: Any) -> str:
