@@ -37,10 +37,10 @@ from typing import Any, Callable
 
 import torch
 
-from .isolate import DROPOUT, NOT_COMPARABLE, RANDOM, UNSUPPORTED_PREFIX
+from .judge import unjudgeable
 from .kernels import tensors_of as _tensors
 from .kernels import cast as _cast
-from .replay.runner import _outputs as _flat_outputs
+from .judge.rows import outputs as _flat_outputs
 
 MODES = ("improve_precision", "to_cpu")
 #: msprobe free_benchmark output relative-error thresholds by output dtype (peers-and-tolerances.md §3.3).
@@ -130,13 +130,7 @@ class FreeBenchmark:
         """
         started = time.perf_counter()
         short = api.rsplit(".", 1)[-1]
-        reason = None
-        if prefix in UNSUPPORTED_PREFIX:
-            reason = f"{prefix}.{api}: {UNSUPPORTED_PREFIX[prefix]}"
-        elif short in NOT_COMPARABLE:
-            reason = f"{api}: uninitialised memory, not comparable"
-        elif short in RANDOM or short in DROPOUT or (kwargs.get("dropout_p") or 0) > 0:
-            reason = f"{api}: random output, not comparable element-wise"
+        reason = unjudgeable(prefix, api, kwargs, dropout=True)
         floats = [t for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
         if reason is None and not floats:
             reason = "no floating input: nothing to perturb"

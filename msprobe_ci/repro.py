@@ -316,7 +316,7 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     from .capture.inject import parse_faults
     from .isolate import Isolator
     from .replay import allowlist
-    from .replay.runner import _outputs
+    from .judge.rows import outputs as _outputs
 
     spec, tensors = load(path)
     where = re.sub(r"\.(py|json|safetensors)$", "", os.fspath(path)) + ".json"

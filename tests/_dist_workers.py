@@ -53,7 +53,7 @@ def tp_mlp(rank, world, port, out, fault_rank, ranks, async_op):
             m(x.to(dtype)).float().pow(2).mean().backward()
             cap.stop()
             cap.close()
-        dist.barrier()  # as msprobe_ci.parallel: no rank leaves (closing its gloo pairs) while a peer works
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()
 
@@ -86,7 +86,7 @@ def pipeline(rank, world, port, out):
                 dist.recv(h, src=0)
                 stage(h)
         dbg.stop()
-        dist.barrier()  # as msprobe_ci.parallel: no rank leaves (closing its gloo pairs) while a peer works
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()
 
@@ -112,7 +112,7 @@ def dtensor_mlp(rank, world, port, out):
         m(x).float().pow(2).mean().backward()
         cap.stop()
         cap.close()
-        dist.barrier()  # as msprobe_ci.parallel: no rank leaves (closing its gloo pairs) while a peer works
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()
 
@@ -146,7 +146,7 @@ def pipeline_training_step(rank, world, port, out):
         if rank > 0:
             dist.send(model.received.grad, dst=rank - 1)
         dbg.stop()
-        dist.barrier()  # as msprobe_ci.parallel: no rank leaves (closing its gloo pairs) while a peer works
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()
 
@@ -197,6 +197,6 @@ def sequence_parallel_mlp(rank, world, port, out):
             m(x[rank * n:(rank + 1) * n])
         cap.stop()
         cap.close()
-        dist.barrier()  # as msprobe_ci.parallel: no rank leaves (closing its gloo pairs) while a peer works
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from msprobe_ci import kernels
 from msprobe_ci.config import BENCH_KERNELS
 from msprobe_ci.errors import MsprobeError
-from msprobe_ci.replay.runner import _outputs, judge_pair
+from msprobe_ci.judge import judge_pair
+from msprobe_ci.judge.rows import outputs as _outputs
 
 U_BF16 = 2.0 ** -8
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from msprobe_ci import kernels
-from msprobe_ci.replay.runner import _outputs, judge_pair
+from msprobe_ci.judge import judge_pair
+from msprobe_ci.judge.rows import outputs as _outputs
 
 
 def _rows(v):

@@ -501,9 +501,9 @@ def test_benchmark_error_scale_and_row_floor():
     assert r.metrics["target_small_value_err"] == 0.0 and r.metrics["target_mean_rel_err"] == pytest.approx(5e-7)
 
 
-# ------------------------------------------------------------------- the per-API judge (replay/runner.judge_pair)
+# ------------------------------------------------------------------- the per-API judge (msprobe_ci.judge.judge_pair)
 def test_judge_pair_structure_scalars_and_dispatch():
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     assert judge_pair("x", None, None, None) == CheckResult("none", "skip", message="no output")
     s = judge_pair("x", 2, 2, None)
@@ -531,7 +531,7 @@ def test_judge_pair_structure_scalars_and_dispatch():
 
 
 def test_judge_pair_benchmark_paths():
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     o = torch.linspace(1, 2, 64, dtype=torch.float64)
     b = o.bfloat16()
@@ -564,7 +564,7 @@ def test_judge_pair_benchmark_paths():
 
 
 def test_judge_pair_gradients_and_small_tensors():
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     o = torch.linspace(1, 2, 256, dtype=torch.float64)
     lin = judge_pair("linear", (o * 1.001).bfloat16(), o.bfloat16(), o, backward=True)
@@ -594,7 +594,8 @@ def test_judge_pair_gradients_and_small_tensors():
 
 
 def test_own_scale_saturate_and_judged_as():
-    from msprobe_ci.replay.runner import FMA, _own_scale, judged_as, saturate
+    from msprobe_ci.judge import FMA, judged_as, saturate
+    from msprobe_ci.judge.pair import _own_scale
 
     assert _own_scale(torch.tensor([0.3, -0.6], dtype=torch.float64), torch.float32) == 0.5
     assert _own_scale(torch.tensor([1.0, 0.1]), torch.float32) == 1.0
@@ -631,7 +632,7 @@ def test_own_scale_saturate_and_judged_as():
 
 
 def test_accumulation_floor_and_scale():
-    from msprobe_ci.replay.runner import accumulation_floor, accumulation_scale
+    from msprobe_ci.judge import accumulation_floor, accumulation_scale
 
     a = torch.tensor([[1.0, -1.0, 2.0]])
     w = torch.tensor([[3.0, 3.0, 1.0]])
@@ -793,7 +794,7 @@ def test_boundaries_at_exact_ties_and_denominators():
 
 
 def test_judge_pair_scaling_paths():
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     empty = judge_pair("x", torch.ones(0), torch.ones(0), None)
     assert empty.message == "empty tensor: shapes agree, nothing to compare"
@@ -841,7 +842,7 @@ def test_judge_pair_scaling_paths():
 
 
 def test_judge_pair_accumulative_in_units_of_the_terms():
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     mean = torch.full((256,), 1e-5, dtype=torch.float64)  # a mean of terms of size 1e-5
     terms = torch.full((256,), 1e-5, dtype=torch.float64)
@@ -866,7 +867,7 @@ def test_judge_pair_accumulative_in_units_of_the_terms():
 def test_judge_pair_units_and_references_exactly():
     import warnings
 
-    from msprobe_ci.replay.runner import judge_pair
+    from msprobe_ci.judge import judge_pair
 
     # the lazy error scale in a forward of scale 1 or more is taken as it is (unit 1)
     o = torch.linspace(1, 2, 64, dtype=torch.float64)
@@ -913,7 +914,7 @@ def test_judge_pair_units_and_references_exactly():
 
 
 def test_judge_pair_references_and_helpers_more():
-    from msprobe_ci.replay.runner import FMA, accumulation_floor, accumulation_scale, judge_pair, judged_as
+    from msprobe_ci.judge import FMA, accumulation_floor, accumulation_scale, judge_pair, judged_as
 
     o = torch.linspace(1, 2, 64, dtype=torch.float64)
     # the target's error against the oracle is weighed against the bench's own: both 3% off, either way
@@ -957,7 +958,7 @@ def test_judge_rows_scale_allowance_and_budget():
     """The one per-API step: rows judged in order; a single-output linear reduction in units of its terms; a
     ULP failure judged again with the accumulation allowance (in the oracle's dtype unless told); the benchmark
     standard's error scale asked per row index."""
-    from msprobe_ci.replay.runner import judge_pair, judge_rows
+    from msprobe_ci.judge import judge_pair, judge_rows
 
     x = torch.full((256, 8), 1e-5, dtype=torch.float64)
     mean = x.mean(1)
@@ -1001,7 +1002,7 @@ def test_judge_rows_scale_allowance_and_budget():
 
 
 def test_judge_rows_passes_overrides_and_references_through_both_judgements():
-    from msprobe_ci.replay.runner import judge_rows
+    from msprobe_ci.judge import judge_rows
 
     x = torch.full((256, 8), 1e-5, dtype=torch.float64)
     mean = x.mean(1)
@@ -1346,7 +1347,7 @@ def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
     import torch
     from hypothesis import given, settings
 
-    from msprobe_ci.replay.runner import abs_peak, finite_peak
+    from msprobe_ci.judge import abs_peak, finite_peak
 
     specials = st.sampled_from([0.0, -0.0, 1.5, -2.25, 1e-30, -7e4, math.inf, -math.inf, math.nan])
 

@@ -17,7 +17,7 @@ from msprobe_ci.check import judge, model_cases, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
-from msprobe_ci.replay.runner import saturate
+from msprobe_ci.judge import saturate
 
 transformers = pytest.importorskip("transformers")
 

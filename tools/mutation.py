@@ -40,17 +40,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
         "thousandth", "ulp")], _STANDARD_TESTS),
-    "judge": (["msprobe_ci/replay/runner.py"], ["tests/test_standards.py"]),
+    "judge": (["msprobe_ci/judge/pair.py", "msprobe_ci/judge/allowances.py"], ["tests/test_standards.py"]),
     "isolated": (["msprobe_ci/compare/isolated.py"], [
         "tests/test_rules.py",
         "tests/test_isolation.py::test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_range"]),
 }
 
-#: for a file that holds more than rules: the only module-level functions mutated (the others are fenced off)
-ONLY: dict[str, tuple[str, ...]] = {
-    "msprobe_ci/replay/runner.py": ("judge_pair", "judge_rows", "_own_scale", "judged_as", "saturate",
-                                    "accumulation_floor", "accumulation_scale"),
-}
 
 _PIPELINE = ("pipeline, not a rule: it runs models and writes dumps, and the rules it calls are mutated where they "
              "live; pinned end to end by tests/test_failure_paths.py, test_plugin.py and test_training.py (each "
@@ -140,42 +135,42 @@ EQUIVALENT: dict[str, str] = {
        for m in ("msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_9",
                  "msprobe_ci.checkers.absolute.x_judge_absolute__mutmut_11",
                  "msprobe_ci.checkers.binary.xǁBinaryStandardǁ__call____mutmut_14")},
-    # replay/runner.py: the per-API judge
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_108": _L0,
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_183":
+    # judge/: the per-API judge
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_108": _L0,
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_183":
         "an error scale of another shape: the benchmark standard drops it itself",
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_201":
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_201":
         "an all-zero gradient divided by 0: every element turns NaN or inf on all three sides alike",
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_230": "dividing by a unit of 1: the same values",
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_231": "_own_scale never returns more than 1",
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_234":
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_230": "dividing by a unit of 1: the same values",
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_231": "_own_scale never returns more than 1",
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_234":
         "the unit is a power of two: dividing in the target's dtype is exact",
-    **{f"msprobe_ci.replay.runner.x_judge_pair__mutmut_{i}": _F64 for i in (253, 255, 285, 287, 292)},
-    **{f"msprobe_ci.replay.runner.x_judge_pair__mutmut_{i}": "where the terms' scale is judged: observable with a "
+    **{f"msprobe_ci.judge.pair.x_judge_pair__mutmut_{i}": _F64 for i in (253, 255, 285, 287, 292)},
+    **{f"msprobe_ci.judge.pair.x_judge_pair__mutmut_{i}": "where the terms' scale is judged: observable with a "
        "second real device only; the CUDA isolation test holds it" for i in (252, 254)},
-    **{f"msprobe_ci.replay.runner.x_judge_pair__mutmut_{i}":
+    **{f"msprobe_ci.judge.pair.x_judge_pair__mutmut_{i}":
        "the judge's errstate: the standards suppress their own masked inf - inf, and nothing else in them warns "
        "(test_judge_pair_units_and_references_exactly runs every standard on inf/NaN with warnings as errors)"
        for i in (303, 304, 306, 307)},
-    **{f"msprobe_ci.replay.runner.x_judge_rows__mutmut_{i}":
+    **{f"msprobe_ci.judge.pair.x_judge_rows__mutmut_{i}":
        "an empty string for 'no scale'/'no allowance': judge_pair uses only tensors there, so it is None to it"
        for i in (2, 16, 61)},
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_315": _BINARY,
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_316": _BINARY,
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_327": _ULP_BENCH,
-    "msprobe_ci.replay.runner.x_judge_pair__mutmut_331": _ULP_BENCH,
-    "msprobe_ci.replay.runner.x__own_scale__mutmut_6": "a top of exactly 1 gives 2^0 = 1 either way",
-    "msprobe_ci.replay.runner.x__own_scale__mutmut_7": "a top in [1, 2) gives 2^0 = 1 either way",
-    "msprobe_ci.replay.runner.x__own_scale__mutmut_24":
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_315": _BINARY,
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_316": _BINARY,
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_327": _ULP_BENCH,
+    "msprobe_ci.judge.pair.x_judge_pair__mutmut_331": _ULP_BENCH,
+    "msprobe_ci.judge.pair.x__own_scale__mutmut_6": "a top of exactly 1 gives 2^0 = 1 either way",
+    "msprobe_ci.judge.pair.x__own_scale__mutmut_7": "a top in [1, 2) gives 2^0 = 1 either way",
+    "msprobe_ci.judge.pair.x__own_scale__mutmut_24":
         "min with 1 or 2: 2^floor(log2(max(top, lowest))) is under 1 for every top under 1 (lowest < 1)",
-    "msprobe_ci.replay.runner.x_judged_as__mutmut_19": "checker_key reads dtype names case-insensitively",
-    "msprobe_ci.replay.runner.x_saturate__mutmut_6":
+    "msprobe_ci.judge.pair.x_judged_as__mutmut_19": "checker_key reads dtype names case-insensitively",
+    "msprobe_ci.judge.pair.x_saturate__mutmut_6":
         "a peak exactly at the dtype's max: rounding overflows nothing, the oracle comes back unchanged",
-    "msprobe_ci.replay.runner.x_saturate__mutmut_22":
+    "msprobe_ci.judge.pair.x_saturate__mutmut_22":
         "torch.where promotes the rounded values back to the oracle's float64",
-    "msprobe_ci.replay.runner.x_accumulation_floor__mutmut_36": _OUT,
-    "msprobe_ci.replay.runner.x_accumulation_floor__mutmut_37": _OUT,
-    "msprobe_ci.replay.runner.x_accumulation_scale__mutmut_24": "sum/mean/cumsum always return a tensor",
+    "msprobe_ci.judge.allowances.x_accumulation_floor__mutmut_36": _OUT,
+    "msprobe_ci.judge.allowances.x_accumulation_floor__mutmut_37": _OUT,
+    "msprobe_ci.judge.allowances.x_accumulation_scale__mutmut_24": "sum/mean/cumsum always return a tensor",
     # compare/isolated.py
     **{f"msprobe_ci.compare.isolated.x_load_isolation__mutmut_{i}": _UTF8 for i in (9, 11, 13)},
     "msprobe_ci.compare.isolated.x__call_site__mutmut_10": _FIRST_LINE,
@@ -221,13 +216,6 @@ def _workspace(workdir: str, files: list[str], tests: list[str]) -> None:
         fh.write(pytest_section + mutmut)
     for f in files:
         fenced = dict(OUT_OF_SCOPE.get(f, {}))
-        if f in ONLY:
-            import ast
-
-            with open(os.path.join(workdir, f), encoding="utf-8") as fh:
-                tree = ast.parse(fh.read())
-            fenced.update({n.name: "not a rule of this module's judge" for n in tree.body
-                           if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in ONLY[f]})
         if fenced:
             _fence(os.path.join(workdir, f), fenced)
 
@@ -323,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     for f in files:
         for fn, why in OUT_OF_SCOPE.get(f, {}).items():
             print(f"  not mutated: {f}: {fn}: {why}")
-        if f in ONLY:
-            print(f"  mutated in {f}: only {', '.join(ONLY[f])} (the per-API judge; the replayer is a pipeline)")
     for name, status in survivors:
         print(f"  {status}: {name}: {_diff(args.workdir, name)}")
     return 0 if worst >= args.goal else 1

@@ -100,6 +100,9 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             from ..repro import Reproducer
 
             isolator.on_fault_applied = self.fault_log.record
+            # the isolation's own hooks (its backward oracle and bench) are the machinery's work: the capture wraps
+            # them so that their ops stay out of the coverage count, as its own hooks do
+            isolator.quiet = quiet
             # a failing call's standalone reproduction goes into repro/ beside the step's dump.json
             isolator.reproducer = Reproducer(self)
         self.rank = rank

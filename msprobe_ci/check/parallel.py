@@ -1,7 +1,7 @@
 """The parallel mode: a model split over ranks on both sides (torch.distributed), judged rank by rank, concluded
 naming the rank whose own computation diverged first; differently partitioned sides are merged (TP/PP) per
 data-parallel group first (:func:`evaluate_merged`, which ``msprobe-ci compare --tp/--pp`` runs too). The ranks
-themselves run on :mod:`msprobe_ci.parallel`."""
+themselves run on :mod:`msprobe_ci.check.ranks`."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     """
     from ..compare.ranks import first_divergence_across_ranks
     from ..graph.service import compare_vis_db
-    from ..parallel import RankJob, free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
+    from .ranks import RankJob, free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
     from .outcome import SideRun, evaluate
 
     world_size = _positive_int(world_size, "world_size")
@@ -146,7 +146,7 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
     data-parallel group; failures name the rank whose isolated verdict failed."""
     from ..compare.merge import Parallel
     from ..graph.service import compare_vis_db
-    from ..parallel import free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
+    from .ranks import free_port, rank_notes, run_ranks, unapplied_faults_on_ranks
 
     check_dir = job.out
     try:
@@ -224,7 +224,7 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
         out_dir: where the compare CSVs go (``compare_result_step<S>_group<i>_<ts>.csv``).
         par_t, par_b: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
         mappings: ``-lm``/``-cm`` module renames between suites (:class:`~msprobe_ci.compare.crossframe.Mappings`).
-        notes: report lines of the runs (:func:`msprobe_ci.parallel.rank_notes`), added to every group's outcome.
+        notes: report lines of the runs (:func:`msprobe_ci.check.ranks.rank_notes`), added to every group's outcome.
 
     Returns:
         ``[(step, group index, Merged target, CheckOutcome)]``.

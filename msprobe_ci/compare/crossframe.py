@@ -6,7 +6,7 @@ same-framework compare (``rows.match_rows``):
 
 * **Cells pair with Modules by their path** in the model (``Cell.fc1.Dense.forward.0`` ↔
   ``Module.fc1.Linear.forward.0``): path, direction and call index; class names may differ.
-* **APIs** translate through ``data/mindspore_to_pytorch.yaml`` (data, not code): ``Tensor.*`` keeps its name,
+* **APIs** translate through ``msprobe_ci/dump/data/mindspore_to_pytorch.yaml`` (data, not code): ``Tensor.*`` keeps its name,
   ``Mint.*``/``MintFunctional.*`` become ``Torch.*``/``Functional.*``, primitives such as
   ``Primitive.dense.Dense`` become their PyTorch API (``Functional.linear``), with the argument positions and
   forward outputs the table gives (``layer_norm``: MindSpore (x, gamma, beta) ↔ PyTorch (x, normalized_shape,
@@ -22,27 +22,12 @@ same-framework compare (``rows.match_rows``):
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..dump import names
+from ..dump.frameworks import table, torch_api
 from ..errors import MsprobeError
-
-_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mindspore_to_pytorch.yaml")
-
-
-@functools.lru_cache(maxsize=1)
-def table() -> dict[str, Any]:
-    """The packaged MindSpore → PyTorch table (``prefixes``, ``apis``, ``parameters``)."""
-    import yaml  # imported where a YAML file is read: a PyTorch compare without mapping files never loads it
-
-    with open(_TABLE, encoding="utf-8") as fh:
-        doc = yaml.safe_load(fh)
-    return {"prefixes": dict(doc.get("prefixes") or {}), "apis": dict(doc.get("apis") or {}),
-            "parameters": dict(doc.get("parameters") or {}), "fused": list(doc.get("fused") or [])}
-
 
 def _fused_renames() -> dict[str, tuple[str, dict[str, str], dict[str, str], bool]]:
     """``{MindSpore API: (PyTorch API, forward renames, backward renames, last call of its group)}``."""
@@ -64,20 +49,6 @@ def _fused_renames() -> dict[str, tuple[str, dict[str, str], dict[str, str], boo
             bwd = {} if last else {f".input.{j}": f".input.intermediate{k}_{j}" for j in range(8)}
             out[api] = (str(group["torch"]), fwd, bwd, last)
     return out
-
-
-def torch_api(prefix: str, api: str, extra: dict[str, str] | None = None) -> tuple[str | None, dict]:
-    """``(PyTorch API base, table row)`` of a MindSpore API (``Primitive``, ``dense.Dense``), or ``(None, {})``."""
-    base = f"{prefix}.{api}"
-    if extra and base in extra:
-        return extra[base], {}
-    row = table()["apis"].get(base)
-    if row:
-        return str(row["torch"]), row
-    pt_prefix = table()["prefixes"].get(prefix)
-    if pt_prefix and "." not in api:
-        return f"{pt_prefix}.{api}", {}
-    return None, {}
 
 
 @dataclass

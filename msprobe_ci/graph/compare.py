@@ -21,10 +21,10 @@ from collections import defaultdict
 from ..compare.report import CompareReport
 from ..compare.metrics import number_cells
 from ..compare.rows import fuzzy_name
+from ..judge.support import NOT_COMPARABLE
 from .builder import API, COLLECTION, ROOT, Graph
 
 PRECISION = {"pass": 0, "warning": 0.5, "error": 1}
-_EMPTY_APIS = {"empty", "empty_like", "empty_with_format", "new_empty_strided", "new_empty", "empty_strided"}
 
 
 def _match_exact(target: Graph, bench: Graph) -> dict[str, str]:
@@ -128,7 +128,7 @@ def annotate(node, input_data: dict, output_data: dict, rows: dict, verdict, mod
         node.precision_index = PRECISION[verdict.status]
         name = node.name
         api = name.split(".")[1] if name.count(".") >= 1 else ""
-        if api in _EMPTY_APIS:  # uninitialised memory is never comparable
+        if api in NOT_COMPARABLE:  # uninitialised memory is never comparable
             node.precision_index = 1 if mode == "md5" else 0
 
 

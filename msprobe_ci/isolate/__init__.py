@@ -9,7 +9,7 @@ recorded API call on the target side,
 2. the **same-dtype bench** is computed on its own copies of the inputs by the chosen bench kernel
    (:mod:`msprobe_ci.kernels`: the bench device's kernel, one precision up, correctly rounded, or other real CPU
    kernels), never taken from the target's own result: the judge reads tensors, not the fault plan;
-3. every output is judged by :func:`msprobe_ci.replay.runner.judge_pair` (the pre-check's registry, thresholds and
+3. every output is judged by :func:`msprobe_ci.judge.judge_pair` (the pre-check's registry, thresholds and
    user overrides: one rule for pre-check and isolation); a benchmark-standard output that is not bit-identical to
    its bench is judged against the error scale its dtype and arithmetic allow
    (:func:`msprobe_ci.kernels.forward_scale`), computed only then;
@@ -52,10 +52,13 @@ from .backward import BackwardIsolation
 from .collectives import CollectiveIsolation
 from .modules import ModuleIsolation
 from .provenance import Provenance
-from .support import (DROPOUT, headline, is_inplace, NOT_COMPARABLE, RANDOM, _SCHEMA_VERSION, UNSUPPORTED_PREFIX,
-                      verdict_fields)
+from .support import headline, is_inplace, _SCHEMA_VERSION, verdict_fields
 
-__all__ = ["DROPOUT", "NOT_COMPARABLE", "RANDOM", "UNSUPPORTED_PREFIX", "Isolator", "headline", "is_inplace", "verdict_fields"]
+def _as_is(fn):
+    return fn
+
+
+__all__ = ["Isolator", "headline", "is_inplace", "verdict_fields"]
 
 
 class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsolation, Provenance):
@@ -96,6 +99,9 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
         # writes a standalone reproduction of each failing call (msprobe_ci.repro.Reproducer; set by the capture
         # session, None: none written)
         self.reproducer = None
+        # wraps the isolation's own autograd hooks: the capture that drives this isolator sets it (its coverage then
+        # leaves their ops out); alone (a reproduction), a hook runs as it is
+        self.quiet = _as_is
         self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
         self.oracle_max = oracle_max
         self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device

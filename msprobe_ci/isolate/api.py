@@ -10,10 +10,10 @@ import torch
 
 from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
-from ..replay.runner import judged_as
-from ..replay.runner import _outputs as _flat_outputs  # msprobe's output row naming
-from .support import (_Call, _cpu, DROPOUT, _has_dtensor, is_inplace, local_pointwise, NOT_COMPARABLE, RANDOM,
-                      to_local, UNSUPPORTED_PREFIX, verdict_fields)
+from ..judge import judged_as, unjudgeable
+from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
+from ..judge.support import DROPOUT
+from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local, verdict_fields
 
 
 class ApiIsolation:
@@ -33,13 +33,7 @@ class ApiIsolation:
         short = api.rsplit(".", 1)[-1]
         fwd_sources = self._source_rows(name, short, args, kwargs)
         bwd_name = name[: -len("forward")] + "backward"
-        reason = None
-        if prefix in UNSUPPORTED_PREFIX:
-            reason = f"{prefix}.{api}: {UNSUPPORTED_PREFIX[prefix]}, no CPU reference"
-        elif short in NOT_COMPARABLE:
-            reason = f"{api}: uninitialised memory, not comparable"
-        elif short in RANDOM or (kwargs.get("dropout_p") or 0) > 0:
-            reason = f"{api}: random output, not comparable element-wise"
+        reason = unjudgeable(prefix, api, kwargs)
         local = None
         if reason is None and (_has_dtensor(args) or _has_dtensor(kwargs)):
             local = local_pointwise(short, args, kwargs)
@@ -230,7 +224,7 @@ class ApiIsolation:
         if call is None:
             return
         from ..checkers import make_standard
-        from ..replay.runner import judge_pair, judge_rows
+        from ..judge import judge_pair, judge_rows
 
         stem = f"{call.name}.output"
         targets = _flat_outputs(to_local(out) if call.local else out, stem)
@@ -407,7 +401,7 @@ class ApiIsolation:
         """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
         magnitude of a failing row, said in the message when values are near zero."""
         from ..checkers import worst
-        from ..replay.runner import finite_peak
+        from ..judge import finite_peak
 
         keep = self.results.get(name, {})
         start = self._clock.pop(name, None)

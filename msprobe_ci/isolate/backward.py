@@ -9,7 +9,6 @@ import time
 import torch
 
 from .. import amp, kernels
-from ..capture.coverage import quiet
 from ..kernels import cast as _cast
 from .support import _Call, _cpu
 
@@ -50,7 +49,7 @@ class BackwardIsolation:
     def _grad_out_hook(self, call: _Call, i: int):
         def hook(grad: torch.Tensor) -> None:
             call.grad_out[i] = grad.detach()
-        return quiet(hook)
+        return self.quiet(hook)
 
     def _tap_hook(self, call: _Call, name: str):
         def prehook(grad_outputs):
@@ -74,12 +73,12 @@ class BackwardIsolation:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
                 call.inputs = call.raw = None
             return new
-        return quiet(prehook)
+        return self.quiet(prehook)
 
     def _judge_backward(self, call: _Call, name: str, targets: list) -> None:
         """Judge the gradients an API hands to its inputs (``targets``, by tap position) against the oracle's and
         the bench's vector-Jacobian products for the same incoming gradients."""
-        from ..replay.runner import judge_pair
+        from ..judge import judge_pair
 
         stem = f"{name}.output"
         if not call.grad_out:

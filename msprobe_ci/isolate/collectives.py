@@ -13,7 +13,7 @@ and judges the rank's own output against
   each partial sum (``sqrt(sum_k partial_k^2) / sqrt(3)``);
 
 by the benchmark standard at level L0, relative to the output's largest magnitude, as a gradient is judged
-(:func:`msprobe_ci.replay.runner.judge_pair` with ``backward=True``): a reduced gradient shard that one rank
+(:func:`msprobe_ci.judge.judge_pair` with ``backward=True``): a reduced gradient shard that one rank
 scaled by 2% is named at the collective, on that rank.
 
 Judged: ``all_reduce``, ``reduce_scatter_tensor``, ``reduce_scatter_single`` (FSDP2's gradient reduce-scatter),
@@ -115,7 +115,7 @@ class CollectiveIsolation:
         process group (``None``: the default group). Every rank of the group must call this at the same point."""
         import torch.distributed as dist
 
-        from ..replay.runner import judge_pair
+        from ..judge import judge_pair
 
         out = output_of(op, args, kwargs)
         inp = before if before is not None else input_of(op, args, kwargs)

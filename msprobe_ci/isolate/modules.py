@@ -172,7 +172,7 @@ class ModuleIsolation:
         """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""
         if call is None:
             return
-        from ..replay.runner import judge_pair
+        from ..judge import judge_pair
 
         name = call.name
         stem = f"{name}.output"
@@ -201,7 +201,7 @@ class ModuleIsolation:
         vector-Jacobian products of its oracle and same-dtype bench graphs for the same ``grad_output``."""
         if call is None:
             return
-        from ..replay.runner import judge_pair
+        from ..judge import judge_pair
 
         (o_leaves, o_out), (b_leaves, b_out) = call.oracle, call.bench
         self._clock[name] = time.perf_counter()

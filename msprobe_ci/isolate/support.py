@@ -1,5 +1,5 @@
-"""What every part of isolation shares: the tables of what cannot be judged, copies of a call's inputs, the
-per-call state (:class:`_Call`) and the record fields a verdict becomes."""
+"""What every part of isolation shares: copies of a call's inputs, the per-call state (:class:`_Call`) and the
+record fields a verdict becomes (what cannot be judged at all: :mod:`msprobe_ci.judge.support`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ from typing import Any
 import torch
 
 
-UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
-                       "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op", "VF": "torch._VF op"}
-RANDOM = frozenset({"rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
-                     "bernoulli_", "normal", "normal_", "multinomial", "uniform_", "exponential_", "random_",
-                     "poisson", "rrelu", "rrelu_", "gumbel_softmax", "alpha_dropout", "feature_alpha_dropout"})
-NOT_COMPARABLE = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
 _SCHEMA_VERSION = 1
 
 

@@ -132,3 +132,40 @@ def random_tensor(rec: dict, dtype: torch.dtype, shape: list[int], gen: torch.Ge
     if numel:
         t[0], t[-1] = lo, hi
     return t.to(dtype if not dtype.is_complex else torch.float32).to(dtype).reshape(shape)
+
+
+def record_rows(recs: Any, stem: str) -> list[tuple[str, Any]]:
+    """A dump entry's ``output`` records (a list, nested lists, or a dict of them) as ``(row name, record)``
+    pairs, the row naming of :func:`msprobe_ci.judge.rows.outputs`."""
+    if isinstance(recs, dict) and "type" not in recs:
+        recs = list(recs.values())
+    if not isinstance(recs, list):
+        recs = [recs]
+    out = []
+    for i, r in enumerate(recs):
+        out += record_rows(r, f"{stem}.{i}") if isinstance(r, list) else [(f"{stem}.{i}", r)]
+    return out
+
+
+def mindspore_order(targets: list, grads: list, last_first: bool) -> list:
+    """Torch's gradients (in its autograd node's order, None where an input needs none) lined up with a MindSpore
+    backward entry's outputs, which hold only the gradients that exist (a Primitive's last input first): paired
+    by shape, equal shapes first (ties in MindSpore's order), then a 2-D gradient with its transpose (torch's
+    ``addmm`` hands back dW transposed). Unchanged when some target finds no partner."""
+    free = [g for g in grads if isinstance(g, torch.Tensor)]
+    free = free[::-1] if last_first else free
+    out: list = [None] * len(targets)
+    for transposed in (False, True):
+        for i, (_, t) in enumerate(targets):
+            if out[i] is not None or not isinstance(t, torch.Tensor):
+                continue
+            want = tuple(t.shape)[::-1] if transposed else tuple(t.shape)
+            if transposed and len(want) != 2:
+                continue
+            j = next((k for k, g in enumerate(free) if tuple(g.shape) == want), None)
+            if j is not None:
+                hit = free.pop(j)
+                out[i] = hit.t() if transposed else hit
+    if any(o is None and isinstance(t, torch.Tensor) for o, (_, t) in zip(out, targets)):
+        return grads
+    return out

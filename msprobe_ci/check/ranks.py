@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import MsprobeError
+from ..errors import MsprobeError
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ def free_port() -> int:
 def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawned process
     import torch.distributed as dist
 
-    from .backends import Backend
-    from .check.sides import run_side
-    from .config import DumpConfig
+    from ..backends import Backend
+    from .sides import run_side
+    from ..config import DumpConfig
 
     _log_to(os.path.join(job.out, f"rank{rank}.log"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
@@ -91,7 +91,7 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
             backend = Backend.from_options(device, dtype, autocast=autocast)
             isolator = None
             if side == "target" and job.isolate:
-                from .isolate import Isolator
+                from ..isolate import Isolator
 
                 isolator = Isolator(standards=dict(job.standards), thresholds=dict(job.thresholds),
                                     target_device=backend.torch_device, backward=job.loss_fn is not None,
@@ -101,7 +101,7 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
             faults = job.faults if side == "target" else ()
             # the model was built for this side: never copied (FSDP models cannot be)
             if job.optimizer is not None:
-                from .check.training import run_training
+                from .training import run_training
 
                 batch = job.inputs[0] if len(job.inputs) == 1 else job.inputs
                 run = run_training(model, [batch] * job.steps, job.loss_fn, job.optimizer, backend, cfg,

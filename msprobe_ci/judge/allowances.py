@@ -1,0 +1,69 @@
+"""What a correct kernel may add beyond one rounding, computed from the call's own inputs: the fp32 accumulation
+allowance of matmul-family APIs (:func:`accumulation_floor`) and the magnitude of the terms a linear reduction adds
+up (:func:`accumulation_scale`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# matmul-family APIs: which tensor argument's last dimension is contracted
+_CONTRACTED = {"matmul": 0, "__matmul__": 0, "mm": 0, "bmm": 0, "linear": 0, "mv": 0, "addmm": 1, "baddbmm": 1,
+               "addbmm": 1, "addmv": 1, "_grouped_mm": 0, "grouped_mm": 0}
+
+
+def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigmas: float = 4.0):
+    """The error a correct matmul-family kernel may add by accumulating a K-term sum in fp32, elementwise:
+    ``sigmas * 2^-24 * sqrt(K) * ||terms||_2``, where ``||terms||_2 = sqrt(A^2 @ B^2)`` is computed with the same
+    API on the squared inputs (squared scalars) in ``dtype`` on CPU; ``None`` for APIs whose contracted dimension
+    is not known.
+
+    Why: the ULP standard measures error at the magnitude of the result. Where a K-term sum cancels, the result is
+    far smaller than its terms, and fp32 accumulation (standard for every half-precision matmul) leaves a
+    rounding error that grows like a random walk over the partial sums, about ``u * sqrt(K) * ||terms||_2``
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1 and the probabilistic remark
+    there); ``sigmas`` (default 4) standard deviations of it are allowed. A scale fault of 1% is orders of
+    magnitude above it wherever the sum does not cancel.
+    """
+    pos = _CONTRACTED.get(short)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if pos is None or len(tensors) <= pos or tensors[pos].dim() == 0:
+        return None
+    k = int(tensors[pos].shape[-1])
+
+    def square(v):
+        if isinstance(v, torch.Tensor):
+            x = v.detach().cpu()
+            return x.to(dtype).square() if x.is_floating_point() else x
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v * v
+        return v
+    from ..kernels import REFERENCES
+
+    fn = REFERENCES.get(func, func) if dtype == torch.float64 else func  # torch._grouped_mm: no float64 kernel
+    with torch.no_grad():
+        sq = fn(*[square(a) for a in args], **{key: square(v) for key, v in kwargs.items() if key != "out"})
+    if not isinstance(sq, torch.Tensor):
+        return None
+    return sq.clamp_min(0).sqrt() * (sigmas * math.sqrt(k) * 2.0 ** -24)
+
+
+_LINEAR_REDUCTIONS = frozenset({"sum", "mean", "nansum", "nanmean", "cumsum"})
+
+
+def accumulation_scale(short: str, func, args, kwargs) -> torch.Tensor | None:
+    """The magnitude of the terms a linear reduction adds up, per output element: the same call on ``|x|`` in
+    float64 on CPU (``mean(|x|)`` for a mean), for ``sum``, ``mean``, ``nansum``, ``nanmean``, ``cumsum``; None for
+    other APIs or when the first argument is not a floating tensor.
+
+    The accumulative standard (msprobe 2.9) judges values up to 1 by absolute error, which assumes terms of about
+    unit size; :func:`judge_pair` divides by this scale so that it holds at any magnitude."""
+    if short not in _LINEAR_REDUCTIONS or not args or not isinstance(args[0], torch.Tensor) or \
+            not args[0].is_floating_point():
+        return None
+    kw = {k: v for k, v in kwargs.items() if k not in ("out", "dtype")}
+    with torch.no_grad():
+        out = func(args[0].detach().cpu().to(torch.float64).abs(), *args[1:], **kw)
+    return out if isinstance(out, torch.Tensor) else None

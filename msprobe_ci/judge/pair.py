@@ -1,0 +1,240 @@
+"""Judging one output of one API call by its per-API standard: :func:`judge_pair` for one row,
+:func:`judge_rows` for every row of a call (isolation, the offline replay, collectives and whole modules alike).
+
+The shape follows torch.testing's ``_comparison.py``: the call's outputs are flattened into rows
+(:func:`msprobe_ci.judge.rows.outputs`), then each ``(target, bench, oracle)`` row is judged on its own. Which
+standard judges a row is msprobe's registry (:func:`msprobe_ci.checkers.standard_for`); its thresholds are
+``checkers/data/thresholds.yaml``; the adaptations of msprobe's rules made here (gradients in units of their own
+scale, small values in units of the tensor's scale, sums in units of their terms, the fp32 accumulation allowance)
+say their sources where they are made.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkers import CheckResult, make_standard, standard_for
+from ..checkers.common import dtype_thresholds
+from ..dtypes import checker_key
+from .allowances import _LINEAR_REDUCTIONS, accumulation_floor, accumulation_scale
+from .peaks import abs_peak, finite_peak
+
+_ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub"})
+FMA = "fused multiply-add"  # what an alpha op is judged as: no API entry, so the default (benchmark) standard
+
+
+def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, standards: dict | None = None,
+               thresholds: dict | None = None, floor: Any = None, scale: Any = None, terms: Any = None) -> CheckResult:
+    """Judge one output (or gradient) of API ``short`` by its per-API standard.
+
+    Args:
+        short: the API name without prefix and call number (``linear``, ``__add__``).
+        t: the target value (tensor or scalar). b: the same-dtype bench value. o: the fp64 (or fp32) oracle.
+        backward: ``t`` is a gradient: judged by the benchmark standard at msprobe's default level L0, whatever
+            the forward's standard and level (see below).
+        standards: ``{API fnmatch pattern: standard}`` overrides. thresholds: ``{standard: {name: value}}``.
+        floor: the ULP standard's accumulation allowance (:func:`accumulation_floor`), when known.
+        scale: the accumulative standard's magnitude of the summed terms (:func:`accumulation_scale`), when known:
+            a forward output is judged in units of it.
+        terms: the benchmark standard's error scale per element (:func:`msprobe_ci.kernels.forward_scale`,
+            :func:`~msprobe_ci.kernels.backward_scale`), or a callable returning it (asked only when the standard
+            is the benchmark and the target is not bit-identical to the bench): relative errors are measured
+            against ``max(|oracle|, terms)``, so cancelling arithmetic is judged at the size of its terms.
+
+    Returns:
+        The standard's :class:`~msprobe_ci.checkers.CheckResult` (``structure``/``scalar``/``empty``/``none``
+        results for shape mismatches, non-tensors, empty tensors, missing values).
+    """
+    standards = standards or {}
+    if t is None and b is None:
+        return CheckResult("none", "skip", message="no output")
+    if isinstance(t, torch.Tensor) != isinstance(b, torch.Tensor):  # (a tensor's == would be a tensor)
+        def kind(v):
+            return f"tensor {list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+        return CheckResult("structure", "error", message=f"target {kind(t)} vs bench {kind(b)}")
+    if not isinstance(t, torch.Tensor):
+        both_nan = isinstance(t, float) and isinstance(b, float) and math.isnan(t) and math.isnan(b)
+        same = both_nan or t == b
+        return CheckResult("scalar", "pass" if same else "error", message=f"target {t!r} vs bench {b!r}")
+    if list(t.shape) != list(b.shape):
+        return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
+    if t.numel() == 0:
+        return CheckResult("empty", "pass", message="empty tensor: shapes agree, nothing to compare")
+    std_name = standard_for(short, t.dtype, standards)
+    level_api = short
+    if backward and t.is_floating_point() and not any(fnmatch.fnmatchcase(short, p) for p in standards):
+        # a gradient is not the forward's computation: an elementwise op's is not one rounding (div: -g*a/b^2,
+        # broadcasting sums), a gather's or an embedding's adds up every use of a row, a matmul's weight gradient
+        # reduces over the batch with its own cancellation (a bias gradient that is zero by symmetry holds only
+        # rounding noise); its error is judged against the bench's own error (benchmark standard). At msprobe's
+        # default level L0: its L1/L2 lists tighten the forward outputs of named kernels, while the reductions of a
+        # backward pass legitimately differ in order and in the precision of their partial sums (torch's own CPU
+        # bf16 LayerNorm backward accumulates its weight gradient in bf16)
+        std_name, level_api = "benchmark", ""
+    std = make_standard(std_name, t.dtype, level_api, **(thresholds or {}).get(std_name, {}))
+    oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+    if oracle is not None and t.is_floating_point():
+        oracle = saturate(oracle, t.dtype)
+    if std_name == "benchmark" and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b):
+        # the target is bit-identical to the same-dtype bench: its error against the oracle *is* the bench's
+        # error, so every ratio of the standard is exactly 1 (<= every level's threshold); nothing is recomputed
+        ratios = {k: 1.0 for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")}
+        return CheckResult("benchmark", "pass", {f"{k}_ratio": 1.0 for k in ratios}, dict(std.ratios), ratios,
+                           "bit-identical to the same-dtype bench: every ratio 1, not recomputed")
+    lazy = terms if std_name == "benchmark" and callable(terms) else None
+    if lazy is not None or not isinstance(terms, torch.Tensor) or std_name != "benchmark" or terms.shape != t.shape:
+        terms = None
+    unit = 1.0  # a gradient's own scale, which its error scale is divided by too
+    if backward and oracle is not None and t.is_floating_point() and b.is_floating_point():
+        # gradients have no natural scale (they scale with the loss): judge them relative to their own largest
+        # magnitude, so the standards' small-value band is a fraction of the tensor's scale, not an absolute value
+        scale = finite_peak(oracle)
+        if scale > 0:
+            t, b, oracle = (x.detach().to(torch.float64) / scale for x in (t, b, oracle))
+            terms = terms / scale if terms is not None else None
+            unit = scale
+    if not backward and oracle is not None and t.is_floating_point() and b.is_floating_point() and \
+            std_name in ("benchmark", "absolute_threshold", "thousandth"):
+        # msprobe's small-value rule (|value| under a fixed threshold: absolute error) was made for O(1) outputs:
+        # a tensor of 1e-9 numbers (AdamW's second moment, eval-mode activations of a deep CNN) would be all "small"
+        # and pass a 5% fault. Below scale 1 the rule is applied in units of the tensor's own scale (the largest
+        # finite |oracle|, rounded down to a power of two so every value keeps its mantissa), never finer than the
+        # dtype's smallest normal number: fp16 subnormals are still judged by absolute error
+        down = _own_scale(oracle, t.dtype)
+        if down < 1.0:
+            t, b, oracle = (x.detach().to(torch.float64) / down for x in (t, b, oracle))
+            terms = terms / down if terms is not None else None
+            unit = down
+    if std_name == "accumulative" and not backward and isinstance(scale, torch.Tensor) and \
+            scale.shape == t.shape and t.is_floating_point() and b.is_floating_point():
+        # msprobe's accumulative standard judges |values| <= 1 by absolute error, as if the summed terms were of
+        # magnitude 1: a mean of 1e-5 values (RMSNorm of small activations) would pass a 5% error. In units of the
+        # terms' own magnitude the same test holds for any scale, and a cancelling sum is still judged at its terms
+        s64 = scale.detach().to(device=t.device, dtype=torch.float64)  # drawn on the CPU, judged where t lies
+        s64 = torch.where(s64 > 0, s64, torch.ones_like(s64))
+        # never finer than the dtype can hold: a result rounded into fp16's subnormal range errs by up to half of
+        # its smallest subnormal (3e-8) whatever the terms, which is within the bound in units of at least this
+        bound = dtype_thresholds(checker_key(t.dtype))["accumulative_bound"]
+        s64 = s64.clamp(min=torch.finfo(t.dtype).smallest_normal * torch.finfo(t.dtype).eps / bound)
+        # elements equal to the correctly rounded oracle carry no accumulation error (the standard leaves them out
+        # of its bias test by comparing with the oracle rounded to the target's dtype, which float64 units hide)
+        exact = t.detach() == oracle.detach().to(t.dtype) if oracle is not None else None
+        t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
+        oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
+        if exact is not None:
+            t = torch.where(exact, oracle, t)
+    # NaN/Inf outputs (an overflowing fp16 optimizer step) are counted by the standards through their masks;
+    # numpy's RuntimeWarnings on the masked-out inf - inf are noise in the user's test run
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if std_name == "binary":
+            return std(t, b)
+        if std_name == "ulp" and floor is not None:
+            return std(t, b, oracle, floor=floor)
+        if std_name == "benchmark":
+            res = std(t, b, oracle, scale=terms)
+            if lazy is not None and not (res.status == "pass" and res.metrics.get("bench_at_floor")):
+                # the error scale is computed only where it can change the verdict: a plain pass against a bench
+                # whose errors are all at their floor stays a pass with it (it only lowers the target's errors)
+                s = lazy()
+                if isinstance(s, torch.Tensor) and s.shape == t.shape:
+                    res = std(t, b, oracle, scale=s / unit)
+            return res
+        return std(t, b, oracle)
+
+
+def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dict | None = None,
+               thresholds: dict | None = None, inputs: tuple | None = None, budget=None,
+               floor_dtype: Any = None) -> list:
+    """Judge every output row of one API call: the one per-API step of isolation and replay alike.
+
+    Each row goes through :func:`judge_pair`; a forward linear reduction with one output is judged in units of
+    its terms (:func:`accumulation_scale`), and a row the ULP standard fails is judged once more with the fp32
+    accumulation allowance (:func:`accumulation_floor`), computed only then.
+
+    Args:
+        short: the API name without prefix and call number.
+        rows: ``[(row name, target, bench, oracle)]``, on the CPU, the bench already rounded where it must be.
+        backward: the rows are gradients.
+        inputs: ``(func, args, kwargs)`` of the call (None: no scale, no allowance).
+        budget: ``budget(i)``, the benchmark standard's error scale of row ``i`` (asked lazily), or None.
+        floor_dtype: the dtype the allowance is computed in: the oracle row's dtype when None (float64 for a
+            non-tensor oracle).
+
+    Returns:
+        ``[(row name, CheckResult)]`` in the order of ``rows``.
+    """
+    scale = None
+    single = inputs is not None and len(rows) == 1
+    if short in _LINEAR_REDUCTIONS and not backward and single:
+        try:
+            scale = accumulation_scale(short, *inputs)
+        except Exception:  # noqa: BLE001 - msprobe's unit scale then
+            scale = None
+    out = []
+    for i, (row, t, b, o) in enumerate(rows):
+        res = judge_pair(short, t, b, o, backward, standards, thresholds, scale=scale,
+                         terms=(lambda i=i: budget(i)) if budget is not None else None)
+        if res.standard == "ulp" and res.status == "error" and single:
+            dtype = floor_dtype or (o.dtype if isinstance(o, torch.Tensor) else torch.float64)
+            try:  # cancelling sums: the fp32 accumulation allowance, computed only when it matters
+                floor = accumulation_floor(short, *inputs, dtype=dtype)
+            except Exception:  # noqa: BLE001 - no allowance then: the verdict stands
+                floor = None
+            if floor is not None:
+                res = judge_pair(short, t, b, o, backward, standards, thresholds, floor=floor)
+        out.append((row, res))
+    return out
+
+
+def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
+    """The power of two at or under the largest finite ``|oracle|``, at least the dtype's smallest normal number
+    over its ``small_value`` threshold (so the scaled small-value band never reaches into subnormals); 1.0 for a
+    tensor of scale 1 or more, an empty one, or one of zeros."""
+    top = finite_peak(oracle)
+    if not 0.0 < top < 1.0:
+        return 1.0
+    small = dtype_thresholds(checker_key(dtype))["small_value"]
+    lowest = torch.finfo(dtype).tiny / small if dtype.is_floating_point else 0.0
+    return min(1.0, 2.0 ** math.floor(math.log2(max(top, lowest))))
+
+
+def judged_as(short: str, args: Any, kwargs: dict, standards: dict | None = None) -> str:
+    """The name an elementwise call is judged under: :data:`FMA` (no API entry: the default, benchmark standard,
+    against the bench) where it rounds twice, else ``short``. msprobe's absolute-threshold standard allows one
+    rounding of the result; it is exceeded legitimately by ``a + alpha*b`` (``alpha`` != 1: SGD's
+    ``param.add_(buf, alpha=-lr)``, which cancels) and by a Python-float operand the target's dtype cannot hold
+    (torch's CPU bf16/fp16 kernels round the scalar to the tensor's dtype first: AdamW's ``denom.add_(eps)``
+    with ``eps`` 1e-8 is off by 1.1 roundings at values near 1e-8)."""
+    if short in _ALPHA_OPS and kwargs.get("alpha", 1) != 1:
+        return FMA
+    if standard_for(short, "torch.float32", standards or {}) != "absolute_threshold":
+        return short
+    tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors or tensors[0].dtype == torch.float64:
+        return short
+    dtype = tensors[0].dtype
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, float) and math.isfinite(v) and float(torch.tensor(v, dtype=dtype)) != v:
+            return FMA
+    return short
+
+
+def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The oracle with its values beyond ``dtype``'s finite range made ±inf, as correct rounding to ``dtype``
+    gives (IEEE round to nearest: ``|x| >= max + ulp(max)/2`` overflows). A target that returns inf there (an
+    fp32 ``finfo.min`` mask plus a bf16 one in GPT-Neo's attention) computed the right value, not an overflow
+    error. Returns ``oracle`` itself when nothing lies beyond the range (one ``amax`` pass); shape and dtype
+    are kept."""
+    if oracle.dtype == dtype or not dtype.is_floating_point:
+        return oracle
+    peak = abs_peak(oracle)
+    if peak <= torch.finfo(dtype).max:  # a NaN peak goes on: other elements may still overflow
+        return oracle
+    rounded = oracle.detach().to(dtype)
+    over = torch.isinf(rounded) & torch.isfinite(oracle)
+    return torch.where(over, rounded.to(oracle.dtype), oracle) if bool(over.any()) else oracle
