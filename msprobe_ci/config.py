@@ -29,7 +29,7 @@ TASKS = ("statistics", "tensor")
 LEVELS = ("L0", "L1", "mix")
 SUMMARY_MODES = ("statistics", "md5")
 DATA_MODES = ("all", "input", "output", "forward", "backward")
-BENCH_KERNELS = ("device", "upcast", "rounded", "decomposed")  # what --msprobe-bench-kernel accepts (kernels.py)
+BENCH_KERNELS = ("device", "upcast", "rounded", "decomposed")  # what --msprobe-bench-kernel accepts (msprobe_ci.kernels)
 _KNOWN_IGNORED = {"extra_info", "precision", "risk_level", "dump_enable", "custom_op_namespaces", "load",
                   "seed", "is_deterministic", "enable_dataloader", "structure", "acc_check", "diff_check",
                   "nan_check"}

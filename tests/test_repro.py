@@ -19,6 +19,7 @@ from msprobe_ci.config import DumpConfig
 from msprobe_ci.errors import MsprobeError
 from msprobe_ci.isolate import Isolator
 from msprobe_ci import repro
+from msprobe_ci.capture import repro as writer
 
 
 def _llama(seed=0):
@@ -112,18 +113,18 @@ def test_arguments_round_trip_and_a_hostile_spec_is_refused(tmp_path):
     value = [t, (1, 2.5, float("inf")), {"dim": -1, "dtype": torch.float16}, slice(0, None, 2), Ellipsis, None,
              torch.Size([2, 3]), torch.channels_last, torch.device("cpu"), "mean", True, t]
     tensors, keys, grads = {}, {}, {}
-    encoded = json.loads(json.dumps(repro._encode(value, tensors, keys, grads)))
+    encoded = json.loads(json.dumps(writer._encode(value, tensors, keys, grads)))
     back = repro._decode(encoded, tensors, "spec")
     assert back[0] is back[-1] and len(tensors) == 1  # one tensor passed twice is one tensor
     assert back[1:-1] == value[1:-1]
     for arg in (t.t(), t[:, ::2], torch.arange(3.0).expand(4, 3), t[1:]):  # its layout kept: the same kernel path
-        flat, layout = repro._saved(arg)
+        flat, layout = writer._saved(arg)
         back = repro._viewed(flat, json.loads(json.dumps(layout)), "spec") if layout else flat.reshape(arg.shape)
         assert torch.equal(back, arg) and back.stride() == arg.stride()
     with pytest.raises(MsprobeError, match="reaches past the saved tensor"):
         repro._viewed(torch.zeros(4), {"size": [3, 3], "stride": [3, 1]}, "spec")
-    with pytest.raises(repro._Unsaved, match="object"):
-        repro._encode(object(), {}, {}, {})
+    with pytest.raises(writer._Unsaved, match="object"):
+        writer._encode(object(), {}, {}, {})
     for bad in ({"call": "os.system"}, {"dtype": "__class__"}, {"tensor": "missing"}):
         with pytest.raises(MsprobeError, match="unexpected argument encoding"):
             repro._decode(bad, tensors, "spec")

@@ -71,7 +71,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             is still captured.
         isolator: an :class:`~msprobe_ci.isolate.Isolator`: every recorded API call is also judged on its own
             inputs (``isolation.json`` beside dump.json), and each failing one gets a standalone reproduction
-            (``repro/<node>.py``, :mod:`msprobe_ci.repro`); ``None`` (default) captures only.
+            (``repro/<node>.py``, :mod:`msprobe_ci.capture.repro`); ``None`` (default) captures only.
         free_bench: a :class:`~msprobe_ci.free_benchmark.FreeBenchmark`: every recorded API call is also re-run
             in higher precision and on bit-noised inputs and judged with no bench (``free_benchmark.json`` beside
             dump.json); ``None`` (default) does not.
@@ -97,7 +97,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         self._fault_apis = {f.api for f in self.faults}
         self.fault_log = FaultLog(self.faults)  # which faults fired, and which changed a value
         if isolator is not None:
-            from ..repro import Reproducer
+            from .repro import Reproducer
 
             isolator.on_fault_applied = self.fault_log.record
             # the isolation's own hooks (its backward oracle and bench) are the machinery's work: the capture wraps

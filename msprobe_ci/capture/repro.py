@@ -1,0 +1,221 @@
+"""Writing a standalone reproduction beside every failing API call: ``repro/<node>.py``, its inputs and its
+settings (running one: :mod:`msprobe_ci.repro`).
+
+When isolation judges a call (or the gradients it hands back) and it fails its standard, the capture writes three
+files into ``repro/`` beside the step's ``dump.json``:
+
+* ``<node>.safetensors``: the tensors the call was given, as it was given them (an in-place call's first argument
+  as it was before the call; under autocast the user's tensors, before autocast cast them), and for a backward node
+  the gradients that reached its outputs. safetensors, never pickle: the file holds tensors and nothing that runs.
+* ``<node>.json``: everything else the gate used: the API and its call index, the non-tensor arguments (and the
+  layout of an argument that is not contiguous), which tensors required grad, the grad mode and autocast state, the
+  CPU thread count (a kernel's summation order follows it), the step, the bench kernel and devices, the oracle's
+  device, the standards' overrides and the error-budget draws, the faults injected into this call, and the gate's
+  own verdict (to print beside the reproduction's).
+* ``<node>.py``: ``python <node>.py`` re-runs that one call without the model through the same isolation the gate
+  ran (:class:`~msprobe_ci.isolate.Isolator`, the same oracle, bench kernel, budget and standard), prints the
+  standard's metrics against their thresholds, and exits 1 when the call fails (0 when it passes, 2 when the files
+  cannot be read). ``--no-fault`` leaves an injected fault out; ``--target-device`` runs the target elsewhere.
+
+Reading is data, never code: the API is looked up on the replay allowlist (:mod:`msprobe_ci.replay.allowlist`),
+dtypes and memory formats in torch's own tables, tensors come from safetensors; nothing in the files picks a
+function, a path to write or an object to unpickle.
+
+Limits (a node that hits one gets no files, and its isolation record says why in ``repro``): at most
+:data:`MAX_FILES` reproductions and :data:`MAX_BYTES` of inputs per step folder; a call whose arguments hold
+something other than tensors, numbers, strings, dtypes, devices, shapes, slices and their lists, tuples and dicts
+(a KV-cache object, a DTensor's local shard); dropout (random by definition); a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+import torch
+
+#: reproductions written per step folder at most (a model broken everywhere would otherwise write one per call)
+MAX_FILES = 32
+#: bytes of saved inputs per step folder at most (GPT-2's LM-head weight alone is 154 MB in fp32)
+MAX_BYTES = 1 << 30
+#: the spec's format version
+VERSION = 1
+
+
+class _Unsaved(Exception):
+    """An argument the spec cannot hold (the reason is the message)."""
+
+
+# ------------------------------------------------------------------------------------------------ encoding
+def _saved(t: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+    """A CPU copy of ``t`` to save, and its layout where it is not contiguous: the storage range it spans, copied
+    as one flat tensor, with the sizes and strides that view it (a transposed, expanded or sliced argument runs the
+    same kernel path as in the gate: a contiguous copy of a broadcast gradient reduced in another order)."""
+    t = t.detach()
+    if t.is_contiguous() or t.numel() == 0:
+        return t.to("cpu", copy=True).contiguous(), None
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    flat = t.as_strided((span,), (1,), t.storage_offset()).to("cpu", copy=True)
+    return flat, {"size": list(t.shape), "stride": list(t.stride())}
+
+
+def _encode(v: Any, tensors: dict, keys: dict, grads: dict, layouts: dict | None = None) -> Any:
+    """``v`` as JSON, each tensor replaced by ``{"tensor": key}`` (the same tensor, the same key); a tensor that is
+    not contiguous has its layout in ``layouts``."""
+    if isinstance(v, torch.Tensor):
+        if type(v) not in (torch.Tensor, torch.nn.Parameter):
+            raise _Unsaved(f"a {type(v).__name__} argument")
+        key = keys.get(id(v))
+        if key is None:
+            key = keys[id(v)] = f"t{len(keys)}"
+            tensors[key], layout = _saved(v)
+            if layout is not None and layouts is not None:
+                layouts[key] = layout
+            grads[key] = bool(v.requires_grad)
+        return {"tensor": key}
+    if v is None or isinstance(v, (bool, str)) or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).replace("torch.", "")}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.Size):
+        return {"size": list(v)}
+    if isinstance(v, slice):
+        return {"slice": [_encode(x, tensors, keys, grads, layouts) for x in (v.start, v.stop, v.step)]}
+    if v is Ellipsis:
+        return {"ellipsis": True}
+    if isinstance(v, list):
+        return [_encode(x, tensors, keys, grads, layouts) for x in v]
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return {"tuple": [_encode(x, tensors, keys, grads, layouts) for x in v]}
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {"dict": {k: _encode(x, tensors, keys, grads, layouts) for k, x in v.items()}}
+    raise _Unsaved(f"a {type(v).__name__} argument")
+
+
+# ------------------------------------------------------------------------------------------------ writing
+class Reproducer:
+    """Writes the reproduction of each failing call of a capture (set as an isolator's ``reproducer`` by
+    :class:`~msprobe_ci.capture.CaptureSession`).
+
+    Args:
+        session: the capture session (its step folder, step, rank and faults).
+    """
+
+    def __init__(self, session):
+        self.session = session
+        self._written: dict[str, tuple[int, int]] = {}  # folder -> (files, bytes)
+
+    def folder(self) -> str:
+        return os.path.join(self.session.dump_folder(), "repro")
+
+    def write(self, iso, call, direction: str, record: dict) -> None:
+        """Write the files of ``call``'s failing ``direction`` (``forward``/``backward``); the script's path (or
+        why none was written) goes into ``record["repro"]``. Never raises: the user's run goes on."""
+        try:
+            record["repro"] = self._write(iso, call, direction, record)
+        except _Unsaved as exc:
+            record["repro"] = f"not written: {exc} cannot be saved"
+        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
+            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+
+    def _write(self, iso, call, direction: str, record: dict) -> str:
+        from safetensors.torch import save_file
+
+        from . import naming
+        from ..replay import allowlist
+
+        if call.raw is None:  # dropout, a DTensor call judged on its local shards
+            return f"not written: {call.name}: its arguments were not kept for it"
+        info = naming.lookup(call.func)
+        if info is None or allowlist.lookup(info[0], info[1]) is not call.func:
+            return f"not written: {call.name}: its function is not on the replay allowlist"
+        stem_name = call.name[: -len(".forward")]
+        prefix, api, n = stem_name.split(".", 1)[0], stem_name.split(".", 1)[1].rsplit(".", 1)[0], \
+            int(stem_name.rsplit(".", 1)[1])
+        node = f"{stem_name}.{direction}"
+        folder = self.folder()
+        files, size = self._written.get(folder, (0, 0))
+        if files >= MAX_FILES:
+            return f"not written: {MAX_FILES} reproductions in this step already"
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[int, str] = {}
+        grads: dict[str, bool] = {}
+        args, kwargs = call.raw
+        layouts: dict[str, dict] = {}
+        spec_args = _encode(list(args), tensors, keys, grads, layouts)
+        spec_kwargs = _encode(dict(kwargs), tensors, keys, grads, layouts)
+        grad_out = {}
+        if direction == "backward":
+            for i, g in sorted(call.grad_out.items()):
+                key = f"g{i}"
+                tensors[key], layout = _saved(g)
+                if layout is not None:
+                    layouts[key] = layout
+                grad_out[str(i)] = key
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size + nbytes > MAX_BYTES:
+            return f"not written: its inputs ({nbytes / 2**20:.0f} MiB) pass this step's {MAX_BYTES >> 20} MiB"
+        session = self.session
+        rank = session.fault_rank
+        faults = [f for f in session.faults if f.matches(f"{prefix}.{api}", n, direction, session.current_step)
+                  and f.on_rank(rank)]
+        spec = {
+            "version": VERSION, "node": node, "forward": call.name, "prefix": prefix, "api": api, "call": n,
+            "direction": direction, "function": {"prefix": info[0], "api": info[1]},
+            "args": spec_args, "kwargs": spec_kwargs, "requires_grad": grads, "grad_outputs": grad_out,
+            "layouts": layouts,
+            "grad_enabled": call.grad_enabled, "autocast": call.autocast_state,
+            "step": session.current_step, "rank": rank,
+            # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
+            "threads": torch.get_num_threads(),
+            "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
+                         "target_device": iso.target_device, "bench_device": iso.bench_device,
+                         "backward": iso.backward, "bench_kernel": iso.bench_kernel,
+                         "budget_draws": iso.budget_draws, "oracle_device": iso.oracle_device,
+                         "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label},
+            "faults": [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
+                       for f in faults],
+            "gate": {k: record.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row",
+                                                "message")},
+        }
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]+", "_", node))
+        if os.path.exists(stem + ".py"):
+            return f"not written: {stem}.py exists (never overwritten)"
+        save_file(tensors, stem + ".safetensors")
+        with open(stem + ".json", "w", encoding="utf-8") as fh:
+            json.dump(spec, fh, indent=1)
+        gate = str(record.get("message", "")).replace("\\", "/").replace('"""', "'''")
+        with open(stem + ".py", "w", encoding="utf-8") as fh:
+            fh.write(_SCRIPT.format(node=node, gate=gate, name=os.path.basename(stem)))
+        self._written[folder] = (files + 1, size + nbytes)
+        return stem + ".py"
+
+
+_SCRIPT = '''"""msprobe-ci: reproduce one failing API call without the model.
+
+Node: {node}
+Gate: {gate}
+
+Run:  python {name}.py [--no-fault] [--target-device DEVICE]
+Inputs in {name}.safetensors, settings in {name}.json. Exits 1 when the call fails its standard, 0 when it passes.
+"""
+
+import sys
+
+from msprobe_ci.repro import main
+
+if __name__ == "__main__":
+    sys.exit(main([__file__, *sys.argv[1:]]))
+'''

@@ -1,0 +1,142 @@
+"""Error budgets: the RMS rounding a correct kernel of the target dtype commits on the way to each element
+(:func:`forward_scale`, :func:`backward_scale`), from perturbed float64 runs of the call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .choice import _UNIT, ROUNDING_RMS, tensors_of
+from .modes import CPU_HALF_HELD, target_dtype
+from .references import reference, vjp
+
+
+
+# ---------------------------------------------------------------------------------------------------- budgets
+DRAWS = 4
+
+
+def target_roundoff(tensors: list) -> float:
+    """The unit roundoff of the coarsest floating dtype among ``tensors`` (:func:`target_dtype`; fp32's when there is
+    none, or for a dtype without one here: float8 operands, whose GEMM rounds to its output's dtype)."""
+    return _UNIT.get(target_dtype(tensors), 2.0 ** -24)
+
+
+def _eta(run_dtype: torch.dtype, unit: float = 2.0 ** -24) -> float:
+    """The jitter of the budget's runs: the target dtype's own unit roundoff ``unit``, so that what rounding at
+    that size moves beyond first order (a ReLU or max-pool whose input lies within a rounding of its kink) shows
+    too; at least 2^-30 in fp64 and 2^-10 in fp32 (where the run has no fp64 kernel), far above the run's own
+    rounding."""
+    return max(unit, 2.0 ** -30 if run_dtype == torch.float64 else 2.0 ** -10)
+
+
+#: the unit roundoff kernels accumulate in: fp32 for every floating dtype up to fp32 (GEMMs, reductions and
+#: elementwise math of bf16/fp16 tensors run in fp32 on CPUs, GPUs and NPUs alike: PyTorch's ``opmath_t``)
+ACCUMULATION = 2.0 ** -24
+
+
+
+
+def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generator) -> tuple:
+    """``(eta, generator, inner)`` of a budget's runs (:class:`Perturb`) in ``run_dtype`` for a call on
+    ``tensors``: ``eta`` the RMS of one rounding to the target dtype (:data:`ROUNDING_RMS` times its roundoff,
+    :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
+    (:data:`ACCUMULATION`, or the target's own where that is finer), and the kernels known to hold their terms in
+    the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere). The scales are
+    measured in units of the
+    target's roundoff (:func:`unit_of`)."""
+    unit = target_roundoff(tensors)
+    cpu_half = unit > ACCUMULATION and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
+    return (_eta(run_dtype, unit) * ROUNDING_RMS, generator,
+            _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset())
+
+
+def unit_of(perturb: tuple) -> float:
+    """The target's roundoff a :func:`perturbation` was made for: the unit its scales are measured in."""
+    return perturb[0] / ROUNDING_RMS
+
+
+def _rms(diffs: list[list], eta: float) -> list:
+    """The scale estimate from the draws: per element, the RMS of (perturbed - unperturbed) / eta over the draws
+    (``s * sqrt(chi2_R / R)`` for a true scale ``s``; the benchmark standard pools a row against its lower tail
+    for the max relative error, :func:`msprobe_ci.checkers.benchmark._row_floor`)."""
+    out = []
+    for col in zip(*diffs):
+        if any(d is None for d in col):
+            out.append(None)
+            continue
+        acc = sum((d / eta) ** 2 for d in col)
+        # a jitter that overflows a finfo.min mask to -inf makes inf - inf: no allowance there, not an infinite one
+        out.append(torch.nan_to_num((acc / len(col)).sqrt(), nan=0.0, posinf=0.0))
+    return out
+
+
+def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool):
+    """``(dtype, reference(...))`` on CPU in fp64, or in fp32 where the API has no fp64 kernel."""
+    try:
+        return torch.float64, reference(func, args, kwargs, torch.float64, "cpu", grad)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return torch.float32, reference(func, args, kwargs, torch.float32, "cpu", grad)
+
+
+def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, seed: int = 0,
+                  base: Any = None) -> list:
+    """Per-output error scale of ``func`` at these arguments (see the module docstring), as float64 tensors shaped
+    like each output (``None`` for non-floating outputs), in the order ``flatten(out)`` gives them.
+
+    Runs ``func`` ``draws + 1`` times in fp64 on CPU (fp32 where it has no fp64 kernel, with a coarser ``eta``);
+    ``draws`` times when ``base``, its unjittered fp64 output (the oracle of an fp32 call), is given.
+    Raises whatever ``func`` raises.
+    """
+    fp64 = base is not None and all(t.dtype == torch.float64 for t in tensors_of(base) if t.is_floating_point())
+    if fp64:
+        dtype = torch.float64
+    else:
+        dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
+    perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0x5CA1E + seed))
+    eta = unit_of(perturb)
+    base_rows = flatten(base)
+    diffs = []
+    for _ in range(_draws(draws, [b for b in base_rows if isinstance(b, torch.Tensor)])):
+        _, out, _ = reference(func, args, kwargs, dtype, "cpu", False, perturb=perturb)
+        diffs.append([(o.to(torch.float64) - b.to(torch.float64))
+                      if isinstance(o, torch.Tensor) and o.is_floating_point() and isinstance(b, torch.Tensor)
+                      and o.shape == b.shape else None for o, b in zip(flatten(out), base_rows)])
+    return _rms(diffs, eta)
+
+
+SMALL, SMALL_DRAWS = 64, 16
+
+
+def _draws(draws: int, outputs: list) -> int:
+    """``draws``, or :data:`SMALL_DRAWS` when an output has fewer than :data:`SMALL` elements (a loss): there no
+    row pools the estimate, whose lower tail with few draws is wide (a scalar made of two rounding sites of equal
+    size reads 0 in 6% of 4-draw estimates), and the extra runs are cheap next to a large output's."""
+    if draws and any(t.numel() < SMALL for t in outputs):
+        return max(draws, SMALL_DRAWS)
+    return draws
+
+
+def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int = DRAWS, seed: int = 0,
+                   base: list | None = None) -> list:
+    """Per-leaf error scale of the gradients ``func`` hands to its inputs that require grad (in :func:`reference`'s
+    leaf order) for the incoming gradients ``grad_out`` (as :func:`vjp`): the forward recomputed in fp64 with
+    inputs and intermediates jittered, then the vector-Jacobian product with the incoming gradients and the
+    backward's own intermediates jittered (see the module docstring). ``None`` where a leaf gets no gradient.
+    ``base``: the unjittered fp64 gradients when known (the oracle's of an fp32 call), saving one run."""
+    if base is not None and all(g is None or g.dtype == torch.float64 for g in base):
+        dtype = torch.float64
+    else:
+        dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
+        base = vjp(out, leaves, grad_out, retain=False)
+        del leaves, out
+    perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0xBAC + seed))
+    eta = unit_of(perturb)
+    diffs = []
+    for _ in range(_draws(draws, [g for g in base if isinstance(g, torch.Tensor)])):
+        p_leaves, p_out, _ = reference(func, args, kwargs, dtype, "cpu", True, perturb=perturb)
+        got = vjp(p_out, p_leaves, grad_out, perturb=perturb, retain=False)
+        diffs.append([None if g is None or b is None or g.shape != b.shape else (g.detach() - b.detach())
+                      for g, b in zip(got, base)])
+    return _rms(diffs, eta)

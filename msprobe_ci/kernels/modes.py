@@ -1,0 +1,480 @@
+"""The dispatch modes a reference or a budget runs under: :class:`Decomposed` (PyTorch's decompositions),
+:class:`Materialized` (each kernel's result rounded once), :class:`Perturb` (the rounding real kernels commit) and
+:class:`FusedAttention` (a fused attention's held probabilities)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .choice import _UNIT, ROUNDING_RMS, tensors_of
+
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch modes
+class Decomposed(TorchDispatchMode):
+    """Runs every ATen op that PyTorch has a Python decomposition for (``torch._decomp.decomposition_table``, the
+    reference implementations inductor and export lower through) as that decomposition, one level deep: the
+    ``decomposed`` bench kernel. An op whose decomposition fails at these arguments runs as itself."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._decomp import decomposition_table
+
+        kwargs = kwargs or {}
+        fn = decomposition_table.get(func)
+        native = func(*args, **kwargs)
+        if fn is None or func._schema.is_mutable or func.is_view:
+            return native
+        try:
+            out = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments: the op itself
+            return native
+        # the autograd node recorded above this mode is the op's own: its backward reads the op's auxiliary
+        # outputs (an attention's logsumexp in fp32), so those stay the op's own where the decomposition's differ
+        # in dtype or shape; the main output is the decomposition's wherever it has the op's dtype and shape
+        if _same_meta(out, native):
+            return out
+        if isinstance(out, (tuple, list)) and isinstance(native, (tuple, list)) and out and native and \
+                _same_meta(out[0], native[0]):
+            return type(native)([out[0], *native[1:]])
+        return native
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and \
+            a.shape == b.shape
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
+    return type(a) is type(b)
+
+
+@contextlib.contextmanager
+def decomposed():
+    """The ``decomposed`` kernel's context: core-ATen decompositions, oneDNN off (restored on exit)."""
+    was = torch._C._get_mkldnn_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "TF32 acceleration on top of oneDNN is available for Intel GPUs"
+        torch._C._set_mkldnn_enabled(False)
+    try:
+        with Decomposed():
+            yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+def target_dtype(tensors: list) -> torch.dtype:
+    """The coarsest floating dtype among ``tensors`` (the one a call's results are rounded to; fp32 when none)."""
+    floats = [t.dtype for t in tensors if t.is_floating_point()]
+    return max(floats, key=lambda d: _UNIT.get(d, 0.0), default=torch.float32)
+
+
+class Materialized(TorchDispatchMode):
+    """An ``upcast``/``rounded`` bench run as the ATen kernels the call is made of, each one rounded once.
+
+    A call that PyTorch's definition splits into several kernels (``Tensor.__matmul__`` of a multi-query attention
+    broadcasts one key over the heads: its key gradient is a ``bmm`` per head, rounded to the target dtype, then
+    their ``sum``; ``F.cross_entropy`` is ``log_softmax`` materialized in the target dtype, then ``nll_loss``) holds
+    those intermediates in the target dtype on every device: the decomposition happens above the device's kernels.
+    A bench computing the whole call one precision up and rounding only its result is then more accurate than
+    any device's (a Falcon fp16 key gradient measured 2.05 times the upcast bench's mean relative error, bit for
+    bit the per-head rounding). Here every floating tensor that an arithmetic kernel of the call produced and
+    another reads (an *intermediate*) is rounded to ``dtype`` where it is read; the call's inputs, and in a
+    backward the tensors the forward saved, are not (a fused backward kernel reads those as they are).
+
+    ``dtype`` ``None`` rounds nothing and only records, in :attr:`read`, whether the call has an intermediate
+    (then the one-kernel shortcut, the oracle rounded once, is not the bench)."""
+
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.dtype = dtype
+        self.produced: set[int] = set()
+        self.read = False
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int | None:
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass wrapper)
+            return None
+
+    def _held(self, value: Any) -> Any:
+        def one(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_complex() and \
+                    self._key(t) in self.produced:
+                self.read = True
+                if self.dtype is not None and t.dtype != self.dtype and \
+                        _UNIT.get(t.dtype, 1.0) < _UNIT.get(self.dtype, 0.0):
+                    return t.to(self.dtype).to(t.dtype)
+            return t
+        return tree_map(one, value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        arithmetic = not (func.is_view or name in _NO_ROUNDING or name in _NO_ROUNDING_INPLACE)
+        ins = {self._key(t) for t in tensors_of(args) + tensors_of(kwargs)}
+        if arithmetic:
+            if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+                first = self._held(args[0])
+                if first is not args[0]:
+                    args[0].copy_(first)  # an in-place kernel reads the intermediate it overwrites as held
+                args = (args[0], *self._held(tuple(args[1:])))
+            else:
+                args = self._held(args)
+            kwargs = self._held(kwargs)
+        out = func(*args, **kwargs)
+        # an arithmetic kernel's new results (not views of, or writes into, its arguments) are intermediates of
+        # the call; a copy, a view or a gather of one is one too
+        if arithmetic or not ins.isdisjoint(self.produced):
+            for t in tensors_of(out):
+                key = self._key(t)
+                if key and key not in ins:
+                    self.produced.add(key)
+            if not arithmetic and func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+                self.produced.add(self._key(args[0]))  # an intermediate copied into a buffer: the buffer holds it
+        return out
+
+
+def materialized(dtype: torch.dtype | None):
+    """A context factory for :func:`reference`/:func:`vjp`: the call run under :class:`Materialized`."""
+    return lambda: Materialized(dtype)
+
+
+# ops whose result is a copy, a view, a fill or metadata: no arithmetic, nothing a kernel rounds
+_NO_ROUNDING = frozenset({"detach", "lift_fresh", "lift_fresh_copy", "ones_like", "zeros_like", "empty_like",
+                          "full_like", "_to_copy", "clone", "copy", "alias", "new_ones", "new_zeros", "new_empty",
+                          "new_full", "scalar_tensor", "full", "ones", "zeros", "empty", "empty_strided", "expand",
+                          "view", "_unsafe_view", "slice", "select", "cat", "stack", "index_select", "gather",
+                          "constant_pad_nd", "where", "masked_fill", "embedding",
+                          "permute", "transpose", "t", "squeeze", "unsqueeze", "reshape", "contiguous", "split",
+                          "split_with_sizes", "unbind", "narrow", "flip", "roll", "repeat", "index", "as_strided"})
+
+
+#: ATen ops whose every output element is a sum of many products or terms (GEMMs, convolutions, sums): a kernel
+#: accumulates them in fp32, so the rounding they commit is the random walk of their terms at fp32's roundoff
+#: (``sqrt(sum t_j^2) * u32``), which jittering their inputs by the accumulation roundoff gives
+_CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "convolution",
+                           "_convolution", "convolution_backward", "mkldnn_convolution", "sum", "nansum", "mean",
+                           "cumsum", "prod", "_grouped_mm", "embedding_bag", "_embedding_bag", "index_add",
+                           "scatter_add", "scatter_reduce", "segment_reduce", "linalg_vector_norm", "norm"})
+
+#: PyTorch's CPU kernels that hold their terms or partial sums in the tensor's half-precision dtype, where GPU and NPU
+#: kernels accumulate in fp32 (measured: ``python benchmarks/cpu_half_accumulation.py``, docs/verdicts.md). A budget
+#: for a bf16/fp16 target on the CPU charges these as a kernel holding everything in the target dtype: their inputs
+#: (the terms) and every step of their decomposition jittered by the full unit roundoff (their sums grow past one
+#: rounding per term; with the RMS of one rounding, BERT's embedding and GPT-2's LayerNorm backward in bf16 and
+#: BERT's cross entropy in fp16 failed benign runs against the correctly rounded bench). Sources: the LayerNorm
+#: backward keeps its weight- and bias-gradient sums in ``T`` (``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``);
+#: the mean ``nll_loss`` its cascade of partial sums (``LossNLL.cpp``); the embedding backward adds a repeated
+#: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
+#: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43, and the half batch norm folds the mean into
+#: its bias, ``x * a + (b - mean * a)`` in ``T``: its error is that of its terms where ``x`` is near the mean.
+CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nll_loss2d_forward",
+                           "embedding_dense_backward", "convolution_backward", "native_batch_norm",
+                           "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                           "native_batch_norm_backward"})
+#: add and sub with an ``alpha`` (``p.add_(grad, alpha=-lr)``): the CPU half kernels cast ``alpha`` to the tensor's
+#: dtype (measured: 0.25 u of the term in bf16, 0.5 u in fp16, for alpha -0.1)
+_ALPHA_OPS = frozenset({"add", "sub", "add_", "sub_"})
+
+#: inside a fused attention kernel (:class:`FusedAttention`): the results held in the input dtype. Flash attention
+#: kernels (PyTorch's CPU ``_scaled_dot_product_flash_attention_for_cpu``, FlashAttention-2 on CUDA) compute
+#: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
+#: input dtype for the GEMMs that follow; everything else stays in fp32.
+ATTENTION_HELD = frozenset({"_softmax", "_safe_softmax", "_softmax_backward_data"})
+#: and whose inputs are held too: a flash backward's ``D = rowsum(dO * O)`` reads the forward output ``O`` rounded
+#: to the input dtype, so ``dP - D`` cancels at the size of a rounding of its terms (the probabilities and their
+#: gradient rounded where they enter ``dS = P * (dP - D)``); T5's attention backward missed by 10.7 u otherwise
+ATTENTION_HELD_INPUTS = frozenset({"_softmax_backward_data"})
+
+_KERNEL = threading.local()  # the stack of fused kernels the running ops are inside (their held results)
+
+
+def _inside() -> list:
+    if not hasattr(_KERNEL, "stack"):
+        _KERNEL.stack = []
+    return _KERNEL.stack
+
+
+class Perturb(TorchDispatchMode):
+    """The rounding a typical kernel of the target dtype commits, as random relative jitter of an fp64 run.
+
+    * Inputs are exact (they already are values of the target dtype; :func:`reference` copies them unchanged).
+    * Every ATen op is a kernel: its floating result is materialized in the target dtype, so it is multiplied by
+      ``1 + eta * xi`` (``xi``: random errors of RMS 1 from ``generator``, :func:`jitter`; ``eta``: the RMS of one rounding to the target
+      dtype, :func:`perturbation`).
+    * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
+      is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
+      ``inner`` before it runs: the random walk of the terms), a half-precision kernel combining several tensors
+      (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a
+      *reduction* (an op whose floating outputs are all smaller than its largest floating input: a mean, a loss)
+      that PyTorch can decompose runs as that decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
+    * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
+      ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
+      decomposition jittered by the full unit roundoff ``unit``) and, inside a fused attention
+      (:class:`FusedAttention`), :data:`ATTENTION_HELD`.
+
+    ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
+
+    def __init__(self, eta: float, generator: torch.Generator, inner: float | None = None,
+                 held: frozenset = frozenset()):
+        super().__init__()
+        self.eta, self.generator = eta, generator
+        self.inner = eta if inner is None else inner
+        self.held, self.unit = held, eta / ROUNDING_RMS
+        self._all_at: float | None = None  # inside a held kernel: every result and term at the full ``unit``
+
+    def _at(self, eta: float, value: Any) -> Any:
+        return tree_map(lambda t: jitter(t, eta, self.generator), value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NO_ROUNDING:
+            return func(*args, **kwargs)
+        if self.held and self._all_at is None and name in _ALPHA_OPS and len(args) > 1 and \
+                kwargs.get("alpha", 1) != 1:
+            # PyTorch's CPU half add/sub casts ``alpha`` to the tensor's dtype: the ``alpha * b`` term is off by
+            # up to a rounding of its own (0.25-0.5 u measured for alpha 0.1)
+            args = (args[0], self._at(self.unit, args[1]), *args[2:])
+        if func._schema.is_mutable:
+            if not _rounds_in_place(name):
+                return func(*args, **kwargs)
+            if self._all_at is None and _fused(func, args, kwargs):
+                # a fused update (``exp_avg.lerp_(grad, 0.1)``: ``a + w * (b - a)``) rounds inside, on its
+                # overwritten tensor's terms too (jittered where it lies: the op must write into it)
+                if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                    args[0].copy_(jitter(args[0], self.inner, self.generator))
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            elif self._all_at is None and self.inner < self.eta and _terms(args, kwargs) > 1:
+                # its fp32 math rounds the terms it adds to the tensor it overwrites (not that tensor itself)
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                inside = _inside()
+                eta = self._all_at or (self.inner if inside and name not in inside[-1] else self.eta)
+                out.copy_(jitter(out, eta, self.generator))  # an in-place kernel rounds what it writes
+            return out
+        if self._all_at is not None:  # a step of a held kernel
+            if name in _CONTRACTIONS:
+                args, kwargs = self._at(self._all_at, args), self._at(self._all_at, kwargs)
+            out = func(*args, **kwargs)
+            return self._at(self._all_at, out)
+        inside = _inside()
+        if name in self.held and not inside:
+            return self._held(func, args, kwargs)
+        # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
+        out_eta = self.inner if inside and name not in inside[-1] else self.eta
+        if inside and name in ATTENTION_HELD_INPUTS and self.inner < self.eta:  # a half-precision attention
+            args = self._at(self.eta, args)
+        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1) or \
+                _fused(func, args, kwargs):
+            # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
+            # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
+            out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
+            return self._at(out_eta, out)
+        out = func(*args, **kwargs)
+        if _reduces(args, kwargs, out):
+            steps = self._steps(func, args, kwargs, out, held=False)
+            if steps is not None:
+                return self._at(out_eta, steps)
+        return self._at(out_eta, out)
+
+    def _steps(self, func, args, kwargs, out, held: bool):
+        """``func`` run as its decomposition, each step an op of this mode inside the kernel (``held``: every step
+        at the full unit roundoff); None where PyTorch has none, or it does not take these arguments or gives
+        results of other dtypes or shapes than ``out``."""
+        from torch._decomp import decomposition_table
+
+        fn = decomposition_table.get(func)
+        if fn is None:
+            return None
+        if held:
+            self._all_at = self.unit
+        else:
+            _inside().append(frozenset())
+        try:
+            with self:
+                steps = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
+            return None
+        finally:
+            if held:
+                self._all_at = None
+            else:
+                _inside().pop()
+        return steps if _same_meta(steps, out) else None
+
+    def _held(self, func, args, kwargs):
+        """A kernel holding its terms in the target dtype: its inputs (the terms), every step of its decomposition
+        (where PyTorch has one) and its result jittered by the full unit roundoff, not the RMS of one rounding:
+        these kernels' half sums grow past one rounding per term (a sequential sum's error is the random walk of
+        its partial sums), measured in ``benchmarks/cpu_half_accumulation.py``."""
+        args, kwargs = self._at(self.unit, args), self._at(self.unit, kwargs)
+        out = func(*args, **kwargs)
+        steps = self._steps(func, args, kwargs, out, held=True)
+        return steps if steps is not None else self._at(self.unit, out)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` as one fused kernel for the budget's runs: its math (PyTorch's
+    ``_scaled_dot_product_attention_math``: ``Q K^T``, softmax, ``P V``), forward and backward, run inside a kernel
+    (:class:`Perturb`: intermediates in fp32, :data:`ATTENTION_HELD` in the input dtype), its results rounded once.
+    The backward recomputes the forward (as flash kernels do), with fresh draws."""
+
+    @staticmethod
+    def forward(ctx, eta_gen, kwargs, *tensors):
+        ctx.eta_gen, ctx.kwargs = eta_gen, kwargs
+        ctx.save_for_backward(*tensors)
+        _inside().append(ATTENTION_HELD)
+        try:
+            out = _attention_math(*tensors, **kwargs)
+        finally:
+            _inside().pop()
+        return _round_out(out, *eta_gen)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(ctx.needs_input_grad[2 + i]) if t.is_floating_point() else t
+                      for i, t in enumerate(tensors)]
+            want = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            _inside().append(ATTENTION_HELD)
+            try:
+                out = _attention_math(*leaves, **ctx.kwargs)
+                got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
+            finally:
+                _inside().pop()
+        grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
+        return (None, None, *[_round_out(g, *ctx.eta_gen) if g is not None else None for g in grads])
+
+
+def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                              scale=scale, enable_gqa=enable_gqa)[0]
+
+
+def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # the kernel's output rounding, once: not again as an op of the mode
+        return jitter(t, eta, generator)
+
+
+#: the attention API itself (``F.scaled_dot_product_attention``), not whatever a capture's hook put in its place
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+class FusedAttention(torch.overrides.TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` (without dropout) through :class:`_FusedAttention` in the
+    budget's runs (``perturb``: ``(eta, generator)`` of the kernel's output rounding)."""
+
+    def __init__(self, eta: float, generator: torch.Generator):
+        super().__init__()
+        self.eta_gen = (eta, generator)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA and not kwargs.get("dropout_p") and \
+                (len(args) < 5 or not args[4]):
+            kw = dict(kwargs)
+            for key, value in zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]):
+                kw[key] = value
+            kw.pop("dropout_p", None)
+            mask = kw.pop("attn_mask", None)
+            if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[:3]) and \
+                    (mask is None or isinstance(mask, torch.Tensor)):
+                return _FusedAttention.apply(self.eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
+        return func(*args, **kwargs)
+
+# in-place ops that write no arithmetic result: copies, fills, random draws, index writes, metadata
+_NO_ROUNDING_INPLACE = frozenset({"copy_", "fill_", "zero_", "set_", "resize_", "resize_as_", "normal_", "uniform_",
+                                  "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
+                                  "masked_fill_", "index_fill_", "scatter_", "index_put_", "_index_put_impl_",
+                                  "put_", "detach_", "requires_grad_", "as_strided_", "squeeze_", "unsqueeze_",
+                                  "transpose_", "t_", "clamp_", "clamp_min_", "clamp_max_", "relu_", "masked_scatter_"})
+
+
+def _terms(args, kwargs) -> int:
+    """How many floating tensors an op reads (the terms its arithmetic may combine)."""
+    return sum(1 for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point())
+
+
+def _fused(func, args, kwargs) -> bool:
+    """Whether a pointwise op's arithmetic rounds inside, before its result: it reads three floating tensors or
+    more (``addcmul``, ``addcdiv``, ``lerp`` with a tensor weight) or two and a floating scalar factor (``lerp(a, b,
+    0.1)``, ``add(a, b, alpha=-0.1)``). Its terms are rounded at the accumulation roundoff (:class:`Perturb`), which
+    matters where that is the target's own (fp32: the CPU's ``lerp`` is ``a + w * (b - a)`` in fp32, three roundings
+    where the correctly rounded result has one, off by 2 u where AdamW's first moment cancels). Only ATen ops
+    tagged ``pointwise``: a normalization's inputs (LayerNorm's ``x, weight, bias``) are not terms it adds."""
+    if torch.Tag.pointwise not in getattr(func, "tags", ()):
+        return False
+    n = _terms(args, kwargs)
+    if n >= 3:
+        return True
+    scalars = [v for v in list(args) + list(kwargs.values()) if isinstance(v, float) and not isinstance(v, bool)]
+    return n >= 2 and any(v not in (1.0, -1.0, 0.0) for v in scalars)
+
+
+def _rounds_in_place(name: str) -> bool:
+    """An in-place ATen op (``add_``, ``addcdiv_``, ``lerp_``) whose written result is arithmetic: rounded once
+    in the target dtype like its functional form."""
+    return name.endswith("_") and not name.startswith("_foreach") and name not in _NO_ROUNDING_INPLACE and \
+        name[:-1] not in _NO_ROUNDING
+
+
+def _reduces(args, kwargs, out) -> bool:
+    ins = [t.numel() for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point()]
+    outs = [t.numel() for t in tensors_of(out) if t.is_floating_point()]
+    return bool(ins) and bool(outs) and max(outs) < max(ins)
+
+
+_DRAWN: list = []  # one buffer of rounding errors, drawn once: each jitter reads it from a random offset
+_DRAWN_SIZE = 1 << 22
+_SPREAD = (13.0 / 12.0) ** -0.5  # |xi| = this * (0.5 + U(0, 1)): RMS 1
+
+
+def _draw(n: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` draws of ``xi``: a random sign times a magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1."""
+    sign = torch.randint(0, 2, (n,), generator=generator, dtype=dtype).mul_(2).sub_(1)
+    return torch.rand(n, generator=generator, dtype=dtype).add_(0.5).mul_(sign).mul_(_SPREAD)
+
+
+def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
+    """``t * (1 + eta * xi)`` for a floating tensor ``t``, anything else unchanged: ``xi`` a random sign times a
+    magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1, so ``eta * xi`` has the RMS ``eta`` of one rounding.
+
+    The budget estimates each element's error RMS from a few draws, so ``xi`` is chosen for that estimate, not to
+    mimic one rounding's (uniform) error: a random sign of fixed size (every draw of a one-rounding element
+    exact) let two roundings of equal size cancel exactly in half of the draws, and 4 draws estimated a scale of 0
+    in 1 case out of 16 (Mixtral's router softmax backward, ``y_i (g_i - sum_j g_j y_j)`` over two routed
+    experts, false-failed the small-value rule there); a uniform error never cancels, but one of 4 draws near 0
+    estimates a one-rounding element far under its size (GPT-2's attention backward false-failed its max
+    relative error). Magnitudes on ``[0.5, 1.5]`` do neither: a one-rounding element is estimated within
+    ``[0.48, 1.44]`` of its size, two equal roundings never cancel exactly.
+
+    The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
+    jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
+    fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return t
+    n = t.numel()
+    if n > _DRAWN_SIZE // 2:
+        xi = _draw(n, generator, t.dtype).view(t.shape)
+    else:
+        if not _DRAWN:
+            _DRAWN.append(_draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32))
+        start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
+        xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
+    factor = xi.mul_(eta).add_(1.0)
+    return t * (factor if t.device.type == "cpu" else factor.to(t.device))
