@@ -421,18 +421,10 @@ def _graph(args) -> int:
     return 0
 
 
-def _check_chunk(job: tuple[str, list[str], bool, str]) -> list:
-    from .dump.reader import load_dump
-    from .replay.runner import ApiReplayer
-
-    path, names, live, kernel = job
-    replayer = ApiReplayer(load_dump(path, skip_bad_entries=True), live=live, bench_kernel=kernel)
-    return [replayer.check(n) for n in names]
-
-
 def _api_check(args) -> int:
     from .dump.reader import layout
     from .outputs import check_output_file, is_junit
+    from .replay.batch import check_folders, write_api_junit
 
     folders = [f for _, f in sorted(layout(args.api_info_file).items())] \
         if os.path.isdir(args.api_info_file) else [args.api_info_file]
@@ -440,9 +432,10 @@ def _api_check(args) -> int:
         inputs = [os.path.join(d if os.path.isdir(d) else os.path.dirname(d) or ".", f)
                   for d in folders for f in ("dump.json", "stack.json", "construct.json")]
         args.junitxml = check_output_file(args.junitxml, "--junitxml", inputs=inputs, replaceable=is_junit)
-    results = _api_check_folders(folders, args)
+    results = check_folders(folders, workers=args.num_workers, scheduler=args.scheduler, live=args.live,
+                            bench_kernel=args.bench_kernel, out_path=args.out_path)
     if args.junitxml:
-        _api_junit(results, args.junitxml)
+        write_api_junit(results, args.junitxml)
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "warning", "error", "skip")}
     print(f"{len(results)} API calls: pass {counts['pass']}, warning {counts['warning']}, error {counts['error']}, "
           f"skip {counts['skip']}")
@@ -452,59 +445,6 @@ def _api_check(args) -> int:
               file=sys.stderr)
         return 1
     return 1 if counts["error"] else 0
-
-
-def _api_check_folders(folders: list[str], args) -> list:
-    """Every folder's API calls checked, reports written per folder; with ``-n N`` (or ``--scheduler``) each
-    folder's calls are split in N shares, all queued at once on one pool of N spawned workers (the ~1.7 s torch
-    import per worker paid once per run, not per folder), each worker pinned to this process's torch thread count:
-    the benchmark standard's bench is CPU arithmetic in the target dtype whose rounding follows how reductions are
-    split across threads (a bf16 layer_norm backward with 1 thread instead of 2 fails 4 of 109 GPT-2 calls), so
-    verdicts do not depend on ``-n``."""
-    from . import workers as engine
-    from .dump.reader import load_dump
-    from .replay.report import write_reports
-    from .replay.runner import ApiReplayer
-
-    workers = args.num_workers
-    jobs: list[tuple[int, tuple[str, list[str], bool, str]]] = []
-    labels = []
-    names_by_folder = []
-    for i, folder in enumerate(folders):
-        names = ApiReplayer(load_dump(folder, skip_bad_entries=True), live=args.live).api_names()
-        names_by_folder.append(names)
-        chunks = [names] if workers == 1 else [names[k::workers] for k in range(workers)]
-        for k, c in enumerate(chunks):
-            if c:
-                jobs.append((i, (folder, c, args.live, args.bench_kernel)))
-                labels.append(f"{folder} (share {k + 1} of {len(chunks)})")
-    parts = engine.run(_check_chunk, [job for _, job in jobs], labels, workers=workers, scheduler=args.scheduler)
-    results = []
-    for i, names in enumerate(names_by_folder):
-        by_name = {r.name: r for (j, _), part in zip(jobs, parts) if j == i for r in part}
-        folder_results = [by_name[n] for n in names]
-        for csv_path in write_reports(folder_results, args.out_path):
-            print(csv_path)
-        results += folder_results
-    return results
-
-
-def _api_junit(results: list, path: str) -> None:
-    from junit_xml import TestCase, TestSuite, to_xml_report_string
-
-    from .outputs import atomic_write
-
-    cases = []
-    for r in results:
-        case = TestCase(r.name, classname="msprobe.api_check")
-        if r.status == "error":
-            case.add_failure_info(message=r.message, failure_type="accuracy")
-        elif r.status == "skip":
-            case.add_skipped_info(message=r.reason)
-        cases.append(case)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with atomic_write(path, "w", encoding="utf-8") as fh:
-        fh.write(to_xml_report_string([TestSuite("msprobe api-check", cases)]))
 
 
 def _view(args) -> int:

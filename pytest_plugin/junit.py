@@ -4,15 +4,15 @@ One ``<testsuite>`` per checked test (per ``msprobe.check`` call), one ``<testca
 the node, e.g. ``Functional.linear.0.forward``; its verdict is the isolated one, its whole-network drift a
 property), one ``model.<output>`` testcase per final output and the loss (end-to-end tolerance) plus one
 ``overflow`` testcase. ``junit-xml`` has no per-testcase
-properties, so the metrics are added to each ``<testcase>`` as ``<properties>`` after rendering.
+properties, so the metrics are added to each ``<testcase>`` as ``<properties>`` after rendering, by the one writer
+(:func:`msprobe_ci.junit.write_junit_xml`) the CLI's api-check uses too.
 """
 
 from __future__ import annotations
 
-import os
-import xml.etree.ElementTree as ET
+from junit_xml import TestCase, TestSuite
 
-from junit_xml import TestCase, TestSuite, to_xml_report_string
+from ..junit import api_case, write_junit_xml
 
 
 def classname(test: str, index: int) -> str:
@@ -106,33 +106,11 @@ def write_junit(path: str, results: list[dict]) -> None:
         if r.get("api_checks"):
             api_cases = []
             for a in r["api_checks"]:
-                case = TestCase(a["name"], classname=f"{suite_name}[api-check]")
-                if a["status"] == "error":
-                    case.add_failure_info(message=a["message"], failure_type="api-accuracy")
-                elif a["status"] == "warning":
-                    case.stdout = f"msprobe warning: {a['message']}"
-                elif a["status"] == "skip":
-                    case.add_skipped_info(message=a["message"])
-                api_cases.append(case)
+                api_cases.append(api_case(a["name"], a["status"], a["message"], f"{suite_name}[api-check]"))
                 props[(f"{suite_name}[api-check]", a["name"])] = {"msprobe.status": a["status"]}
             suites.append(TestSuite(f"{suite_name}[api-check]", api_cases))
         suites.append(TestSuite(suite_name, cases, timestamp=r.get("started"), properties={
             "msprobe.test": r["test"],
             "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
             "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"]}))
-    root = ET.fromstring(to_xml_report_string(suites, encoding="utf-8"))
-    for suite in root.iter("testsuite"):
-        for case in suite.iter("testcase"):
-            values = props.get((case.get("classname"), case.get("name")))
-            if not values:
-                continue
-            el = ET.Element("properties")
-            for k, v in values.items():
-                ET.SubElement(el, "property", name=k, value=v)
-            case.insert(0, el)
-    from ..outputs import atomic_write, check_output_file, is_junit, make_output_dir
-
-    path = check_output_file(path, "JUnit XML", replaceable=is_junit)
-    make_output_dir(os.path.dirname(path))
-    with atomic_write(path, "wb") as fh:
-        ET.ElementTree(root).write(fh, encoding="utf-8", xml_declaration=True)
+    write_junit_xml(path, suites, props)

@@ -267,7 +267,7 @@ _NAMES = st.sampled_from(["Functional.x.0.forward", "Module.m.Linear.forward.0"]
 
 
 def _tensor():
-    from msprobe_ci.dump.reader import _TENSOR_TYPES, _dtypes
+    from msprobe_ci.dump.validate import _TENSOR_TYPES, _dtypes
 
     stat = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
     return st.fixed_dictionaries(
@@ -318,7 +318,7 @@ _FIELDS = {"data", "output", "input_args", "input_kwargs", "parameters", "type",
 @given(doc=_valid_docs())
 def test_schema_fast_path_takes_valid_dumps(doc):
     """Valid documents of every shape pass both the compiled schema and the fast path (so the fast path is used)."""
-    from msprobe_ci.dump.reader import _surely_valid, _validator
+    from msprobe_ci.dump.validate import _surely_valid, _validator
 
     _validator()(doc)
     assert _surely_valid(doc)
@@ -331,7 +331,7 @@ def test_schema_fast_path_accepts_only_what_the_schema_accepts(doc, data):
     (anywhere: header, entry, record field, shape item) is accepted by the fast path only if the schema accepts it."""
     import fastjsonschema
 
-    from msprobe_ci.dump.reader import _surely_valid, _validator
+    from msprobe_ci.dump.validate import _surely_valid, _validator
 
     slots = list(_slots(doc))
     fields = [s for s in slots if s[1] in _FIELDS or s[2] == "shape"]  # half the draws: a named field
@@ -347,7 +347,7 @@ def test_schema_fast_path_accepts_only_what_the_schema_accepts(doc, data):
 
 def test_schema_fast_path_takes_real_dumps(fixtures_dir):
     """msprobe's own dumps (PyTorch and MindSpore, statistics and tensor) go through the fast path."""
-    from msprobe_ci.dump.reader import _surely_valid
+    from msprobe_ci.dump.validate import _surely_valid
 
     files = [os.path.join(root, "dump.json") for root, _, names in os.walk(fixtures_dir) if "dump.json" in names]
     assert len(files) >= 4
@@ -445,7 +445,7 @@ def test_absurd_nesting_is_refused_at_once(tmp_path, capsys, command):
 @pytest.mark.parametrize("chunk", [1, 2, 5, 64, 1 << 22])
 def test_nesting_check_counts_brackets_outside_strings_across_blocks(tmp_path, chunk):
     """Brackets and escaped quotes inside strings do not count, wherever a block boundary falls."""
-    from msprobe_ci.dump.reader import check_nesting
+    from msprobe_ci.dump.validate import check_nesting
 
     value = '[[[\\\\\\"{{{ ]'  # the JSON text of a string holding brackets, a backslash and a quote
     body = ('{"task":"statistics","data":{"A.b.0.forward":{"input_args":[{"type":"str","value":"' + value + '"}]},'

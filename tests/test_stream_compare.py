@@ -400,7 +400,7 @@ def test_chunked_reading_gives_what_ijson_gives(tmp_path_factory, names, values,
 
     import ijson
 
-    from msprobe_ci.compare import stream
+    from msprobe_ci.dump import scan as stream
 
     folder = tmp_path_factory.mktemp("chunks")
     items = list(zip(names, values))
@@ -419,7 +419,7 @@ def test_chunked_reading_gives_what_ijson_gives(tmp_path_factory, names, values,
             yajl = None
         with mock.patch.object(stream, "_CHUNK", sizes[0]), mock.patch.object(stream, "_BLOCK", sizes[1]):
             try:
-                got = list(stream._items(str(path)))
+                got = list(stream.iter_items(str(path)))
             except stream.NotStreamable:
                 got = None
         same = lambda a, b: json.dumps(a) == json.dumps(b)  # noqa: E731 (NaN is not NaN; its JSON text is)
@@ -434,7 +434,7 @@ def test_chunked_reading_gives_what_ijson_gives(tmp_path_factory, names, values,
 def test_chunked_reading_takes_both_layouts(tmp_path):
     """msprobe's indent=1 dump.json and msprobe-ci's one-entry-a-line one are read by orjson chunks to the end (the
     fast path is taken, not only correct)."""
-    from msprobe_ci.compare.stream import _chunked_items, _items
+    from msprobe_ci.dump.scan import _chunked_items, iter_items
 
     items = [(f"Functional.relu.{i}.forward", {"input_args": [{"type": "int", "value": i}], "output": [None]})
              for i in range(3000)]
@@ -447,7 +447,7 @@ def test_chunked_reading_takes_both_layouts(tmp_path):
     bad = tmp_path / "nocomma.json"
     bad.write_text(_layouts({"task": "statistics"}, [("A.x.0.forward", 12), ("B.y.0.forward", 3)], {})["nocomma"])
     with pytest.raises(NotStreamable):
-        list(_items(str(bad)))
+        list(iter_items(str(bad)))
 
 
 def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):
@@ -469,7 +469,7 @@ def test_nonfinite_tokens_are_read_as_pythons_json_reads_them(tmp_path, chunk):
     stops the fast path there (never misread); yajl then refuses the NaN and the in-memory reader takes the file."""
     from unittest import mock
 
-    from msprobe_ci.compare import stream
+    from msprobe_ci.dump import scan as stream
     from msprobe_ci.dump.writer import dump_json_text
 
     items = {"A.x.0.forward": {"Max": math.nan, "Min": -math.inf, "Mean": math.inf, "Norm": [math.nan, 1.5]},
@@ -478,7 +478,7 @@ def test_nonfinite_tokens_are_read_as_pythons_json_reads_them(tmp_path, chunk):
     path.write_text(dump_json_text({"task": "statistics", "level": "mix"}, items))
     want = list(json.loads(path.read_text())["data"].items())
     with mock.patch.object(stream, "_CHUNK", chunk):
-        got = list(stream._items(str(path)))
+        got = list(stream.iter_items(str(path)))
     assert json.dumps(got) == json.dumps(want)
     assert math.isnan(got[0][1]["Max"]) and got[0][1]["Min"] == -math.inf and got[1][1]["s"] == "NaN"
     for tricky in ("x: NaN, y", "[Infinity]", "@msprobe-ci-nonfinite:NaN"):
@@ -488,4 +488,4 @@ def test_nonfinite_tokens_are_read_as_pythons_json_reads_them(tmp_path, chunk):
             fast = list(stream._chunked_items(fh))
         assert json.dumps(fast) == json.dumps(want)  # up to the tricky entry, and not past it
         with pytest.raises(stream.NotStreamable):
-            list(stream._items(str(path)))
+            list(stream.iter_items(str(path)))

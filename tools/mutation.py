@@ -36,7 +36,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "overflow": (["msprobe_ci/overflow.py"], ["tests/test_rules.py"]),
     "check": ([f"msprobe_ci/check/{m}.py" for m in ("outcome", "sides", "training", "generation", "settings")],
               ["tests/test_rules.py"]),
-    "junit": (["msprobe_ci/pytest_plugin/junit.py"], ["tests/test_rules.py"]),
+    "junit": (["msprobe_ci/pytest_plugin/junit.py", "msprobe_ci/junit.py"], ["tests/test_rules.py"]),
     "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
         "thousandth", "ulp")], _STANDARD_TESTS),

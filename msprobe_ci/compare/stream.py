@@ -1,15 +1,14 @@
 """Streaming compare: two large PyTorch dumps compared entry by entry, memory bounded by what is still unmatched.
 
 ``msprobe-ci compare`` on one target/bench pair of PyTorch dumps (no ``-fm``, no mapping files, no msprobe-ci
-isolation records) reads both dump.json files incrementally (:func:`_items`: ``orjson`` on chunks of whole entries
-where the layout allows, else ``ijson``'s C backend, yajl2), pairs target
-and bench entries as they come (dumps of the same model list them in the same execution order; a bench entry not
-yet needed waits in a window, and is dropped once matched), judges each node with the same rules as the in-memory
-compare (:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run:
-entry names (duplicate detection), per forward entry the relative errors and bench norms of its rows (what its
-backward twin and a module's ``parameters_grad`` judge their inputs by: a tuple of floats each, dropped for an API
-once its backward call is judged), the target's
-stack.json and the counts. Measured by ``benchmarks/scale.py``.
+isolation records) reads both dump.json files incrementally (:mod:`msprobe_ci.dump.scan`: ``orjson`` on chunks of
+whole entries where the layout allows, else ``ijson``'s C backend, yajl2), pairs target and bench entries as they
+come (dumps of the same model list them in the same execution order; a bench entry not yet needed waits in a window,
+and is dropped once matched), judges each node with the same rules as the in-memory compare
+(:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run: entry
+names (duplicate detection), per forward entry the relative errors and bench norms of its rows (what its backward
+twin and a module's ``parameters_grad`` judge their inputs by: a tuple of floats each, dropped for an API once its
+backward call is judged), the target's stack.json and the counts. Measured by ``benchmarks/scale.py``.
 
 Each entry is validated against the dump schema as it is read (one-line errors naming file, entry and field);
 duplicate entry names are caught, duplicate keys *inside* one entry are not (the in-memory reader catches both).
@@ -21,14 +20,13 @@ syntax error, which the in-memory reader then reports).
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Generator, Iterator
+from typing import Any, Iterator
 
-from ..dump.reader import check_nesting, entry_surely_valid, read_stack, validate_dump_json
+from ..dump.reader import read_stack
+from ..dump.scan import NotStreamable, iter_entries, read_header
 from ..errors import MsprobeError
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write, release
@@ -37,10 +35,6 @@ from .csvout import RowWriter
 from .report import CompareReport, RowResult, accumulated
 from .rows import _dtype_compatible, backward_key, entry_rows
 from .verdict import CompareResult, Thresholds
-
-
-class NotStreamable(Exception):
-    """The dump needs the in-memory compare (another framework, header after the data)."""
 
 
 @dataclass
@@ -52,239 +46,6 @@ class StreamResult:
     counts: dict = field(default_factory=lambda: {s: 0 for s in ("pass", "warning", "error", "unmatched")})
     first_divergence: CompareResult | None = None
     nodes: int = 0
-
-
-def _header(path: str) -> dict:
-    """The top-level scalars before ``data`` (msprobe and msprobe-ci write them first)."""
-    import ijson
-
-    head: dict[str, Any] = {}
-    key, depth = None, 0
-    try:
-        with open(path, "rb") as fh:
-            # basic_parse: events without prefixes, whose building is quadratic in the nesting depth (a prefix per
-            # event, built for a whole buffer at once), before check_nesting had a chance
-            for event, value in ijson.basic_parse(fh, use_float=True):
-                if event in ("start_map", "start_array"):
-                    depth += 1
-                elif event in ("end_map", "end_array"):
-                    depth -= 1
-                    if depth == 0:
-                        break
-                elif depth == 1 and event == "map_key":
-                    key = value
-                    if value == "data":
-                        return head
-                elif depth == 1 and event in ("string", "number", "boolean", "null"):
-                    head[key] = value
-    except FileNotFoundError:
-        raise MsprobeError(f"{path}: file not found") from None
-    except ijson.JSONError as exc:
-        raise NotStreamable(f"{path}: {str(exc).splitlines()[0][:120]}") from None
-    raise NotStreamable(f"{path}: no 'data' after the header")
-
-
-_ENTRY_START = b'\n  "'  # an entry's first line in msprobe's indent=1 layout and in msprobe-ci's
-_DATA_END = re.compile(rb'\s*}\s*}\s*$')  # data's and the document's closing braces
-# orjson reads an integer past 64 bits as a float where json and ijson keep (or refuse) it: a chunk holding a
-# 19-digit integer token (digits after a space, comma, colon, bracket or minus) goes to ijson instead
-_INT_MAP = bytes(ord("0") if chr(c).isdigit() and c < 128 else ord(" ") if chr(c) in " \t\n\r,:[-" else ord("x")
-                 for c in range(256))
-_LONG_INT = b" " + b"0" * 19
-_BLOCK = 1 << 20   # bytes read at a time
-_CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
-
-
-# NaN, Infinity and -Infinity as Python's json (and so msprobe) writes them: bare tokens JSON lacks, which orjson and
-# yajl refuse. Every dump of a model with an attention mask holds some (-Infinity minima, NaN means).
-_NONFINITE = re.compile(rb"(NaN|-Infinity|Infinity)(?=\s*[,\]}])")  # led by the token: few places to try
-_MARK = b"@msprobe-ci-nonfinite:"
-_MARKED = {f"@msprobe-ci-nonfinite:{k}": v for k, v in (("NaN", math.nan), ("Infinity", math.inf),
-                                                         ("-Infinity", -math.inf))}
-
-
-def _mark_nonfinite(body: bytes) -> tuple[bytes | None, list[int]]:
-    """``body`` with each bare ``NaN``/``Infinity``/``-Infinity`` value token made a marker string orjson reads, and
-    the offsets in ``body`` where there was one; ``(None, [])`` when the text already holds the marker (it could
-    not be told apart).
-
-    Only tokens in value position (after ``:``, ``,`` or ``[``, before ``,``, ``]`` or ``}``) are marked. Such a
-    sequence inside a JSON string would get the marker's quotes, which end that string and leave the marker text
-    bare: invalid JSON, so the chunk goes to the slower readers, never misread."""
-    if b"NaN" not in body and b"Infinity" not in body:
-        return body, []
-    if _MARK in body:
-        return None, []
-    at: list[int] = []
-
-    def mark(m: re.Match) -> bytes:
-        j = m.start() - 1
-        while j >= 0 and body[j] in b" \t\r\n":
-            j -= 1
-        if j < 0 or body[j] not in b":,[":  # not in value position: left bare (orjson refuses it)
-            return m.group(0)
-        at.append(m.start())
-        return b'"' + _MARK + m.group(1) + b'"'
-    return _NONFINITE.sub(mark, body), at
-
-
-def _unmark(v: Any) -> Any:
-    """A parsed value with :func:`_mark_nonfinite`'s marker strings back as the floats they stand for."""
-    t = type(v)
-    if t is str:
-        return _MARKED.get(v, v)
-    if t is dict:
-        return {k: _unmark(x) for k, x in v.items()}
-    if t is list:
-        return [_unmark(x) for x in v]
-    return v
-
-
-def _unmark_entries(items: dict, starts: list[int], at: list[int]) -> dict:
-    """``items`` (the entries of one chunk, in file order, the i-th starting at ``starts[i]`` in its text) with the
-    markers put back in the entries whose text held one (``at``: the marks' offsets): the others are not walked."""
-    hit = {bisect.bisect_right(starts, a) - 1 for a in at}
-    if len(hit) == len(items):
-        return {k: _unmark(v) for k, v in items.items()}
-    return {k: _unmark(v) if i in hit else v for i, (k, v) in enumerate(items.items())}
-
-
-def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool | None]:
-    """``(name, entry)`` of ``data``, parsed by ``orjson`` a chunk of whole entries at a time; returns True after
-    the last entry, None at the first chunk it cannot vouch for (the caller reads on with ijson).
-
-    Chunks are cut before lines that look like an entry's first line (``\\n  "``: JSON strings cannot hold a
-    raw newline, so a newline is whitespace between tokens). A cut is trusted only when it proves itself: the
-    text before the first entry, closed with ``}}``, must parse as a header whose last key is ``data`` (empty);
-    each chunk, wrapped in ``{}``, must parse as an object with one key per cut inside it, and end in ``,``
-    before the next cut (or in data's and the document's closing braces at the end of the file). A chunk that
-    starts after a complete member and parses as complete members ends after one, so every cut is at an entry
-    boundary. ``NaN``/``Infinity``/``-Infinity`` value tokens are read as Python's json reads them
-    (:func:`_mark_nonfinite`). Any other layout (compact JSON, keys after ``data``), duplicate names in a chunk, an
-    integer of 19 digits or more, or anything orjson refuses ends this path where it stands."""
-    import orjson
-
-    buf = fh.read(_BLOCK)
-    eof = len(buf) < _BLOCK
-    first = buf.find(_ENTRY_START)
-    if first == -1:
-        return
-    try:
-        head = orjson.loads(buf[:first] + b"}}")
-    except orjson.JSONDecodeError:
-        return
-    if not isinstance(head, dict) or list(head)[-1:] != ["data"] or head["data"] != {}:
-        return
-    pos, offset = first, 0  # pos: the current entry's start in buf; offset: buf's start in the file
-    while True:
-        cuts = []
-        cut = buf.find(_ENTRY_START, pos + 1)  # bytes.find: a fast substring search (a regex scans byte by byte)
-        while cut != -1:
-            cuts.append(cut)
-            if cut - pos >= _CHUNK:
-                break
-            cut = buf.find(_ENTRY_START, cut + 1)
-        if (not cuts or cuts[-1] - pos < _CHUNK) and not eof:
-            more = fh.read(_BLOCK)
-            eof = len(more) < _BLOCK
-            buf, offset, pos = buf[pos:] + more, offset + pos, 0
-            continue
-        if cuts:
-            body = buf[pos:cuts[-1]].rstrip()
-            if not body.endswith(b","):
-                return
-            body, entries = body[:-1], len(cuts)
-            starts = [0] + [c - pos for c in cuts[:-1]]  # each entry's offset in body
-        else:
-            starts = [0]
-            tail = _DATA_END.search(buf, pos)
-            if tail is None:
-                return
-            body, entries = buf[pos:tail.start()], 1
-        if _LONG_INT in body.translate(_INT_MAP):
-            return
-        body, marks = _mark_nonfinite(body)
-        if body is None:
-            return
-        try:
-            items = orjson.loads(b"{" + body + b"}")
-        except orjson.JSONDecodeError:
-            return
-        if len(items) != entries:
-            return
-        if marks:
-            items = _unmark_entries(items, starts, marks)
-        yield from items.items()
-        if not cuts:
-            return True
-        pos = cuts[-1]
-        if progress is not None:
-            progress.update(offset + pos - progress.n)
-
-
-def _items(path: str, progress=None) -> Iterator[tuple[str, Any]]:
-    """``(name, entry)`` of dump.json's ``data`` in file order: :func:`_chunked_items` while it can, then
-    ``ijson`` (its C backend, yajl2) from the first entry it did not give (the same values either way).
-
-    Raises:
-        NotStreamable: JSON yajl rejects (``NaN``/``Infinity``, a syntax error: the in-memory reader decides).
-        MsprobeError: JSON nested deeper than :data:`~msprobe_ci.dump.reader.MAX_NESTING` levels (checked before
-            yajl reads it).
-    """
-    import ijson
-
-    done = 0
-    with open(path, "rb") as fh:
-        chunks = _chunked_items(fh, progress)
-        while True:
-            try:
-                item = next(chunks)
-            except StopIteration as stop:
-                if stop.value:  # read to data's end
-                    return
-                break
-            done += 1
-            yield item
-        check_nesting(path)  # yajl's prefixes cost time and memory quadratic in the depth: refuse absurd ones first
-        fh.seek(0)
-        it = ijson.kvitems(fh, "data", use_float=True)
-        n = 0
-        while True:
-            try:
-                item = next(it)
-            except StopIteration:
-                break
-            except ijson.JSONError as exc:
-                # yajl rejects NaN/Infinity, which Python's json (and msprobe's overflow dumps) use: the in-memory
-                # reader takes over and reports real syntax errors itself
-                raise NotStreamable(f"{path}: {str(exc).splitlines()[0][:120]}") from None
-            except RecursionError:
-                raise MsprobeError(f"{path}: JSON nested too deeply to be a dump") from None
-            n += 1
-            if n > done:
-                if progress is not None and n % 2000 == 0:
-                    progress.update(fh.tell() - progress.n)
-                yield item
-
-
-def _entries(path: str, head: dict, progress=None) -> Iterator[tuple[str, Any]]:
-    """``(name, entry)`` of dump.json's ``data`` in file order, each validated; duplicate names are errors."""
-    seen: set[str] = set()
-    tensors = str(head.get("task", "statistics")) == "tensor"  # data_name opens files only in tensor dumps
-    head_checked = False
-    for name, entry in _items(path, progress):
-        if name in seen:
-            raise MsprobeError(f"{path}: duplicate key {name!r} in one JSON object (the first value would be "
-                               "silently dropped)")
-        seen.add(name)
-        # the whole check (header included) on the first entry; after it, the schema only where the entry alone
-        # is not surely valid (it words the error)
-        if tensors or not head_checked or not entry_surely_valid(entry):
-            validate_dump_json({**head, "data": {name: entry}}, path, data_names=tensors)
-            head_checked = True
-        yield name, entry
-    if progress is not None:
-        progress.update(max(0, os.path.getsize(path) - progress.n))
 
 
 _API_PREFIXES = ("Functional.", "Torch.", "Tensor.", "Aten.", "Distributed.", "NPU.", "VF.", "MindSpeed.")
@@ -343,7 +104,7 @@ def stream_files(target_folder: str, bench_folder: str) -> tuple[list[str], list
         NotStreamable: a MindSpore dump, no task before ``data``, or JSON yajl rejects before ``data``.
     """
     files = [f if os.path.isfile(f) else os.path.join(f, "dump.json") for f in (target_folder, bench_folder)]
-    heads = [_header(f) for f in files]
+    heads = [read_header(f) for f in files]
     for h, f in zip(heads, files):
         if str(h.get("framework") or "pytorch").lower() != "pytorch":
             raise NotStreamable(f"{f}: framework {h.get('framework')!r}")
@@ -375,8 +136,8 @@ class NodeStream:
         self.files = files
         self._on_target, self._on_bench, self._drain = on_target, on_bench, drain_bench
         t_head, b_head = heads
-        self._targets = _entries(files[0], t_head, bar)
-        self._benches = _entries(files[1], b_head)
+        self._targets = iter_entries(files[0], t_head, bar)
+        self._benches = iter_entries(files[1], b_head)
         self._window: dict[str, Any] = {}  # bench entries read ahead, by renumbered name
         self._bench_done = False
         self._b_seen: dict[str, int] = {}

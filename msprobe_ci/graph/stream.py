@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..compare.stream import NodeStream, NotStreamable, _entries, _header, _items, progress_bar, stream_files
+from ..compare.stream import NodeStream, progress_bar, stream_files
+from ..dump.scan import NotStreamable, iter_entries, iter_items, read_header
 from ..dump.reader import Dump, layout, read_construct, read_stack
 from ..errors import MsprobeError
 from ..overflow import check_entry
@@ -37,7 +38,7 @@ from .parts import RankPart, assemble, comm_graph
 
 def _names(file: str) -> dict[str, None]:
     """dump.json's entry names in file order (values parsed and dropped)."""
-    return {name: None for name, _ in _items(file)}
+    return {name: None for name, _ in iter_items(file)}
 
 
 def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> Graph:
@@ -174,7 +175,7 @@ def _build_rank(out: VisDbWriter, job: tuple) -> RankPart:
     comm: dict = {}
     g = _skeleton(file, head, "NPU", step, rank)
     side = _Side(g, read_stack(folder), out, overflow, None, comm)
-    for name, entry in _entries(file, head):
+    for name, entry in iter_entries(file, head):
         side.entry(name, entry)
     side.rest()
     return RankPart((step, rank), "statistics", g.micro_steps, {"NPU": comm_graph(g)}, {"NPU": comm})
@@ -191,7 +192,7 @@ def stream_build_vis_db(target: str, path: str, *, overflow: bool = False, worke
     jobs = []
     for key, folder in keys:
         file = os.path.join(folder, "dump.json")
-        head = _header(file)
+        head = read_header(file)
         if str(head.get("framework") or "pytorch").lower() != "pytorch":
             raise NotStreamable(f"{file}: framework {head.get('framework')!r}")
         jobs.append((key, folder, file, head, overflow))
