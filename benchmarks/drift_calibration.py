@@ -33,6 +33,7 @@ import transformers
 from msprobe_ci import PrecisionDebugger
 from msprobe_ci.capture.inject import Fault
 from msprobe_ci.check import judge, unapplied_faults
+from msprobe_ci.judge import JudgeSettings
 
 warnings.filterwarnings("ignore")
 SIZES = {"small": dict(n_embd=768, n_layer=12, n_head=12), "medium": dict(n_embd=1024, n_layer=24, n_head=16)}
@@ -94,7 +95,7 @@ def _child_msprobe(size: str, tokens: str, dtype: str, folder: str) -> None:
 def verdicts(bench, target, worst: int = 5):
     """``(report, errors, warnings, the worst nodes)`` of the target judged against the bench as ``msprobe-ci
     compare`` judges two statistics dumps without isolation records."""
-    report, _, _ = judge(bench, target, isolate=False)
+    report, _, _ = judge(bench, target, JudgeSettings(isolate=False))
     errors = [n for n in report.nodes if n.status == "error"]
     warns = [n for n in report.nodes if n.status == "warning"]
     return report, errors, warns, report.worst(worst)

@@ -43,6 +43,7 @@ from msprobe_ci.check import judge, model_cases, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
+from msprobe_ci.judge import JudgeSettings
 from msprobe_ci.kernels import BENCH_KERNELS
 
 warnings.filterwarnings("ignore")
@@ -196,7 +197,7 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
                      faults=faults, isolator=iso, regions=regions)
         elapsed = time.perf_counter() - t0
         cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
-        report, tdump, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
+        report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
         cases = model_cases(b.outputs, t.outputs, None, cast_u)
         if inspect is not None:  # before the folders go
             inspect(report, t.folder)

@@ -45,6 +45,7 @@ from msprobe_ci.check import SideRun, evaluate, run_decode, run_training
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
+from msprobe_ci.judge import JudgeSettings
 
 warnings.filterwarnings("ignore")
 MODELS = ("opt", "bloom", "falcon", "stablelm")
@@ -104,8 +105,9 @@ def _judge_steps(bench_folders, target_folders, tmp, bench, target, steps=None):
     """Every step judged as the loop fixtures judge it: sources compared with the bench at step 0 only."""
     cast_u = unit_roundoff(str(_computed_in(target)), str(bench.dtype))
     steps = steps if steps is not None else list(range(len(bench_folders)))
-    return [(steps[i], evaluate(b, SideRun(t), os.path.join(tmp, f"judge{steps[i]}"), level="mix",
-                                cast_roundoff=cast_u, source_factor=4.0 if steps[i] == 0 else math.inf).report)
+    settings = JudgeSettings(level="mix", cast_roundoff=cast_u)
+    return [(steps[i], evaluate(b, SideRun(t), os.path.join(tmp, f"judge{steps[i]}"),
+                                settings.for_step(steps[i])).report)
             for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
 
 
@@ -148,8 +150,9 @@ def run_dumps(mode, model, seed, bench, target, faults, tmp):
         loss.backward()
         dbg.stop()
         folders[side] = os.path.join(tmp, side, "step0", "rank")
-    out = evaluate(folders["bench"], SideRun(folders["target"]), os.path.join(tmp, "judge"), level="mix",
-                   cast_roundoff=unit_roundoff(str(_computed_in(target)), str(bench.dtype)))
+    cast_u = unit_roundoff(str(_computed_in(target)), str(bench.dtype))
+    out = evaluate(folders["bench"], SideRun(folders["target"]), os.path.join(tmp, "judge"),
+                   JudgeSettings(level="mix", cast_roundoff=cast_u))
     return [(0, out.report)]
 
 

@@ -113,6 +113,7 @@ def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu"
         return
     from msprobe_ci.backends import Backend
     from msprobe_ci.check import evaluate, run_side
+    from msprobe_ci.judge import JudgeSettings
     from msprobe_ci.config import DumpConfig
     from msprobe_ci.isolate import Isolator
     from msprobe_ci.kernels import default_bench_kernel
@@ -140,7 +141,7 @@ def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu"
 
         gc.collect()
         sampler.mark("judgement")
-        outcome = evaluate(b, t, os.path.join(tmp, "out"), level="mix", isolate=mode == "check",
+        outcome = evaluate(b, t, os.path.join(tmp, "out"), JudgeSettings(level="mix", isolate=mode == "check"),
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
         _sync(device)

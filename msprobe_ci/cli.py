@@ -301,13 +301,14 @@ def _compare_pair(job: tuple) -> tuple:
     :func:`msprobe_ci.workers.run`)."""
     from .check import judge
     from .check.outcome import sources_rule
+    from .judge.settings import JudgeSettings
     from .compare.ranks import summarize
 
     t, g, rank, key, out, fuzzy, mappings = job
     # a later step of a multi-step dump: its weights and optimizer state trained apart by rounding (context)
     factor, rule = sources_rule(key[0])
     # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
-    report, target, _ = judge(g, t, fuzzy=fuzzy, mappings=mappings, source_factor=factor)
+    report, target, _ = judge(g, t, JudgeSettings(fuzzy=fuzzy, mappings=mappings, source_factor=factor))
     path = report.write_csv(out, prefix=f"compare_result_{rank}" if rank else "compare_result")
     line = _summary_line(path, len(report.nodes), report.counts(), report.first_divergence, report.isolated)
     if report.isolated:
@@ -323,8 +324,11 @@ def _compare_merged(args, parallel) -> int:
     if args.fuzzy_match or args.data_mapping or args.api_mapping:
         raise MsprobeError("compare: --rank_size/--tp/--pp merging combines with -lm/-cm, not with -fm, -dm or -am")
     _serial_only(args, "compare")
-    results = evaluate_merged(args.target_path, args.golden_path, args.output_path, *parallel,
-                              mappings=_mappings(args))
+    from .judge.settings import JudgeSettings
+
+    par_t, par_b = parallel
+    results = evaluate_merged(args.golden_path, args.target_path, args.output_path,
+                              JudgeSettings(mappings=_mappings(args)), par_b, par_t)
     lines, firsts = [], []
     for step, i, merged, outcome in results:
         report = outcome.report

@@ -57,7 +57,9 @@ class PrecisionDebugger:
         if isolate:
             from .isolate import Isolator
 
-            isolator = Isolator(bench_kernel=bench_kernel)
+            from .judge.settings import JudgeSettings
+
+            isolator = Isolator.from_settings(JudgeSettings(bench_kernel=bench_kernel))
         if inject is None:
             faults: tuple = ()
         elif isinstance(inject, (str, os.PathLike)):

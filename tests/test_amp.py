@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from msprobe_ci import amp
 from msprobe_ci.backends import Backend
 from msprobe_ci.errors import MsprobeError
+from msprobe_ci.judge import JudgeSettings
 
 
 def test_the_kernel_sees_its_inputs_in_its_outputs_dtype():
@@ -223,7 +224,7 @@ def test_a_users_own_loop_dumped_over_steps_compares_clean_and_names_a_step_1_fa
     assert "step 1: parameters and optimizer state are context" in lines[1]
     # the rule is what makes step 1 clean: its sources judged as at step 0, a parameter input fails
     strict, _, _ = judge(str(tmp_path / "bench" / "step1" / "rank"), str(tmp_path / "target" / "step1" / "rank"),
-                         source_factor=4.0)
+                         JudgeSettings(source_factor=4.0))
     if setup == "bf16":
         assert strict.first_divergence is not None
     done = subprocess.run([*cli, "-tp", str(tmp_path / "fault"), "-o", str(tmp_path / "cmp2")], capture_output=True,

@@ -18,6 +18,7 @@ from msprobe_ci.capture.inject import Fault
 from msprobe_ci.check import judge, run_side
 from msprobe_ci.config import BENCH_KERNELS, DumpConfig
 from msprobe_ci.isolate import Isolator
+from msprobe_ci.judge import JudgeSettings
 from msprobe_ci.kernels import scaled_mm_reference
 
 E4M3 = torch.float8_e4m3fn
@@ -62,7 +63,7 @@ def _check(tmp_path, kernel="device", faults=()):
     t = run_side(model, (x,), None, Backend.from_options("cpu", "bf16"),
                  cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")), faults=tuple(faults),
                  isolator=Isolator(backward=False, bench_kernel=kernel))
-    report, _, _ = judge(b.folder, t.folder, isolate=True)
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True))
     return report, t.folder
 
 
@@ -147,7 +148,7 @@ def _fp8_check(tmp_path, faults=(), kernel="upcast"):
     b = run_side(model, inputs, loss_fn, s.bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
     t = run_side(model, inputs, loss_fn, s.target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
                  faults=tuple(faults), isolator=s.isolator(backward=True))
-    report, _, _ = judge(b.folder, t.folder, isolate=True, cast_roundoff=s.cast_roundoff)
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=s.cast_roundoff))
     return report, t.folder
 
 

@@ -13,6 +13,7 @@ from msprobe_ci.check import judge, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
+from msprobe_ci.judge import JudgeSettings
 from msprobe_ci.kernels import BENCH_KERNELS
 
 
@@ -47,8 +48,8 @@ def _check(tmp_path, case, target_dtype="bf16", faults=(), isolate=True, mutate=
     t = run_side(tmodel, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / "target")),
                  faults=faults, isolator=Isolator(bench_kernel=kernel) if isolate else None)
     assert unapplied_ok or not t.unapplied
-    report, tdump, _ = judge(b.folder, t.folder, isolate=isolate,
-                             cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+    cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+    report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
     return report, tdump
 
 
@@ -138,8 +139,8 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
         t = run_side(copy.deepcopy(model), inputs, loss_fn, target,
                      cfg.with_overrides(dump_path=str(tmp_path / where)), faults=(fault,) if fault else (),
                      isolator=iso)
-        report, tdump, _ = judge(b.folder, t.folder, isolate=True,
-                                 cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+        cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+        report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=cast_u))
         assert _api_errors(report) == ([node] if node else [])
         from msprobe_ci.compare.isolated import load_isolation
 
@@ -155,7 +156,8 @@ def test_half_percent_fault_at_fp32_against_fp64(tmp_path, llama):
     b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / "t")), faults=(fault,),
                  isolator=Isolator())
-    report, _, _ = judge(b.folder, t.folder, cast_roundoff=unit_roundoff("torch.float32", "torch.float64"))
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(cast_roundoff=unit_roundoff("torch.float32",
+                                                                                     "torch.float64")))
     assert _api_errors(report) == ["Functional.linear.3.forward"]
 
 
@@ -219,7 +221,8 @@ def _run(tmp_path, case, level, faults=(), compile=False, target_dtype="bf16"):
                  regions=regions)
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / "target")),
                  faults=faults, regions=regions, isolator=Isolator())
-    report, tdump, _ = judge(b.folder, t.folder, cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype)))
+    cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+    report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(cast_roundoff=cast_u))
     return report, tdump
 
 

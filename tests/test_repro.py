@@ -20,6 +20,7 @@ from msprobe_ci.errors import MsprobeError
 from msprobe_ci.isolate import Isolator
 from msprobe_ci import repro
 from msprobe_ci.capture import repro as writer
+from msprobe_ci.judge import JudgeSettings
 
 
 def _llama(seed=0):
@@ -40,7 +41,8 @@ def _gate(tmp_path, fault, dtype, kernel):
     b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
                  faults=(fault,), isolator=Isolator(backward=True, bench_kernel=kernel))
-    report, _, _ = judge(b.folder, t.folder, isolate=True, cast_roundoff=unit_roundoff(str(target.dtype), "torch.float32"))
+    cast_u = unit_roundoff(str(target.dtype), "torch.float32")
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=cast_u))
     return report.first_divergence, t.folder
 
 

@@ -17,7 +17,7 @@ from msprobe_ci.check import judge, model_cases, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
-from msprobe_ci.judge import saturate
+from msprobe_ci.judge import JudgeSettings, saturate
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +63,7 @@ def _check(tmp_path, case, target_dtype, faults=(), isolate=True, kernel="device
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
                  faults=tuple(faults), isolator=Isolator(backward=True, bench_kernel=kernel) if isolate else None)
     cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
-    report, _, _ = judge(b.folder, t.folder, isolate=isolate, cast_roundoff=cast_u)
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
     return report, model_cases(b.outputs, t.outputs, None, cast_u)
 
 
@@ -171,8 +171,8 @@ def test_moe_experts_against_an_fp64_bench_run_as_their_reference_and_say_so(tmp
     assert t.notes == ()
     assert len(b.notes) == 1 and b.notes[0].startswith("cpu/fp64: torch._grouped_mm has no float64 kernel: it ran "
                                                        "in float64 as its reference decomposition"), b.notes
-    outcome = evaluate(b, t, str(tmp_path / "out"), level="mix", cast_roundoff=unit_roundoff("torch.float32",
-                                                                                              "torch.float64"))
+    cast_u = unit_roundoff("torch.float32", "torch.float64")
+    outcome = evaluate(b, t, str(tmp_path / "out"), JudgeSettings(level="mix", cast_roundoff=cast_u))
     assert b.notes[0] in outcome.notes
     assert not [n.message for n in outcome.report.nodes if n.status == "error"]
 

@@ -206,10 +206,7 @@ def judge_steps(s, check_dir: str, bench_folders: list, target_folders: list, st
 
     try:
         steps = list(range(len(bench_folders))) if steps is None else steps
-        return [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{steps[i]}"), level=s.level,
-                         isolate=s.isolate, api_standards=s.api_standards, api_thresholds=s.api_thresholds,
-                         bench_kernel=s.bench_kernel, cast_roundoff=s.cast_roundoff,
-                         source_factor=4.0 if steps[i] == 0 else math.inf)
+        return [evaluate(b, SideRun(t), os.path.join(check_dir, f"step{steps[i]}"), s.judge.for_step(steps[i]))
                 for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
     except MsprobeError as exc:
         raise MsprobeError(f"{exc}. Artifacts: {check_dir}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..judge.settings import JudgeSettings
 from .conclude import Conclusion, conclude_check
 from .context import CheckContext
 
@@ -42,11 +43,12 @@ def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = Fal
     factor, rule = sources_rule(step_of(folders[0]))
     row = {"test": ctx.nodeid, "index": index, "dir": check_dir, "bench": f"dump {folders[1]}",
            "target": f"dump {folders[0]}", "level": "mix", "notes": [rule]}
-    rules = {} if settings is None else dict(
-        thresholds=settings.thresholds, api_standards=settings.api_standards, api_thresholds=settings.api_thresholds,
-        bench_kernel=settings.bench_kernel)
-    outcome = evaluate(folders[1], SideRun(folders[0]), check_dir, level="mix", fuzzy=fuzzy, isolate=True,
-                       graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index), mappings=mappings,
-                       source_factor=factor, **rules)
+    # the run's rules (drift factors, standards, bench kernel) judge dumps made elsewhere; the run's own devices
+    # and dtypes say nothing about them (no cast allowance, no model-level outputs)
+    rules = JudgeSettings() if settings is None else settings.judge
+    outcome = evaluate(folders[1], SideRun(folders[0]), check_dir,
+                       rules.replace(level="mix", fuzzy=fuzzy, isolate=True, mappings=mappings, source_factor=factor,
+                                     cast_roundoff=0.0, output_rtol=None),
+                       graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index))
     return conclude_check(row, outcome, check_dir, "mix", [], None, "--msprobe-target=cpu",
                           require_coverage=ctx.require_coverage)

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._perf import gc_paused, release_free_memory
 from ..errors import MsprobeError
+from ..judge.settings import JudgeSettings
 
 
 @dataclass(frozen=True)
@@ -65,37 +66,67 @@ class SideRun:
         return [(str(name), t) for name, t in pairs]
 
 
-def judge(bench_folder: str, target_folder: str, *, fuzzy: bool = False, thresholds=None, isolate: bool = True,
-          cast_roundoff: float = 0.0, mappings=None, source_factor: float = 4.0, bench_kernel: str = "device",
-          api_standards: dict | None = None, api_thresholds: dict | None = None):
-    """Compare the target dump with the bench dump and apply the isolated verdicts: the target's
-    ``isolation.json``, or for a tensor dump made without one, its API calls replayed on their dumped inputs
-    (:func:`~msprobe_ci.compare.isolated.replay`, with ``bench_kernel``, ``api_standards`` and
-    ``api_thresholds``; the results kept in ``report.replayed``).
+_NOT_GIVEN: Any = object()
+
+
+def judge_dumps(bench_dump, target_dump, settings: JudgeSettings = JudgeSettings(), records: Any = _NOT_GIVEN):
+    """The one judgement of two loaded dumps: compare them (:func:`~msprobe_ci.compare.compare_dumps`), then apply
+    the isolated verdicts: ``records`` when given (``check_parallel``'s ranks merged by TP/PP: a transform of the
+    dumps and their records before this judgement), else the target's ``isolation.json``, or for a tensor dump made
+    without one its API calls replayed on their dumped inputs (:func:`~msprobe_ci.compare.isolated.replay`; the
+    results kept in ``report.replayed``).
+
+    Args:
+        bench_dump, target_dump: :class:`~msprobe_ci.dump.reader.Dump` of each side.
+        settings: what the judgement is told (:class:`~msprobe_ci.judge.JudgeSettings`), passed whole.
+        records: isolation records to apply (``None``: none), or left out to read them as above.
 
     Returns:
-        ``(report, target_dump, bench_dump)``; ``report.isolated`` tells whether isolation records were found.
+        The :class:`~msprobe_ci.compare.report.CompareReport`; ``report.isolated`` tells whether isolation records
+        were applied.
+
+    Raises:
+        MsprobeError: incompatible dumps.
+    """
+    from ..compare import compare_dumps
+    from ..compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
+
+    s = settings
+    report = compare_dumps(target_dump, bench_dump, fuzzy=s.fuzzy, thresholds=s.thresholds, mappings=s.mappings)
+    if not s.isolate:
+        records = None
+    elif records is _NOT_GIVEN:
+        records = load_isolation(target_dump.folder)
+        if records is None and is_tensor_dump(target_dump):
+            # a tensor dump made without isolation (msprobe's, another runner's): its calls replayed on their
+            # dumped inputs are the verdicts; drift stays context
+            report.replayed = replay(target_dump, s.bench_kernel, dict(s.api_standards), _thresholds(s))
+            records = replay_isolation(report.replayed)
+    if records is not None:
+        apply_isolation(report, records, target_dump.construct, cast_roundoff=s.cast_roundoff,
+                        source_factor=s.source_factor, bench_stack=bench_dump.stack, bench_data=bench_dump.data)
+    return report
+
+
+def judge(bench_folder: str, target_folder: str, settings: JudgeSettings = JudgeSettings()):
+    """Load two dumps (a dump.json, a rank folder, or a step folder with one rank) and judge them
+    (:func:`judge_dumps`).
+
+    Returns:
+        ``(report, target_dump, bench_dump)``.
 
     Raises:
         MsprobeError: unreadable or incompatible dumps.
     """
-    from ..compare import compare_dumps
-    from ..compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
     from ..dump.reader import load_dump
 
     bench_dump = load_dump(bench_folder)
     target_dump = load_dump(target_folder)
-    report = compare_dumps(target_dump, bench_dump, fuzzy=fuzzy, thresholds=thresholds, mappings=mappings)
-    records = load_isolation(target_dump.folder) if isolate else None
-    if records is None and isolate and is_tensor_dump(target_dump):
-        # a tensor dump made without isolation (msprobe's, another runner's): its calls replayed on their dumped
-        # inputs are the verdicts; drift stays context
-        report.replayed = replay(target_dump, bench_kernel, api_standards, api_thresholds)
-        records = replay_isolation(report.replayed)
-    if records is not None:
-        apply_isolation(report, records, target_dump.construct, cast_roundoff=cast_roundoff,
-                        source_factor=source_factor, bench_stack=bench_dump.stack, bench_data=bench_dump.data)
-    return report, target_dump, bench_dump
+    return judge_dumps(bench_dump, target_dump, settings), target_dump, bench_dump
+
+
+def _thresholds(s: JudgeSettings) -> dict:
+    return {k: dict(v) for k, v in s.api_thresholds.items()}
 
 
 def num(x: float) -> float | str:
@@ -268,11 +299,8 @@ class CheckOutcome:
 
 
 @gc_paused()
-def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str, fuzzy: bool = False,
-             thresholds=None, isolate: bool = True, cast_roundoff: float = 0.0, output_rtol: float | None = None,
-             graph_dir: str | None = None, api_standards: dict | None = None,
-             api_thresholds: dict | None = None, mappings=None, source_factor: float = 4.0,
-             bench_kernel: str = "device") -> CheckOutcome:
+def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, settings: JudgeSettings = JudgeSettings(), *,
+             graph_dir: str | None = None) -> CheckOutcome:
     """Judge one check from its two sides: compare (isolated verdicts), CSV, graph, model-level testcases,
     overflow, and the per-API pre-check of a tensor dump.
 
@@ -280,24 +308,22 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         bench: the bench :class:`SideRun`, or the rank folder of a recorded baseline (no final outputs then).
         target: the target :class:`SideRun`.
         out_dir: where the compare CSV goes. graph_dir: where the ``.vis.db`` goes (``None``: no graph).
-        level: the capture level (the pre-check needs API entries: L1 or mix).
-        mappings: msprobe's cross-framework mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`).
-        source_factor: how far sources (parameters, buffers, inputs, state) may differ from the bench, in units
-            of u (default 4); ``inf`` after the first training step, where weights and optimizer state have
-            legitimately trained apart.
-        bench_kernel: the bench kernel of the per-API pre-check of a tensor dump (:mod:`msprobe_ci.kernels`).
+        settings: what the judgement is told (:class:`~msprobe_ci.judge.JudgeSettings`: isolation, name matching,
+            the drift rule, the sources' allowance, the model-level tolerance, the capture level the pre-check
+            needs, the bench kernel and the standards' overrides), passed whole to :func:`judge_dumps`.
 
     Raises:
         MsprobeError: unreadable or incompatible dumps.
     """
+    from ..dump.reader import load_dump
     from ..errors import MsprobeError
     from ..overflow import check_overflow, new_overflows
 
+    s = settings
     bench_folder = bench if isinstance(bench, str) else bench.folder
-    report, target_dump, bench_dump = judge(bench_folder, target.folder, fuzzy=fuzzy, thresholds=thresholds,
-                                            isolate=isolate, cast_roundoff=cast_roundoff, mappings=mappings,
-                                            source_factor=source_factor, bench_kernel=bench_kernel,
-                                            api_standards=api_standards, api_thresholds=api_thresholds)
+    bench_dump = load_dump(bench_folder)
+    target_dump = load_dump(target.folder)
+    report = judge_dumps(bench_dump, target_dump, s)
     csv_path = report.write_csv(out_dir)
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
@@ -305,21 +331,21 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, *, level: str,
         from ..graph.service import write_compare_graph
 
         try:
-            graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=fuzzy)
+            graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=s.fuzzy)
         except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
             notes.append(f"no graph: {exc}")
     cases = model_cases(None if isinstance(bench, str) else bench.final_outputs(), target.final_outputs(),
-                        output_rtol, cast_roundoff)
+                        s.output_rtol, s.cast_roundoff)
     overflow = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
     api_checks: list = []
-    if report.mode == "tensor" and level in ("L1", "mix"):
+    if report.mode == "tensor" and s.level in ("L1", "mix"):
         from ..replay import ApiReplayer
 
         if report.replayed:  # judge replayed every call already (a tensor dump made without isolation)
             api_checks = list(report.replayed)
         else:
-            replayer = ApiReplayer(target_dump, standards=dict(api_standards or {}),
-                                   thresholds=dict(api_thresholds or {}), bench_kernel=bench_kernel)
+            replayer = ApiReplayer(target_dump, standards=dict(s.api_standards), thresholds=_thresholds(s),
+                                   bench_kernel=s.bench_kernel)
             api_checks = [replayer.check(n) for n in replayer.api_names()]
     coverage = read_coverage(target.folder, notes)
     release_free_memory()  # the judgement's transient copies are freed: hand their pages back

@@ -6,11 +6,11 @@ themselves run on :mod:`msprobe_ci.check.ranks`."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Callable
 
 from ..errors import MsprobeError
+from ..judge.settings import JudgeSettings
 from .conclude import RESULT, Draft, overflow_or_api, unapplied_message
 from .context import CheckContext
 
@@ -78,9 +78,8 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
     job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
                   sides=(("bench", s.bench_device, s.bench_dtype, s.bench_autocast),
                          ("target", s.target_device, s.target_dtype, s.target_autocast)),
-                  level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), isolate=s.isolate,
-                  standards=dict(s.api_standards), thresholds=dict(s.api_thresholds), port=free_port(),
-                  backend=s.target.dist_backend, bench_kernel=s.bench_kernel, oracle_device=s.oracle_device,
+                  level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), judge=s.judge,
+                  port=free_port(), backend=s.target.dist_backend, oracle_device=s.oracle_device,
                   optimizer=optimizer, steps=steps if optimizer is not None else 1)
     if merged:
         return _check_merged(ctx, s, job, index, world_size, bench_world_size, tp, pp, float(timeout))
@@ -94,10 +93,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
                 target_run = SideRun(folder["target"], notes=rank_notes(check_dir, rank) if step == 0 else ())
                 out = os.path.join(check_dir, f"rank{rank}" if job.steps == 1 else f"step{step}_rank{rank}")
                 # from step 1 on the weights and optimizer state are context (moved apart by rounding)
-                outcomes[(step, rank)] = evaluate(folder["bench"], target_run, out, level=s.level,
-                                                  isolate=job.isolate, api_standards=s.api_standards,
-                                                  api_thresholds=s.api_thresholds, bench_kernel=job.bench_kernel,
-                                                  source_factor=4.0 if step == 0 else math.inf)
+                outcomes[(step, rank)] = evaluate(folder["bench"], target_run, out, job.judge.for_step(step))
         graph = None
         if ctx.graph_dir is not None:
             graph = compare_vis_db(os.path.join(check_dir, "target"), os.path.join(check_dir, "bench"),
@@ -112,7 +108,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
         row = {"test": ctx.nodeid, "index": f"{index} {where}",
                "dir": os.path.join(check_dir, where.replace(" ", "_")),
                "bench": f"{s.bench.label} x{world_size}", "target": f"{s.target.label} x{world_size}",
-               "level": s.level, "bench_kernel": job.bench_kernel if job.isolate else None,
+               "level": s.level, "bench_kernel": s.bench_kernel if s.isolate else None,
                "notes": list(outcome.notes), "rank": rank, **({"step": step} if job.steps > 1 else {}),
                # the cross-rank answer, for the report: this rank's own divergence or what it received
                "rank_divergence": per_rank[(step, rank)].message if (step, rank) in per_rank else None,
@@ -165,9 +161,8 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
         sides = dict((side[0], side) for side in job.sides)
         run_ranks(dataclasses.replace(job, sides=(sides["bench"],), port=free_port()), bench_world, timeout)
         run_ranks(dataclasses.replace(job, sides=(sides["target"],), port=free_port()), world, timeout)
-        results = evaluate_merged(os.path.join(check_dir, "target", "step0"),
-                                  os.path.join(check_dir, "bench", "step0"), check_dir, par[0], par[1],
-                                  isolate=job.isolate, cast_roundoff=s.cast_roundoff,
+        results = evaluate_merged(os.path.join(check_dir, "bench", "step0"),
+                                  os.path.join(check_dir, "target", "step0"), check_dir, job.judge, par[1], par[0],
                                   notes=tuple(dict.fromkeys(n for r in range(max(world, bench_world))
                                                             for n in rank_notes(check_dir, r))))
         graph = None
@@ -211,19 +206,20 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
     return d.done(value)
 
 
-def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=None, *, isolate: bool = True,
-                    thresholds=None, source_factor: float = 4.0, cast_roundoff: float = 0.0, mappings=None,
-                    notes: tuple = ()) -> list:
+def evaluate_merged(bench: str, target: str, out_dir: str, settings: JudgeSettings = JudgeSettings(), par_b=None,
+                    par_t=None, *, notes: tuple = ()) -> list:
     """Judge a multi-rank target against a differently partitioned bench: merge each side's TP/PP ranks into one
-    model per data-parallel group (:mod:`msprobe_ci.compare.merge`), compare the merged dumps, and apply the
-    target ranks' isolation records under their merged names (a node judged on several ranks keeps the worst
-    verdict, naming its rank).
+    model per data-parallel group (:mod:`msprobe_ci.compare.merge`), and judge the merged dumps with the target
+    ranks' isolation records under their merged names (a node judged on several ranks keeps the worst verdict,
+    naming its rank): the merging is a transform of the dumps and their records before the one judgement
+    (:func:`~msprobe_ci.check.outcome.judge_dumps`).
 
     Args:
-        target, bench: the sides' step folders (``.../step0`` holding ``rank<R>``) or dump roots.
+        bench, target: the sides' step folders (``.../step0`` holding ``rank<R>``) or dump roots.
         out_dir: where the compare CSVs go (``compare_result_step<S>_group<i>_<ts>.csv``).
-        par_t, par_b: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
-        mappings: ``-lm``/``-cm`` module renames between suites (:class:`~msprobe_ci.compare.crossframe.Mappings`).
+        settings: what the judgement is told (:class:`~msprobe_ci.judge.JudgeSettings`; its ``mappings``: the
+            ``-lm``/``-cm`` module renames between suites).
+        par_b, par_t: each side's :class:`~msprobe_ci.compare.merge.Parallel` (``None``: inferred).
         notes: report lines of the runs (:func:`msprobe_ci.check.ranks.rank_notes`), added to every group's outcome.
 
     Returns:
@@ -232,22 +228,18 @@ def evaluate_merged(target: str, bench: str, out_dir: str, par_t=None, par_b=Non
     Raises:
         MsprobeError: unreadable dumps, or layouts that do not fit the rank folders.
     """
-    from ..compare import compare_dumps
-    from ..compare.isolated import apply_isolation, load_isolation
+    from ..compare.isolated import load_isolation
     from ..compare.merge import merge_isolation, merged_pairs
     from ..overflow import check_overflow, new_overflows
-    from .outcome import CheckOutcome, merge_coverage, read_coverage
+    from .outcome import CheckOutcome, judge_dumps, merge_coverage, read_coverage
 
     out = []
     for step, i, t, b in merged_pairs(target, bench, par_t, par_b):
-        kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-        report = compare_dumps(t.dump, b.dump, mappings=mappings, **kwargs)
-        if isolate:
+        records = None
+        if settings.isolate:
             folders = {r: _rank_folder(t.dump.folder, r) for r in t.ranks}
             records = merge_isolation({r: load_isolation(f) for r, f in folders.items()}, t.renames)
-            if records is not None:
-                apply_isolation(report, records, t.dump.construct, source_factor=source_factor,
-                                cast_roundoff=cast_roundoff, bench_stack=b.dump.stack, bench_data=b.dump.data)
+        report = judge_dumps(b.dump, t.dump, settings, records=records)
         csv_path = report.write_csv(out_dir, prefix=f"compare_result_step{step}_group{i}")
         overflow = new_overflows(check_overflow(t.dump), check_overflow(b.dump))
         merged = [f"merged target ranks {t.ranks} against bench ranks {sorted({r for r in b.renames})}", *notes]

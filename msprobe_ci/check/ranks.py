@@ -34,12 +34,9 @@ class RankJob:
     task: str
     seed: int
     faults: tuple
-    isolate: bool
-    standards: dict
-    thresholds: dict
+    judge: Any  # the check's JudgeSettings: isolation on or off, the isolator's standards, bench kernel, budget
     port: int
     backend: str
-    bench_kernel: str = "device"
     oracle_device: str = "cpu"  # "cpu" or "target": each rank's own target device, at most its oracle_max
     optimizer: Callable | None = None  # with it, ``steps`` training steps per side (run_training)
     steps: int = 1
@@ -90,12 +87,12 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
         for side, device, dtype, autocast in job.sides:
             backend = Backend.from_options(device, dtype, autocast=autocast)
             isolator = None
-            if side == "target" and job.isolate:
+            if side == "target" and job.judge.isolate:
                 from ..isolate import Isolator
 
-                isolator = Isolator(standards=dict(job.standards), thresholds=dict(job.thresholds),
-                                    target_device=backend.torch_device, backward=job.loss_fn is not None,
-                                    bench_kernel=job.bench_kernel, **backend.oracle_options(job.oracle_device))
+                isolator = Isolator.from_settings(job.judge, target_device=backend.torch_device,
+                                                  backward=job.loss_fn is not None,
+                                                  **backend.oracle_options(job.oracle_device))
             cfg = DumpConfig(dump_path=os.path.join(job.out, side), level=job.level, task=job.task)
             model, cast = build_side(job.build, rank, world, backend.dtype)
             faults = job.faults if side == "target" else ()

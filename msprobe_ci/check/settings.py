@@ -142,20 +142,30 @@ class CheckSettings:
             return side.autocast if getattr(side, "autocast", None) is not None else side.dtype
         return unit_roundoff(str(computed_in(self.target)), str(computed_in(self.bench)))
 
+    @property
+    def judge(self):
+        """The :class:`~msprobe_ci.judge.JudgeSettings` of this check, passed whole to every judgement of it (a
+        loop's later steps change only ``source_factor``: :meth:`~msprobe_ci.judge.JudgeSettings.for_step`)."""
+        from ..judge.settings import JudgeSettings
+
+        return JudgeSettings(isolate=self.isolate, fuzzy=self.fuzzy, thresholds=self.thresholds,
+                             cast_roundoff=self.cast_roundoff, output_rtol=self.output_rtol, level=self.level,
+                             bench_kernel=self.bench_kernel, api_standards=dict(self.api_standards),
+                             api_thresholds={k: dict(v) for k, v in self.api_thresholds.items()})
+
     def isolator(self, backward: bool, target=None):
-        """The target side's :class:`~msprobe_ci.isolate.Isolator` (``None`` with isolation off): standards and
-        thresholds of this check, the bench kernel on the bench's device (the CPU where it is absent), the oracle
-        where :attr:`oracle_device` says."""
+        """The target side's :class:`~msprobe_ci.isolate.Isolator` (``None`` with isolation off), from
+        :attr:`judge` (:meth:`~msprobe_ci.isolate.Isolator.from_settings`): the bench kernel on the bench's device
+        (the CPU where it is absent), the oracle where :attr:`oracle_device` says."""
         if not self.isolate:
             return None
         from ..isolate import Isolator
 
         target = self.target if target is None else target
-        return Isolator(standards=dict(self.api_standards), thresholds=dict(self.api_thresholds),
-                        target_device=target.torch_device,
-                        bench_device=self.bench.torch_device if available(self.bench) else "cpu",
-                        backward=backward, bench_kernel=self.bench_kernel,
-                        **target.oracle_options(oracle_choice(self.oracle_device, target)))
+        return Isolator.from_settings(self.judge, target_device=target.torch_device,
+                                      bench_device=self.bench.torch_device if available(self.bench) else "cpu",
+                                      backward=backward, **target.oracle_options(oracle_choice(self.oracle_device,
+                                                                                                 target)))
 
 
 def bench_kernel(option: str | None, bench, target) -> str:

@@ -111,10 +111,8 @@ def run_check(ctx: CheckContext, s: CheckSettings, model: Any, inputs: tuple,
 
     try:
         outcome = evaluate(
-            stored.rank_folder if stored is not None else runs["bench"], runs["target"], check_dir, level=level,
-            fuzzy=s.fuzzy, thresholds=s.thresholds, isolate=s.isolate, cast_roundoff=s.cast_roundoff,
-            output_rtol=s.output_rtol, graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index),
-            api_standards=s.api_standards, api_thresholds=s.api_thresholds, bench_kernel=s.bench_kernel)
+            stored.rank_folder if stored is not None else runs["bench"], runs["target"], check_dir,
+            s.judge.replace(level=level), graph_dir=None if ctx.graph_dir is None else ctx.graph_dir(index))
     except MsprobeError as exc:
         hint = f" (baseline {row['baseline']}; re-record it with --msprobe-record)" if replay else ""
         raise MsprobeError(f"{exc}{hint}") from None

@@ -115,6 +115,24 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
         self.faults_at_tap: dict[str, list] = {}
         self.reset()
 
+    @classmethod
+    def from_settings(cls, settings, *, target_device: str = "cpu", bench_device: str = "cpu", backward: bool = True,
+                      **oracle) -> "Isolator":
+        """The one way a check builds its isolator: the standards, thresholds, bench kernel and budget of a
+        :class:`~msprobe_ci.judge.JudgeSettings`, on the given devices.
+
+        Args:
+            settings: the check's :class:`~msprobe_ci.judge.JudgeSettings`.
+            target_device, bench_device: torch device strings. backward: isolate gradients too.
+            oracle: ``oracle_device``, ``oracle_max``, ``oracle_label``
+                (:meth:`msprobe_ci.backends.Backend.oracle_options`).
+        """
+        draws = kernels.DRAWS if settings.budget_draws is None else int(settings.budget_draws)
+        return cls(standards=dict(settings.api_standards),
+                   thresholds={k: dict(v) for k, v in settings.api_thresholds.items()},
+                   target_device=target_device, bench_device=bench_device, backward=backward,
+                   bench_kernel=settings.bench_kernel, budget_draws=draws, **oracle)
+
     def reset(self) -> None:
         """Start a new step."""
         self.results: dict[str, dict] = {}

@@ -6,6 +6,7 @@
 :mod:`.pair`             :func:`judge_pair` (one row), :func:`judge_rows` (every row of one call)
 :mod:`.allowances`       the fp32 accumulation allowance, the magnitude of a reduction's terms
 :mod:`.peaks`            the largest finite magnitude of a tensor, in one pass
+:mod:`.settings`         :class:`JudgeSettings`: what the judgement of one check is told, passed whole
 =======================  =============================================================================
 
 Isolation (:mod:`msprobe_ci.isolate`), the offline replay (:mod:`msprobe_ci.replay`), collectives and whole modules
@@ -19,7 +20,8 @@ import importlib
 _WHERE = {"accumulation_floor": "allowances", "accumulation_scale": "allowances", "FMA": "pair",
           "judge_pair": "pair", "judge_rows": "pair", "judged_as": "pair", "saturate": "pair", "abs_peak": "peaks",
           "finite_peak": "peaks", "outputs": "rows", "DROPOUT": "support", "NOT_COMPARABLE": "support",
-          "RANDOM": "support", "UNSUPPORTED_PREFIX": "support", "unjudgeable": "support"}
+          "RANDOM": "support", "UNSUPPORTED_PREFIX": "support", "unjudgeable": "support",
+          "JudgeSettings": "settings"}
 __all__ = sorted(_WHERE)
 
 
