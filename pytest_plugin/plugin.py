@@ -84,6 +84,8 @@ OPTIONS = [
     (REPORT, "msprobe_report", str, None, "PATH|off", "the session's HTML report (one self-contained page: every check's verdict, first divergence, a plot of each node's error against its threshold, worst nodes, model-level cases, links). Default: <msprobe-out>/report.html; 'off' writes none."),
     (BASELINE, "msprobe_baseline", str, None, "DIR", "bench baselines: with --msprobe-record store the bench side there (one folder per test); without it read the bench side from there instead of running it."),
 ]
+#: ini key -> the parser of its flag: the session parses an ini value with it too (one declaration, one parse)
+PARSERS = {ini: typ for _, ini, typ, _, _, _ in OPTIONS if typ is not str}
 FLAGS = [
     # (flag, ini key, help): booleans
     (RECORD, "msprobe_record", "run only the bench side of each check and store it under --msprobe-baseline."),

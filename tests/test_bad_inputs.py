@@ -223,6 +223,24 @@ def test_bad_output_options_fail_at_start(pytester, args, message):
     assert (pytester.path / "dump.json").read_text() == '{"data": {}}'
 
 
+@pytest.mark.parametrize("ini, message", [
+    ("msprobe_level = L2", "*msprobe: ini msprobe_level: expected one of L0, L1, mix, got 'L2'*"),
+    ("msprobe_bench_kernel = exact", "*msprobe: ini msprobe_bench_kernel: expected one of device, upcast, rounded, "
+                                     "decomposed, got 'exact'*"),
+    ("msprobe_output_rtol = -1", "*msprobe: ini msprobe_output_rtol: expected a positive number, got '-1'*"),
+    ("msprobe_fuzz = many", "*msprobe: ini msprobe_fuzz: invalid literal for int()*"),
+    ("msprobe_bench = tpu", "*msprobe: ini msprobe_bench: *tpu*"),
+])
+def test_an_ini_value_is_parsed_by_its_flags_own_parser(pytester, ini, message):
+    """One declaration, one parse: the option table's parser refuses a bad ini value as it refuses the flag, with
+    one line naming the ini key, before any test runs."""
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == 4
+    result.stderr.fnmatch_lines([message])
+
+
 @pytest.mark.parametrize("xdist", [False, True])
 def test_unknown_marker_option_is_that_tests_error(pytester, xdist):
     """A typo in one test's marker errors that test at setup, in one line, before it runs; the others run (it
