@@ -1419,6 +1419,7 @@ def test_check_settings_build_the_target_sides_isolator_from_the_check():
 
     class HereBench:  # a bench device that is on this machine and is not the CPU
         torch_device = "meta"
+        dtype = None  # the model's own (a check's settings read it for the cast allowance)
 
         def check_available(self):
             return None
