@@ -315,15 +315,10 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, settings: Judg
     Raises:
         MsprobeError: unreadable or incompatible dumps.
     """
-    from ..dump.reader import load_dump
-    from ..errors import MsprobeError
     from ..overflow import check_overflow, new_overflows
 
     s = settings
-    bench_folder = bench if isinstance(bench, str) else bench.folder
-    bench_dump = load_dump(bench_folder)
-    target_dump = load_dump(target.folder)
-    report = judge_dumps(bench_dump, target_dump, s)
+    report, target_dump, bench_dump = judge(bench if isinstance(bench, str) else bench.folder, target.folder, s)
     csv_path = report.write_csv(out_dir)
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
