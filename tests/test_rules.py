@@ -425,6 +425,31 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
     assert skipped.get("message") == "no npu device"
 
 
+def test_junit_says_a_check_that_raised_and_a_failure_no_node_shows(tmp_path):
+    """A check that raised before it concluded is one failed ``check`` case of type ``check raised`` (its message);
+    a check that failed for a reason none of its node cases shows (coverage required, a fault that never fired) gets
+    one ``verdict`` case, once per check even over several step rows, so JUnit agrees with the test."""
+    raised = _check(index=0, error="MsprobeError: dump.json: malformed JSON")
+    quiet = [_check(index=f"1 step{i}", first_divergence="", verdict="fail", failure="coverage 93% < 100% required")
+             for i in (0, 1)]
+    shown = _check(index="2 step0", verdict="fail", failure="divergence", nodes=[_node("A.f.0.forward", "error")])
+    clean = _check(index=3, first_divergence="", verdict="pass")
+    root, cases = _junit(tmp_path, [raised, *quiet, shown, clean])
+    cls = "tests.test_m.test_x[1_5] check {}".format
+    check = cases[(cls(0), "check")]
+    assert (check.find("failure").get("message"), check.find("failure").get("type")) == (
+        "MsprobeError: dump.json: malformed JSON", "check raised")
+    suites = {s.get("name"): s for s in root.iter("testsuite")}
+    assert [c.get("name") for c in suites[cls(0)].iter("testcase")] == ["check"]
+    verdicts = [(c.get("classname"), c.find("failure").get("message"), c.find("failure").get("type"))
+                for c in root.iter("testcase") if c.get("name") == "verdict"]
+    assert verdicts == [(cls("1 step0"), "coverage 93% < 100% required", "check failed")]  # once, not per step
+    assert (cls("2 step0"), "verdict") not in cases and (cls(3), "verdict") not in cases  # its node shows it; clean
+    no_message = _check(index=4, first_divergence="", verdict="fail")
+    _, cases = _junit(tmp_path, [no_message])
+    assert cases[(cls(4), "verdict")].find("failure").get("message") == "the check failed"
+
+
 def test_junit_clean_check_and_no_overflow(tmp_path):
     cls = "tests.test_m.test_x[1_5] check 0"
     root, cases = _junit(tmp_path, [_check(nodes=[_node("A.f.0.forward", "pass", seconds=0)],

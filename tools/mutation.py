@@ -93,9 +93,9 @@ EQUIVALENT: dict[str, str] = {
         "the first line of a message-less loader error: torch.load raises none without a message",
     "msprobe_ci.check.outcome.x_read_coverage__mutmut_63":
         "repr(exc) of a message-less exception: none reaches it (each has a message)",
-    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_347": _XML,
-    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_349": _XML,
-    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_351": _XML,
+    "msprobe_ci.junit.x_write_junit_xml__mutmut_4": _XML,
+    "msprobe_ci.junit.x_write_junit_xml__mutmut_6": _XML,
+    "msprobe_ci.junit.x_write_junit_xml__mutmut_8": _XML,
     # checkers/
     **{f"msprobe_ci.checkers.{m}.xǁ{cls}ǁ__init____mutmut_{i}": _DEFAULT_DTYPE
        for m, cls in (("absolute", "AbsoluteThresholdStandard"), ("accumulative", "AccumulativeStandard"),
@@ -186,7 +186,7 @@ EQUIVALENT: dict[str, str] = {
        "a skip record's threshold, budget and passing threshold: the dataclass defaults are the same (inf, inf, 0)"
        for i in (211, 212, 213, 216)},
     "msprobe_ci.compare.isolated.x__site_twin__mutmut_35": "k = -1 or -2: any negative index finds no twin",
-    "msprobe_ci.pytest_plugin.junit.x_write_junit__mutmut_355":
+    "msprobe_ci.junit.x_write_junit_xml__mutmut_12":
         "iter(None) walks every element: the others (suites, properties, failures) carry no classname, so the "
         "property lookup misses them as before",
 }
