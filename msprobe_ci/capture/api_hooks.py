@@ -68,8 +68,7 @@ class ApiCapture:
             self._keep(fwd_name)
         entry = None
         if record and self._fwd_in:
-            self._busy = True
-            try:
+            with self.machinery:
                 files = self._tensor_file(fwd_name)
                 # the destination of an op that overwrites it without reading it (FSDP1's copy_ into a fresh
                 # low-precision shard) holds whatever was there, often uninitialised memory: its shape only
@@ -82,8 +81,6 @@ class ApiCapture:
                                      for k, v in kwargs.items()},
                 }
                 self._stack(fwd_name)
-            finally:
-                self._busy = False
         fwd_faults = [f for f in faults if f.direction == "forward" and f.matches(api_id, n, "forward",
                                                                                   self.current_step)]
         pending = None
@@ -92,19 +89,13 @@ class ApiCapture:
                 for f in fwd_faults:
                     value = f.apply(value, n)
                 return value
-            self._busy = True
-            try:
+            with self.machinery:
                 pending = self.free_bench.before(fwd_name, prefix, api, func, args, kwargs, kernel)
-            finally:
-                self._busy = False
         iso = self.isolator if record else None
         call = None
         if iso is not None:
-            self._busy = True
-            try:
+            with self.machinery:
                 call, args, kwargs = iso.before(fwd_name, prefix, api, func, args, kwargs)
-            finally:
-                self._busy = False
         cov = self.coverage if record else None
         if cov is not None:
             before = cov.grad_fns(args, kwargs)
@@ -122,24 +113,17 @@ class ApiCapture:
             cov.adopt(out, before)
         self.api_counts[key] = n + 1
         if pending is not None:
-            self._busy = True
-            try:
+            with self.machinery:
                 self.free_bench.after(pending, out)
-            finally:
-                self._busy = False
         if iso is not None:
-            self._busy = True
-            try:
+            with self.machinery:
                 iso.after(call, out)
-            finally:
-                self._busy = False
             if cov is not None and fwd_name in iso.unjudged:  # computed, not judged: unseen in the coverage figure
                 cov.unjudged(api_id, cov.captured - seen_before, iso.unjudged[fwd_name])
         elif self.isolator is not None:
             self.isolator.propagate(args, kwargs, out)
         if record:
-            self._busy = True
-            try:
+            with self.machinery:
                 files = self._tensor_file(fwd_name)
                 if entry is None:
                     entry = {"input_args": [], "input_kwargs": {}}
@@ -153,8 +137,6 @@ class ApiCapture:
                 if quantized:  # a cast into FP8: its underflow, saturation and range (msprobe ignores the field)
                     entry["quantization"] = quantized
                 self.data[fwd_name] = entry
-            finally:
-                self._busy = False
         bwd_faults = [f for f in faults if f.matches(api_id, n, "backward", self.current_step)]
         if bwd_faults and call is not None and call.taps:
             # isolated: the fault goes onto the gradients w.r.t. the API's inputs, at its tap, where the
@@ -191,8 +173,7 @@ class ApiCapture:
                     new = self.fault_log.apply(f, new, call)
                 grad_inputs = new
             if record and self.running and not self._busy:
-                self._busy = True
-                try:
+                with self.machinery:
                     files = self._tensor_file(name)
                     if self.with_construct:
                         self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
@@ -202,8 +183,6 @@ class ApiCapture:
                         "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
                                    for i, g in enumerate(grad_inputs)] if self._bwd_out else [],
                     }
-                finally:
-                    self._busy = False
             return new
         return quiet(hook)
 

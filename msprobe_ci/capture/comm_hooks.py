@@ -36,8 +36,7 @@ class CommCapture:
                 if buf is not None and v is buf:
                     return self.builder.shape_only(v)
                 return self._comm_value(v, stem, key)
-            self._busy = True
-            try:
+            with self.machinery:
                 files = self._tensor_file(name)
                 rec_args, rec_kwargs = _resolved_groups(func, args, kwargs) if functional else (args, kwargs)
                 entry = {"input_args": [arg(a, f"{name}.input.{i}" if files else None)
@@ -47,8 +46,6 @@ class CommCapture:
                          "output": []}
                 self._stack(name)
                 self.data[name] = entry
-            finally:
-                self._busy = False
         api_id = f"Distributed.{op}"
         faults = [f for f in self.faults if f.on_rank(self.fault_rank) and
                   f.matches(api_id, n, "forward", self.current_step)] if api_id in self._fault_apis else []
@@ -57,43 +54,32 @@ class CommCapture:
         if judged and op == "all_reduce":  # it overwrites its input: the judgement needs the input as it was
             inp = input_of(op, args, kwargs)
             before = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
-        self._busy = True  # a collective built from other collectives is one record, as msprobe's
-        try:
+        with self.machinery:  # a collective built from other collectives is one record, as msprobe's
             result = func(*args, **kwargs)
-        finally:
-            self._busy = False
 
         def record_output() -> None:
             out = output_of(op, args, kwargs) if (faults or judged) else None
             if faults and out is not None:  # a faulty collective: what it wrote is off, as the rank receives it
-                was, self._busy = self._busy, True
-                try:
+                with self.machinery:
                     value = out
                     for f in faults:
                         value = self.fault_log.apply(f, value, n)
                     out.copy_(value)
-                finally:
-                    self._busy = was
             if judged:
-                was, self._busy = self._busy, True
-                try:
-                    self.isolator.judge_collective(name, op, args, kwargs, before, _group_of(args, kwargs))
-                except Exception as exc:  # noqa: BLE001 - never break the user's run
-                    self.isolator.skip(name, f"collective isolation failed: {type(exc).__name__}: {exc}"[:200])
-                finally:
-                    self._busy = was
+                with self.machinery:
+                    try:
+                        self.isolator.judge_collective(name, op, args, kwargs, before, _group_of(args, kwargs))
+                    except Exception as exc:  # noqa: BLE001 - never break the user's run
+                        self.isolator.skip(name, f"collective isolation failed: {type(exc).__name__}: {exc}"[:200])
             if entry is None or not self._fwd_out:
                 return
-            was, self._busy = self._busy, True
-            try:
+            with self.machinery:
                 files = self._tensor_file(name)
                 values = [result] if functional else list(args) + list(kwargs.values())
                 self.builder.forget(values)
                 entry["output"] = [self._comm_value(v, f"{name}.output.{i}" if files else None)
                                    for i, v in enumerate(values)]
                 self._dirty = True
-            finally:
-                self._busy = was
 
         from .comm import wrap_work
 

@@ -81,25 +81,19 @@ class ModuleCapture:
             if self._keep(name):
                 entry = {"input_args": [], "input_kwargs": {}}
                 if self._fwd_in:
-                    self._busy = True
-                    try:
+                    with self.machinery:
                         files = self._tensor_file(name)
                         entry["input_args"] = [self.builder.value(a, f"{name}.input.{i}" if files else None)
                                                for i, a in enumerate(args)]
                         entry["input_kwargs"] = {k: self.builder.value(v, f"{name}.kwargs.{k}" if files else None, k)
                                                  for k, v in kwargs.items()}
                         self._stack(name)
-                    finally:
-                        self._busy = False
             mcall = None
             if whole and entry is not None:
-                self._busy = True
-                try:
+                with self.machinery:
                     # without API capture (L0) nothing follows views and casts between modules, so only a
                     # module's own parameters count as sources there
                     mcall = self.isolator.module_before(name, module, args, kwargs, input_sources=self.api_level)
-                finally:
-                    self._busy = False
             call = _ModuleCall(name, entry, mcall)
             new_args = None
             if self._bwd and torch.is_grad_enabled():
@@ -123,11 +117,8 @@ class ModuleCapture:
         idx = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not idx:
             return None
-        self._busy = True
-        try:
+        with self.machinery:
             new = _Alias.apply(*(items[i] for i in idx))
-        finally:
-            self._busy = False
         for i, t in zip(idx, new):
             if self.isolator is not None:
                 self.isolator.alias(t, items[i])
@@ -155,15 +146,11 @@ class ModuleCapture:
             if self._fwd_stack and self._fwd_stack[-1] == name:
                 self._fwd_stack.pop()
             if self.isolator is not None:
-                self._busy = True
-                try:
+                with self.machinery:
                     self.isolator.module_after(mcall, output)
-                finally:
-                    self._busy = False
                 self.isolator.mark_produced(output)
             if entry is not None and self.running:
-                self._busy = True
-                try:
+                with self.machinery:
                     files = self._tensor_file(name)
                     entry["output"] = self._encode_output(output, f"{name}.output" if files else None) \
                         if self._fwd_out else []
@@ -172,8 +159,6 @@ class ModuleCapture:
                         for pname, p in module.named_parameters(recurse=False)} if self._fwd_out else {}
                     self.data.pop(name, None)
                     self.data[name] = entry
-                finally:
-                    self._busy = False
             if not call.bwd_name:
                 return None
             return self._module_io(call, output, inputs=False)
@@ -193,13 +178,10 @@ class ModuleCapture:
                 self._bwd_stack.append(name)
                 call.bwd_recs = False  # the backward began; a list once recorded
                 if self._keep(name):
-                    self._busy = True
-                    try:
+                    with self.machinery:
                         files = self._tensor_file(name)
                         call.bwd_recs = [self.builder.value(g, f"{name}.input.{i}" if files else None)
                                          for i, g in enumerate(call.grad_out)] if self._bwd_in else []
-                    finally:
-                        self._busy = False
             if call.in_idx is None:  # no input requires grad: the module's backward ends here
                 self._bwd_done(call, (None,) * call.n_in)
             return None
@@ -221,11 +203,8 @@ class ModuleCapture:
             return
         name = call.bwd_name
         if self.isolator is not None and call.mcall is not None:
-            self._busy = True
-            try:
+            with self.machinery:
                 self.isolator.module_backward(call.mcall, name, grad_input, grad_output)
-            finally:
-                self._busy = False
         recs, call.bwd_recs = call.bwd_recs, None
         if recs is None:
             return
@@ -233,8 +212,7 @@ class ModuleCapture:
             self._bwd_stack.remove(name)
         if recs is False or not self.running:
             return
-        self._busy = True
-        try:
+        with self.machinery:
             files = self._tensor_file(name)
             grads = [g for g in grad_input if g is not None]
             self.data[name] = {
@@ -242,8 +220,6 @@ class ModuleCapture:
                 "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
                            for i, g in enumerate(grads)] if self._bwd_out else [],
             }
-        finally:
-            self._busy = False
 
     def _pgrad_hook(self, base: str, pname: str):
         key = f"{base}.parameters_grad"
@@ -260,13 +236,10 @@ class ModuleCapture:
             name = state[2]
             if not self._keep(name):
                 return
-            self._busy = True
-            try:
+            with self.machinery:
                 files = self._tensor_file(name)
                 entry = self.data.setdefault(name, {})
                 entry[pname] = [self.builder.value(param.grad, f"{name}.{pname}" if files else None)]
-            finally:
-                self._busy = False
         return quiet(hook)
 
 

@@ -58,6 +58,26 @@ def _harness_dirs() -> tuple[str, ...]:
 _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
 
 
+class _Machinery:
+    """``with session.machinery:`` around the capture's own work (statistics, isolation, the writer, fault kernels):
+    the torch calls made inside are not the model's, neither recorded nor counted. Sets the session's busy flag and
+    restores what it was on the way out, so the blocks nest; one instance per session (no allocation per use)."""
+
+    __slots__ = ("_owner", "_was")
+
+    def __init__(self, owner: "CaptureSession"):
+        self._owner = owner
+        self._was: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._was.append(self._owner._busy)
+        self._owner._busy = True
+
+    def __exit__(self, *exc) -> bool:
+        self._owner._busy = self._was.pop()
+        return False
+
+
 class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
     """Capture one model run (or a training loop) into msprobe-compatible dumps.
 
@@ -113,6 +133,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         self._token_hooked: dict[int, tuple] = {}
         self._root_calls = 0
         self._busy_flag = False
+        self.machinery = _Machinery(self)  # ``with self.machinery:`` around the capture's own work
         self._mode: _ApiMode | None = None
         self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
         self._hooked: dict[int, list] = {}
@@ -262,11 +283,8 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         """``fn(*args)``, with the torch calls it makes left out of the dump and the coverage count: the
         machinery's own work between the capture's start and stop (a side's final outputs read before its
         backward pass)."""
-        busy, self._busy = self._busy, True
-        try:
+        with self.machinery:
             return quiet(fn)(*args)
-        finally:
-            self._busy = busy
 
     def stop(self) -> None:
         """Stop recording and write the current step's files (atomically)."""
@@ -378,11 +396,8 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             from ..kernels import float32_fallback
 
-            was, self._busy = self._busy, True  # the fallback's casts are plumbing, not the model's calls
-            try:
+            with self.machinery:  # the fallback's casts are plumbing, not the model's calls
                 out = float32_fallback(func, args, kwargs, exc)
-            finally:
-                self._busy = was
         from ..kernels import REFERENCES, _qualified
 
         self.precision_fallbacks.setdefault(_qualified(func), "reference" if func in REFERENCES else "float32")
