@@ -1361,3 +1361,56 @@ def test_peaks_from_one_pass_equal_the_abs_copy_they_replace():
         assert got == want or (math.isnan(got) and math.isnan(want))
         assert finite_peak(x) == (float(torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax()) if x.numel() else 0.0)
     check()
+
+
+# ------------------------------------------------------------------------------------------------ quantization (FP8)
+def test_quantization_standard_rules_at_their_edges():
+    """checkers/quantization.py number by number (thresholds.yaml ``quantization``): a cast at its own amax scale
+    passes with a ratio of exactly 1; each threshold fails just above it and passes at it; values exactly at the
+    format's largest value are not saturated, values beyond it by more than half its spacing are; underflow counts
+    non-zero inputs quantized to 0; all-zero input has nothing to judge."""
+    from msprobe_ci.checkers import QuantizationStandard
+
+    std = QuantizationStandard("fp8_e4m3")
+    assert std.name == "quantization" and std.dtype == "fp8_e4m3"
+    assert std.thresholds == {"quant_err_ratio": 2.0, "underflow_share": 0.05, "saturated_share": 0.001}
+    assert QuantizationStandard(underflow_share=0.5).thresholds["underflow_share"] == 0.5
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = x / x.abs().max() * 448  # at its own amax scale: amax maps to e4m3's largest value
+    ok = std(x.to(e4m3), x)
+    assert ok.status == "pass" and ok.message.startswith("quantization pass: normwise error")
+    m = ok.metrics
+    assert m["quant_err_ratio"] == 1.0 and m["quant_err"] == m["ideal_quant_err"] > 0
+    assert (m["underflow_share"], m["saturated_share"], m["amax"], m["amax_use"]) == (0.0, 0.0, 448.0, 1.0)
+    assert m["dynamic_range"] == pytest.approx(math.log2(448 / float(x.abs()[x != 0].min())))
+    assert ok.passing == {k: m[k] for k in ("quant_err_ratio", "underflow_share", "saturated_share")}
+    assert ok.thresholds == std.thresholds
+    # underflow: exactly n of 1000 non-zero inputs flushed to 0 (a 1e-6 is below e4m3's smallest subnormal, 2^-9)
+    for n, status in ((50, "pass"), (51, "error")):
+        v = torch.full((1000,), 100.0, dtype=torch.float64)
+        v[:n] = 1e-6
+        r = QuantizationStandard(quant_err_ratio=1e9)(v.to(e4m3), v)
+        assert r.metrics["underflow_share"] == n / 1000 and r.status == status, (n, r.message)
+        if status == "error":
+            assert "underflow_share 0.051 > 0.05" in r.message and "its scale does not fit the tensor" in r.message
+    zeros_in = torch.zeros(10, dtype=torch.float64)
+    assert std(zeros_in.to(e4m3), zeros_in).metrics["underflow_share"] == 0.0
+    # saturation: beyond 448 by more than half its spacing there (32 / 2 = 16); at 448 + 16 rounding still reaches 448
+    for value, share in ((448.0, 0.0), (464.0, 0.0), (464.5, 0.5)):
+        v = torch.tensor([1.0, value], dtype=torch.float64)
+        r = QuantizationStandard(quant_err_ratio=1e9)(v.clamp(max=448).to(e4m3), v)
+        assert r.metrics["saturated_share"] == share, value
+        assert r.status == ("error" if share else "pass")
+    # the ratio: a cast scaled 4x off its own amax loses 2 bits more than the ideal on small values
+    far = std((x / 3e4).to(e4m3), x / 3e4)
+    assert far.status == "error" and far.metrics["quant_err_ratio"] > 2 and "quant_err_ratio" in far.message
+    r = QuantizationStandard(quant_err_ratio=far.metrics["quant_err_ratio"], underflow_share=1.0)(
+        (x / 3e4).to(e4m3), x / 3e4)
+    assert r.status == "pass"  # exactly at the threshold: a pass
+    nothing = std(torch.zeros(8).to(e4m3), torch.zeros(8, dtype=torch.float64))
+    assert nothing.status == "pass" and nothing.message == "nothing to quantize (all zero)" and nothing.passing == {}
+    # non-finite inputs are left out of every share; the format's own e5m2
+    inf_in = torch.tensor([INF, 1.0, 2.0], dtype=torch.float64)
+    r = QuantizationStandard("fp8_e5m2")(inf_in.to(torch.float8_e5m2), inf_in)
+    assert r.metrics["amax"] == 2.0 and r.metrics["saturated_share"] == 0.0

@@ -39,7 +39,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "junit": (["msprobe_ci/pytest_plugin/junit.py", "msprobe_ci/junit.py"], ["tests/test_rules.py"]),
     "checkers": ([f"msprobe_ci/checkers/{m}.py" for m in (
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
-        "thousandth", "ulp")], _STANDARD_TESTS),
+        "quantization", "thousandth", "ulp")], _STANDARD_TESTS),
     "judge": (["msprobe_ci/judge/pair.py", "msprobe_ci/judge/allowances.py"], ["tests/test_standards.py"]),
     "isolated": (["msprobe_ci/compare/isolated.py"], [
         "tests/test_rules.py",
