@@ -122,7 +122,14 @@ EQUIVALENT: dict[str, str] = {
     **{f"msprobe_ci.checkers.benchmark.xǁBenchmarkStandardǁ__call____mutmut_{i}":
        "where the bench, reference and scale are judged: observable with a second real device only (a CPU one is "
        "where the CPU target is); test_elementwise_standards_judge_on_the_device_as_on_the_cpu holds it on CUDA"
-       for i in (35, 37, 39, 41, 53, 55)},
+       for i in (35, 37, 39, 41, 53, 55, 57)},
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_1":
+        "the default of atol: its one caller (BenchmarkStandard) always passes it",
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_15":
+        "without an error scale the denominator is |ref|: keyed by it or by ref, the same finite mask and |key|",
+    "msprobe_ci.checkers.benchmark.xǁ_Referenceǁ__init____mutmut_28":
+        "the max's denominator divides normal elements only, each above small_value: +-2.2e-16 moves a relative "
+        "error by at most 1e-16 of itself, below any threshold's resolution",
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_2": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.legacy.x__share_within__mutmut_6": _UNREACHED_EMPTY,
     "msprobe_ci.checkers.ulp.xǁUlpStandardǁ__call____mutmut_29":
