@@ -54,7 +54,9 @@ from .modules import ModuleIsolation
 from .provenance import Provenance
 from .support import headline, is_inplace, _SCHEMA_VERSION, verdict_fields
 
+
 def _as_is(fn):
+    """An isolator's hook wrapper when no capture drives it (a reproduction run alone): the hook as it is."""
     return fn
 
 
