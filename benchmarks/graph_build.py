@@ -42,7 +42,7 @@ def _dumps(root: str, task: str) -> tuple[str, str, int]:
     from msprobe_ci.compare import compare_dumps
     from msprobe_ci.dump import load_dump
 
-    rows = len(compare_dumps(load_dump(folders[0]), load_dump(folders[1])).rows)
+    rows = len(compare_dumps(bench=load_dump(folders[1]), target=load_dump(folders[0])).rows)
     return folders[0], folders[1], rows
 
 

@@ -37,7 +37,7 @@ def test_missing_tensor_file(fixtures_dir, tmp_path):
     os.remove(t / "dump_tensor_data" / "Functional.linear.0.forward.output.0.pt")
     b = _copy(fixtures_dir, "fp32_tensor", tmp_path)
     with pytest.raises(MsprobeError, match=r"Functional.linear.0.forward.output.0.pt: tensor file listed in dump.json is missing"):
-        compare_dumps(load_dump(str(t)), load_dump(str(b)))
+        compare_dumps(bench=load_dump(str(b)), target=load_dump(str(t)))
 
 
 def test_pt_that_is_not_a_tensor_is_not_executed(fixtures_dir, tmp_path):
@@ -51,11 +51,11 @@ def test_pt_that_is_not_a_tensor_is_not_executed(fixtures_dir, tmp_path):
     torch.save(Evil(), t / "dump_tensor_data" / "Functional.linear.0.forward.output.0.pt")
     b = _copy(fixtures_dir, "fp32_tensor", tmp_path)
     with pytest.raises(MsprobeError, match="Functional.linear.0.forward.output.0.pt: not a loadable tensor file"):
-        compare_dumps(load_dump(str(t)), load_dump(str(b)))
+        compare_dumps(bench=load_dump(str(b)), target=load_dump(str(t)))
     assert not marker.exists()
     torch.save({"a": 1}, t / "dump_tensor_data" / "Functional.linear.0.forward.output.0.pt")
     with pytest.raises(MsprobeError, match="expected a torch.Tensor, found dict"):
-        compare_dumps(load_dump(str(t)), load_dump(str(b)))
+        compare_dumps(bench=load_dump(str(b)), target=load_dump(str(t)))
 
 
 def test_data_name_cannot_escape(fixtures_dir, tmp_path):
@@ -135,7 +135,7 @@ def test_pt_whose_shape_disagrees_with_dump_json(fixtures_dir, tmp_path):
     name = "Functional.linear.0.forward.output.0.pt"
     torch.save(torch.zeros(3, 3, dtype=torch.bfloat16), t / "dump_tensor_data" / name)
     with pytest.raises(MsprobeError, match=rf"{name}: holds shape \[3, 3\], dump.json says \[4, 32\]"):
-        compare_dumps(load_dump(str(t)), load_dump(str(b)))
+        compare_dumps(bench=load_dump(str(b)), target=load_dump(str(t)))
 
 
 def test_complex_tensors_compare_as_complex():

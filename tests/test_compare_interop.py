@@ -19,7 +19,7 @@ SKIP = {"Result", "Err_message", "NPU_Stack_Info"}
 def test_metrics_equal_msprobe_csv(fixtures_dir, tmp_path, mode):
     target = load_dump(os.path.join(fixtures_dir, f"bf16_{mode}", "step0", "proc0"))
     bench = load_dump(os.path.join(fixtures_dir, f"fp32_{mode}", "step0", "proc0"))
-    report = compare_dumps(target, bench)
+    report = compare_dumps(bench=bench, target=target)
     ours = list(csv.DictReader(_lines(report.write_csv(str(tmp_path)))))
     ref = list(csv.DictReader(_lines(os.path.join(fixtures_dir, "msprobe-outputs", f"compare_bf16_vs_fp32_{mode}.csv"))))
     assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in ref]
@@ -31,7 +31,7 @@ def test_metrics_equal_msprobe_csv(fixtures_dir, tmp_path, mode):
 def test_bf16_precision_loss_passes_where_msprobe_errors(fixtures_dir):
     target = load_dump(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"))
     bench = load_dump(os.path.join(fixtures_dir, "fp32_tensor", "step0", "proc0"))
-    report = compare_dumps(target, bench)
+    report = compare_dumps(bench=bench, target=target)
     assert report.first_divergence is None
     assert report.counts()["error"] == 0
     ref = list(csv.DictReader(_lines(os.path.join(fixtures_dir, "msprobe-outputs", "compare_bf16_vs_fp32_tensor.csv"))))
@@ -41,13 +41,13 @@ def test_bf16_precision_loss_passes_where_msprobe_errors(fixtures_dir):
 def test_fuzzy_match_rows_equal_msprobe(fixtures_dir):
     target = load_dump(os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0"))
     bench = load_dump(os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0"))
-    report = compare_dumps(target, bench, fuzzy=True)
+    report = compare_dumps(bench=bench, target=target, fuzzy=True)
     ref = list(csv.DictReader(_lines(os.path.join(fixtures_dir, "msprobe-outputs",
                                                 "compare_bf16_vs_fp32_statistics_fuzzy.csv"))))
     assert [r.target.name for r in report.rows] == [r["NPU Name"] for r in ref]
     # msprobe 26.2.0's -fm output pairs no row at all (every Bench Name is N/A); ours pairs what exact mode pairs
     assert all(r["Bench Name"] == "N/A" for r in ref)
-    exact = compare_dumps(target, bench)
+    exact = compare_dumps(bench=bench, target=target)
     assert [r.bench.name for r in report.rows] == [r.bench.name for r in exact.rows]
 
 

@@ -453,7 +453,7 @@ def test_tp_merge_keeps_a_replica_whose_ranks_differ_in_the_last_bits():
     out = merged.data["Functional.layer_norm.0.forward"]["output"][0]
     assert out["Norm"] == pytest.approx(x.norm().item(), rel=1e-9)
     assert "not a shard" in merged.merge_notes["Functional.layer_norm.0.forward"][-1]
-    assert compare_dumps(merged, bench).first_divergence is None
+    assert compare_dumps(bench=bench, target=merged).first_divergence is None
 
 
 @pytest.mark.parametrize("n, fill", [(2, 0.0), (4, 0.5)])

@@ -38,7 +38,7 @@ def _dumps(tmp_path, kind, seed, dtype, faults=(), backward=False, stream=False)
         cs.stop()
         cs.close()
         folders[side] = str(tmp_path / side / "step0" / "rank")
-    report = compare_dumps(load_dump(folders["target"]), load_dump(folders["bench"]))
+    report = compare_dumps(bench=load_dump(folders["bench"]), target=load_dump(folders["target"]))
     if stream:
         return report, stream_compare(folders["target"], folders["bench"], str(tmp_path / "out"))
     return report
@@ -77,12 +77,12 @@ def test_zero_by_symmetry_gradient_is_not_an_error(tmp_path):
         return load_dump(str(tmp_path / side / "step0" / "rank"))
 
     bench = run("bench", torch.float32, ())
-    report = compare_dumps(run("target", torch.bfloat16, ()), bench)
+    report = compare_dumps(bench=bench, target=run("target", torch.bfloat16, ()))
     grad = next(n for n in report.nodes if n.name.startswith("Functional.linear.0.backward"))
     assert grad.status != "error", grad.message
     assert "cancellation" in grad.message
-    faulty = compare_dumps(run("faulty", torch.bfloat16, (Fault("Torch.tanh", call=0, direction="backward",
-                                                                value=1.2),)), bench)
+    faulty = compare_dumps(bench=bench, target=run("faulty", torch.bfloat16,
+                                                   (Fault("Torch.tanh", call=0, direction="backward", value=1.2),)))
     assert faulty.first_divergence is not None and faulty.first_divergence.name == "Torch.tanh.0.backward"
 
 
@@ -149,7 +149,7 @@ def _gpt2_dumps(tmp_path, dtype, tokens, faults=()):
         cs.stop()
         cs.close()
         folders[side] = str(tmp_path / side / "step0" / "rank")
-    return compare_dumps(load_dump(folders["target"]), load_dump(folders["bench"]))
+    return compare_dumps(bench=load_dump(folders["bench"]), target=load_dump(folders["target"]))
 
 
 def test_layer_norm_weight_gradients_summed_in_bf16_are_warnings_not_errors(tmp_path):

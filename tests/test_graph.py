@@ -179,7 +179,7 @@ def test_fuzzy_matching_pairs_renumbered_apis(fixtures_dir, tmp_path):
     b.nodes[node.name] = node
     parent = b.nodes[node.parent]
     parent.children = [node.name if c == "Functional.linear.0.forward" else c for c in parent.children]
-    report = compare_dumps(target, bench, fuzzy=True)
+    report = compare_dumps(bench=bench, target=target, fuzzy=True)
     pairs = compare_graphs(t, b, report, fuzzy=True)
     assert pairs["Functional.linear.0.forward"] == "Functional.linear.7.forward"
     assert t.nodes["Functional.linear.0.forward"].matched_link[-1] == "Functional.linear.7.forward"
@@ -187,7 +187,7 @@ def test_fuzzy_matching_pairs_renumbered_apis(fixtures_dir, tmp_path):
     t2 = build_graph(target)
     for n in b.nodes.values():
         n.matched_link = []
-    exact = compare_graphs(t2, b, compare_dumps(target, bench))  # exact matching needs the same name
+    exact = compare_graphs(t2, b, compare_dumps(bench=bench, target=target))  # exact matching needs the same name
     assert "Functional.linear.0.forward" not in exact and not t2.nodes["Functional.linear.0.forward"].matched_link
     assert exact["Functional.relu.0.forward"] == "Functional.relu.0.forward"
 

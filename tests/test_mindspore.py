@@ -77,7 +77,7 @@ def test_npy_with_objects_is_refused_not_unpickled(tmp_path):
 
 @pytest.mark.parametrize("mode", ["statistics", "tensor", "md5"])
 def test_same_framework_rows_and_metrics_equal_msprobe(tmp_path, mode):
-    report = compare_dumps(load_dump(_ms(f"fp16_{mode}")), load_dump(_ms(f"fp32_{mode}")))
+    report = compare_dumps(bench=load_dump(_ms(f"fp32_{mode}")), target=load_dump(_ms(f"fp16_{mode}")))
     ours = _csv(report.write_csv(str(tmp_path)))
     ref = _csv(os.path.join(OUTS, f"compare_ms_fp16_vs_ms_fp32_{mode}.csv"))
     assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in ref] and len(ref) == 107
@@ -122,7 +122,7 @@ def _pairs(report):
 
 @pytest.mark.parametrize("mode", ["tensor", "statistics"])
 def test_cross_framework_matches_what_msprobe_needs_a_79_entry_file_for(mode):
-    report = compare_dumps(load_dump(_ms(f"fp32_{mode}")), load_dump(_pt(f"fp32_{mode}")))
+    report = compare_dumps(bench=load_dump(_pt(f"fp32_{mode}")), target=load_dump(_ms(f"fp32_{mode}")))
     ours = _pairs(report)
     ref = {r["NPU Name"]: r["Bench Name"] for r in _csv(os.path.join(OUTS, f"compare_ms_fp32_vs_pt_fp32_{mode}_dm.csv"))
            if r["Bench Name"] != "N/A"}
@@ -136,14 +136,14 @@ def test_cross_framework_matches_what_msprobe_needs_a_79_entry_file_for(mode):
     assert ours["Primitive.layer_norm.LayerNorm.0.forward.input.1"] == "Functional.layer_norm.0.forward.input.2"
     # no false errors (msprobe: every matched row "error" for Float32 != torch.float32 and requires_grad N/A)
     assert report.counts()["error"] == 0 and report.first_divergence is None
-    reverse = compare_dumps(load_dump(_pt(f"fp32_{mode}")), load_dump(_ms(f"fp32_{mode}")))
+    reverse = compare_dumps(bench=load_dump(_ms(f"fp32_{mode}")), target=load_dump(_pt(f"fp32_{mode}")))
     assert _pairs(reverse) == {v: k for k, v in ours.items()}
     assert reverse.counts()["error"] == 0
 
 
 def test_classic_dense_matmul_plus_bias_add_is_one_linear():
     """nn.Dense dumps MatMul then BiasAdd; PyTorch has one F.linear: the table's fused rule pairs them."""
-    report = compare_dumps(load_dump(_ms("nn_fp32_statistics")), load_dump(_pt("fp32_statistics")))
+    report = compare_dumps(bench=load_dump(_pt("fp32_statistics")), target=load_dump(_ms("nn_fp32_statistics")))
     ours = _pairs(report)
     assert len(ours) >= 80 and report.counts()["error"] == 0
     assert ours["Primitive.matmul.MatMul.1.forward.input.1"] == "Functional.linear.1.forward.input.1"
@@ -159,9 +159,9 @@ def test_cross_framework_fault_is_named(tmp_path):
     f = tmp_path / "t" / "dump_tensor_data" / "Primitive.layer_norm.LayerNorm.0.forward.output.0.npy"
     a = np.load(f)
     np.save(f, (a * 1.02).astype(a.dtype))
-    report = compare_dumps(load_dump(str(tmp_path / "t")), load_dump(_pt("fp32_tensor")))
+    report = compare_dumps(bench=load_dump(_pt("fp32_tensor")), target=load_dump(str(tmp_path / "t")))
     assert report.first_divergence.name == "Primitive.layer_norm.LayerNorm.0.forward"
-    clean = compare_dumps(load_dump(_ms("fp16_tensor")), load_dump(_pt("fp32_tensor")))
+    clean = compare_dumps(bench=load_dump(_pt("fp32_tensor")), target=load_dump(_ms("fp16_tensor")))
     assert clean.first_divergence is None
 
 

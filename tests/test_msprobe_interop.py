@@ -62,7 +62,7 @@ def test_msprobe_compare_reads_our_dumps_with_equal_metrics(tmp_path, task, summ
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (theirs_path,) = glob.glob(str(out / "compare_result_*.csv"))
     theirs = list(csv.DictReader(_lines(theirs_path)))
-    report = compare_dumps(load_dump(str(target)), load_dump(str(bench)))
+    report = compare_dumps(bench=load_dump(str(bench)), target=load_dump(str(target)))
     ours = list(csv.DictReader(_lines(report.write_csv(str(tmp_path / "ours")))))
     assert len(ours) == len(theirs) > 40
     assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in theirs]
@@ -97,7 +97,8 @@ def test_msprobe_compare_reads_our_multi_rank_dumps(tmp_path):
         (theirs_path,) = glob.glob(str(out / f"compare_result_rank{rank}_*.csv"))
         theirs = list(csv.DictReader(_lines(theirs_path)))
         rank_dir = tmp_path / "o" / "{}" / "step0" / f"rank{rank}"
-        report = compare_dumps(load_dump(str(rank_dir).format("target")), load_dump(str(rank_dir).format("bench")))
+        report = compare_dumps(bench=load_dump(str(rank_dir).format("bench")),
+                               target=load_dump(str(rank_dir).format("target")))
         ours = list(csv.DictReader(_lines(report.write_csv(str(tmp_path / f"ours{rank}")))))
         assert [r["NPU Name"] for r in ours] == [r["NPU Name"] for r in theirs]
         assert "Distributed.all_reduce.0.forward.output.0" in {r["NPU Name"] for r in ours}

@@ -761,7 +761,7 @@ def _isolated(t, b, isolation, **kw):
     from msprobe_ci.compare import compare_dumps
     from msprobe_ci.compare.isolated import apply_isolation
 
-    report = compare_dumps(t, b)
+    report = compare_dumps(bench=b, target=t)
     drift = {n.name: n for n in report.nodes}
     apply_isolation(report, isolation, t.construct, **kw)
     assert report.isolated
@@ -1179,13 +1179,13 @@ def test_top_binade_allowance_reads_the_target_range_from_its_rows():
     rec = {"status": "pass", "standard": "ulp", "value": 0.1, "threshold": 1,
            "sources": {"Torch.clamp.0.forward.input.1": {"kind": "scalar", "id": "c"}}}
     for t_clamp, status in ((f16max - 1000, "pass"), (f16max / 4, "error")):
-        report = compare_dumps(dump("torch.float16", t_clamp), dump("torch.float32", f32max - 1000))
+        report = compare_dumps(bench=dump("torch.float32", f32max - 1000), target=dump("torch.float16", t_clamp))
         apply_isolation(report, {"Torch.clamp.0.forward": rec})
         assert report.nodes[0].status == status, t_clamp
     scalars_only = Dump(folder=".", task="statistics", level="L1", data={"Torch.clamp.0.forward": {
         "input_args": [{"type": "float", "value": 2.0}], "input_kwargs": {}, "output": [{"type": "float",
                                                                                           "value": 2.0}]}})
-    report = compare_dumps(scalars_only, scalars_only)  # no tensor row: the range is unbounded
+    report = compare_dumps(bench=scalars_only, target=scalars_only)  # no tensor row: the range is unbounded
     apply_isolation(report, {"Torch.clamp.0.forward": dict(rec, sources={
         "Torch.clamp.0.forward.input.0": {"kind": "scalar", "id": "s"}})})
     assert report.nodes[0].status == "pass"

@@ -56,7 +56,7 @@ def _rows(path):
 def test_streaming_gives_the_in_memory_csv_and_verdicts(gpt2_pair, tmp_path):
     target, bench = gpt2_pair
     streamed = stream_compare(str(target), str(bench), str(tmp_path), prefix="s", progress=False)
-    report = compare_dumps(load_dump(target), load_dump(bench))
+    report = compare_dumps(bench=load_dump(bench), target=load_dump(target))
     assert streamed.counts == report.counts() and streamed.counts["error"] >= 1
     assert streamed.first_divergence.name == report.first_divergence.name == "Functional.layer_norm.3.forward"
     assert _rows(streamed.csv) == _rows(report.write_csv(str(tmp_path), prefix="m"))
@@ -110,7 +110,7 @@ def test_nan_tokens_stream_as_the_in_memory_compare_reads_them(fixtures_dir, tmp
         text = fh.read()
     assert "NaN" in text and "Infinity" in text
     streamed = stream_compare(overflow, bench, str(tmp_path / "o"), prefix="s", progress=False)
-    report = compare_dumps(load_dump(overflow), load_dump(bench))
+    report = compare_dumps(bench=load_dump(bench), target=load_dump(overflow))
     assert streamed.counts == report.counts()
     assert _rows(streamed.csv) == _rows(report.write_csv(str(tmp_path / "o"), prefix="m"))
     rc = main(["compare", "-tp", os.path.dirname(overflow), "-gp", os.path.join(tiny, "fp32_statistics", "step0"),
@@ -201,8 +201,8 @@ def test_bench_values_beyond_the_target_range_are_not_an_error(tmp_path, fault):
         model(x)
         cs.stop()
         cs.close()
-    report = compare_dumps(load_dump(str(tmp_path / "target" / "step0" / "rank")),
-                           load_dump(str(tmp_path / "bench" / "step0" / "rank")))
+    report = compare_dumps(bench=load_dump(str(tmp_path / "bench" / "step0" / "rank")),
+                           target=load_dump(str(tmp_path / "target" / "step0" / "rank")))
     where = next(n for n in report.nodes if n.name == "Torch.where.0.forward")
     assert where.status == "pass", where.message
     if fault is None:
@@ -337,7 +337,7 @@ def test_csv_line_is_the_csv_row(gpt2_pair, fixtures_dir):
         for rec, (key, value) in zip(odd, [("Max", "1,5"), ("Min", 'a"b'), ("Mean", math.nan), ("Norm", True),
                                            ("requires_grad", 'x"y'), ("Max", 10**30)]):
             rec[key] = value
-        report = compare_dumps(t_dump, b_dump)
+        report = compare_dumps(bench=b_dump, target=t_dump)
         verdicts = {n.name: n for n in report.nodes}
         fast_done, slow_done = set(), set()
         for rr in report.rows:

@@ -92,7 +92,8 @@ def judge_dumps(bench_dump, target_dump, settings: JudgeSettings = JudgeSettings
     from ..compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
 
     s = settings
-    report = compare_dumps(target_dump, bench_dump, fuzzy=s.fuzzy, thresholds=s.thresholds, mappings=s.mappings)
+    report = compare_dumps(bench=bench_dump, target=target_dump, fuzzy=s.fuzzy, thresholds=s.thresholds,
+                           mappings=s.mappings)
     if not s.isolate:
         records = None
     elif records is _NOT_GIVEN:

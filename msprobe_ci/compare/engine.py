@@ -35,13 +35,13 @@ def compare_mode(target: Dump, bench: Dump) -> str:
     return "statistics"
 
 
-def compare_dumps(target: Dump, bench: Dump, *, fuzzy: bool = False,
+def compare_dumps(*, bench: Dump, target: Dump, fuzzy: bool = False,
                   thresholds: Thresholds | None = None, mappings: Any = None) -> CompareReport:
     """Compare a target dump against a bench dump.
 
     Args:
-        target: the dump under test (msprobe's "NPU" side).
         bench: the reference (msprobe's "Bench"/golden side).
+        target: the dump under test (msprobe's "NPU" side). Both sides by name only: a call cannot exchange them.
         fuzzy: ignore call indices when matching (``-fm``).
         thresholds: node-rule factors; defaults as documented in :mod:`msprobe_ci.compare.verdict`.
         mappings: msprobe's mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`: ``-dm``, ``-lm``,

@@ -113,7 +113,7 @@ def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
     t_dump, g_dump = load_dump(t_folder), load_dump(g_folder)
     if report is None:
         kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-        report = compare_dumps(t_dump, g_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
+        report = compare_dumps(bench=g_dump, target=t_dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
     t_graph, g_graph = _compared(t_dump, g_dump, report, key, overflow, fuzzy)
     add_graph(out, t_graph)
     add_graph(out, g_graph)
@@ -161,7 +161,7 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
             report = (reports or {}).get((step, i))
             if report is None:
                 kwargs = {"thresholds": thresholds} if thresholds is not None else {}
-                report = compare_dumps(t.dump, g.dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
+                report = compare_dumps(bench=g.dump, target=t.dump, fuzzy=fuzzy, mappings=mappings, **kwargs)
             mode = report.mode
             graphs += _compared(t.dump, g.dump, report, (step, i), overflow, fuzzy)
         return write_vis_db(out_path(out_dir, "compare"), graphs, compare=True, task=mode, overflow_check=overflow)
