@@ -130,7 +130,7 @@ class FreeBenchmark:
         """
         started = time.perf_counter()
         short = api.rsplit(".", 1)[-1]
-        reason = unjudgeable(prefix, api, kwargs, dropout=True)
+        reason = unjudgeable(prefix, api, kwargs, short=short, dropout=True)
         floats = [t for t in _tensors(args) + _tensors(kwargs) if t.is_floating_point()]
         if reason is None and not floats:
             reason = "no floating input: nothing to perturb"

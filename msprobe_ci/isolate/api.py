@@ -33,7 +33,7 @@ class ApiIsolation:
         short = api.rsplit(".", 1)[-1]
         fwd_sources = self._source_rows(name, short, args, kwargs)
         bwd_name = name[: -len("forward")] + "backward"
-        reason = unjudgeable(prefix, api, kwargs)
+        reason = unjudgeable(prefix, api, kwargs, short=short)
         local = None
         if reason is None and (_has_dtensor(args) or _has_dtensor(kwargs)):
             local = local_pointwise(short, args, kwargs)
