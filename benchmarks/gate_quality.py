@@ -172,6 +172,7 @@ COMPILE = False
 FORWARD_ONLY = False
 ISOLATE = True
 ISOLATOR: dict = {}
+DEVICE = "cpu"  # --device: both sides and the isolation there (cuda: the oracle in float64 there, as msprobe.check)
 
 
 def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None, bench_folder=None, level=None,
@@ -182,8 +183,8 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
         loss_fn = None
     compiled = COMPILE and level is None
     try:
-        bench = Backend.from_options("cpu", bench_dtype)
-        target = Backend.from_options("cpu", target_dtype, compiled)
+        bench = Backend.from_options(DEVICE, bench_dtype)
+        target = Backend.from_options(DEVICE, target_dtype, compiled)
         regions = compile_regions(model) if compiled else []
         cfg = DumpConfig(task=TASK, level=level or LEVEL)
         if bench_folder is None:
@@ -191,7 +192,9 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
                          regions=regions)
         else:
             b = bench_folder
-        iso = Isolator(backward=loss_fn is not None, **ISOLATOR) if isolate else None
+        where = {} if DEVICE == "cpu" else dict(target_device=target.torch_device, bench_device=bench.torch_device,
+                                                **target.oracle_options("target"))
+        iso = Isolator(backward=loss_fn is not None, **where, **ISOLATOR) if isolate else None
         t0 = time.perf_counter()
         t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp, "target")),
                      faults=faults, isolator=iso, regions=regions)
@@ -314,11 +317,14 @@ def main():
     ap.add_argument("--repro", action="store_true",
                     help="run each fault's first-divergence reproduction (repro/<node>.py) alone: it must fail with "
                          "the gate's values and pass with --no-fault")
+    ap.add_argument("--device", default="cpu",
+                    help="both sides on this device (cuda: the oracle there in float64, as msprobe.check builds it)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.anchor:
         anchor_faults()
-    global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE
+    global LEVEL, TASK, COMPILE, FORWARD_ONLY, ISOLATE, DEVICE
+    DEVICE = args.device
     if args.budget_draws is not None:
         ISOLATOR.update(budget_draws=args.budget_draws)
     LEVEL = "L0" if args.compile else args.level

@@ -35,8 +35,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench-kernel", default="upcast")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="both sides on this device (cuda: the oracle there, float64)")
+    ap.add_argument("--no-reduced-precision-reduction", action="store_true",
+                    help="cuBLAS bf16/fp16 GEMMs reduce split-K partials in fp32 "
+                         "(torch.backends.cuda.matmul.allow_bf16/fp16_reduced_precision_reduction = False)")
+    ap.add_argument("--benign-only", action="store_true", help="skip the fault run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    gq.DEVICE = args.device
+    if args.no_reduced_precision_reduction:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     gq.ISOLATOR.update(bench_kernel=args.bench_kernel)
     torch.manual_seed(11)
     cfg = transformers.GPT2Config()
@@ -50,10 +59,13 @@ def main() -> None:
 
     rep, cases, _, elapsed, _ = gq._one(model, inputs, loss, torch.float32, torch.bfloat16, ())
     bad = _api_errors(rep)
-    print(f"benign ({args.bench_kernel}): {len(bad)} API testcases failing, model cases failing "
+    where = args.device + (", reduced-precision reduction off" if args.no_reduced_precision_reduction else "")
+    print(f"benign ({args.bench_kernel}, {where}): {len(bad)} API testcases failing, model cases failing "
           f"{[c['name'] for c in cases if c['status'] == 'error']}; target with isolation {elapsed:.0f} s")
     for n in bad[:5]:
-        print("   ", n.message[:200])
+        print("   ", n.message[:400])
+    if args.benign_only:
+        return
     fault = Fault("Functional.layer_norm", 11, "forward", "scale", 1.02)
     rep, _, _, _, unapplied = gq._one(model, inputs, loss, torch.float32, torch.bfloat16, (fault,))
     first = rep.first_divergence  # a CompareResult is falsy: compare with None
