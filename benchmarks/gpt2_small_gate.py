@@ -40,7 +40,19 @@ def main() -> None:
                     help="cuBLAS bf16/fp16 GEMMs reduce split-K partials in fp32 "
                          "(torch.backends.cuda.matmul.allow_bf16/fp16_reduced_precision_reduction = False)")
     ap.add_argument("--benign-only", action="store_true", help="skip the fault run")
+    ap.add_argument("--layers", type=int, default=12, help="transformer blocks (GPT-2 small: 12; the LM head, "
+                    "768 x 50,257, is the same at any depth)")
+    ap.add_argument("--fault", default="layer_norm", choices=("layer_norm", "lm_head"),
+                    help="the fault run's fault: 2%% on the last LayerNorm's forward, or 1%% on the LM head's "
+                         "backward (Functional.linear.0, its input gradient a GEMM over the 50,257 logits)")
+    ap.add_argument("--no-split-bench", action="store_true",
+                    help="the upcast/rounded bench without the split-K GEMMs of a reduced-precision reduction (as "
+                         "before kernels.reduced_precision_reduction): the comparison run")
     args = ap.parse_args()
+    if args.no_split_bench:
+        import msprobe_ci.kernels as kernels
+
+        kernels.reduced_precision_reduction = lambda device, dtype: False
     torch.set_num_threads(args.threads)
     gq.DEVICE = args.device
     if args.no_reduced_precision_reduction:
@@ -48,7 +60,7 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     gq.ISOLATOR.update(bench_kernel=args.bench_kernel)
     torch.manual_seed(11)
-    cfg = transformers.GPT2Config()
+    cfg = transformers.GPT2Config(n_layer=args.layers)
     cfg._attn_implementation = "sdpa"
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, 1024), generator=torch.Generator().manual_seed(12))
@@ -59,19 +71,23 @@ def main() -> None:
 
     rep, cases, _, elapsed, _ = gq._one(model, inputs, loss, torch.float32, torch.bfloat16, ())
     bad = _api_errors(rep)
-    where = args.device + (", reduced-precision reduction off" if args.no_reduced_precision_reduction else "")
+    where = args.device + (", reduced-precision reduction off" if args.no_reduced_precision_reduction else "") + \
+        (", bench without split-K GEMMs" if args.no_split_bench else "") + f", {args.layers} layers"
     print(f"benign ({args.bench_kernel}, {where}): {len(bad)} API testcases failing, model cases failing "
           f"{[c['name'] for c in cases if c['status'] == 'error']}; target with isolation {elapsed:.0f} s")
     for n in bad[:5]:
         print("   ", n.message[:400])
     if args.benign_only:
         return
-    fault = Fault("Functional.layer_norm", 11, "forward", "scale", 1.02)
+    fault = Fault("Functional.layer_norm", 2 * args.layers - 1, "forward", "scale", 1.02) \
+        if args.fault == "layer_norm" else Fault("Functional.linear", 0, "backward", "scale", 1.01)
     rep, _, _, _, unapplied = gq._one(model, inputs, loss, torch.float32, torch.bfloat16, (fault,))
     first = rep.first_divergence  # a CompareResult is falsy: compare with None
     name = first.name if first is not None else None
-    print(f"fault {fault.api}.{fault.call} forward x{fault.value}{' (not applied)' if unapplied else ''}: first "
+    print(f"fault {fault.api}.{fault.call} {fault.direction} x{fault.value}{' (not applied)' if unapplied else ''}: first "
           f"divergence {name}; {len([n for n in _api_errors(rep) if n.name != name])} other API testcases failing")
+    if first is not None:
+        print("   ", first.message[:400])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .capture.repro import VERSION
+from .capture.repro import CUDA_MATMUL, VERSION
 from .errors import MsprobeError
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -121,6 +121,12 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     threads = spec.get("threads")
     if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
         torch.set_num_threads(threads)  # the gate's: a CPU kernel's summation order follows it
+    matmul = spec.get("cuda_matmul") or {}
+    if not isinstance(matmul, dict):
+        raise MsprobeError(f"{where}: field 'cuda_matmul': expected a mapping")
+    for key in CUDA_MATMUL:  # the two settings named in code; the spec gives only their values
+        if isinstance(matmul.get(key), bool):
+            setattr(torch.backends.cuda.matmul, key, matmul[key])
     func = allowlist.lookup(str(spec["function"].get("prefix")), str(spec["function"].get("api")))
     if func is None:
         raise MsprobeError(f"{where}: field 'function': not on the replay allowlist")

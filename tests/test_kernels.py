@@ -288,3 +288,75 @@ def test_upcast_bench_holds_the_intermediates_the_definition_holds():
         with probe:
             fn()
         assert probe.read is held
+
+
+def _half_partials(a, b, parts, dtype):
+    """A GEMM as cuBLAS's reduced-precision reduction computes it: ``parts`` partial sums over K, each accumulated
+    in fp32 and rounded to ``dtype``, added one by one in ``dtype``."""
+    bounds = [a.shape[-1] * i // parts for i in range(parts + 1)]
+    total = None
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = (a[:, lo:hi].float() @ b[lo:hi].float()).to(dtype)
+        total = part if total is None else (total.float() + part.float()).to(dtype)
+    return total
+
+
+def test_upcast_bench_splits_gemms_as_a_reduced_precision_reduction_may():
+    """With PyTorch's default ``allow_bf16_reduced_precision_reduction`` a CUDA bf16 GEMM over many terms adds
+    split-K partial sums in bf16 (measured on an H100: GPT-2's LM-head input gradient, K = 50,257, 2.44 times the
+    once-rounded product's mean relative error; its benign gate failed max_rel_err ratio 12.1 > 10 against the bench
+    rounded once, and passed against the split bench). The upcast/rounded bench of such a target splits its GEMMs
+    the same way (kernels.Materialized(split=True)); a GEMM of a few thousand terms, and every GEMM on another
+    device or with the flag off, is not split. Judged by the benchmark standard: such a target is closer to the
+    split bench than to the bench rounded once, passes against it, and a 1% fault on it fails."""
+    matmul = torch.backends.cuda.matmul
+    assert not kernels.reduced_precision_reduction("cpu", torch.bfloat16)
+    assert not kernels.reduced_precision_reduction("cuda", torch.float32)
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        for flag in (True, False):
+            matmul.allow_bf16_reduced_precision_reduction = flag
+            assert kernels.reduced_precision_reduction("cuda:0", torch.bfloat16) is flag
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    assert [kernels.split_k_parts(k) for k in (768, 2048, 2049, 50257, 10 ** 6)] == [1, 1, 2, 25, 32]
+    from msprobe_ci.isolate import Isolator  # isolation.json says which target dtypes' GEMMs the bench split
+
+    assert Isolator(target_device="cpu", bench_kernel="upcast").split_k_gemms() == []
+    assert Isolator(target_device="cuda", bench_kernel="device").split_k_gemms() == []
+    assert ("bfloat16" in Isolator(target_device="cuda", bench_kernel="upcast").split_k_gemms()) is before
+
+    g = torch.Generator().manual_seed(5)
+    n, k, m = 64, 40000, 48
+    p = torch.softmax(torch.randn(n, k, generator=g) * 0.5, -1)  # a cross-entropy gradient through an LM head
+    p[torch.arange(n), torch.randint(0, k, (n,), generator=g)] -= 1
+    grad, w = (p / n).bfloat16(), (torch.randn(k, m, generator=g) * 0.02).bfloat16()
+    oracle = grad.double() @ w.double()
+    target = _half_partials(grad, w, 16, torch.bfloat16)
+
+    def bench(split):
+        probe = kernels.Materialized(split=split)
+        _, out, _ = kernels.reference(torch.mm, (grad, w), {}, torch.float32, "cpu", False, lambda: probe)
+        assert probe.read is split and probe.split == (20 if split else 0)
+        if split:
+            _, out, _ = kernels.reference(torch.mm, (grad, w), {}, torch.float32, "cpu", False,
+                                          kernels.materialized(torch.bfloat16, True))
+        return out.bfloat16()
+    split = bench(True)
+    assert torch.equal(split, _half_partials(grad, w, 20, torch.bfloat16))  # the split is exactly that
+    once = judge_pair("linear", target, bench(False), oracle, True)
+    allowed = judge_pair("linear", target, split, oracle, True)
+    assert allowed.status == "pass", allowed.message
+    assert allowed.passing["max_rel_err"] < once.passing["max_rel_err"], (allowed.message, once.message)
+    fault = judge_pair("linear", (target.double() * 1.01).bfloat16(), split, oracle, True)
+    assert fault.status == "error", fault.message
+    # addmm's bias is added after the split sum, bmm splits per batch; a short GEMM is the plain product
+    bias = torch.randn(m, generator=g)
+    with kernels.Materialized(torch.bfloat16, split=True) as mode:
+        got = torch.addmm(bias, grad.float(), w.float(), beta=0.5, alpha=2.0)
+        batched = torch.bmm(grad.float()[None].expand(2, n, k), w.float()[None].expand(2, k, m))
+        short = torch.mm(grad.float()[:, :1024], w.float()[:1024])
+    assert mode.split == 20
+    assert torch.equal(got, 2.0 * split.float() + 0.5 * bias)
+    assert torch.equal(batched[1], split.float())
+    assert torch.equal(short, grad.float()[:, :1024] @ w.float()[:1024])

@@ -108,6 +108,21 @@ def test_the_inputs_are_the_calls_own_and_hold_no_code(tmp_path):
     record, _ = repro.run(script)
     assert record["status"] == "error" and record["message"] == iso.results["Tensor.mul_.0.forward"]["message"]
     assert repro.run(script, fault=False)[0]["status"] == "pass"
+    # the CUDA GEMM settings the gate ran with are restored (its bench splits GEMMs as they allow), by value only
+    matmul = torch.backends.cuda.matmul
+    assert spec["cuda_matmul"] == {k: bool(getattr(matmul, k)) for k in writer.CUDA_MATMUL}
+    before = matmul.allow_bf16_reduced_precision_reduction
+    spec_path = os.path.splitext(script)[0] + ".json"
+    try:
+        _write(spec_path, json.dumps({**spec, "cuda_matmul": {"allow_bf16_reduced_precision_reduction": not before,
+                                                              "torch.load": True}}))
+        repro.run(script)
+        assert matmul.allow_bf16_reduced_precision_reduction is (not before) and not hasattr(matmul, "torch.load")
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+    _write(spec_path, json.dumps({**spec, "cuda_matmul": ["allow_bf16_reduced_precision_reduction"]}))
+    with pytest.raises(MsprobeError, match="field 'cuda_matmul': expected a mapping"):
+        repro.run(script)
 
 
 def test_arguments_round_trip_and_a_hostile_spec_is_refused(tmp_path):

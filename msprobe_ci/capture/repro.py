@@ -44,6 +44,9 @@ MAX_BYTES = 1 << 30
 #: the spec's format version
 VERSION = 1
 
+#: the CUDA GEMM settings a reproduction restores (:func:`msprobe_ci.kernels.reduced_precision_reduction`)
+CUDA_MATMUL = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
+
 
 class _Unsaved(Exception):
     """An argument the spec cannot hold (the reason is the message)."""
@@ -179,6 +182,8 @@ class Reproducer:
             "step": session.current_step, "rank": rank,
             # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
             "threads": torch.get_num_threads(),
+            # whether a CUDA half GEMM may add split-K partial sums in its dtype (the bench allows it where it may)
+            "cuda_matmul": {k: bool(getattr(torch.backends.cuda.matmul, k, False)) for k in CUDA_MATMUL},
             "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
                          "target_device": iso.target_device, "bench_device": iso.bench_device,
                          "backward": iso.backward, "bench_kernel": iso.bench_kernel,

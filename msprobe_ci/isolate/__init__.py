@@ -148,4 +148,12 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
 
     def as_json(self) -> dict:
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
-                "bench_kernel": self.bench_kernel, "nodes": self.results}
+                "bench_kernel": self.bench_kernel, "split_k_gemms": self.split_k_gemms(), "nodes": self.results}
+
+    def split_k_gemms(self) -> list[str]:
+        """The target dtypes whose GEMMs the ``upcast``/``rounded`` bench splits as the target's may split them
+        (:func:`msprobe_ci.kernels.reduced_precision_reduction`): empty off CUDA or with the flags off."""
+        if self.bench_kernel not in ("upcast", "rounded"):
+            return []
+        return [str(d).replace("torch.", "") for d in (torch.bfloat16, torch.float16)
+                if kernels.reduced_precision_reduction(self.target_device, d)]

@@ -147,14 +147,14 @@ class ApiIsolation:
             # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
             # an upcast/rounded bench is this run rounded once, unless the call's kernels hold intermediates
             held = self.bench_kernel in ("upcast", "rounded")
-            probe = kernels.Materialized() if held else None
+            probe = self._probe(args, kw) if held else None
             try:
                 call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False, probe)
                 call.oracle_how = (dtype, False)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
-                    probe = kernels.Materialized() if held else None
+                    probe = self._probe(args, kw) if held else None
                     call.oracle_in, call.oracle_out, copies = kernels.reference(
                         func, args, kw, dtype, "cpu", False, None if probe is None else (lambda: probe))
                     call.oracle_how = (dtype, True)
@@ -197,11 +197,17 @@ class ApiIsolation:
         context = kernels.decomposed if kernel == "decomposed" else None
         call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
 
-    @staticmethod
-    def _materialized(args: tuple, kw: dict):
-        """The ``upcast``/``rounded`` bench's context: the call's kernels, each rounded once to the target dtype
-        (:class:`msprobe_ci.kernels.Materialized`)."""
-        return kernels.materialized(kernels.target_dtype(_tensors(args) + _tensors(kw)))
+    def _materialized(self, args: tuple, kw: dict):
+        """The ``upcast``/``rounded`` bench's context: the call's kernels, each rounded once to the target dtype,
+        its GEMMs split as the target's may split them (:class:`msprobe_ci.kernels.Materialized`)."""
+        dtype = kernels.target_dtype(_tensors(args) + _tensors(kw))
+        return kernels.materialized(dtype, kernels.reduced_precision_reduction(self.target_device, dtype))
+
+    def _probe(self, args: tuple, kw: dict) -> "kernels.Materialized":
+        """A recording :class:`~msprobe_ci.kernels.Materialized` for the oracle's run: whether the ``upcast``/
+        ``rounded`` bench must be a run of its own (an intermediate held, a GEMM split)."""
+        dtype = kernels.target_dtype(_tensors(args) + _tensors(kw))
+        return kernels.Materialized(split=kernels.reduced_precision_reduction(self.target_device, dtype))
 
     def _bench_precision(self, args: tuple, kw: dict) -> torch.dtype:
         """The precision the ``upcast`` (one up from the inputs') or ``rounded`` (float64) bench computes in."""

@@ -97,7 +97,7 @@ class BackwardIsolation:
         # a shared upcast/rounded bench is the oracle's product rounded once, unless the backward's kernels hold
         # intermediates (a broadcast operand's gradient summed over its copies): then the same graph's product
         # again, each kernel rounded (kernels.Materialized)
-        probe = kernels.Materialized() if shared else None
+        probe = self._probe(args, kw) if shared else None
         oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, None if probe is None else lambda: probe,
                              retain=probe is not None)
         bench = oracle

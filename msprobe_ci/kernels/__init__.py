@@ -57,7 +57,7 @@ from ..config import BENCH_KERNELS  # noqa: F401 (the vocabulary lives where the
 from .choice import (  # noqa: F401
     _group_bounds, _HALF, _qualified, _references, _UNIT, call_best_precision, cast, check_bench_kernel, default_bench_kernel, float32_fallback, FP8_DTYPES, grouped_mm_reference, in_float64, needs_grad, oracle_dtype, reference_note, REFERENCES, ROUNDING_RMS, scaled_mm_reference, tensors_of, unwritten, upcast_dtype, zero_past)
 from .modes import (  # noqa: F401
-    _ALPHA_OPS, _attention_math, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _FusedAttention, _inside, _KERNEL, _NO_ROUNDING, _NO_ROUNDING_INPLACE, _reduces, _round_out, _rounds_in_place, _same_meta, _SDPA, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, Decomposed, decomposed, FusedAttention, jitter, Materialized, materialized, Perturb, target_dtype)
+    _ALPHA_OPS, _attention_math, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _FusedAttention, _inside, _KERNEL, _NO_ROUNDING, _NO_ROUNDING_INPLACE, _reduces, _round_out, _rounds_in_place, _same_meta, _SDPA, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, Decomposed, decomposed, FusedAttention, jitter, Materialized, materialized, Perturb, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401

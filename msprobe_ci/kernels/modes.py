@@ -75,6 +75,56 @@ def target_dtype(tensors: list) -> torch.dtype:
     return max(floats, key=lambda d: _UNIT.get(d, 0.0), default=torch.float32)
 
 
+#: cuBLAS's reduced-precision reduction (PyTorch's default for bf16 and fp16 GEMMs on CUDA:
+#: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` and ``..._fp16_...`` are True): a GEMM
+#: whose few output tiles leave the device's multiprocessors idle splits its reduction over K into partial sums,
+#: rounds each to the output dtype and adds them in that dtype. Measured on an H100 (torch 2.11 + CUDA 13,
+#: ``benchmarks/reduced_precision_gemm.py``, GPT-2 small's LM-head input gradient, 1024 x 50,257 x 768): the mean
+#: relative error 2.44 (bf16) and 3.07 (fp16) times the fp32-accumulated product's rounded once, its max 10x; with
+#: the flag off 1.00, and 1.00 for the same head's K = 768 and K = 1,024 GEMMs. Sequential half-precision
+#: accumulation of S partials reproduces it (bf16: 2.33x at S = 16, 2.47x at 20, 2.61x at 25; fp16 3.65x at 16).
+#: The bench of such a GEMM allows one partial per :data:`SPLIT_K_TERMS` terms, at most :data:`SPLIT_K_MAX`
+#: (25 at K = 50,257: above both measurements); a GEMM of K <= 2,048 is not split.
+SPLIT_K_TERMS = 2048
+SPLIT_K_MAX = 32
+_SPLIT_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def reduced_precision_reduction(device: str, dtype: torch.dtype) -> bool:
+    """Whether half-precision GEMMs of ``dtype`` on ``device`` may add their split-K partial sums in ``dtype``:
+    a CUDA device with PyTorch's ``allow_bf16_reduced_precision_reduction`` / ``allow_fp16_...`` on (their
+    default). False on every other device (the CPU's GEMMs accumulate in fp32; an NPU's settings are its own)."""
+    if not str(device).startswith("cuda") or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    matmul = torch.backends.cuda.matmul
+    name = "allow_bf16_reduced_precision_reduction" if dtype == torch.bfloat16 else \
+        "allow_fp16_reduced_precision_reduction"
+    return bool(getattr(matmul, name, False))
+
+
+def split_k_parts(k: int) -> int:
+    """How many partial sums the bench allows a reduced-precision GEMM over ``k`` terms (:data:`SPLIT_K_TERMS`)."""
+    return min(SPLIT_K_MAX, -(-int(k) // SPLIT_K_TERMS))
+
+
+def _split_gemm(name: str, args: tuple, kwargs: dict, parts: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mm``/``addmm``/``bmm``/``baddbmm`` with its reduction split into ``parts`` partial sums, each computed in
+    the arguments' precision, rounded to ``dtype`` and added to the running sum in ``dtype``; the bias term of
+    ``addmm``/``baddbmm`` added after, in the arguments' precision (a GEMM's epilogue)."""
+    bias, (a, b) = (args[0], args[1:3]) if name in ("addmm", "baddbmm") else (None, args[:2])
+    k = a.shape[-1]
+    bounds = [k * i // parts for i in range(parts + 1)]
+    product = torch.bmm if a.dim() == 3 else torch.mm
+    total = None
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = product(a.narrow(-1, lo, hi - lo), b.narrow(-2, lo, hi - lo)).to(dtype).to(a.dtype)
+        total = part if total is None else (total + part).to(dtype).to(a.dtype)
+    if bias is None:
+        return total
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    return alpha * total + (beta * bias if beta != 0 else 0)
+
+
 class Materialized(TorchDispatchMode):
     """An ``upcast``/``rounded`` bench run as the ATen kernels the call is made of, each one rounded once.
 
@@ -88,14 +138,20 @@ class Materialized(TorchDispatchMode):
     another reads (an *intermediate*) is rounded to ``dtype`` where it is read; the call's inputs, and in a
     backward the tensors the forward saved, are not (a fused backward kernel reads those as they are).
 
-    ``dtype`` ``None`` rounds nothing and only records, in :attr:`read`, whether the call has an intermediate
-    (then the one-kernel shortcut, the oracle rounded once, is not the bench)."""
+    ``split`` (the target's GEMMs may add split-K partial sums in its dtype, :func:`reduced_precision_reduction`):
+    every ``mm``/``addmm``/``bmm``/``baddbmm`` over more than :data:`SPLIT_K_TERMS` terms is computed as
+    :func:`split_k_parts` partial sums added in ``dtype`` (:func:`_split_gemm`); :attr:`split` then holds the
+    largest number of partial sums used.
 
-    def __init__(self, dtype: torch.dtype | None = None):
+    ``dtype`` ``None`` rounds nothing and only records, in :attr:`read`, whether the call has an intermediate or a
+    GEMM that would be split (then the one-kernel shortcut, the oracle rounded once, is not the bench)."""
+
+    def __init__(self, dtype: torch.dtype | None = None, split: bool = False):
         super().__init__()
         self.dtype = dtype
         self.produced: set[int] = set()
         self.read = False
+        self.may_split, self.split = split, 0
 
     @staticmethod
     def _key(t: torch.Tensor) -> int | None:
@@ -115,6 +171,15 @@ class Materialized(TorchDispatchMode):
             return t
         return tree_map(one, value)
 
+    def _parts(self, name: str, args: tuple, kwargs: dict) -> int:
+        """The partial sums a split GEMM is computed in here (1: not split)."""
+        if not self.may_split or name not in _SPLIT_GEMMS or "out" in kwargs:
+            return 1
+        a = args[1] if name in ("addmm", "baddbmm") else args[0]
+        if not isinstance(a, torch.Tensor) or not a.is_floating_point() or a.dim() not in (2, 3):
+            return 1
+        return split_k_parts(a.shape[-1])
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
@@ -129,7 +194,11 @@ class Materialized(TorchDispatchMode):
             else:
                 args = self._held(args)
             kwargs = self._held(kwargs)
-        out = func(*args, **kwargs)
+        parts = self._parts(name, args, kwargs)
+        if parts > 1:
+            self.read, self.split = True, max(self.split, parts)
+        out = func(*args, **kwargs) if parts < 2 or self.dtype is None else \
+            _split_gemm(name, args, kwargs, parts, self.dtype)
         # an arithmetic kernel's new results (not views of, or writes into, its arguments) are intermediates of
         # the call; a copy, a view or a gather of one is one too
         if arithmetic or not ins.isdisjoint(self.produced):
@@ -142,9 +211,9 @@ class Materialized(TorchDispatchMode):
         return out
 
 
-def materialized(dtype: torch.dtype | None):
+def materialized(dtype: torch.dtype | None, split: bool = False):
     """A context factory for :func:`reference`/:func:`vjp`: the call run under :class:`Materialized`."""
-    return lambda: Materialized(dtype)
+    return lambda: Materialized(dtype, split)
 
 
 # ops whose result is a copy, a view, a fill or metadata: no arithmetic, nothing a kernel rounds
