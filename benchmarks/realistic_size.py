@@ -7,7 +7,8 @@ tokens, forward+backward (the LM loss), statistics, mix level. Each way runs as 
 * ``plain fp32`` / ``plain bf16``: one step of the model in that dtype, no capture;
 * ``check``: what ``msprobe.check`` runs: the fp32 bench side captured, the bf16 target side captured with
   isolation (the CPU oracle, bench kernel ``device``), then the judgement (compare, isolated verdicts, CSV, graph,
-  model-level cases); ``check, isolation off``: the same with the drift rule.
+  model-level cases); ``check, isolation off``: the same with the drift rule; ``check-budget``: budgeted
+  isolation (``--isolate-budget``, :mod:`msprobe_ci.isolate.budget`), its judged share and measured factor printed.
 
 For the check runs a sampler thread reads the process's resident memory every 20 ms and the run marks its
 phases, so the table says which phase set the peak and how long each phase took. Both sides spill their final
@@ -80,6 +81,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+BUDGET = 1.5  # --isolate-budget
+
+
 def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu", kernel: str = "") -> None:
     """One way, in this process; prints a JSON line of its phases' peak memory (check modes). On a CUDA device
     one plain fp32 and one plain bf16 step run first in every way (the context, cuBLAS and the kernels loaded
@@ -130,24 +134,29 @@ def child(mode: str, config: str, tokens: int, threads: int, device: str = "cpu"
         sampler.mark("target side")
         # as msprobe.check builds it: the bench kernel and the oracle's device by default (on CUDA: the target's
         # own device, float64)
+        from msprobe_ci.isolate.budget import IsolationBudget
+
+        budget = IsolationBudget(BUDGET, "realistic_size") if mode == "check-budget" else None
         iso = Isolator(backward=True, target_device=target.torch_device, bench_device=bench.torch_device,
                        bench_kernel=kernel or default_bench_kernel(bench.torch_device, target.torch_device),
-                       **target.oracle_options("target")) if mode == "check" else None
+                       budget=budget, **target.oracle_options("target")) if mode in ("check", "check-budget") else None
         t = run_side(model, (batch,), lambda out: out.loss, target, cfg.with_overrides(
             dump_path=os.path.join(tmp, "target")), isolator=iso, spill_outputs=True)
         oracle = (iso.oracle_device, len(iso.oracle_fallbacks)) if iso is not None else (None, 0)
+        budgeted = budget.summary() if budget is not None else None
+        iso_on = iso is not None
         del iso
         import gc
 
         gc.collect()
         sampler.mark("judgement")
-        outcome = evaluate(b, t, os.path.join(tmp, "out"), JudgeSettings(level="mix", isolate=mode == "check"),
+        outcome = evaluate(b, t, os.path.join(tmp, "out"), JudgeSettings(level="mix", isolate=iso_on),
                            graph_dir=os.path.join(tmp, "graphs"))
         sampler.mark("end")
         _sync(device)
         print(json.dumps({"seconds": time.perf_counter() - start, "peaks": sampler.peak, "at": sampler.at, **gpu(),
                           "oracle": oracle[0], "oracle_fallbacks": oracle[1],
-                          "phase_seconds": sampler.seconds,
+                          "phase_seconds": sampler.seconds, "budget": budgeted,
                           "first": outcome.first_divergence.name
                           if outcome.first_divergence is not None else None}))
     finally:
@@ -178,16 +187,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: bench fp32 and target bf16 on the GPU, the "
                     "oracle there in float64 (msprobe.check's default on CUDA)")
+    ap.add_argument("--isolate-budget", type=float, default=1.5,
+                    help="the cost factor of the check-budget way (msprobe_ci.isolate.budget)")
     ap.add_argument("--ways", default="plain-fp32,plain-bf16,check,check-noiso",
                     help="which ways to run, comma-separated (the ratios need both plain steps)")
     ap.add_argument("--bench-kernel", default="", help="the isolation's same-dtype bench kernel (device, upcast, "
                     "rounded, decomposed; default: msprobe.check's for the devices)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global BUDGET
+    BUDGET = args.isolate_budget
     if args.child:
         child(args.child, args.config, args.tokens, args.threads, args.device, args.bench_kernel)
         return
     common = ["--config", args.config, "--tokens", str(args.tokens), "--threads", str(args.threads),
+              "--isolate-budget", str(args.isolate_budget),
               "--bench-kernel", args.bench_kernel,
               "--device", args.device]
     where = args.device
@@ -211,6 +225,10 @@ def main() -> None:
             line += f", GPU {info['gpu_mb']:7.0f} MB peak"
             if mode.startswith("check") and "plain-fp32" in res:
                 line += f" ({info['gpu_mb'] / res['plain-fp32'][2]:4.2f}x plain fp32's)"
+        if info.get("budget"):
+            b = info["budget"]
+            line += (f"; budget {b['factor']}: {b['judged']} of {b['calls']} calls isolated, isolation "
+                     f"{b['measured_factor']}x the capture alone")
         if info.get("oracle"):
             line += f"; oracle on {info['oracle']} ({info['oracle_fallbacks']} APIs fell back to the CPU)"
         if mode.startswith("check") and {"plain-fp32", "plain-bf16"} <= set(res):

@@ -30,6 +30,29 @@ LEVELS = ("L0", "L1", "mix")
 SUMMARY_MODES = ("statistics", "md5")
 DATA_MODES = ("all", "input", "output", "forward", "backward")
 BENCH_KERNELS = ("device", "upcast", "rounded", "decomposed")  # what --msprobe-bench-kernel accepts (msprobe_ci.kernels)
+
+
+def check_factor(value, where: str = "isolate_budget") -> float | None:
+    """``value`` as a cost factor above 1, or ``None`` for none.
+
+    Raises:
+        MsprobeError: ``{where}: expected a number above 1 (the isolated step's time over the capture alone), got
+            ...``.
+    """
+    import math
+
+    if value is None or value is False:
+        return None
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = math.nan
+    if isinstance(value, bool) or not math.isfinite(factor) or factor <= 1.0:
+        raise MsprobeError(f"{where}: expected a number above 1 (the isolated step's time over the capture alone), "
+                           f"got {value!r}")
+    return factor
+
+
 _KNOWN_IGNORED = {"extra_info", "precision", "risk_level", "dump_enable", "custom_op_namespaces", "load",
                   "seed", "is_deterministic", "enable_dataloader", "structure", "acc_check", "diff_check",
                   "nan_check"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .config import load_config
+from .config import check_factor, load_config
 
 
 class PrecisionDebugger:
@@ -37,6 +37,11 @@ class PrecisionDebugger:
             isolation costs (docs/verdicts.md, "Cost").
         bench_kernel: with ``isolate``, the same-dtype bench of the benchmark standard (:mod:`msprobe_ci.kernels`;
             default ``device``: the API on the CPU in the model's dtypes).
+        isolate_budget: with ``isolate``, budgeted isolation (not in msprobe; :mod:`msprobe_ci.isolate.budget`):
+            the first call of each API kind judged every step, the others rotating across steps as far as keeps the
+            isolated step within this factor of the capture alone (above 1, e.g. ``1.5``); each step's
+            ``isolation.json`` says what was judged. Default ``None``: every call.
+        rotation_seed: what seeds that rotation (default ``""``; the gate uses the test id).
         inject: faults to inject into the captured run (not in msprobe): a fault YAML file
             (:func:`~msprobe_ci.capture.inject.load_faults`) or :class:`~msprobe_ci.capture.inject.Fault` objects,
             to prove that a gate on these dumps names a known fault; default none.
@@ -48,18 +53,21 @@ class PrecisionDebugger:
 
     def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
                  dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None,
-                 isolate: bool = True, bench_kernel: str = "device", inject: Any = None):
+                 isolate: bool = True, bench_kernel: str = "device", inject: Any = None,
+                 isolate_budget: float | None = None, rotation_seed: str = ""):
         from .capture import CaptureSession
         from .capture.inject import load_faults
 
         self.config = load_config(config_path, task=task, dump_path=dump_path, level=level, step=step)
         isolator = None
+        budget = check_factor(isolate_budget, "PrecisionDebugger: isolate_budget")
         if isolate:
             from .isolate import Isolator
 
             from .judge.settings import JudgeSettings
 
-            isolator = Isolator.from_settings(JudgeSettings(bench_kernel=bench_kernel))
+            isolator = Isolator.from_settings(JudgeSettings(bench_kernel=bench_kernel, isolate_budget=budget,
+                                                            rotation_seed=str(rotation_seed)))
         if inject is None:
             faults: tuple = ()
         elif isinstance(inject, (str, os.PathLike)):

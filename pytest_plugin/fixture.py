@@ -67,11 +67,12 @@ class MsprobeFixture:
                "bench_autocast": s.bench_autocast, "target_autocast": s.target_autocast, "target_fp8": s.target_fp8,
                "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
                "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
+               "isolate_budget": s.isolate_budget,
                "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device, "output_rtol": s.output_rtol,
                "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark, "monitor": s.monitor,
                **s.thresholds_raw}
         return CheckSettings.resolve(merge([run, self.marker_options, options]), run_faults=s.faults,
-                                     compile_target=compile_target)
+                                     compile_target=compile_target, rotation_seed=self.request.node.nodeid)
 
     @contextlib.contextmanager
     def _guard(self):

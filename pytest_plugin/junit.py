@@ -34,6 +34,16 @@ def _body(n: dict) -> str:
     return "\n".join(f"{label:<18} {n[k]}" for k, label in keys if n.get(k) not in (None, ""))
 
 
+def _budget_properties(budget: dict | None) -> dict[str, str]:
+    """A check's budgeted isolation as suite properties: the calls judged on their own inputs out of all, the
+    factor asked and the one measured (none without a budget)."""
+    if not budget:
+        return {}
+    return {"msprobe.isolated_calls": f"{budget.get('judged')}/{budget.get('calls')}",
+            "msprobe.isolation_budget": str(budget.get("factor")),
+            "msprobe.isolation_cost": str(budget.get("measured_factor"))}
+
+
 def write_junit(path: str, results: list[dict]) -> None:
     """Write ``results`` (the plugin's serialisable check summaries) to ``path`` atomically.
 
@@ -112,5 +122,6 @@ def write_junit(path: str, results: list[dict]) -> None:
         suites.append(TestSuite(suite_name, cases, timestamp=r.get("started"), properties={
             "msprobe.test": r["test"],
             "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
-            "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"]}))
+            "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"],
+            **_budget_properties(r.get("isolation_budget"))}))
     write_junit_xml(path, suites, props)

@@ -53,6 +53,16 @@ def _float(value: str) -> float:
     return v
 
 
+def _factor(value: str) -> float:
+    from ..config import check_factor
+    from ..errors import MsprobeError
+
+    try:
+        return check_factor(value, "expected")
+    except MsprobeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).partition(": ")[2]) from None
+
+
 def _choice(allowed):
     def check(value: str) -> str:
         if value not in allowed:
@@ -78,6 +88,7 @@ OPTIONS = [
     (API_CHECK, "msprobe_api_check", str, None, "PATH", "per-API pre-check: collect every API call of this dump (dump.json, rank or step folder) as a test item judged by its own accuracy standard."),
     (FUZZ, "msprobe_fuzz", int, None, "N", "with --msprobe-api-check: N further hypothesis input sets per API forward within the dumped dtypes, shapes and ranges; a failure is shrunk and written as repro_<api>.py under --msprobe-out."),
     (ISOLATE, "msprobe_isolate", _choice(("on", "off")), "on", "on|off", "judge every target API call on its own inputs (fp64 CPU oracle, per-API standard) while the target runs; 'off' falls back to the whole-network drift rule."),
+    ("--msprobe-isolate-budget", "msprobe_isolate_budget", _factor, None, "FACTOR", "budgeted isolation for large jobs: the first call of every API kind is judged on its own inputs each step, the other calls rotate across steps (seeded by the test id) as far as keeps the isolated target step within FACTOR times its capture alone (e.g. 1.5); the judged share is stated in the terminal, JUnit, report.html and the job summary, and a call not judged in a step is judged by the drift rule. Default: every call isolated."),
     (BENCH_KERNEL, "msprobe_bench_kernel", _choice(_KERNELS), None, "KERNEL", "the same-dtype bench the benchmark standard compares each isolated API with: 'device' (the bench device's kernels), 'upcast' (one precision up, rounded once: a GPU-like kernel), 'rounded' (fp64, correctly rounded), 'decomposed' (core-ATen decompositions with oneDNN off: other real CPU kernels). Default: 'device', or 'upcast' where the target runs on the bench device's own kernels while named as an accelerator (the stand-in npu)."),
     ("--msprobe-oracle-device", "msprobe_oracle_device", _choice(("cpu", "target")), None, "cpu|target", "where each isolated API's oracle runs: 'cpu' (float64, or float32 for half-precision calls) or 'target' (the target's device in the highest precision it offers: float64 on CUDA, float32 on an NPU as msprobe's own bench upcast; per API on the CPU where the device lacks that precision or the op, said in the report). Default: 'target' on CUDA, 'cpu' elsewhere (unmeasured on an accelerator here)."),
     (OUTPUT_RTOL, "msprobe_output_rtol", _float, None, "RTOL", "model-level testcase: the relative L2 error of the final outputs (and loss) that fails a check (default: 16 x the coarser dtype's unit roundoff, at least 1e-5)."),

@@ -106,6 +106,7 @@ class ProbeSession:
         self.asked = self.require_checks or any(str(a).startswith("--msprobe") for a in config.invocation_params.args)
         self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
         self.isolate = _opt(config, "msprobe_isolate") or "on"
+        self.isolate_budget = _opt(config, "msprobe_isolate_budget")
         self.bench_kernel = _opt(config, "msprobe_bench_kernel")
         self.oracle_device = _opt(config, "msprobe_oracle_device")
         self.output_rtol = _opt(config, "msprobe_output_rtol")

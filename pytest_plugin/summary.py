@@ -78,6 +78,11 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
                      f"| {r['nodes_compared']} | {c['pass']} | {c['warning']} | {c['error']} "
                      f"| {_cell(r.get('first_divergence') or 'none')} "
                      f"| {_cell(r.get('overflow_first') or 'none') if r.get('overflow_failed') else 'none'} |")
+    budgets = [(r, r["isolation_budget"]) for r in results if r.get("isolation_budget")]
+    if budgets:
+        from ..compare.isolated import describe_budget
+
+        lines += [""] + [f"- {_cell(r['test'])} {r['index']}: {describe_budget(b)}" for r, b in budgets]
     if results:
         lines += ["", f"{len(results)} check(s), {failed} failing."]
         lines.append(f"Artifacts (CSV, dumps, graphs): `{os.path.abspath(out_dir)}`")

@@ -184,7 +184,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         self._folder_checked = False
         self._dirty = False  # something was recorded since the last flush
         if getattr(self, "isolator", None) is not None:
-            self.isolator.reset()
+            self.isolator.reset(getattr(self, "current_step", None))
         if getattr(self, "free_bench", None) is not None:
             self.free_bench.reset()
         if getattr(self, "coverage", None) is not None:

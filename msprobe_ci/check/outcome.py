@@ -16,6 +16,7 @@ from typing import Any
 
 from .._perf import gc_paused, release_free_memory
 from ..errors import MsprobeError
+from ..compare.isolated import describe_budget, load_budget
 from ..judge.settings import JudgeSettings
 
 
@@ -237,6 +238,8 @@ class CheckOutcome:
         notes: lines for the report (e.g. why no graph was written).
         coverage: the target dump's ``coverage.json`` (:func:`read_coverage`): the share of floating-point work
             inside captured APIs and the uncaptured ops; ``None`` where the dump has none (L0, made elsewhere).
+        isolation_budget: budgeted isolation's figures of the target's step (calls, judged, API kinds, factor
+            asked and measured; :func:`msprobe_ci.compare.isolated.load_budget`), or ``None``: every call isolated.
     """
 
     report: Any
@@ -249,6 +252,7 @@ class CheckOutcome:
     api_checks: tuple = ()
     notes: tuple = ()
     coverage: dict | None = None
+    isolation_budget: dict | None = None
 
     @property
     def first_divergence(self):
@@ -296,6 +300,7 @@ class CheckOutcome:
                if self.api_checks else {}),
             **({"coverage": {"share": self.coverage["share"], "uncaptured": self.coverage["uncaptured"][:20]}}
                if self.coverage is not None else {}),
+            **({"isolation_budget": dict(self.isolation_budget)} if self.isolation_budget is not None else {}),
         }
 
 
@@ -344,9 +349,12 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, settings: Judg
                                    bench_kernel=s.bench_kernel)
             api_checks = [replayer.check(n) for n in replayer.api_names()]
     coverage = read_coverage(target.folder, notes)
+    budget = load_budget(target.folder) if s.isolate else None
+    if budget is not None:
+        notes.append(describe_budget(budget))
     release_free_memory()  # the judgement's transient copies are freed: hand their pages back
     return CheckOutcome(report, target_dump, bench_dump, csv_path, graph_path, tuple(cases), overflow,
-                        tuple(api_checks), tuple(notes), coverage)
+                        tuple(api_checks), tuple(notes), coverage, budget)
 
 
 def merge_coverage(covs: list, notes: list | None = None) -> dict | None:

@@ -13,8 +13,8 @@ from ..errors import MsprobeError
 
 #: the options of a check: ``msprobe.check(..., **options)`` and ``@pytest.mark.msprobe(...)``
 CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "bench_autocast", "target_autocast", "target_fp8",
-                 "level", "task", "inject", "seed", "fuzzy",
-                 "compile", "isolate", "bench_kernel", "oracle_device", "output_rtol", "round_factor", "propagation",
+                 "level", "task", "inject", "seed", "fuzzy", "compile", "isolate", "isolate_budget", "bench_kernel",
+                 "oracle_device", "output_rtol", "round_factor", "propagation",
                  "error_factor", "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
 
 _RULE_FACTORS = ("round_factor", "propagation", "error_factor", "rel_floor", "atol")
@@ -58,6 +58,8 @@ class CheckSettings:
         inject: the check's own fault file (``None``: the run's). faults: the faults applied to the target.
         seed: ``torch.manual_seed`` of each side (default 1234). fuzzy: msprobe's fuzzy name matching.
         isolate: isolated verdicts (each target API judged on its own inputs).
+        isolate_budget: budgeted isolation's cost factor (:mod:`msprobe_ci.isolate.budget`), or ``None``: every
+            call isolated. rotation_seed: what seeds its rotation (the test id).
         bench_kernel: the same-dtype bench of the per-API standards (:mod:`msprobe_ci.kernels`).
         oracle_device: ``cpu`` or ``target`` as resolved for this target (:meth:`oracle_choice`).
         output_rtol: the model-level relative L2 tolerance, or ``None`` (the dtype's default).
@@ -90,24 +92,28 @@ class CheckSettings:
     api_thresholds: dict
     free_benchmark: Any
     monitor: bool
+    isolate_budget: float | None = None
+    rotation_seed: str = ""
 
     @classmethod
-    def resolve(cls, options: Mapping[str, Any], *, run_faults: tuple = (), compile_target: bool = True
-                ) -> "CheckSettings":
+    def resolve(cls, options: Mapping[str, Any], *, run_faults: tuple = (), compile_target: bool = True,
+                rotation_seed: str = "") -> "CheckSettings":
         """Validate merged options (:func:`merge`) into settings.
 
         Args:
             options: every key of :data:`CHECK_OPTIONS` the run defines, merged.
             run_faults: the run's fault plan, used when the check names no ``inject`` file of its own.
             compile_target: honour ``compile`` (the single check does; loops and ranks run eagerly).
+            rotation_seed: what seeds budgeted isolation's rotation (the fixture gives the test id).
 
         Raises:
             MsprobeError: an unknown device or dtype, a bad rule factor, an unreadable fault file, a bad
-                ``isolate``, ``bench_kernel``, ``oracle_device`` or ``output_rtol``.
+                ``isolate``, ``isolate_budget``, ``bench_kernel``, ``oracle_device`` or ``output_rtol``.
         """
         from ..backends import Backend
         from ..capture.inject import load_faults
         from ..compare import Thresholds
+        from ..config import check_factor
 
         o = options
         bench = Backend.from_options(o["bench"], o["bench_dtype"], autocast=o.get("bench_autocast"))
@@ -127,7 +133,9 @@ class CheckSettings:
                    oracle_device=oracle_choice(o.get("oracle_device"), target), output_rtol=output_rtol,
                    thresholds=thresholds, api_standards=dict(o.get("api_standards") or {}),
                    api_thresholds=dict(o.get("api_thresholds") or {}), free_benchmark=o.get("free_benchmark"),
-                   monitor=bool(o.get("monitor")))
+                   monitor=bool(o.get("monitor")),
+                   isolate_budget=check_factor(o.get("isolate_budget"), "option 'isolate_budget'"),
+                   rotation_seed=str(rotation_seed))
 
     @property
     def cast_roundoff(self) -> float:
@@ -151,6 +159,7 @@ class CheckSettings:
         return JudgeSettings(isolate=self.isolate, fuzzy=self.fuzzy, thresholds=self.thresholds,
                              cast_roundoff=self.cast_roundoff, output_rtol=self.output_rtol, level=self.level,
                              bench_kernel=self.bench_kernel, api_standards=dict(self.api_standards),
+                             isolate_budget=self.isolate_budget, rotation_seed=self.rotation_seed,
                              api_thresholds={k: dict(v) for k, v in self.api_thresholds.items()})
 
     def isolator(self, backward: bool, target=None):

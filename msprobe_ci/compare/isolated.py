@@ -15,6 +15,9 @@ from :mod:`.verdict`) and the target's ``isolation.json`` (written by capture wi
   consumes it.
 * **Module node**: judged whole where it was isolated whole (L0 capture, compiled regions); fails when a node
   inside it (construct.json ancestry) fails, naming it; otherwise passes.
+* An API call budgeted isolation left out this step (its record's ``budget`` is True,
+  :mod:`msprobe_ci.isolate.budget`) keeps the drift rule's verdict, as ``msprobe-ci compare`` of plain dumps
+  gives it, and says so.
 * Everything else (parameters_grad, API calls isolation skipped or never saw) passes: drift alone never fails a
   node; it stays in ``metrics`` (``drift_status``, ``drift_RelativeErr``) as context.
 """
@@ -56,6 +59,34 @@ def load_isolation(folder: str) -> dict | None:
         raise MsprobeError(f"{path}: expected {{'nodes': {{name: record}}}}")
     return nodes
 
+
+def load_budget(folder: str) -> dict | None:
+    """The budgeted isolation's figures of the step in ``folder/isolation.json`` (its ``budget`` block,
+    :meth:`msprobe_ci.isolate.budget.IsolationBudget.summary`), read without the nodes that follow it; ``None``
+    where there is no file, no block, or the block is not a mapping."""
+    import ijson
+
+    path = os.path.join(folder, ISOLATION_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            block = next(ijson.items(fh, "budget", use_float=True), None)
+    except (OSError, ijson.JSONError):
+        return None
+    return block if isinstance(block, dict) else None
+
+
+def describe_budget(budget: dict) -> str:
+    """One line for a step's budget figures (:func:`load_budget`): what was judged on its own inputs, what by the
+    drift rule, and what the isolation cost."""
+    calls, judged = int(budget.get("calls") or 0), int(budget.get("judged") or 0)
+    share = judged / calls if calls else 1.0
+    measured = budget.get("measured_factor")
+    cost = f"; isolation cost {measured:.2f}x the capture alone" if isinstance(measured, (int, float)) else ""
+    return (f"budgeted isolation (factor {budget.get('factor')}): {judged} of {calls} API calls judged on their own "
+            f"inputs ({share:.0%}: the first of each of {budget.get('kinds')} API kinds, the rest rotating over steps, "
+            f"seed {budget.get('seed')!r}); the other {calls - judged} judged by the drift rule{cost}")
 
 def replay(target, bench_kernel: str = "device", standards: dict | None = None,
            thresholds: dict | None = None) -> list:
@@ -221,6 +252,14 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             continue
         status = rec.get("status", "skip")
         value, threshold = _float(rec.get("value")), _float(rec.get("threshold"))
+        if status == "skip" and rec.get("budget"):
+            # left out by budgeted isolation this step: the drift rule's verdict is the node's, as without isolation
+            new_nodes.append(replace(node, metrics=dict(node.metrics, **drift, budget=True),
+                                     message=f"{node.name}: {rec.get('message', '')}; drift {node.status}"
+                                             + (f" ({node.message})" if node.message else "")))
+            if node.status == "error":
+                failing_api[node.name] = node.name
+            continue
         if status == "skip":
             msg = f"{node.name}: not isolated ({rec.get('message', '')}); drift {node.status}"
             new_nodes.append(CompareResult(name=node.name, status="pass", metric="isolation", value=0.0,

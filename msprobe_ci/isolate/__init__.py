@@ -42,6 +42,7 @@ until its gradient arrives.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -49,6 +50,7 @@ import torch
 from .. import kernels
 from .api import ApiIsolation
 from .backward import BackwardIsolation
+from .budget import IsolationBudget
 from .collectives import CollectiveIsolation
 from .modules import ModuleIsolation
 from .provenance import Provenance
@@ -80,6 +82,8 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
             ``device`` (default), ``upcast``, ``rounded``, ``decomposed``.
         budget_draws: perturbed runs that size a benchmark-standard call's error budget
             (:func:`msprobe_ci.kernels.forward_scale`; default 3); 0 judges relative to ``|oracle|`` alone.
+        budget: an :class:`~.budget.IsolationBudget` (budgeted isolation: every API kind each step, the other
+            calls rotating within a cost factor), or ``None`` to isolate every call (the default).
 
     Raises:
         MsprobeError: an unknown bench kernel.
@@ -93,8 +97,10 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
                  bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",
                  budget_draws: int = kernels.DRAWS, oracle_device: str = "cpu",
-                 oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None):
+                 oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None,
+                 budget: IsolationBudget | None = None):
         self.oracle_device = str(oracle_device)
+        self.budget = budget
         # calls that computed but could not be judged (their oracle or bench failed): name -> why; the capture
         # counts them as unseen in its coverage figure
         self.unjudged: dict[str, str] = {}
@@ -130,13 +136,17 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
                 (:meth:`msprobe_ci.backends.Backend.oracle_options`).
         """
         draws = kernels.DRAWS if settings.budget_draws is None else int(settings.budget_draws)
+        budget = None if settings.isolate_budget is None else \
+            IsolationBudget(settings.isolate_budget, settings.rotation_seed)
         return cls(standards=dict(settings.api_standards),
                    thresholds={k: dict(v) for k, v in settings.api_thresholds.items()},
                    target_device=target_device, bench_device=bench_device, backward=backward,
-                   bench_kernel=settings.bench_kernel, budget_draws=draws, **oracle)
+                   bench_kernel=settings.bench_kernel, budget_draws=draws, budget=budget, **oracle)
 
-    def reset(self) -> None:
-        """Start a new step."""
+    def reset(self, step: int | None = None) -> None:
+        """Start a new step (``step``: its number, which moves a budget's rotation; ``None``: the same)."""
+        if self.budget is not None:
+            self.budget.start(self.budget.step if step is None else step)
         self.results: dict[str, dict] = {}
         self._clock: dict[str, float] = {}  # node -> perf_counter() when its isolation began
         self._produced: dict[int, weakref.ref] = {}
@@ -148,7 +158,35 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
 
     def as_json(self) -> dict:
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
-                "bench_kernel": self.bench_kernel, "split_k_gemms": self.split_k_gemms(), "nodes": self.results}
+                "bench_kernel": self.bench_kernel, "split_k_gemms": self.split_k_gemms(),
+                **({"budget": self.budget.summary()} if self.budget is not None else {}), "nodes": self.results}
+
+    def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
+        """:meth:`ApiIsolation.before`, within the budget where there is one: a call it leaves out gets a ``skip``
+        record (``budget`` True) for its forward and its backward and runs as it is."""
+        if self.budget is None:
+            return super().before(name, prefix, api, func, args, kwargs)
+        kind, call_no, _ = name.rsplit(".", 2)
+        if not self.budget.take(kind, int(call_no) if call_no.isdigit() else 0):
+            record = {"status": "skip", "message": self.budget.reason(), "budget": True}
+            self.results[name] = dict(record)
+            self.results[name[: -len("forward")] + "backward"] = dict(record)
+            return None, args, kwargs
+        start = time.perf_counter()
+        try:
+            return super().before(name, prefix, api, func, args, kwargs)
+        finally:
+            self.budget.add(time.perf_counter() - start)
+
+    def after(self, call, out) -> None:
+        """:meth:`ApiIsolation.after`, its time charged to the budget where there is one."""
+        if self.budget is None or call is None:
+            return super().after(call, out)
+        start = time.perf_counter()
+        try:
+            return super().after(call, out)
+        finally:
+            self.budget.add(time.perf_counter() - start)
 
     def split_k_gemms(self) -> list[str]:
         """The target dtypes whose GEMMs the ``upcast``/``rounded`` bench splits as the target's may split them

@@ -72,6 +72,8 @@ class BackwardIsolation:
             finally:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
                 call.inputs = call.raw = None
+                if self.budget is not None:
+                    self.budget.add(time.perf_counter() - self._clock.get(name, time.perf_counter()))
             return new
         return self.quiet(prehook)
 

@@ -35,6 +35,9 @@ class JudgeSettings:
         bench_kernel: the same-dtype bench of the per-API standards (:mod:`msprobe_ci.kernels`; ``device`` default).
         budget_draws: perturbed runs that size a benchmark-standard call's error budget (``None``: the kernels'
             default, :data:`msprobe_ci.kernels.DRAWS`).
+        isolate_budget: budgeted isolation's cost factor (the isolated target step's time over its capture alone,
+            above 1; :mod:`msprobe_ci.isolate.budget`), or ``None`` to isolate every call (the default).
+        rotation_seed: what seeds budgeted isolation's rotation (the test id; default ``""``).
         api_standards: ``{API fnmatch pattern: standard}`` overrides of msprobe's registry.
         api_thresholds: ``{standard: {threshold: value}}`` overrides of ``checkers/data/thresholds.yaml``.
         mappings: msprobe's cross-framework mapping files (:class:`~msprobe_ci.compare.crossframe.Mappings`).
@@ -49,6 +52,8 @@ class JudgeSettings:
     level: str = "mix"
     bench_kernel: str = "device"
     budget_draws: int | None = None
+    isolate_budget: float | None = None
+    rotation_seed: str = ""
     api_standards: Mapping[str, str] = field(default_factory=dict)
     api_thresholds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     mappings: Any = None

@@ -1,0 +1,230 @@
+"""Budgeted isolation (issue 51, item 3): every API kind judged each step, the other calls rotating across steps
+within a cost factor; what was not judged is judged by the drift rule and said so in every artifact."""
+
+import json
+import os
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+
+from msprobe_ci.errors import MsprobeError
+from msprobe_ci.isolate.budget import MIN_SHARE, IsolationBudget
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _step(budget, clock, kinds=4, calls=50, capture=1.0, cost=0.1):
+    """One step of ``kinds`` x ``calls`` calls: each takes ``capture`` / (kinds x calls) seconds of its own, and a
+    judged one ``cost`` seconds more. Returns the judged (kind, call) pairs."""
+    judged = set()
+    for i in range(calls):
+        for k in range(kinds):
+            clock.now += capture / (kinds * calls)
+            if budget.take(f"Functional.k{k}", i):
+                judged.add((k, i))
+                clock.now += cost
+                budget.add(cost)
+    return judged
+
+
+def test_every_kind_each_step_the_rest_rotating_deterministically():
+    clock = Clock()
+    budget = IsolationBudget(1e9, seed="tests/test_x.py::test_y", clock=clock)  # time never binds
+    budget.share = 0.25
+    seen, per_step = set(), []
+    for step in range(12):
+        budget.start(step)
+        budget.share = 0.25  # held: the rotation alone
+        judged = _step(budget, clock, cost=0.0)
+        assert {(k, 0) for k in range(4)} <= judged  # the first call of every kind
+        per_step.append(judged)
+        seen |= judged
+    assert seen == {(k, i) for k in range(4) for i in range(50)}  # every call came round within 12 steps
+    assert all(0.15 < (len(j) - 4) / 196 < 0.35 for j in per_step)  # about the share each step
+    assert len(per_step[0] & per_step[1]) < len(per_step[0]) / 2  # consecutive steps judge other calls
+    again = IsolationBudget(1e9, seed="tests/test_x.py::test_y", clock=Clock())
+    again.start(3)
+    again.share = 0.25
+    assert _step(again, Clock(), cost=0.0) == per_step[3]  # the same seed and step: the same calls
+    other = IsolationBudget(1e9, seed="tests/test_x.py::test_z", clock=Clock())
+    other.start(3)
+    other.share = 0.25
+    assert _step(other, Clock(), cost=0.0) != per_step[3]  # another test rotates otherwise
+
+
+def test_the_factor_holds_within_a_step_and_the_share_follows_what_was_spent():
+    clock = Clock()
+    budget = IsolationBudget(1.5, clock=clock)
+    assert budget.share == pytest.approx(0.5 / 3.5)  # the prior: full isolation 4.5x the capture alone
+    budget.share = 1.0  # asks for everything: the guard alone holds the factor
+    _step(budget, clock, capture=1.0, cost=0.05)
+    s = budget.summary()
+    assert s["kinds"] == 4 and s["calls"] == 200 and 4 < s["judged"] < 200
+    # within the factor up to one call's cost (the guard admits a call while it is within)
+    assert s["isolation_seconds"] <= 0.5 * s["capture_seconds"] + 0.05 + 1e-9
+    assert s["measured_factor"] == pytest.approx((s["capture_seconds"] + s["isolation_seconds"]) /
+                                                 s["capture_seconds"], rel=1e-3)
+    # a step that spent twice what was allowed halves the share; one that spent a tenth doubles it (at most)
+    budget.share, budget.spent, budget._t0 = 0.4, 1.0, clock.now - 2.0  # 1.0 s capture, 1.0 s isolation
+    budget.start(1)
+    assert budget.share == pytest.approx(0.2)
+    budget.spent, budget._t0 = 0.05, clock.now - 1.05
+    budget.start(2)
+    assert budget.share == pytest.approx(0.4)
+    budget.share, budget.spent, budget._t0 = 0.001, 100.0, clock.now - 101.0
+    budget.start(3)
+    assert budget.share == MIN_SHARE
+
+
+@pytest.mark.parametrize("bad", [1, 0.5, "fast", float("nan"), float("inf"), True])
+def test_a_factor_that_is_not_above_one_is_refused_in_one_line(bad):
+    from msprobe_ci import PrecisionDebugger
+
+    with pytest.raises(MsprobeError, match=r"isolate_budget: expected a number above 1 .*got") as info:
+        IsolationBudget(bad)
+    assert "\n" not in str(info.value)
+    with pytest.raises(MsprobeError, match=r"PrecisionDebugger: isolate_budget: expected a number above 1"):
+        PrecisionDebugger(isolate_budget=bad)
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_a_users_loop_rotates_over_steps_and_every_call_is_judged_in_some_step(tmp_path):
+    from msprobe_ci import PrecisionDebugger
+
+    model = _gpt2()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    debugger = PrecisionDebugger(dump_path=str(tmp_path), level="mix", isolate_budget=1.3, rotation_seed="loop")
+    steps = 6
+    for _ in range(steps):
+        debugger.start(model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        debugger.stop()
+        debugger.step()
+    judged: set = set()
+    for step in range(steps):
+        record = json.loads((tmp_path / f"step{step}" / "rank" / "isolation.json").read_text())
+        budget, nodes = record["budget"], record["nodes"]
+        forward = [n for n in nodes if n.endswith(".forward") and not n.startswith("Module.")]
+        left_out = [n for n in forward if nodes[n].get("budget")]
+        assert budget["step"] == step and budget["calls"] == len(forward)
+        assert budget["judged"] == len(forward) - len(left_out) and 0 < len(left_out) < len(forward)
+        kinds = {n.rsplit(".", 2)[0] for n in forward}
+        assert budget["kinds"] == len(kinds)
+        assert all(not nodes[f"{k}.0.forward"].get("budget") for k in kinds)  # the first of each kind
+        for n in left_out:  # said, forward and backward
+            assert "budgeted isolation" in nodes[n]["message"] and "drift rule" in nodes[n]["message"]
+            back = n[: -len("forward")] + "backward"
+            assert back not in nodes or nodes[back].get("budget")
+        judged |= {n for n in forward if not nodes[n].get("budget")}
+    share = sum(1 for n in judged) / len(forward)
+    assert share > 0.5, share  # the rotation reaches most calls in a few steps (all, given more of them)
+
+
+PLUGIN_SUITE = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def test_gpt2(msprobe):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    msprobe.check(GPT2LMHeadModel(cfg).eval(), {"input_ids": ids, "labels": ids}, loss_fn=lambda o: o.loss)
+'''
+
+
+def test_the_judged_share_is_stated_in_every_artifact(pytester, monkeypatch):
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_budget=PLUGIN_SUITE)
+    summary = pytester.path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-isolate-budget=1.2", "--msprobe-junitxml=msprobe.xml")
+    result.assert_outcomes(passed=1)
+    (path,) = (pytester.path / "msprobe-out").rglob("msprobe-result.json")
+    row = json.loads(path.read_text())
+    budget = row["isolation_budget"]
+    assert budget["factor"] == 1.2 and budget["seed"] == "test_budget.py::test_gpt2"
+    assert 0 < budget["judged"] < budget["calls"]
+    line = (f"budgeted isolation (factor 1.2): {budget['judged']} of {budget['calls']} API calls judged on their "
+            "own inputs")
+    assert any(line in ln for ln in result.outlines)  # the terminal
+    assert line in (pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8")
+    assert line in summary.read_text(encoding="utf-8")  # the job summary
+    suite = next(s for s in ET.parse(pytester.path / "msprobe.xml").getroot().iter("testsuite")
+                 if s.find("properties") is not None)
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert props["msprobe.isolated_calls"] == f"{budget['judged']}/{budget['calls']}"
+    assert props["msprobe.isolation_budget"] == "1.2"
+    # a budgeted-out node is judged by the drift rule and says so in its testcase
+    nodes = {n["name"]: n for n in row["nodes"]}
+    left_out = [n for n in nodes.values() if "budgeted isolation" in n["message"]]
+    assert left_out and all(n["status"] == n["drift_status"] for n in left_out)
+    # a factor that is not above 1 is refused before anything runs, flag and ini alike
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-isolate-budget=1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--msprobe-isolate-budget: expected a number above 1*"])
+    pytester.makeini("[pytest]\nmsprobe_isolate_budget = 0.9\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0 and "msprobe_isolate_budget" in result.stdout.str() + result.stderr.str()
+
+
+def test_a_left_out_call_keeps_the_drift_verdict_and_rolls_up():
+    from msprobe_ci.compare.isolated import apply_isolation
+    from msprobe_ci.compare.verdict import CompareResult
+    from types import SimpleNamespace
+
+    def node(name, status):
+        return CompareResult(name, status, value=0.05, threshold=0.02, budget=0.02, input_error=0.0,
+                             worst_row=f"{name}.output.0", metrics={}, message=f"{name}: drift {status}")
+    nodes = [node("Functional.linear.1.forward", "error"), node("Functional.linear.2.forward", "pass"),
+             node("Module.block.forward.0", "pass")]
+    left = {"status": "skip", "message": "budgeted isolation (factor 1.5, step 0, share 10%): not judged", "budget": True}
+    report = SimpleNamespace(nodes=nodes, rows=[], target_stack={}, entry_pairs={})
+    apply_isolation(report, {"Functional.linear.1.forward": left, "Functional.linear.2.forward": dict(left)},
+                    {"Functional.linear.1.forward": "Module.block.forward.0",
+                     "Functional.linear.2.forward": "Module.block.forward.0"})
+    out = {n.name: n for n in report.nodes}
+    bad, ok = out["Functional.linear.1.forward"], out["Functional.linear.2.forward"]
+    assert bad.status == "error" and bad.metrics["budget"] and "budgeted isolation" in bad.message
+    assert "drift error" in bad.message and bad.value == 0.05
+    assert ok.status == "pass" and "budgeted isolation" in ok.message
+    assert out["Module.block.forward.0"].status == "error"  # the enclosing module names it
+
+
+def test_isolation_json_holds_the_budget_and_the_compare_reads_it(tmp_path):
+    from msprobe_ci.compare.isolated import describe_budget, load_budget
+
+    assert load_budget(str(tmp_path)) is None
+    (tmp_path / "isolation.json").write_text(json.dumps({"version": 1, "budget": {
+        "factor": 1.5, "seed": "s", "step": 2, "share": 0.2, "calls": 10, "judged": 4, "kinds": 3,
+        "isolation_seconds": 0.5, "capture_seconds": 1.0, "measured_factor": 1.5}, "nodes": {}}))
+    budget = load_budget(str(tmp_path))
+    assert budget["judged"] == 4 and budget["measured_factor"] == 1.5
+    assert describe_budget(budget) == (
+        "budgeted isolation (factor 1.5): 4 of 10 API calls judged on their own inputs (40%: the first of each of 3 "
+        "API kinds, the rest rotating over steps, seed 's'); the other 6 judged by the drift rule; isolation cost "
+        "1.50x the capture alone")
+    (tmp_path / "isolation.json").write_text("{not json")
+    assert load_budget(str(tmp_path)) is None
+    assert os.path.isfile(tmp_path / "isolation.json")  # read, never rewritten
