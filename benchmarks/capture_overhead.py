@@ -6,6 +6,7 @@ as on a device target) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
     python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
+        [--modes none,msprobe-ci,isolated-upcast,budgeted-upcast --isolate-budget 1.5]
 Prints per-mode median ms per iteration, the ratio to no capture, records per step and microseconds per record, and the
 physical floor: the bytes of the tensors captured per step, read once at the measured single-thread read bandwidth.
 msprobe runs in a subprocess (its API wrapping is global and cannot be undone in-process).
@@ -60,6 +61,9 @@ class Net(torch.nn.Module):
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ISOLATED = ["isolated-device", "isolated-upcast", "isolated-rounded", "isolated-decomposed"]
+#: budgeted isolation (msprobe_ci.isolate.budget) with the factor ``--isolate-budget``; run only when named in --modes
+BUDGETED = ["budgeted-device", "budgeted-upcast"]
+FACTOR = 1.5
 
 
 def _setup(size, dtype="fp32"):
@@ -77,11 +81,13 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
     if mode == "msprobe-ci":
         from msprobe_ci import PrecisionDebugger
         dbg = PrecisionDebugger(dump_path=tmp, level="mix", task="statistics", isolate=False)  # capture alone
-    elif mode.startswith("isolated-"):
+    elif mode.startswith(("isolated-", "budgeted-")):
         from msprobe_ci.capture import CaptureSession
         from msprobe_ci.config import DumpConfig
         from msprobe_ci.isolate import Isolator
-        iso = Isolator(bench_kernel=mode.split("-", 1)[1])
+        from msprobe_ci.isolate.budget import IsolationBudget
+        budget = IsolationBudget(FACTOR, "capture_overhead") if mode.startswith("budgeted-") else None
+        iso = Isolator(bench_kernel=mode.split("-", 1)[1], budget=budget)
         dbg = CaptureSession(DumpConfig(task="statistics", level="mix", dump_path=tmp), isolator=iso)
     elif mode == "msprobe":
         from _msprobe import statistics_config
@@ -121,6 +127,15 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
         dbg.stop()
         dbg.step()
         RecordBuilder.tensor = orig
+    share = None
+    if mode.startswith("budgeted-"):  # the judged share of the timed steps, from each step's isolation.json
+        judged = calls = 0
+        for root, _, files in os.walk(tmp):
+            if "isolation.json" in files and int(os.path.basename(os.path.dirname(root))[4:]) >= warmup:
+                with open(os.path.join(root, "isolation.json")) as fh:
+                    b = json.load(fh)["budget"]
+                judged, calls = judged + b["judged"], calls + b["calls"]
+        share = judged / calls if calls else None
     nbytes = 0
     if mode != "none":
         for root, _, files in os.walk(tmp):
@@ -130,7 +145,7 @@ def _time_mode(mode, size, iters, warmup=3, dtype="fp32"):
                 records = len(data)
                 nbytes = sum(distinct.values()) if distinct else sum(_tensor_bytes(e) for e in data.values())
                 break
-    return statistics.median(times), records, nbytes
+    return statistics.median(times), records, nbytes, share
 
 
 _ITEMSIZE = {"torch.float64": 8, "torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.int64": 8,
@@ -165,6 +180,7 @@ def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
 
 
 def main():
+    global FACTOR
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="medium", choices=sorted(SIZES))
     ap.add_argument("--rounds", type=int, default=3)
@@ -174,8 +190,11 @@ def main():
     ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (default: all)")
     ap.add_argument("--json", help="also write the medians here: per mode ms/iter, ratio to no capture, records "
                                    "(benchmarks/floors.py reads it)")
+    ap.add_argument("--isolate-budget", type=float, default=FACTOR,
+                    help="the factor of the budgeted-device/budgeted-upcast modes (run when --modes names them)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    FACTOR = args.isolate_budget
     torch.set_num_threads(1)
     iters = args.iters or (20 if args.size == "small" else 8)
     if args.worker:
@@ -187,14 +206,16 @@ def main():
     except ImportError:
         modes = ["none", "msprobe-ci", *ISOLATED]
     if args.modes:
-        modes = [m for m in modes if m in args.modes.split(",")]
+        modes = [m for m in modes + BUDGETED if m in args.modes.split(",")]
     results = {m: [] for m in modes}
-    recs, captured = {}, {}
+    recs, captured, shares = {}, {}, {}
     for _ in range(args.rounds):
         for m in modes:  # interleaved; each mode in a fresh process so msprobe's global wrapping stays contained
             out = subprocess.run([sys.executable, __file__, "--size", args.size, "--iters", str(iters),
-                                  "--dtype", args.dtype, "--worker", m], capture_output=True, text=True, check=True)
-            ms, n, nbytes = json.loads(out.stdout.strip().splitlines()[-1])
+                                  "--dtype", args.dtype, "--isolate-budget", str(FACTOR), "--worker", m],
+                                 capture_output=True, text=True, check=True)
+            ms, n, nbytes, share = json.loads(out.stdout.strip().splitlines()[-1])
+            shares.setdefault(m, []).append(share)
             results[m].append(ms)
             recs[m] = n
             captured[m] = nbytes
@@ -215,7 +236,9 @@ def main():
                                "us_per_record": per * 1000 if recs.get(m) else None}
         print(f"{m:>19}: {med:8.2f} ms/iter  x{med / base:5.2f}  records/step {recs.get(m, 0):4d}  "
               f"{per * 1000:6.1f} us/record" + (f"  (x{med / plain:.2f} of capture without isolation)"
-                                         if m.startswith("isolated") else ""))
+                                         if m.startswith(("isolated", "budgeted")) else "")
+              + (f", factor {FACTOR}: {statistics.median(shares[m]):.0%} of calls judged"
+                 if m.startswith("budgeted") and None not in shares[m] else ""))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=1)

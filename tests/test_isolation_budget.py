@@ -225,6 +225,9 @@ def test_isolation_json_holds_the_budget_and_the_compare_reads_it(tmp_path):
         "budgeted isolation (factor 1.5): 4 of 10 API calls judged on their own inputs (40%: the first of each of 3 "
         "API kinds, the rest rotating over steps, seed 's'); the other 6 judged by the drift rule; isolation cost "
         "1.50x the capture alone")
+    over = dict(budget, judged=3, measured_factor=3.7)  # the kinds alone cost more than the factor
+    assert describe_budget(over).endswith("isolation cost 3.70x the capture alone (above the factor asked: judging "
+                                          "every API kind once a step costs that much here)")
     (tmp_path / "isolation.json").write_text("{not json")
     assert load_budget(str(tmp_path)) is None
     assert os.path.isfile(tmp_path / "isolation.json")  # read, never rewritten

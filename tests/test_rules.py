@@ -1310,6 +1310,8 @@ def test_check_options_merge_in_layers_with_the_old_atol_name_read_once():
     ("output_rtol", "x", "option 'output_rtol': expected a positive number, got 'x'"),
     ("oracle_device", "gpu", "option 'oracle_device': expected 'cpu' or 'target', got 'gpu'"),
     ("bench", "tpu", "tpu"),
+    ("isolate_budget", 1, "option 'isolate_budget': expected a number above 1 (the isolated step's time over the "
+                          "capture alone), got 1"),
 ])
 def test_check_settings_refuse_bad_options_with_one_line(key, value, message):
     from msprobe_ci.check.settings import CheckSettings, check_keys

@@ -83,7 +83,14 @@ def describe_budget(budget: dict) -> str:
     calls, judged = int(budget.get("calls") or 0), int(budget.get("judged") or 0)
     share = judged / calls if calls else 1.0
     measured = budget.get("measured_factor")
-    cost = f"; isolation cost {measured:.2f}x the capture alone" if isinstance(measured, (int, float)) else ""
+    cost = ""
+    if isinstance(measured, (int, float)):
+        cost = f"; isolation cost {measured:.2f}x the capture alone"
+        factor = budget.get("factor")
+        if isinstance(factor, (int, float)) and measured > factor and judged <= int(budget.get("kinds") or 0):
+            cost += " (above the factor asked: judging every API kind once a step costs that much here)"
+        elif isinstance(factor, (int, float)) and measured > factor:
+            cost += " (above the factor asked: the step's time is measured as it goes; the next step's share adapts)"
     return (f"budgeted isolation (factor {budget.get('factor')}): {judged} of {calls} API calls judged on their own "
             f"inputs ({share:.0%}: the first of each of {budget.get('kinds')} API kinds, the rest rotating over steps, "
             f"seed {budget.get('seed')!r}); the other {calls - judged} judged by the drift rule{cost}")
