@@ -71,8 +71,11 @@ class MsprobeFixture:
                "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device, "output_rtol": s.output_rtol,
                "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark, "monitor": s.monitor,
                **s.thresholds_raw}
-        return CheckSettings.resolve(merge([run, self.marker_options, options]), run_faults=s.faults,
-                                     compile_target=compile_target, rotation_seed=self.request.node.nodeid)
+        merged = merge([run, self.marker_options, options])
+        nodeid = self.request.node.nodeid
+        # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
+        seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid
+        return CheckSettings.resolve(merged, run_faults=s.faults, compile_target=compile_target, rotation_seed=seed)
 
     @contextlib.contextmanager
     def _guard(self):

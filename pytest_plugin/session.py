@@ -107,6 +107,7 @@ class ProbeSession:
         self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
         self.isolate = _opt(config, "msprobe_isolate") or "on"
         self.isolate_budget = _opt(config, "msprobe_isolate_budget")
+        self._runs: dict[str, int] = {}  # test id -> this session's place in its budgeted rotation
         self.bench_kernel = _opt(config, "msprobe_bench_kernel")
         self.oracle_device = _opt(config, "msprobe_oracle_device")
         self.output_rtol = _opt(config, "msprobe_output_rtol")
@@ -322,6 +323,20 @@ class ProbeSession:
             tr.write_line(f"msprobe report: {self.report_written}")
         if self.step_summary:
             tr.write_line(f"msprobe job summary ($GITHUB_STEP_SUMMARY): {self.step_summary}")
+
+    def rotation_run(self, nodeid: str) -> int:
+        """How many earlier sessions ran test ``nodeid`` with budgeted isolation (pytest's cache, where it is on:
+        ``.pytest_cache``, kept between CI runs by caching that folder), counted once per session: budgeted
+        isolation moves its rotation on by it, so consecutive runs judge other calls. 0 without a cache."""
+        if nodeid not in self._runs:
+            cache = getattr(self.config, "cache", None)
+            key = "msprobe/rotation/" + nodeid.replace("/", "|")
+            runs = cache.get(key, 0) if cache is not None else 0
+            runs = runs if isinstance(runs, int) and not isinstance(runs, bool) and runs >= 0 else 0
+            if cache is not None:
+                cache.set(key, runs + 1)
+            self._runs[nodeid] = runs
+        return self._runs[nodeid]
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
         c = self.api_counts

@@ -13,6 +13,8 @@ step's own cost. :class:`IsolationBudget` keeps it within ``factor`` times the c
 * the share starts at ``(factor - 1) / (PRIOR_OVERHEAD - 1)`` and after each step moves by the ratio of the
   isolation time allowed to the time spent (at most doubling), so later steps judge what the factor pays for.
 
+The gate's seed is the test id and the run's number (pytest's cache counts the sessions that ran the test, where
+the cache is kept): a run rotates over its steps, the next run through another order.
 Which calls are candidates is deterministic (seed, kind, call number, step); how far down the list a step goes
 depends on measured time, and the step's figures say it (:meth:`IsolationBudget.summary`). A call not judged is
 judged by the drift rule, as ``msprobe-ci compare`` judges plain dumps, and says so in its message.
