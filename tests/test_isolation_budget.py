@@ -252,3 +252,47 @@ def test_consecutive_runs_rotate_on_through_pytests_cache(pytester):
         row = json.loads(path.read_text())
         seeds.append(row["isolation_budget"]["seed"])
     assert seeds == ["test_budget.py::test_gpt2#run0", "test_budget.py::test_gpt2#run1"]
+
+
+def test_the_budgets_figures_and_rules_exactly():
+    """The numbers each rule produces, pinned one by one (the rotation's priority, the share's bounds, the
+    guard's edge, the step's summary)."""
+    import zlib
+
+    from msprobe_ci.isolate.budget import GOLDEN
+
+    clock = Clock()
+    budget = IsolationBudget(1e9, clock=clock)
+    assert (budget.share, budget.step, budget.seed) == (1.0, 0, "")  # a share never above 1, step 0 first
+    assert budget.summary() == {"factor": 1e9, "seed": "", "step": 0, "share": 1.0, "calls": 0, "judged": 0,
+                                "kinds": 0, "isolation_seconds": 0.0, "capture_seconds": 0.0,
+                                "measured_factor": None}  # nothing measured yet: no factor
+    budget = IsolationBudget(2.0, seed="s", clock=clock)
+    budget.start(2)
+    h = zlib.crc32(b"Tensor.mul.3", zlib.crc32(b"s")) / 2.0 ** 32
+    assert budget.priority("Tensor.mul", 3) == pytest.approx((h + 2 * GOLDEN) % 1.0, abs=1e-15)
+    assert budget.reason() == ("budgeted isolation (factor 2, step 2, share 29%): not judged on its own inputs this "
+                               "step; the drift rule judges it, and the rotation isolates it in a later step")
+    assert budget.take("Tensor.mul", 0) and budget.judged == 1 and budget.kinds == {"Tensor.mul"}
+    budget.share = budget.priority("Tensor.mul", 3)
+    assert not budget.take("Tensor.mul", 3)  # a priority equal to the share is out
+    budget.share = min(1.0, budget.priority("Tensor.mul", 3) + 1e-9)
+    assert budget.take("Tensor.mul", 3) and (budget.calls, budget.judged) == (3, 2)
+    assert budget.take("Tensor.add", 7) and (budget.calls, budget.judged) == (4, 3)  # another kind's first
+    clock.now += 0.2501234567
+    budget.add(0.1234567)
+    assert budget.capture_seconds() == pytest.approx(0.1266667567)  # under a second: what it is
+    assert budget.summary() == {"factor": 2.0, "seed": "s", "step": 2, "share": round(budget.share, 4), "calls": 4,
+                                "judged": 3, "kinds": 2, "isolation_seconds": 0.123457, "capture_seconds": 0.126667,
+                                "measured_factor": round(0.2501234567 / 0.1266667567, 4)}
+    budget.add(0.2)  # now past (factor - 1) x capture: the guard refuses even a call the share admits
+    budget.share = 1.0
+    assert budget.priority("Tensor.mul", 4) < 1.0 and not budget.take("Tensor.mul", 4)
+    # the share after a step: times allowed / spent, allowed = (factor - 1) x the step's capture (2 s here)
+    budget = IsolationBudget(2.0, clock=clock)
+    budget.share, budget.spent, budget._t0 = 0.5, 4.0, clock.now - 6.0
+    budget.start(1)
+    assert budget.share == pytest.approx(0.25)
+    budget.share, budget.spent, budget._t0 = 0.9, 0.1, clock.now - 2.1
+    budget.start(2)
+    assert budget.share == 1.0  # doubled at most, and never above 1

@@ -41,6 +41,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
         "quantization", "thousandth", "ulp")], _STANDARD_TESTS),
     "judge": (["msprobe_ci/judge/pair.py", "msprobe_ci/judge/allowances.py"], ["tests/test_standards.py"]),
+    "budget": (["msprobe_ci/isolate/budget.py"], [f"tests/test_isolation_budget.py::{t}" for t in (
+        "test_every_kind_each_step_the_rest_rotating_deterministically",
+        "test_the_factor_holds_within_a_step_and_the_share_follows_what_was_spent",
+        "test_a_factor_that_is_not_above_one_is_refused_in_one_line", "test_the_budgets_figures_and_rules_exactly")]),
     "isolated": (["msprobe_ci/compare/isolated.py"], [
         "tests/test_rules.py",
         "tests/test_isolation.py::test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_range"]),
@@ -77,6 +81,15 @@ _UTF8 = "the encoding: the same where the locale is UTF-8 (this machine, CI); 'U
 _XML = ("the junit-xml report's encoding: ElementTree parses the str or the bytes alike, and the declaration is "
         "written again below")
 EQUIVALENT: dict[str, str] = {
+    "msprobe_ci.isolate.budget.xǁIsolationBudgetǁ__init____mutmut_10":
+        "'UTF-8' for 'utf-8': Python's codec names are case-insensitive",
+    "msprobe_ci.isolate.budget.xǁIsolationBudgetǁpriority__mutmut_9":
+        "'UTF-8' for 'utf-8': Python's codec names are case-insensitive",
+    "msprobe_ci.isolate.budget.xǁIsolationBudgetǁpriority__mutmut_15":
+        "step / GOLDEN for step * GOLDEN: 1 / 0.618... = 1 + 0.618..., so the two differ by the whole number "
+        "step, which mod 1 removes (up to float rounding)",
+    "msprobe_ci.isolate.budget.xǁIsolationBudgetǁ__init____mutmut_27":
+        "_started = None for False: both are falsy, and start() reads it only for truth",
     "msprobe_ci.overflow.x_check_entry__mutmut_39":
         "bad_out = None instead of [] for ignored outputs: both are falsy and bad_out is only read for truth "
         "or when truthy",

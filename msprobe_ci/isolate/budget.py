@@ -55,7 +55,6 @@ class IsolationBudget:
         self._hash = zlib.crc32(self.seed.encode("utf-8"))
         self._clock = clock
         self.share = min(1.0, max(MIN_SHARE, (self.factor - 1.0) / (PRIOR_OVERHEAD - 1.0)))
-        self.step = 0
         self._started = False
         self.start(0)
 
