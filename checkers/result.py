@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-STATUSES = ("pass", "warning", "error", "skip")
+from ..status import STATUSES  # noqa: F401 - the one vocabulary (msprobe_ci.status); a result is never "unmatched"
+from ..status import worst as _worst
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,4 @@ class CheckResult:
 
 def worst(results: list[CheckResult]) -> str:
     """API-level status: error if any output errs, else warning, else pass (skips do not count unless all skip)."""
-    judged = [r.status for r in results if r.status != "skip"]
-    if not judged:
-        return "skip"
-    for s in ("error", "warning"):
-        if s in judged:
-            return s
-    return "pass"
+    return _worst(r.status for r in results)

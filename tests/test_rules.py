@@ -1527,3 +1527,19 @@ def test_a_spilled_outputs_file_is_read_as_tensors_only(tmp_path):
     assert str(info.value) == (f"{bad}: expected the side's final outputs as (name, tensor) pairs of tensors only "
                                f"({type(loader.value).__name__}: {first})")
     assert not ran.exists() and "\n" not in str(info.value) and bad.exists()
+
+
+def test_one_status_vocabulary():
+    """One vocabulary for a standard's result, a compare node and a check (msprobe_ci.status), and one way to
+    combine statuses: the worst judged one; skip only when nothing was judged; unmatched weighs as a pass."""
+    from msprobe_ci import status
+    from msprobe_ci.checkers import CheckResult, result, worst
+    from msprobe_ci.compare import verdict
+
+    assert result.STATUSES is verdict.STATUSES is status.STATUSES
+    assert status.STATUSES == ("pass", "warning", "error", "skip", "unmatched")
+    cases = [([], "skip"), (["skip"], "skip"), (["pass", "skip"], "pass"), (["skip", "warning", "pass"], "warning"),
+             (["pass", "error", "warning"], "error"), (["warning", "error"], "error"), (["unmatched", "pass"], "pass"),
+             (["unmatched", "warning"], "warning"), (["unmatched"], "pass")]
+    assert [status.worst(s) for s, _ in cases] == [want for _, want in cases]
+    assert worst([CheckResult("binary", s) for s in ("pass", "skip", "warning")]) == "warning"

@@ -41,6 +41,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         "__init__", "absolute", "accumulative", "benchmark", "binary", "common", "dropout", "legacy", "result",
         "quantization", "thousandth", "ulp")], _STANDARD_TESTS),
     "judge": (["msprobe_ci/judge/pair.py", "msprobe_ci/judge/allowances.py"], ["tests/test_standards.py"]),
+    "status": (["msprobe_ci/status.py"], ["tests/test_rules.py::test_one_status_vocabulary"]),
     "budget": (["msprobe_ci/isolate/budget.py"], [f"tests/test_isolation_budget.py::{t}" for t in (
         "test_every_kind_each_step_the_rest_rotating_deterministically",
         "test_the_factor_holds_within_a_step_and_the_share_follows_what_was_spent",

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from ..dtypes import finite_max
 from ..dump import names
+from ..status import SEVERITY
 from .rows import Row
 from .report import RowResult
 from .verdict import CompareResult, Thresholds, judge, unit_roundoff
@@ -130,7 +131,7 @@ def judge_node(name: str, own: list[RowResult], by_entry: dict[str, list[RowResu
         return drift, _scale_test(name, inputs, own, kappas, api, gradient, module, routed, u_eff, r_in, th)
 
     drift, scale = verdict(u)
-    result = scale if scale is not None and _SEVERITY[scale.status] > _SEVERITY[drift.status] else drift
+    result = scale if scale is not None and SEVERITY[scale.status] > SEVERITY[drift.status] else drift
     if result.status == "error" and gradient and statistics:
         result = _gradient_allowances(result, drift, scale, verdict, outputs, incoming, saved, u)
     if result.status == "error" and ".parameters_grad" in name and not incoming:
@@ -189,7 +190,6 @@ def _gradient_allowances(result: CompareResult, drift: CompareResult, scale: Com
     return result
 
 
-_SEVERITY = {"pass": 0, "unmatched": 0, "warning": 1, "error": 2}
 
 
 def _scale_test(name: str, inputs: list[RowResult], own: list[RowResult], kappas: list, api: str, gradient: bool,

@@ -62,9 +62,9 @@ from typing import Any, Mapping
 
 from ..dtypes import TABLE as _DTYPES
 from ..dtypes import roundoff as _roundoff
+from ..status import STATUSES  # noqa: F401 - the one vocabulary (msprobe_ci.status)
 
 UNIT_ROUNDOFF = {d.dump: d.roundoff for d in _DTYPES}  # kept for readers of this module; see msprobe_ci.dtypes
-STATUSES = ("pass", "warning", "error", "unmatched")
 
 
 @dataclass(frozen=True)
