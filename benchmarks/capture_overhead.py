@@ -5,7 +5,7 @@ CPU target's own kernel, so a call bit-identical to it needs no error budget; "i
 as on a device target) and msprobe's PrecisionDebugger, interleaved.
 
 A 4-layer pre-LN transformer block stack written with explicit APIs, forward+backward, one thread.
-    python benchmarks/capture_overhead.py [--size small|medium] [--rounds 3] [--iters N]
+    python benchmarks/capture_overhead.py [--size small|medium|calls] [--rounds 3] [--iters N]
         [--modes none,msprobe-ci,isolated-upcast,budgeted-upcast --isolate-budget 1.5]
 Prints per-mode median ms per iteration, the ratio to no capture, records per step and microseconds per record, and the
 physical floor: the bytes of the tensors captured per step, read once at the measured single-thread read bandwidth.
@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-SIZES = {"small": (2, 32, 128, 512), "medium": (8, 128, 256, 1024)}
+SIZES = {"small": (2, 32, 128, 512), "medium": (8, 128, 256, 1024), "calls": (1, 1, 4, 0)}
 
 
 class Block(torch.nn.Module):
@@ -59,6 +59,20 @@ class Net(torch.nn.Module):
         return self.head(x).mean()
 
 
+class Calls(torch.nn.Module):
+    """``--size calls``: 500 rounds of an add and a multiply on 4-element tensors: the hooked call's own cost
+    (what an accelerator's step leaves to the host), next to nothing of arithmetic."""
+
+    def __init__(self, n: int = 500):
+        super().__init__()
+        self.n, self.w = n, torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        for _ in range(self.n):
+            x = torch.add(x, self.w) * 0.5
+        return x.sum()
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ISOLATED = ["isolated-device", "isolated-upcast", "isolated-rounded", "isolated-decomposed"]
 #: budgeted isolation (msprobe_ci.isolate.budget) with the factor ``--isolate-budget``; run only when named in --modes
@@ -67,8 +81,10 @@ FACTOR = 1.5
 
 
 def _setup(size, dtype="fp32"):
-    b, t, d, ff = SIZES[size]
     torch.manual_seed(0)
+    if size == "calls":
+        return Calls().to(DTYPES[dtype]), torch.ones(4, dtype=DTYPES[dtype])
+    b, t, d, ff = SIZES[size]
     return Net(d, ff).to(DTYPES[dtype]), torch.randn(b, t, d).to(DTYPES[dtype])
 
 
@@ -221,7 +237,7 @@ def main():
             captured[m] = nbytes
     base = statistics.median(results["none"])
     plain = statistics.median(results["msprobe-ci"])
-    print(f"size={args.size} {SIZES[args.size]} (B, T, D, FF), {args.dtype}, 1 thread, {args.rounds} interleaved rounds x {iters} iters")
+    print(f"size={args.size} {SIZES[args.size] if args.size != 'calls' else '(500 x add, mul on 4 elements)'} (B, T, D, FF), {args.dtype}, 1 thread, {args.rounds} interleaved rounds x {iters} iters")
     bw = read_bandwidth()
     floor = captured["msprobe-ci"] / bw * 1000
     print(f"physical floor: {captured['msprobe-ci'] / 2**20:.1f} MB of distinct captured tensors per step, read "

@@ -25,6 +25,31 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def freeze_heap() -> bool:
+    """Move every object alive now out of the cyclic collector's view until :func:`thaw_heap` (``gc.freeze``).
+
+    While a capture runs, its records grow the heap and the collector's full (generation-2) passes walk every
+    object of the process, torch's and the model's included, each time: on a step of 1,000 small hooked calls
+    those passes were most of the capture's cost per call (``benchmarks/capture_overhead.py --size calls``).
+    Frozen, they walk only what was made since. Garbage made during the capture is collected as always; cycles
+    among the frozen objects wait for the thaw. Does nothing (returns False) where the collector is off or
+    something else froze the heap already (a pre-fork server's own freeze is left as it is).
+
+    Returns:
+        Whether it froze (pass it to :func:`thaw_heap`).
+    """
+    if not gc.isenabled() or gc.get_freeze_count():
+        return False
+    gc.freeze()
+    return True
+
+
+def thaw_heap(frozen: bool) -> None:
+    """Undo :func:`freeze_heap` where it froze (``gc.unfreeze``)."""
+    if frozen:
+        gc.unfreeze()
+
+
 @functools.lru_cache(maxsize=None)
 def _glibc(name: str):
     """glibc's function ``name`` (``malloc_trim``, ``mallopt``), or ``None`` off glibc (musl, macOS, Windows)."""

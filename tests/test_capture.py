@@ -355,3 +355,35 @@ def test_views_over_the_same_elements_share_statistics_and_others_do_not():
     assert records._holds(p, key)
     p.data = torch.randn(8, 8, generator=gen)
     assert not records._holds(p, key)
+
+
+def test_the_heap_alive_at_start_is_frozen_while_recording_and_thawed_at_stop(tmp_path):
+    """The collector's full passes skip what was alive before recording (gc.freeze: they walked torch's and the
+    model's objects again and again, most of a small hooked call's cost); stop() thaws it, garbage made while
+    recording is still collected, and a freeze made by someone else is left alone."""
+    import gc
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    debugger = PrecisionDebugger(dump_path=str(tmp_path / "a"), level="L1", isolate=False)
+    debugger.start()
+    try:
+        assert gc.get_freeze_count() > 0
+        cycle = [torch.ones(2)]
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() > 0  # made while recording: collected
+        torch.relu(torch.ones(3))
+    finally:
+        debugger.stop()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # someone else's (a pre-fork server's): recording neither adds to it nor thaws it
+    try:
+        theirs = gc.get_freeze_count()
+        other = PrecisionDebugger(dump_path=str(tmp_path / "b"), level="L1", isolate=False)
+        other.start()
+        torch.relu(torch.ones(3))
+        assert gc.get_freeze_count() == theirs
+        other.stop()
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()

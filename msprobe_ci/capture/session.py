@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from .._perf import freeze_heap, thaw_heap
 from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
@@ -133,6 +134,7 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         self._token_hooked: dict[int, tuple] = {}
         self._root_calls = 0
         self._busy_flag = False
+        self._frozen = False  # freeze_heap() froze the heap at start(): stop() thaws it
         self.machinery = _Machinery(self)  # ``with self.machinery:`` around the capture's own work
         self._mode: _ApiMode | None = None
         self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
@@ -256,6 +258,8 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         if self.running:
             return
         self.running = self.step_enabled and bool(self.rank_dir())
+        if self.running and not self._frozen:
+            self._frozen = freeze_heap()  # the collector's full passes skip what was alive before recording
         self._dirty = self._dirty or self.running
         self._armed = self.running
         if self._token_range is not None:
@@ -290,6 +294,8 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         """Stop recording and write the current step's files (atomically)."""
         self.running = False
         self._armed = False
+        thaw_heap(self._frozen)
+        self._frozen = False
         if self._mode is not None:
             mode, self._mode = self._mode, None
             if self.coverage is not None:
