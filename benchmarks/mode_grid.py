@@ -111,6 +111,18 @@ def _judge_steps(bench_folders, target_folders, tmp, bench, target, steps=None):
             for i, (b, t) in enumerate(zip(bench_folders, target_folders))]
 
 
+#: --bench-kernel and --isolate-budget: the target's isolator (device kernel, every call isolated by default)
+ISOLATION: dict = {"bench_kernel": "device", "budget": None}
+
+
+def _isolator(backward: bool, seed: int) -> Isolator:
+    from msprobe_ci.isolate.budget import IsolationBudget
+
+    factor = ISOLATION["budget"]
+    return Isolator(backward=backward, bench_kernel=ISOLATION["bench_kernel"],
+                    budget=IsolationBudget(factor, f"mode_grid-{seed}") if factor else None)
+
+
 def run_loop(mode, model, seed, bench, target, faults, tmp):
     """``[(step, report)]`` of one loop gate."""
     cfg = DumpConfig(task="statistics", level="mix")
@@ -123,12 +135,12 @@ def run_loop(mode, model, seed, bench, target, faults, tmp):
             runs[side] = run_training(model, batches, lambda out: out.loss, _optimizer(mode), backend,
                                       cfg.with_overrides(dump_path=os.path.join(tmp, side)),
                                       faults=faults if side == "target" else (),
-                                      isolator=Isolator(backward=True) if side == "target" else None)
+                                      isolator=_isolator(True, seed) if side == "target" else None)
         return _judge_steps(runs["bench"].folders, runs["target"].folders, tmp, bench, target)
     prompt = _ids(seed, n=8, batch=1)
     b = run_decode(model, prompt, 3, bench, cfg.with_overrides(dump_path=os.path.join(tmp, "bench")))
     t = run_decode(model, prompt, 3, target, cfg.with_overrides(dump_path=os.path.join(tmp, "target")),
-                   forced=b.picks, faults=faults, isolator=Isolator(backward=False))
+                   forced=b.picks, faults=faults, isolator=_isolator(False, seed))
     return _judge_steps(b.folders, t.folders, tmp, bench, target, b.steps)
 
 
@@ -142,7 +154,9 @@ def run_dumps(mode, model, seed, bench, target, faults, tmp):
         m = backend.prepare_model(model)
         dbg = PrecisionDebugger(dump_path=os.path.join(tmp, side), level="mix",
                                 task="tensor" if mode == "tensor" else "statistics", isolate=mode == "debugger",
-                                inject=faults if side == "target" else None)
+                                inject=faults if side == "target" else None, bench_kernel=ISOLATION["bench_kernel"],
+                                isolate_budget=ISOLATION["budget"] if mode == "debugger" else None,
+                                rotation_seed=f"mode_grid-{seed}")
         torch.manual_seed(1234)
         dbg.start(m)
         with backend.autocast_context():
@@ -240,11 +254,17 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--dtypes", default="same,mixed")
+    ap.add_argument("--bench-kernel", default="device", help="the isolation's same-dtype bench (msprobe_ci.kernels)")
+    ap.add_argument("--isolate-budget", type=float, default=None,
+                    help="budgeted isolation's factor (msprobe_ci.isolate.budget); default: every call isolated")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
+    ISOLATION.update(bench_kernel=args.bench_kernel, budget=args.isolate_budget)
     torch.set_num_threads(1)
     seeds = list(range(7, 7 + args.seeds))
-    print(f"models {args.models}, seeds {seeds}, device bench kernel, forward+backward where the mode has one")
+    print(f"models {args.models}, seeds {seeds}, {args.bench_kernel} bench kernel"
+          + (f", budgeted isolation {args.isolate_budget}" if args.isolate_budget else "")
+          + ", forward+backward where the mode has one")
     print(f"{'mode':<12} {'target':<22} {'benign':>6} {'false fails':>11} {'faults':>6} {'exact':>7} "
           f"{'other API fails':>15} {'seconds':>8}")
     lines = []

@@ -22,4 +22,5 @@ def worst(statuses: Iterable[str]) -> str:
     judged = [s for s in statuses if s != SKIP]
     if not judged:
         return SKIP
-    return max(judged, key=lambda s: SEVERITY[s]) if any(SEVERITY[s] for s in judged) else PASS
+    bad = max(judged, key=SEVERITY.__getitem__)
+    return bad if SEVERITY[bad] else PASS

@@ -205,9 +205,11 @@ class ApiIsolation:
 
     def _probe(self, args: tuple, kw: dict) -> "kernels.Materialized":
         """A recording :class:`~msprobe_ci.kernels.Materialized` for the oracle's run: whether the ``upcast``/
-        ``rounded`` bench must be a run of its own (an intermediate held, a GEMM split)."""
-        dtype = kernels.target_dtype(_tensors(args) + _tensors(kw))
-        return kernels.Materialized(split=kernels.reduced_precision_reduction(self.target_device, dtype))
+        ``rounded`` bench must be a run of its own (an intermediate held, a GEMM split; only a CUDA target's
+        GEMMs split, so elsewhere no dtype is looked for)."""
+        split = self.target_device.startswith("cuda") and kernels.reduced_precision_reduction(
+            self.target_device, kernels.target_dtype(_tensors(args) + _tensors(kw)))
+        return kernels.Materialized(split=split)
 
     def _bench_precision(self, args: tuple, kw: dict) -> torch.dtype:
         """The precision the ``upcast`` (one up from the inputs') or ``rounded`` (float64) bench computes in."""
