@@ -2,6 +2,7 @@
 within a cost factor; what was not judged is judged by the drift rule and said so in every artifact."""
 
 import json
+import math
 import os
 import xml.etree.ElementTree as ET
 
@@ -215,6 +216,19 @@ def test_a_left_out_call_keeps_the_drift_verdict_and_rolls_up():
     assert "drift error" in bad.message and bad.value == 0.05
     assert ok.status == "pass" and "budgeted isolation" in ok.message
     assert out["Module.block.forward.0"].status == "error"  # the enclosing module names it
+    # where the drift rule is not calibrated its error is a warning: an optimizer's in-place update, and every
+    # call after a loop's first step (sources are context there: source_factor inf)
+    update = [node("Tensor.addcdiv_.2.forward", "error"), node("Tensor.__add__.1.forward", "error")]
+    report = SimpleNamespace(nodes=update, rows=[], target_stack={}, entry_pairs={})
+    apply_isolation(report, {n.name: dict(left) for n in update}, {})
+    out = {n.name: n for n in report.nodes}
+    assert out["Tensor.addcdiv_.2.forward"].status == "warning" and "not calibrated" in \
+        out["Tensor.addcdiv_.2.forward"].message
+    assert out["Tensor.__add__.1.forward"].status == "error"
+    later = [node("Functional.linear.1.forward", "error")]
+    report = SimpleNamespace(nodes=later, rows=[], target_stack={}, entry_pairs={})
+    apply_isolation(report, {"Functional.linear.1.forward": dict(left)}, {}, source_factor=math.inf)
+    assert report.nodes[0].status == "warning" and "drift error" in report.nodes[0].message
 
 
 def test_isolation_json_holds_the_budget_and_the_compare_reads_it(tmp_path):

@@ -17,7 +17,8 @@ from :mod:`.verdict`) and the target's ``isolation.json`` (written by capture wi
   inside it (construct.json ancestry) fails, naming it; otherwise passes.
 * An API call budgeted isolation left out this step (its record's ``budget`` is True,
   :mod:`msprobe_ci.isolate.budget`) keeps the drift rule's verdict, as ``msprobe-ci compare`` of plain dumps
-  gives it, and says so.
+  gives it, and says so; where that rule is not calibrated (an in-place optimizer update, any call after a loop's
+  first step: ``source_factor`` infinite) its drift error is a warning.
 * Everything else (parameters_grad, API calls isolation skipped or never saw) passes: drift alone never fails a
   node; it stays in ``metrics`` (``drift_status``, ``drift_RelativeErr``) as context.
 """
@@ -58,6 +59,12 @@ def load_isolation(folder: str) -> dict | None:
     if not isinstance(nodes, dict) or not all(isinstance(v, dict) for v in nodes.values()):
         raise MsprobeError(f"{path}: expected {{'nodes': {{name: record}}}}")
     return nodes
+
+
+def _in_place(name: str) -> bool:
+    """Whether node ``name`` is an in-place call (``Tensor.addcdiv_.3.forward``; not a dunder ``__add__``)."""
+    parts = name.split(".")
+    return len(parts) > 1 and parts[1].endswith("_") and not parts[1].endswith("__")
 
 
 def load_budget(folder: str) -> dict | None:
@@ -260,11 +267,18 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         status = rec.get("status", "skip")
         value, threshold = _float(rec.get("value")), _float(rec.get("threshold"))
         if status == "skip" and rec.get("budget"):
-            # left out by budgeted isolation this step: the drift rule's verdict is the node's, as without isolation
-            new_nodes.append(replace(node, metrics=dict(node.metrics, **drift, budget=True),
-                                     message=f"{node.name}: {rec.get('message', '')}; drift {node.status}"
+            # left out by budgeted isolation this step: the drift rule's verdict is the node's, as without
+            # isolation, where that rule was calibrated (a step's forward and backward from the bench's weights);
+            # an optimizer's in-place update, or any call after a loop's first step (weights trained apart),
+            # drifts by design: there its drift error is a warning
+            held, why = node.status, ""
+            if held == "error" and (not math.isfinite(source_factor) or _in_place(node.name)):
+                held, why = "warning", " (a warning: the drift rule is not calibrated on an optimizer's update or " \
+                                       "after a loop's first step)"
+            new_nodes.append(replace(node, status=held, metrics=dict(node.metrics, **drift, budget=True),
+                                     message=f"{node.name}: {rec.get('message', '')}; drift {node.status}{why}"
                                              + (f" ({node.message})" if node.message else "")))
-            if node.status == "error":
+            if held == "error":
                 failing_api[node.name] = node.name
             continue
         if status == "skip":
