@@ -1,6 +1,7 @@
 """Running a standalone reproduction of one failing API call (``python repro/<node>.py``, written by
-:mod:`msprobe_ci.capture.repro`, which describes the files): the call re-run without the model through the same
-isolation the gate ran, its metrics printed against their thresholds beside the gate's own verdict.
+:mod:`msprobe_ci.capture.repro`, which describes the files, or for a per-API pre-check item by
+:mod:`msprobe_ci.replay.repro`): the call re-run without the model through the same isolation the gate ran (a
+pre-check item: the same replay), its metrics printed against their thresholds beside the gate's own verdict.
 
 Reading is data, never code: the API is looked up on the replay allowlist (:mod:`msprobe_ci.replay.allowlist`),
 dtypes and memory formats in torch's own tables, tensors come from safetensors; nothing in the files picks a
@@ -61,6 +62,14 @@ def _decode(v: Any, tensors: dict, where: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ running
+_COMMON = (("node", str), ("prefix", str), ("api", str), ("call", int), ("direction", str), ("args", list),
+           ("kwargs", dict), ("faults", list))
+#: the fields each kind of reproduction must have: a live gate's (capture) and a replayed dump item's (replay)
+_FIELDS = {"capture": _COMMON + (("forward", str), ("function", dict), ("requires_grad", dict),
+                                 ("grad_outputs", dict), ("isolator", dict)),
+           "replay": _COMMON + (("replayer", dict),)}
+
+
 def load(path: str) -> tuple[dict, dict]:
     """The spec and the tensors of a reproduction (``path``: its ``.py``, ``.json`` or stem).
 
@@ -80,9 +89,9 @@ def load(path: str) -> tuple[dict, dict]:
         raise MsprobeError(f"{stem}.json: not valid JSON ({exc})") from None
     if not isinstance(spec, dict) or spec.get("version") != VERSION:
         raise MsprobeError(f"{stem}.json: expected a reproduction spec of version {VERSION}")
-    for key, kind in (("node", str), ("forward", str), ("prefix", str), ("api", str), ("call", int),
-                      ("direction", str), ("function", dict), ("args", list), ("kwargs", dict),
-                      ("requires_grad", dict), ("grad_outputs", dict), ("isolator", dict), ("faults", list)):
+    if spec.get("kind", "capture") not in _FIELDS:
+        raise MsprobeError(f"{stem}.json: field 'kind': expected one of {', '.join(_FIELDS)}")
+    for key, kind in _FIELDS[spec.get("kind", "capture")]:
         if not isinstance(spec.get(key), kind):
             raise MsprobeError(f"{stem}.json: field '{key}': expected {kind.__name__}")
     if spec["direction"] not in ("forward", "backward"):
@@ -121,6 +130,8 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     threads = spec.get("threads")
     if isinstance(threads, int) and threads > 0 and threads != torch.get_num_threads():
         torch.set_num_threads(threads)  # the gate's: a CPU kernel's summation order follows it
+    if spec.get("kind") == "replay":
+        return _replayed(spec, tensors, where, fault, target_device), spec
     matmul = spec.get("cuda_matmul") or {}
     if not isinstance(matmul, dict):
         raise MsprobeError(f"{where}: field 'cuda_matmul': expected a mapping")
@@ -186,6 +197,64 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     return record, spec
 
 
+def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device: str | None) -> dict:
+    """Judge a replayed dump item again (``"kind": "replay"``, :mod:`msprobe_ci.replay.repro`) through the
+    :class:`~msprobe_ci.replay.runner.ApiReplayer` path that judged it, without the dump; its record as
+    :func:`run` returns it."""
+    from .capture.inject import parse_faults
+    from .isolate.support import verdict_fields
+    from .replay.runner import ApiReplayer, parse_name, resolve
+
+    r = spec["replayer"]
+    node = spec["node"]
+    try:
+        _, _, _, direction = parse_name(node)
+        resolve(spec["prefix"], spec["api"])  # on the replay allowlist, or refused with why
+    except MsprobeError as exc:
+        raise MsprobeError(f"{where}: field 'node': {exc}") from None
+    if direction != spec["direction"] or not node.startswith(f"{spec['prefix']}.{spec['api']}.{spec['call']}."):
+        raise MsprobeError(f"{where}: field 'node': {node!r} is not {spec['prefix']}.{spec['api']}.{spec['call']}."
+                           f"{spec['direction']}")
+    try:
+        replayer = ApiReplayer(None, live=bool(r.get("live")), standards=dict(r.get("standards") or {}),
+                               thresholds=dict(r.get("thresholds") or {}),
+                               faults=parse_faults({"faults": spec["faults"]}, where) if fault else (),
+                               target_device=target_device or str(r.get("target_device") or "cpu"),
+                               bench_kernel=str(r.get("bench_kernel") or "device"),
+                               budget_draws=int(r.get("budget_draws", 3)))
+    except (TypeError, ValueError) as exc:
+        raise MsprobeError(f"{where}: field 'replayer': {exc}") from None
+    layouts = spec.get("layouts") or {}
+    if not isinstance(layouts, dict):
+        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
+    tensors = dict(tensors)
+    for key, layout in layouts.items():
+        tensors[key] = _viewed(tensors.get(key), layout, f"{where}: field 'layouts.{key}'")
+    args, kwargs = _decode(spec["args"], tensors, where), _decode(spec["kwargs"], tensors, where)
+    targets = spec.get("targets")
+    if targets is not None:
+        if not isinstance(targets, list) or not all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str)
+                                                    for t in targets):
+            raise MsprobeError(f"{where}: field 'targets': expected [[row, output], ...] or null")
+        targets = [(row, _decode(v, tensors, where)) for row, v in targets]
+    if direction == "forward":
+        result = replayer.check_inputs(node, args, kwargs, targets)
+    else:
+        wants, wants_kw, amp = spec.get("wants"), spec.get("wants_kw"), spec.get("autocast")
+        if not isinstance(wants, list) or not isinstance(wants_kw, dict) or \
+                (amp is not None and str(amp) not in _DTYPES):
+            raise MsprobeError(f"{where}: fields 'wants', 'wants_kw', 'autocast': expected a list, a mapping and "
+                               "a dtype or null")
+        result = replayer.check_grads(node, args, kwargs, _decode(spec.get("upstream"), tensors, where), targets,
+                                      [bool(w) for w in wants], {str(k): bool(w) for k, w in wants_kw.items()},
+                                      None if amp is None else _DTYPES[str(amp)],
+                                      mindspore=bool(spec.get("mindspore")))
+    bad = next(((row, c) for row, c in result.outputs if c.status == result.status), None)
+    record = dict(verdict_fields(*bad)) if bad and result.status != "pass" else {}
+    record.update(status=result.status, message=result.message)
+    return record
+
+
 def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:
     """The saved flat range ``base`` viewed with the layout the argument had (:func:`_saved`), after checking that
     the layout stays inside it."""
@@ -219,16 +288,24 @@ def main(argv: list[str] | None = None) -> int:
     except MsprobeError as exc:
         print(f"msprobe-ci repro: {exc}", file=sys.stderr)
         return 2
-    s = spec["isolator"]
-    ac = spec.get("autocast")
     faults = [] if opts.no_fault else spec["faults"]
+    fault_text = (", fault: " + "; ".join(f"{f['perturb']} {f['value']:g} on the {f['direction']}" for f in faults)
+                  if faults else (", fault left out" if spec["faults"] else ""))
     print(f"node: {spec['node']}")
-    print(f"ran as the gate: target {opts.target_device or s.get('target_device')}, bench kernel "
-          f"{s.get('bench_kernel')} on {s.get('bench_device')}, oracle {s.get('oracle_label') or 'cpu'}"
-          + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "")
-          + (f", step {spec.get('step')}" if spec.get("step") else "")
-          + (", fault: " + "; ".join(f"{f['perturb']} {f['value']:g} on the {f['direction']}" for f in faults)
-             if faults else (", fault left out" if spec["faults"] else "")))
+    if spec.get("kind") == "replay":
+        r = spec["replayer"]
+        target = (f"run live on {opts.target_device or r.get('target_device')}" if r.get("live")
+                  else "the outputs the dump recorded")
+        amp = f", autocast {spec['autocast']}" if spec.get("autocast") else ""
+        print(f"replayed as the pre-check did: target {target}, bench kernel {r.get('bench_kernel')} on cpu, "
+              f"oracle cpu{amp}{fault_text}")
+    else:
+        s = spec["isolator"]
+        ac = spec.get("autocast")
+        print(f"ran as the gate: target {opts.target_device or s.get('target_device')}, bench kernel "
+              f"{s.get('bench_kernel')} on {s.get('bench_device')}, oracle {s.get('oracle_label') or 'cpu'}"
+              + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "")
+              + (f", step {spec.get('step')}" if spec.get("step") else "") + fault_text)
     print(f"status: {record.get('status')}")
     if record.get("standard"):
         print(f"standard: {record['standard']}: {record.get('metric')} {_fmt(record.get('value'))} "

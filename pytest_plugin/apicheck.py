@@ -3,7 +3,8 @@
 PATH is a dump.json, a rank folder or a step folder (every rank). Items are named by the dump name
 (``Functional.linear.0.forward``), one per forward and one per backward, so ``-k``, ``--lf``, ``-n N`` and
 ``--junitxml`` work as for any test. error → failed; warning → passed with a ``msprobe.status=warning`` property
-and a summary line; unjudgeable → skipped with the reason.
+and a summary line; unjudgeable → skipped with the reason. A failing item writes a standalone reproduction
+(:mod:`msprobe_ci.replay.repro`) under ``<msprobe-out>/api-check/<dump folder>/repro/`` and names it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import pytest
 from .session import session_key
 
 STATUS_PROPERTY = "msprobe.status"
+#: the property naming a failing item's reproduction (``repro/<node>.py``, or why none was written)
+REPRO_PROPERTY = "msprobe.repro"
+#: the folder under ``--msprobe-out`` holding the pre-check's reproductions
+API_CHECK_DIR = "api-check"
 
 
 class ApiCheckFailure(Exception):
@@ -38,11 +43,12 @@ class ApiDumpFile(pytest.File):
         except MsprobeError as exc:
             raise self.CollectError(f"msprobe: {exc}") from None
         session.validate_files()
+        run = session.check_options  # the run's options (the command line over ini)
         device = "cpu"
         if session.api_live:
             from ..backends import Backend
 
-            backend = Backend.from_options(session.target, session.target_dtype)
+            backend = Backend.from_options(run["target"], run["target_dtype"])
             try:
                 backend.check_available()
                 device = backend.torch_device
@@ -50,10 +56,9 @@ class ApiDumpFile(pytest.File):
                 raise self.CollectError(f"msprobe: --msprobe-api-live on --msprobe-target: {exc}") from None
         from ..kernels import default_bench_kernel
 
-        kernel = session.bench_kernel or default_bench_kernel("cpu", device, session.target if session.api_live
-                                                              else "cpu")
-        self.replayer = ApiReplayer(dump, live=session.api_live, standards=session.api_standards,
-                                    thresholds=session.api_thresholds, faults=session.faults, target_device=device,
+        kernel = run["bench_kernel"] or default_bench_kernel("cpu", device, run["target"] if session.api_live else "cpu")
+        self.replayer = ApiReplayer(dump, live=session.api_live, standards=run["api_standards"],
+                                    thresholds=run["api_thresholds"], faults=session.faults, target_device=device,
                                     bench_kernel=kernel)
         for name in self.replayer.api_names():
             yield ApiItem.from_parent(self, name=name)
@@ -72,19 +77,28 @@ class ApiItem(pytest.Item):
                 raise pytest.skip.Exception(result.reason, _use_item_location=True)
             except TypeError:  # pragma: no cover - older pytest
                 pytest.skip(result.reason)
-        if result.status == "error":
-            raise ApiCheckFailure(result.message)
         session = self.config.stash[session_key]
+        if result.status == "error":
+            from ..replay.repro import write
+
+            repro = write(result, self.parent.replayer, self.repro_folder(session))
+            self.user_properties.append((REPRO_PROPERTY, repro))
+            raise ApiCheckFailure(f"{result.message}; reproduction: {repro}")
         if session.fuzz > 0 and self.name.endswith(".forward"):
             from ..replay.fuzz import fuzz_api
 
-            failed, repro = fuzz_api(self.parent.replayer, self.name, session.fuzz,
-                                     os.path.join(session.out, "repro"))
+            failed, repro = fuzz_api(self.parent.replayer, self.name, session.fuzz, self.repro_folder(session))
             self.user_properties.append(("msprobe.fuzz_examples", session.fuzz))
             if failed is not None:
-                self.user_properties.append(("msprobe.repro", repro))
+                self.user_properties.append((REPRO_PROPERTY, repro))
                 raise ApiCheckFailure(f"fuzzing ({session.fuzz} examples) found a failing input: {failed.message}; "
-                                      f"minimal reproducer: {repro}")
+                                      f"minimal reproduction: {repro}")
+
+    def repro_folder(self, session) -> str:
+        """``<msprobe-out>/api-check/<the dump's folder, relative to --msprobe-api-check>/repro``: where this
+        item's reproduction goes (``api-check`` is emptied once per run, at the session's start)."""
+        rel = os.path.relpath(os.path.dirname(str(self.path)), session.api_root)
+        return os.path.join(session.out, API_CHECK_DIR, rel, "repro")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ApiCheckFailure):

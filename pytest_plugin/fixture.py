@@ -63,15 +63,7 @@ class MsprobeFixture:
         s = self.session
         s.validate_files()
         self.context.dump_config, self.context.faults = s.dump_config, s.faults
-        run = {"bench": s.bench, "target": s.target, "bench_dtype": s.bench_dtype, "target_dtype": s.target_dtype,
-               "bench_autocast": s.bench_autocast, "target_autocast": s.target_autocast, "target_fp8": s.target_fp8,
-               "level": s.level, "task": s.task, "inject": None, "seed": 1234, "fuzzy": False,
-               "compile": s.target_compile, "api_standards": s.api_standards, "isolate": s.isolate,
-               "isolate_budget": s.isolate_budget,
-               "bench_kernel": s.bench_kernel, "oracle_device": s.oracle_device, "output_rtol": s.output_rtol,
-               "api_thresholds": s.api_thresholds, "free_benchmark": s.free_benchmark, "monitor": s.monitor,
-               **s.thresholds_raw}
-        merged = merge([run, self.marker_options, options])
+        merged = merge([s.check_options, self.marker_options, options])
         nodeid = self.request.node.nodeid
         # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
         seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid

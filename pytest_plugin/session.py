@@ -69,23 +69,25 @@ class ProbeSession:
     """
 
     def __init__(self, config: pytest.Config):
-        from ..backends import parse_device
-        from ..errors import MsprobeError
+        from .plugin import FLAGS, OPTIONS, RULE_INI
 
         self.config = config
         self.results: list[dict] = []
-        try:
-            self.bench = parse_device(_opt(config, "msprobe_bench") or "cpu")
-            self.target = parse_device(_opt(config, "msprobe_target") or "cpu")
-        except MsprobeError as exc:
-            raise pytest.UsageError(f"msprobe: {exc}") from None
-        # every choice below is parsed by its option's own parser (_opt), flag or ini alike
-        self.bench_dtype = _opt(config, "msprobe_bench_dtype")
-        self.target_dtype = _opt(config, "msprobe_target_dtype")
-        self.bench_autocast = _opt(config, "msprobe_bench_autocast")
-        self.target_autocast = _opt(config, "msprobe_target_autocast")
-        self.level = _opt(config, "msprobe_level") or "mix"
-        self.task = _opt(config, "msprobe_task") or "statistics"
+        # the run's layer of every check's options (call > marker > this): each row of the option table that sets a
+        # check option, by its own parser (_opt), else the table's default; then the ini-only keys
+        self.check_options: dict[str, Any] = {o.check: _opt(config, o.ini) if _opt(config, o.ini) is not None
+                                              else o.default for o in OPTIONS if o.check}
+        self.check_options.update({f.check: bool(_opt(config, f.ini)) for f in FLAGS if f.check})
+        free_benchmark = _opt(config, "msprobe_free_benchmark")
+        if free_benchmark not in (None, "improve_precision", "to_cpu"):
+            raise pytest.UsageError(f"msprobe: ini msprobe_free_benchmark: expected improve_precision or to_cpu, got "
+                                    f"{free_benchmark!r}")
+        self.check_options["free_benchmark"] = free_benchmark
+        self.check_options["api_standards"], self.check_options["api_thresholds"] = _api_overrides(config)
+        # the drift rule's factors where the ini sets them (its old name atol is read by check.settings.merge only)
+        self.check_options.update({k: config.getini(f"msprobe_{k}") for k, _ in RULE_INI
+                                   if config.getini(f"msprobe_{k}") not in ("", None)})
+        # the session's own options
         self.out = os.path.abspath(_opt(config, "msprobe_out") or "msprobe-out")
         report = _opt(config, "msprobe_report")
         self.report = None if report == "off" else os.path.abspath(report or os.path.join(self.out, "report.html"))
@@ -96,8 +98,6 @@ class ProbeSession:
         self.baseline = _opt(config, "msprobe_baseline")
         self.baseline = os.path.abspath(self.baseline) if self.baseline else None
         self.record = bool(_opt(config, "msprobe_record"))
-        self.target_compile = bool(_opt(config, "msprobe_target_compile"))
-        self.target_fp8 = bool(_opt(config, "msprobe_target_fp8"))
         self.no_graph = bool(_opt(config, "msprobe_no_graph"))
         self.require_device = bool(_opt(config, "msprobe_require_device"))
         self.require_coverage = bool(_opt(config, "msprobe_require_coverage"))
@@ -105,22 +105,11 @@ class ProbeSession:
         # the user asked for msprobe: an option on the command line (a session that then checks nothing says so)
         self.asked = self.require_checks or any(str(a).startswith("--msprobe") for a in config.invocation_params.args)
         self.api_counts = {"items": 0, "skipped": 0, "reason": ""}
-        self.isolate = _opt(config, "msprobe_isolate") or "on"
-        self.isolate_budget = _opt(config, "msprobe_isolate_budget")
         self._runs: dict[str, int] = {}  # test id -> this session's place in its budgeted rotation
-        self.bench_kernel = _opt(config, "msprobe_bench_kernel")
-        self.oracle_device = _opt(config, "msprobe_oracle_device")
-        self.output_rtol = _opt(config, "msprobe_output_rtol")
         self.api_live = bool(_opt(config, "msprobe_api_live"))
-        self.api_standards, self.api_thresholds = _api_overrides(config)
         self.fuzz = int(_opt(config, "msprobe_fuzz") or 0)
         if self.fuzz < 0:
             raise pytest.UsageError(f"msprobe: --msprobe-fuzz: expected 0 or more examples per API, got {self.fuzz}")
-        self.monitor = bool(_opt(config, "msprobe_monitor"))
-        self.free_benchmark = _opt(config, "msprobe_free_benchmark")
-        if self.free_benchmark not in (None, "improve_precision", "to_cpu"):
-            raise pytest.UsageError(f"msprobe: ini msprobe_free_benchmark: expected improve_precision or to_cpu, got "
-                                    f"{self.free_benchmark!r}")
         self.api_files: list[str] = []
         self.api_warnings: list[tuple[str, str]] = []
         api_check = _opt(config, "msprobe_api_check")
@@ -130,6 +119,14 @@ class ProbeSession:
             explicit = config.args_source == pytest.Config.ArgsSource.ARGS
             # the dump files are the test files: collected even from an empty directory
             config.args[:] = (list(config.args) if explicit else []) + self.api_files
+            if not hasattr(config, "workerinput"):  # the controller, once per run (xdist workers write into it)
+                from ..outputs import owned_dir
+                from .apicheck import API_CHECK_DIR
+
+                try:  # a previous run's reproductions replaced: none is left to mislead
+                    owned_dir(os.path.join(self.out, API_CHECK_DIR), "--msprobe-api-check reproductions")
+                except MsprobeError as exc:
+                    raise pytest.UsageError(f"msprobe: {exc}") from None
         args = [str(a) for a in config.invocation_params.args]
         if "--msprobe-baseline" in args[:-1] and os.path.exists(args[args.index("--msprobe-baseline") + 1]):
             # pytest takes an existing path after a space for a test path when it picks the rootdir, which
@@ -138,10 +135,6 @@ class ProbeSession:
                                     "an existing path given after a space as a test path when it picks the rootdir")
         if self.record and not self.baseline:
             raise pytest.UsageError("msprobe: --msprobe-record needs --msprobe-baseline=DIR (where to store the bench)")
-        self.thresholds_raw = {k: config.getini(f"msprobe_{k}")
-                               for k in ("round_factor", "propagation", "error_factor", "rel_floor", "atol")}
-        if self.thresholds_raw.get("atol") not in ("", None) and self.thresholds_raw.get("rel_floor") == "1e-6":
-            self.thresholds_raw["rel_floor"] = self.thresholds_raw["atol"]  # ini's old name, when the new is unset
         self._validated = False
         self._locks: dict = {}
 
@@ -162,14 +155,14 @@ class ProbeSession:
         if self._validated:
             return
         from ..capture.inject import load_faults
-        from ..compare.verdict import Thresholds
+        from ..check.settings import merge, thresholds
         from ..config import load_config
         from ..errors import MsprobeError
 
         try:
             self.faults = load_faults(self.inject_path) if self.inject_path else ()
             self.dump_config = load_config(self.config_path) if self.config_path else None
-            self.thresholds = Thresholds.from_mapping(self.thresholds_raw)
+            thresholds(merge([self.check_options]))  # the ini's rule factors, refused at start-up if bad
         except MsprobeError as exc:
             raise pytest.UsageError(f"msprobe: {exc}") from None
         self._validated = True

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from msprobe_ci.checkers import STANDARDS, make_standard, standard_for
 from msprobe_ci.cli import main as cli_main
+from msprobe_ci.errors import MsprobeError
 from msprobe_ci.dump import load_dump
 from msprobe_ci.replay import ApiReplayer
 from msprobe_ci.replay.args import Rebuilder, api_generator
@@ -100,8 +101,13 @@ def test_fixture_tensor_dump_has_no_error_and_one_wrong_output_fails_alone(pytes
     result.assert_outcomes(passed=24, failed=1)
     result.stdout.fnmatch_lines(["*FAILED proc0/dump.json::Functional.layer_norm.0.forward*"])
     result.stdout.fnmatch_lines(["*msprobe: Functional.layer_norm.0.forward: *.output.0: benchmark error*"])
+    # its reproduction, named in the failure; the next run's start replaces the folder (no stale reproduction)
+    repro = pytester.path / "msprobe-out" / "api-check" / "proc0" / "repro" / "Functional.layer_norm.0.forward.py"
+    assert repro.is_file()
+    result.stdout.fnmatch_lines([f"*reproduction: {repro}*"])
     result = _pytest_api(pytester, str(bad), "-k", "linear")
     result.assert_outcomes(passed=4)
+    assert not repro.exists() and (pytester.path / "msprobe-out" / "api-check" / ".msprobe-ci").is_file()
     # per-project overrides in the ini: a looser benchmark for this API family passes it; a bad line is refused
     pytester.makeini("[pytest]\nmsprobe_api_thresholds =\n    benchmark.max_rel_err = 100\n"
                      "    benchmark.mean_rel_err = 100\n    benchmark.rmse = 100\n")
@@ -230,6 +236,27 @@ def test_cli_writes_msprobe_csvs_and_workers_agree(fixtures_dir, tmp_path, capsy
     assert (tmp_path / "j.xml").read_text().count("<testcase") == 25
 
 
+def test_cli_writes_a_reproduction_of_each_failing_call_beside_its_csvs(fixtures_dir, tmp_path, capsys):
+    """``msprobe-ci api-check`` (two workers): the failing call's reproduction, named as the run's CSVs, judges it
+    again with the same verdict; a second run writes its own folder, never over the first."""
+    from msprobe_ci.repro import run
+
+    bad = tmp_path / "proc0"
+    shutil.copytree(os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0"), bad)
+    name = read_json(bad / "dump.json")["data"]["Functional.linear.1.forward"]["output"][0]["data_name"]
+    torch.save(torch.load(bad / "dump_tensor_data" / name, weights_only=True) * 1.03, bad / "dump_tensor_data" / name)
+    for _ in range(2):
+        assert cli_main(["api-check", "-api_info", str(bad), "-o", str(tmp_path / "o"), "-n", "2"]) == 1
+    printed = capsys.readouterr().out
+    folders = sorted(f for f in os.listdir(tmp_path / "o") if f.startswith("accuracy_checking_repro_"))
+    assert len(folders) == 2 and printed.count("1 reproduction(s): python <node>.py") == 2
+    for folder in folders:
+        assert sorted(os.listdir(tmp_path / "o" / folder)) == [f"Functional.linear.1.forward.{x}" for x in
+                                                               ("json", "py", "safetensors")]
+    record, spec = run(str(tmp_path / "o" / folders[0] / "Functional.linear.1.forward.py"))
+    assert record["status"] == spec["gate"]["status"] == "error" and record["message"] == spec["gate"]["message"]
+
+
 def test_cli_pool_serves_every_step_folder_once(fixtures_dir, tmp_path, capsys):
     """A dump root with two steps: ``-n 2`` checks both folders in one pool and writes what ``-n 1`` writes; so
     do two one-thread dask workers (``--scheduler local``, whose workers start with 1 torch thread and are pinned
@@ -253,8 +280,12 @@ def test_cli_pool_serves_every_step_folder_once(fixtures_dir, tmp_path, capsys):
 
 
 def test_fuzzing_finds_a_faulty_kernel_and_writes_a_reproducer(fixtures_dir, tmp_path):
+    """The fuzzer's minimal failing inputs become the item's reproduction (safetensors, never pickle): it fails
+    with the live target's fault and passes without it."""
     import subprocess
     import sys
+
+    from safetensors.torch import load_file
 
     from msprobe_ci.capture.inject import Fault
     from msprobe_ci.replay.fuzz import fuzz_api
@@ -264,12 +295,65 @@ def test_fuzzing_finds_a_faulty_kernel_and_writes_a_reproducer(fixtures_dir, tmp
     assert fuzz_api(clean, "Functional.layer_norm.0.forward", 15, str(tmp_path / "clean")) == (None, None)
     faulty = ApiReplayer(dump, faults=(Fault("Functional.layer_norm", 0, "forward", "scale", 1.02),))
     failed, repro = fuzz_api(faulty, "Functional.layer_norm.0.forward", 15, str(tmp_path / "r"))
-    assert failed.status == "error" and os.path.basename(repro) == "repro_Functional.layer_norm.0.forward.py"
-    inputs = torch.load(repro[:-3] + ".pt", weights_only=True)
-    assert inputs["args"][0].dtype == torch.bfloat16 and list(inputs["args"][0].shape) == [4, 32]
+    assert failed.status == "error" and os.path.basename(repro) == "Functional.layer_norm.0.forward.py"
+    assert sorted(os.listdir(tmp_path / "r")) == [f"Functional.layer_norm.0.forward.{x}" for x in
+                                                  ("json", "py", "safetensors")]
+    inputs = load_file(repro[:-3] + ".safetensors")
+    assert inputs["t0"].dtype == torch.bfloat16 and list(inputs["t0"].shape) == [4, 32]
+    assert read_json(repro[:-3] + ".json")["replayer"]["live"] is True
     run = subprocess.run([sys.executable, repro], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr
-    assert "output 0: benchmark error" in run.stdout and "would pass at" in run.stdout
+    assert run.returncode == 1, run.stderr
+    assert "status: error" in run.stdout and "fault: scale 1.02 on the forward" in run.stdout
+    run = subprocess.run([sys.executable, repro, "--no-fault"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert run.returncode == 0 and "status: pass" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_failing_item_reproduces_without_the_dump(fixtures_dir, tmp_path):
+    """A forward and a backward item judged on recorded target outputs: each reproduction judges the call again
+    with the dump gone, with the item's verdict and numbers; a passing item writes none, nothing is overwritten,
+    and the files are data (a node off the allowlist, a tampered field: one line, exit 2)."""
+    from msprobe_ci.repro import main as repro_main
+    from msprobe_ci.repro import run
+    from msprobe_ci.replay.repro import write
+
+    src = os.path.join(fixtures_dir, "bf16_tensor", "step0", "proc0")
+    bad = tmp_path / "proc0"
+    shutil.copytree(src, bad)
+    data = read_json(bad / "dump.json")["data"]
+    for node, scale in (("Functional.layer_norm.0.forward", 1.02), ("Functional.linear.0.backward", 1.05)):
+        name = data[node]["output"][0]["data_name"]
+        t = torch.load(bad / "dump_tensor_data" / name, weights_only=True)
+        torch.save(t * scale, bad / "dump_tensor_data" / name)
+    replayer = ApiReplayer(load_dump(str(bad)))
+    folder = str(tmp_path / "repro")
+    verdicts = {}
+    for node in ("Functional.layer_norm.0.forward", "Functional.linear.0.backward", "Functional.relu.0.forward"):
+        result = replayer.check(node)
+        verdicts[node] = (result.status, result.message)
+        path = write(result, replayer, folder)
+        if result.status == "pass":
+            assert result.replay is None and path.startswith("not written: ")
+            continue
+        assert result.status == "error" and path == os.path.join(folder, f"{node}.py")
+    assert write(replayer.check("Functional.linear.0.backward"), replayer, folder).endswith(
+        "Functional.linear.0.backward.py exists (never overwritten)")
+    shutil.rmtree(bad)  # without the dump
+    for node in ("Functional.layer_norm.0.forward", "Functional.linear.0.backward"):
+        record, spec = run(os.path.join(folder, f"{node}.py"))
+        assert (spec["kind"], spec["replayer"]["live"], spec["gate"]["status"]) == ("replay", False, "error")
+        assert (record["status"], record["message"]) == verdicts[node]
+        assert record["value"] == spec["gate"]["value"] and record["threshold"] == spec["gate"]["threshold"]
+        assert repro_main([os.path.join(folder, f"{node}.py")]) == 1
+    spec_path = os.path.join(folder, "Functional.layer_norm.0.forward.json")
+    spec = read_json(spec_path)
+    for field, value in (("node", "os.system.0.forward"), ("prefix", "Torch"), ("targets", "x"),
+                         ("replayer", None)):
+        with open(spec_path, "w", encoding="utf-8") as fh:
+            json.dump(dict(spec, **{field: value}), fh)
+        with pytest.raises(MsprobeError, match=r"Functional.layer_norm.0.forward.json: field"):
+            run(spec_path)
+    assert repro_main([spec_path]) == 2
 
 
 def test_special_cases_multi_output_inplace_empty_scalar_nan(tmp_path):

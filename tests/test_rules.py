@@ -43,14 +43,11 @@ def test_thresholds_from_a_mapping():
     assert Thresholds.from_mapping(None) == Thresholds()
     assert Thresholds.from_mapping({"round_factor": "3", "propagation": None, "error_factor": ""}) == \
         Thresholds(round_factor=3.0)
-    # atol is rel_floor's old name; an explicit rel_floor wins, an empty one does not
-    assert Thresholds.from_mapping({"atol": 1e-3}).rel_floor == 1e-3
-    assert Thresholds.from_mapping({"atol": 1e-3, "rel_floor": ""}).rel_floor == 1e-3
-    assert Thresholds.from_mapping({"atol": 1e-3, "rel_floor": 2e-3}).rel_floor == 2e-3
     assert Thresholds.from_mapping({"statistics_slack": 2}).statistics_slack == 2.0
-    with pytest.raises(MsprobeError, match=r"^thresholds: unknown key\(s\) \['a', 'b'\]; allowed: round_factor, "
-                                           r"propagation, error_factor, rel_floor \(old name: atol\)$"):
-        Thresholds.from_mapping({"b": 1, "a": 2, "round_factor": 1})
+    # the old option name atol is read by check.settings.merge only: the rule's own mapping refuses it
+    with pytest.raises(MsprobeError, match=r"^thresholds: unknown key\(s\) \['a', 'atol', 'b'\]; allowed: "
+                                           r"round_factor, propagation, error_factor, rel_floor, statistics_slack$"):
+        Thresholds.from_mapping({"b": 1, "a": 2, "round_factor": 1, "atol": 1e-3})
     with pytest.raises(MsprobeError, match=r"^threshold 'propagation': expected a number, got 'x'$"):
         Thresholds.from_mapping({"propagation": "x"})
     with pytest.raises(MsprobeError, match=r"^threshold 'propagation': expected a number, got \[1\]$"):
@@ -1289,19 +1286,24 @@ def test_twin_scalars_after_other_sources():
 
 
 def test_check_options_merge_in_layers_with_the_old_atol_name_read_once():
-    """Call > marker > run; ``atol`` set at a layer without ``rel_floor`` sets ``rel_floor`` there (and below it
-    wins over the run's), a ``rel_floor`` at the same layer wins over it; the run's own layer is taken as is (the
-    session reads ini's old name)."""
-    from msprobe_ci.check.settings import merge
+    """Call > marker > run; ``atol`` set at a layer without a ``rel_floor`` of its own (unset or empty) sets
+    ``rel_floor`` there (and so wins over the layers below), a ``rel_floor`` at the same layer wins over it; the
+    merged options hold ``rel_floor`` alone, and the rule reads it (:func:`thresholds`)."""
+    from msprobe_ci.check.settings import merge, thresholds
 
-    run = {"rel_floor": "1e-6", "atol": "", "seed": 1234}
+    run = {"rel_floor": "1e-6", "seed": 1234}
     assert merge([run, {}, {}]) == run
-    assert merge([run, {"atol": 1e-3}, {}])["rel_floor"] == 1e-3
+    assert merge([run, {"atol": 1e-3}, {}]) == {"rel_floor": 1e-3, "seed": 1234}
     assert merge([run, {"atol": 1e-3}, {"rel_floor": 1e-4}])["rel_floor"] == 1e-4
     assert merge([run, {"rel_floor": 1e-4}, {"atol": 1e-2}])["rel_floor"] == 1e-2
     assert merge([run, {"atol": 1e-3, "rel_floor": 1e-5}, {}])["rel_floor"] == 1e-5
-    assert merge([dict(run, atol="1e-3"), {}, {}])["rel_floor"] == "1e-6"
+    assert merge([run, {"atol": 1e-3, "rel_floor": ""}, {}])["rel_floor"] == 1e-3
+    assert merge([run, {"atol": ""}, {}])["rel_floor"] == "1e-6"  # an empty old name sets nothing
+    assert merge([{"atol": "1e-3", "seed": 1}, {}, {}]) == {"rel_floor": "1e-3", "seed": 1}  # the run's ini too
+    assert merge([dict(run, atol="1e-3"), {}, {}])["rel_floor"] == "1e-6"  # both set at one layer: the new name
     assert merge([run, {"seed": 1}, {"seed": 2}])["seed"] == 2
+    assert thresholds(merge([{"atol": "1e-3", "round_factor": "3"}])) == Thresholds(round_factor=3.0, rel_floor=1e-3)
+    assert thresholds({}) == Thresholds()
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -1543,3 +1545,44 @@ def test_one_status_vocabulary():
              (["unmatched", "warning"], "warning"), (["unmatched"], "pass")]
     assert [status.worst(s) for s, _ in cases] == [want for _, want in cases]
     assert worst([CheckResult("binary", s) for s in ("pass", "skip", "warning")]) == "warning"
+
+
+def test_every_option_is_declared_once_and_reaches_the_check(pytester):
+    """The plugin's option table names the check option each row sets; the session reads every row in one loop,
+    the fixture passes those on as the run's layer, and the judge takes every field it shares with the check's
+    settings: a new option is a table row plus its settings field, and a row wired nowhere fails here. Command
+    line over ini, marker over both, ``atol`` (ini) read as ``rel_floor``."""
+    from msprobe_ci.check.settings import CHECK_OPTIONS
+    from msprobe_ci.pytest_plugin.plugin import FLAGS, OPTIONS, RULE_INI
+
+    by_run = {o.check for o in OPTIONS + FLAGS if o.check} | {k for k, _ in RULE_INI} | \
+        {"free_benchmark", "api_standards", "api_thresholds"}
+    assert by_run <= set(CHECK_OPTIONS)
+    assert set(CHECK_OPTIONS) - by_run == {"inject", "seed", "fuzzy"}  # a check's own: its call and marker only
+    pytester.makeini("[pytest]\nmsprobe_level = L1\nmsprobe_task = tensor\nmsprobe_bench_kernel = upcast\n"
+                     "msprobe_isolate = off\nmsprobe_isolate_budget = 1.5\nmsprobe_target_dtype = bf16\n"
+                     "msprobe_target_autocast = fp16\nmsprobe_monitor = true\nmsprobe_atol = 0.5\n"
+                     "msprobe_round_factor = 3\nmsprobe_free_benchmark = to_cpu\n"
+                     "msprobe_api_standards =\n    lin* = legacy\n")
+    pytester.makepyfile(
+        "import math, pytest\n"
+        "def test_run(msprobe):\n"
+        "    s = msprobe._settings({}, 't')\n"
+        "    assert (s.level, s.task, s.bench_kernel, s.isolate, s.isolate_budget) == ('mix', 'tensor', 'upcast', "
+        "False, 1.5)\n"
+        "    assert (s.bench_device, s.target_dtype, s.target_autocast, s.monitor) == ('cpu', 'bf16', 'fp16', True)\n"
+        "    assert (s.free_benchmark, s.api_standards) == ('to_cpu', {'lin*': 'legacy'})\n"
+        "    assert (s.thresholds.rel_floor, s.thresholds.round_factor, s.thresholds.propagation) == (0.5, 3.0, 1.0)\n"
+        "    j = s.judge\n"
+        "    assert (j.thresholds, j.isolate, j.isolate_budget, j.bench_kernel, j.level) == (s.thresholds, False, 1.5,"
+        " 'upcast', 'mix')\n"
+        "    assert j.api_standards == s.api_standards and j.api_standards is not s.api_standards\n"
+        "    assert j.cast_roundoff == s.cast_roundoff > 0 and j.source_factor == 4.0\n"
+        "@pytest.mark.msprobe(rel_floor=0.25, level='L0')\n"
+        "def test_marker(msprobe):\n"
+        "    s = msprobe._settings({'round_factor': 5}, 't')\n"
+        "    assert (s.thresholds.rel_floor, s.thresholds.round_factor, s.level) == (0.25, 5.0, 'L0')\n")
+    pytester.runpytest("-p", "no:cacheprovider", "--msprobe-level=mix").assert_outcomes(passed=2)
+    pytester.makeini("[pytest]\nmsprobe_atol = x\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert "msprobe: threshold 'rel_floor': expected a number, got 'x'" in result.stderr.str()

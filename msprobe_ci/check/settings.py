@@ -1,7 +1,7 @@
 """One check's settings, merged and validated once: :class:`CheckSettings` (frozen) from layers of options.
 
 Layers, lowest first: the run's (command line over ini), the test's marker, the call's keywords. The old name
-``atol`` of ``rel_floor`` is read here only: set at a layer without ``rel_floor``, it wins below it.
+``atol`` of ``rel_floor`` is read here only (:func:`merge`): set at a layer without ``rel_floor``, it wins below it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ CHECK_OPTIONS = ("bench", "target", "bench_dtype", "target_dtype", "bench_autoca
                  "oracle_device", "output_rtol", "round_factor", "propagation",
                  "error_factor", "rel_floor", "atol", "api_standards", "api_thresholds", "free_benchmark", "monitor")
 
-_RULE_FACTORS = ("round_factor", "propagation", "error_factor", "rel_floor", "atol")
+_RULE_FACTORS = ("round_factor", "propagation", "error_factor", "rel_floor")
 
 
 def check_keys(options: Mapping, where: str) -> None:
@@ -32,14 +32,28 @@ def check_keys(options: Mapping, where: str) -> None:
 
 
 def merge(layers: Sequence[Mapping[str, Any]]) -> dict:
-    """The options of ``layers`` merged, later layers winning; ``atol`` given at a layer without ``rel_floor``
-    sets ``rel_floor`` there."""
+    """The options of ``layers`` merged, later layers winning. The old name ``atol`` of ``rel_floor`` is read here
+    only: given at a layer without a ``rel_floor`` of its own, it sets ``rel_floor`` there; the merged options hold
+    ``rel_floor`` alone."""
     merged: dict = {}
-    for i, layer in enumerate(layers):
+    for layer in layers:
         merged.update(layer)
-        if i and "atol" in layer and "rel_floor" not in layer:  # the old name, set at this level, wins below it
+        if layer.get("atol") not in (None, "") and layer.get("rel_floor") in (None, ""):
             merged["rel_floor"] = layer["atol"]
+    merged.pop("atol", None)
     return merged
+
+
+def thresholds(options: Mapping[str, Any]):
+    """The drift rule's :class:`~msprobe_ci.compare.verdict.Thresholds` from merged options (:func:`merge`): the
+    rule factors they set, the rule's defaults for the others.
+
+    Raises:
+        MsprobeError: a factor that is not a non-negative number (``error_factor`` below 1).
+    """
+    from ..compare import Thresholds
+
+    return Thresholds.from_mapping({k: options.get(k) for k in _RULE_FACTORS})
 
 
 @dataclass(frozen=True)
@@ -112,14 +126,13 @@ class CheckSettings:
         """
         from ..backends import Backend
         from ..capture.inject import load_faults
-        from ..compare import Thresholds
         from ..config import check_factor
 
         o = options
         bench = Backend.from_options(o["bench"], o["bench_dtype"], autocast=o.get("bench_autocast"))
         target = Backend.from_options(o["target"], o["target_dtype"], bool(o.get("compile")) and compile_target,
                                       autocast=o.get("target_autocast"), fp8=bool(o.get("target_fp8")))
-        thresholds = Thresholds.from_mapping({k: o.get(k) for k in _RULE_FACTORS})
+        rule = thresholds(o)
         faults = tuple(load_faults(o["inject"]) if o.get("inject") else run_faults)
         isolate = isolate_flag(o.get("isolate"))
         kernel = bench_kernel(o.get("bench_kernel"), bench, target)
@@ -131,7 +144,7 @@ class CheckSettings:
                    inject=o.get("inject"), faults=faults, seed=int(o.get("seed", 1234)), fuzzy=bool(o.get("fuzzy")),
                    isolate=isolate, bench_kernel=kernel,
                    oracle_device=oracle_choice(o.get("oracle_device"), target), output_rtol=output_rtol,
-                   thresholds=thresholds, api_standards=dict(o.get("api_standards") or {}),
+                   thresholds=rule, api_standards=dict(o.get("api_standards") or {}),
                    api_thresholds=dict(o.get("api_thresholds") or {}), free_benchmark=o.get("free_benchmark"),
                    monitor=bool(o.get("monitor")),
                    isolate_budget=check_factor(o.get("isolate_budget"), "option 'isolate_budget'"),
@@ -154,13 +167,15 @@ class CheckSettings:
     def judge(self):
         """The :class:`~msprobe_ci.judge.JudgeSettings` of this check, passed whole to every judgement of it (a
         loop's later steps change only ``source_factor``: :meth:`~msprobe_ci.judge.JudgeSettings.for_step`)."""
+        import copy
+        import dataclasses
+
         from ..judge.settings import JudgeSettings
 
-        return JudgeSettings(isolate=self.isolate, fuzzy=self.fuzzy, thresholds=self.thresholds,
-                             cast_roundoff=self.cast_roundoff, output_rtol=self.output_rtol, level=self.level,
-                             bench_kernel=self.bench_kernel, api_standards=dict(self.api_standards),
-                             isolate_budget=self.isolate_budget, rotation_seed=self.rotation_seed,
-                             api_thresholds={k: dict(v) for k, v in self.api_thresholds.items()})
+        # every judge field this object has by the same name (a field or a property): an option the judge reads is
+        # declared on both and passes here without a line of its own; mappings copied, so the judge owns its own
+        return JudgeSettings(**{f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(JudgeSettings)
+                                if hasattr(self, f.name)})
 
     def isolator(self, backward: bool, target=None):
         """The target side's :class:`~msprobe_ci.isolate.Isolator` (``None`` with isolation off), from

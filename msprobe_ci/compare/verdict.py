@@ -70,8 +70,8 @@ UNIT_ROUNDOFF = {d.dump: d.roundoff for d in _DTYPES}  # kept for readers of thi
 @dataclass(frozen=True)
 class Thresholds:
     """Factors of the node rule (see module docstring). Defaults: round_factor 2, propagation 1, error_factor
-    1.5, rel_floor 1e-6 (a floor of the *relative* error budget; the ini/marker key ``atol`` is accepted
-    as its old name), statistics_slack 1.25 (the propagation term is widened by this factor when only statistics
+    1.5, rel_floor 1e-6 (a floor of the *relative* error budget; its old option name ``atol`` is read by
+    :func:`msprobe_ci.check.settings.merge`), statistics_slack 1.25 (the propagation term is widened by this factor when only statistics
     are available, because a statistic is a coarser estimate of the error than the tensor itself)."""
 
     round_factor: float = 2.0
@@ -92,18 +92,18 @@ class Thresholds:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "Thresholds":
+        """Thresholds from ``{factor: number or numeric text}``; ``None`` or ``""`` keeps a factor's default.
+
+        Raises:
+            MsprobeError: an unknown key, or a value that is not a number.
+        """
         from ..errors import MsprobeError
 
-        raw = dict(raw or {})
-        if "atol" in raw:  # its old name: it was never absolute, it floors a relative error budget
-            old = raw.pop("atol")
-            if raw.get("rel_floor") in (None, ""):
-                raw["rel_floor"] = old
-        raw = {k: v for k, v in raw.items() if v not in (None, "")}
+        raw = {k: v for k, v in dict(raw or {}).items() if v not in (None, "")}
         unknown = sorted(set(raw) - {"round_factor", "propagation", "error_factor", "rel_floor", "statistics_slack"})
         if unknown:
             raise MsprobeError(f"thresholds: unknown key(s) {unknown}; allowed: round_factor, propagation, "
-                               "error_factor, rel_floor (old name: atol)")
+                               "error_factor, rel_floor, statistics_slack")
         out = {}
         for k, v in raw.items():
             try:

@@ -1,7 +1,10 @@
 """``msprobe-ci api-check`` over folders of dumps: every API call of every folder replayed and judged, spread over a
-pool of worker processes (:mod:`msprobe_ci.workers`), reports written per folder, and the JUnit XML."""
+pool of worker processes (:mod:`msprobe_ci.workers`), reports written per folder (msprobe's two CSVs, and a
+standalone reproduction of each failing call beside them), and the JUnit XML."""
 
 from __future__ import annotations
+
+import os
 
 from .runner import ApiReplayer, ApiResult
 
@@ -16,7 +19,8 @@ def _check_chunk(job: tuple[str, list[str], bool, str]) -> list:
 
 def check_folders(folders: list[str], *, workers: int = 1, scheduler: str | None = None, live: bool = False,
                   bench_kernel: str = "device", out_path: str | None = None) -> list[ApiResult]:
-    """Every folder's API calls checked, reports written per folder (their paths printed).
+    """Every folder's API calls checked, reports written per folder (their paths printed): the two CSVs and, for
+    each failing call, its reproduction in ``accuracy_checking_repro_<the CSVs' timestamp>/``.
 
     With ``workers`` N > 1 (or a ``scheduler``) each folder's calls are split in N shares, all queued at once on one
     pool of N spawned workers (the ~1.7 s torch import per worker paid once per run, not per folder), each worker
@@ -54,10 +58,29 @@ def check_folders(folders: list[str], *, workers: int = 1, scheduler: str | None
     for i, names in enumerate(names_by_folder):
         by_name = {r.name: r for (j, _), part in zip(jobs, parts) if j == i for r in part}
         folder_results = [by_name[n] for n in names]
-        for csv_path in write_reports(folder_results, out_path):
+        paths = write_reports(folder_results, out_path)
+        for csv_path in paths:
             print(csv_path)
+        _reproductions(folder_results, live, bench_kernel,
+                       paths[0].replace("accuracy_checking_result_", "accuracy_checking_repro_")[: -len(".csv")])
         results += folder_results
     return results
+
+
+def _reproductions(results: list[ApiResult], live: bool, bench_kernel: str, repro_dir: str) -> None:
+    """Each failing call's standalone reproduction (:mod:`msprobe_ci.replay.repro`) in ``repro_dir`` (named as
+    the run's CSVs, so never overwritten), printed with the folder; a call left without one says why."""
+    from .repro import write
+
+    failing = [r for r in results if r.status == "error"]
+    if not failing:
+        return
+    replayer = ApiReplayer(None, live=live, bench_kernel=bench_kernel)  # the settings the workers judged with
+    unwritten = [(r.name, why) for r in failing if (why := write(r, replayer, repro_dir)).startswith("not written")]
+    if len(unwritten) < len(failing):
+        print(f"{repro_dir}{os.sep} ({len(failing) - len(unwritten)} reproduction(s): python <node>.py)")
+    for name, why in unwritten:
+        print(f"{name}: reproduction {why}")
 
 
 def write_api_junit(results: list[ApiResult], path: str) -> None:

@@ -49,6 +49,7 @@ class ApiResult:
         info: ``{row: (oracle dtype, target dtype, shape)}`` for the details CSV.
         autocast: for a call made under autocast, the dtype its inputs were replayed in and how that is known
             (``bfloat16 (recorded)``, ``float16 (inferred)``: :func:`msprobe_ci.amp.of_entry`); empty otherwise.
+        replay: on an error, what reproduces it (see the field).
     """
 
     name: str
@@ -57,6 +58,10 @@ class ApiResult:
     reason: str = ""
     info: dict[str, tuple[str, str, str]] = field(default_factory=dict)
     autocast: str = ""
+    #: what reproduces a failing verdict without the dump (kept on an error only): the inputs as they were judged,
+    #: the recorded target outputs (``None``: the target ran live), a backward's upstream gradient and which inputs
+    #: needed grad (written by :func:`msprobe_ci.replay.repro.write`)
+    replay: dict | None = field(default=None, repr=False)
 
     @property
     def message(self) -> str:
@@ -132,7 +137,8 @@ class ApiReplayer:
     """Replays and judges the API calls of one dump.
 
     Args:
-        dump: a loaded dump (L1 or mix; module entries are ignored).
+        dump: a loaded dump (L1 or mix; module entries are ignored), or ``None`` where every call's inputs are
+            given (:meth:`check_inputs`, :meth:`check_grads`: a reproduction).
         live: re-run the target side on CPU in the dumped dtypes instead of reading recorded outputs (what a
             runner with the target device does; here it exercises statistics dumps).
         standards: user overrides ``{API fnmatch pattern: standard name}``.
@@ -160,7 +166,7 @@ class ApiReplayer:
         self.target_device = target_device
         self.standards = standards or {}
         self.thresholds = thresholds or {}
-        self.rebuild = Rebuilder(dump)
+        self.rebuild = Rebuilder(dump) if dump is not None else None  # None: inputs given (a reproduction)
 
     def api_names(self) -> list[str]:
         """Every API forward and backward entry, in dump order (modules and parameter gradients left out), the
@@ -252,6 +258,7 @@ class ApiReplayer:
                 self._bench(func, args, kwargs, oracle)
         except Exception as exc:  # noqa: BLE001 - an API that fails on CPU is unjudgeable, not a crash
             raise MsprobeError(f"{name}: replay failed on CPU: {type(exc).__name__}: {exc}") from None
+        recorded = targets
         if targets is None:
             dev = self.target_device
             target = _cast(self._run(func, args, kwargs, lambda t: t.detach().clone().to(dev)),
@@ -261,9 +268,12 @@ class ApiReplayer:
                     target = f.apply(target, n)
             targets = _outputs(target, f"{name}.output")
         short = judged_as(short, args, kwargs, self.standards)
-        return self._judge(name, short, targets, _outputs(bench, f"{name}.output"),
-                           _outputs(oracle, f"{name}.output"), inputs=(func, args, kwargs),
-                           budget=self._forward_budget(func, args, kwargs, name))
+        result = self._judge(name, short, targets, _outputs(bench, f"{name}.output"),
+                             _outputs(oracle, f"{name}.output"), inputs=(func, args, kwargs),
+                             budget=self._forward_budget(func, args, kwargs, name))
+        if result.status == "error":
+            result.replay = {"args": args, "kwargs": kwargs, "targets": recorded}
+        return result
 
     def _bench(self, func, args, kwargs, oracle):
         """The same-dtype bench of a forward replay, by :attr:`bench_kernel` (outputs of ``upcast``/``rounded``
@@ -370,6 +380,36 @@ class ApiReplayer:
 
         wants = [want(r) for r in fwd_entry.get("input_args") or []]
         wants_kw = {k: want(r) for k, r in (fwd_entry.get("input_kwargs") or {}).items()}
+        targets = None
+        if not self.live:
+            if self.dump.task != "tensor":
+                raise MsprobeError(f"{name}: statistics dump: target gradients belong to other inputs; dump with "
+                                   "task 'tensor'")
+            targets = [(row, self.rebuild.value(rec, gen, row)) for row, rec in records]
+        result = self.check_grads(name, args, kwargs, upstream, targets, wants, wants_kw, amp_dtype,
+                                  mindspore=mindspore)
+        if amp_dtype is not None:
+            result.autocast = f"{str(amp_dtype).replace('torch.', '')} ({amp_how})"
+        return result
+
+    def check_grads(self, name: str, args: list, kwargs: dict, upstream: Any, targets: list | None,
+                    wants: list[bool], wants_kw: dict[str, bool], amp_dtype: torch.dtype | None = None, *,
+                    mindspore: bool = False) -> ApiResult:
+        """Judge backward entry ``name``: the gradients the API's autograd node hands its inputs for ``upstream``.
+
+        Args:
+            args, kwargs: the forward's inputs, as its kernel saw them (cast to ``amp_dtype`` under autocast).
+            upstream: the gradient that reached the forward's first output.
+            targets: ``[(row, gradient or None)]`` the target's recorded gradients, or ``None`` to run it live.
+            wants, wants_kw: which positional and keyword inputs needed grad in the dumped call.
+            amp_dtype: the autocast dtype the call ran under, or ``None``.
+            mindspore: a MindSpore dump (its gradients listed as it lists them).
+        """
+        from .. import amp
+
+        prefix, api, n, _ = parse_name(name)
+        func = resolve(prefix, api)
+        recorded = targets
 
         def grads(cast, held=None):
             """The gradients the API's autograd node hands to its inputs (``grad_inputs``, the order the dump
@@ -423,13 +463,9 @@ class ApiReplayer:
             raise
         except Exception as exc:  # noqa: BLE001
             raise MsprobeError(f"{name}: backward replay failed on CPU: {type(exc).__name__}: {exc}") from None
-        if self.live:
+        if targets is None:
             targets = [(f"{name}.output.{i}", g) for i, g in enumerate(grads(_fresh))]
-        else:
-            if self.dump.task != "tensor":
-                raise MsprobeError(f"{name}: statistics dump: target gradients belong to other inputs; dump with "
-                                   "task 'tensor'")
-            targets = [(row, self.rebuild.value(rec, gen, row)) for row, rec in records]
+        targets = list(targets)
         if mindspore:  # MindSpore lists only the gradients that exist (a Primitive's last input first)
             last_first = prefix == "Primitive"
             bench = mindspore_order(targets, bench, last_first)
@@ -478,6 +514,8 @@ class ApiReplayer:
         result = self._judge(name, _short(prefix, api), [targets[i] for i in keep],
                              [(targets[i][0], bench[i]) for i in keep], [(targets[i][0], oracle[i]) for i in keep],
                              budget=budget)
-        if amp_dtype is not None:
-            result.autocast = f"{str(amp_dtype).replace('torch.', '')} ({amp_how})"
+        if result.status == "error":
+            result.replay = {"args": args, "kwargs": kwargs, "targets": recorded, "upstream": upstream,
+                             "wants": list(wants), "wants_kw": dict(wants_kw), "autocast": amp_dtype,
+                             "mindspore": mindspore}
         return result
