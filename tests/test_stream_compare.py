@@ -423,6 +423,14 @@ def test_chunked_reading_gives_what_ijson_gives(tmp_path_factory, names, values,
             except stream.NotStreamable:
                 got = None
         same = lambda a, b: json.dumps(a) == json.dumps(b)  # noqa: E731 (NaN is not NaN; its JSON text is)
+        with mock.patch.object(stream, "_BLOCK", sizes[1]):
+            claimed = stream.scan_names(str(path))
+        if claimed is not None and got is not None and claimed != [k for k, _ in got]:
+            check = stream.NameCheck(str(path), claimed)  # a wrong claim is caught as the entries stream
+            with pytest.raises(stream.NotStreamable):
+                for k, _ in got:
+                    check.see(k)
+                check.done()
         if want is None:
             assert got is None, kind
         elif yajl is not None:
@@ -438,16 +446,49 @@ def test_chunked_reading_takes_both_layouts(tmp_path):
 
     items = [(f"Functional.relu.{i}.forward", {"input_args": [{"type": "int", "value": i}], "output": [None]})
              for i in range(3000)]
+    from unittest import mock
+
+    from msprobe_ci.dump import scan
+
     for kind in ("line", "indent1"):
         path = tmp_path / f"{kind}.json"
         path.write_text(_layouts({"task": "statistics"}, items, {})[kind])
         with open(path, "rb") as fh:
             assert list(_chunked_items(fh)) == items, kind
+        for block in (41, 64, 1 << 20):  # names straddling the blocks: the names, without parsing a value
+            with mock.patch.object(scan, "_BLOCK", block):
+                assert scan.scan_names(str(path)) == [k for k, _ in items], (kind, block)
+    escaped = tmp_path / "escaped.json"
+    escaped.write_text(_layouts({"task": "statistics"}, [('C."q".0', 1)], {})["indent1"])
+    assert scan.scan_names(str(escaped)) is None  # an escape in a name: parsed instead
     # a missing comma between two entries is a syntax error, even where the first entry would parse alone
     bad = tmp_path / "nocomma.json"
     bad.write_text(_layouts({"task": "statistics"}, [("A.x.0.forward", 12), ("B.y.0.forward", 3)], {})["nocomma"])
     with pytest.raises(NotStreamable):
         list(iter_items(str(bad)))
+
+
+def test_a_wrong_claim_of_names_falls_back_to_the_in_memory_graph(gpt2_pair, tmp_path):
+    """The streamed graph's skeleton comes from names read off the entries' first lines; where that claim is wrong
+    (here: forced, one name changed), the stream says so and the graph is the in-memory one, not a wrong one."""
+    from unittest import mock
+
+    from msprobe_ci.dump import scan
+    from msprobe_ci.graph import stream as graph_stream
+
+    target, bench = gpt2_pair
+    real = scan.scan_names
+    calls = []
+
+    def wrong(path):
+        names = real(path)
+        calls.append(path)
+        return names[:-1] + ["Functional.relu.999.forward"]
+    with mock.patch.object(graph_stream, "scan_names", wrong), \
+            mock.patch.object(graph_stream, "NameCheck", wraps=scan.NameCheck) as check:
+        streamed, loaded = _both_graphs(tmp_path, target, bench)
+    assert calls and check.called and streamed == loaded
+    assert "NPU_0_0_Functional.relu.999.forward" not in streamed[0]
 
 
 def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):

@@ -63,7 +63,6 @@ _CHUNK = 1 << 16   # entries parsed by one orjson call: about this many bytes
 
 # NaN, Infinity and -Infinity as Python's json (and so msprobe) writes them: bare tokens JSON lacks, which orjson and
 # yajl refuse. Every dump of a model with an attention mask holds some (-Infinity minima, NaN means).
-_NONFINITE = re.compile(rb"(NaN|-Infinity|Infinity)(?=\s*[,\]}])")  # led by the token: few places to try
 _MARK = b"@msprobe-ci-nonfinite:"
 _MARKED = {f"@msprobe-ci-nonfinite:{k}": v for k, v in (("NaN", math.nan), ("Infinity", math.inf),
                                                          ("-Infinity", -math.inf))}
@@ -74,24 +73,40 @@ def _mark_nonfinite(body: bytes) -> tuple[bytes | None, list[int]]:
     the offsets in ``body`` where there was one; ``(None, [])`` when the text already holds the marker (it could
     not be told apart).
 
-    Only tokens in value position (after ``:``, ``,`` or ``[``, before ``,``, ``]`` or ``}``) are marked. Such a
-    sequence inside a JSON string would get the marker's quotes, which end that string and leave the marker text
-    bare: invalid JSON, so the chunk goes to the slower readers, never misread."""
+    Only tokens in value position (after ``:``, ``,`` or ``[``, before ``,``, ``]`` or ``}``, whitespace between)
+    are marked. Such a sequence inside a JSON string would get the marker's quotes, which end that string and leave
+    the marker text bare: invalid JSON, so the chunk goes to the slower readers, never misread. The tokens are
+    found by ``bytes.find`` (a regex scanned the text at a quarter of the speed, a third of the streamed parse)."""
     if b"NaN" not in body and b"Infinity" not in body:
         return body, []
     if _MARK in body:
         return None, []
-    at: list[int] = []
-
-    def mark(m: re.Match) -> bytes:
-        j = m.start() - 1
-        while j >= 0 and body[j] in b" \t\r\n":
-            j -= 1
-        if j < 0 or body[j] not in b":,[":  # not in value position: left bare (orjson refuses it)
-            return m.group(0)
-        at.append(m.start())
-        return b'"' + _MARK + m.group(1) + b'"'
-    return _NONFINITE.sub(mark, body), at
+    n = len(body)
+    spots: list[tuple[int, int]] = []  # (start, end) of each token in value position
+    for token in (b"NaN", b"Infinity"):
+        i = body.find(token)
+        while i != -1:
+            start, end = i, i + len(token)
+            if token == b"Infinity" and i and body[i - 1] == 45:  # "-Infinity"
+                start -= 1
+            j = end
+            while j < n and body[j] in b" \t\r\n":
+                j += 1
+            k = start - 1
+            while k >= 0 and body[k] in b" \t\r\n":
+                k -= 1
+            if j < n and body[j] in b",]}" and k >= 0 and body[k] in b":,[":
+                spots.append((start, end))
+            i = body.find(token, i + 1)
+    if not spots:
+        return body, []
+    spots.sort()
+    parts, last = [], 0
+    for start, end in spots:
+        parts += (body[last:start], b'"', _MARK, body[start:end], b'"')
+        last = end
+    parts.append(body[last:])
+    return b"".join(parts), [start for start, _ in spots]
 
 
 def _unmark(v: Any) -> Any:
@@ -186,6 +201,73 @@ def _chunked_items(fh, progress=None) -> Generator[tuple[str, Any], None, bool |
         pos = cuts[-1]
         if progress is not None:
             progress.update(offset + pos - progress.n)
+
+
+def scan_names(path: str) -> list[str] | None:
+    """dump.json's entry names in file order, read from each entry's first line (``\\n  "<name>":``, the indented
+    layout :func:`_chunked_items` reads) without parsing a value: a graph's skeleton needs the names before its
+    entries stream, and parsing the file twice cost a tenth of a graph. A claim, not a reading: the streamed reader
+    that follows checks every name against it (:class:`NameCheck`). ``None`` where the layout is another or a name
+    holds an escape or is not UTF-8 (the caller parses instead). Memory: one block at a time.
+    """
+    import orjson
+
+    names: list[str] = []
+    with open(path, "rb") as fh:
+        buf = fh.read(_BLOCK)
+        eof = len(buf) < _BLOCK
+        first = buf.find(_ENTRY_START)
+        if first == -1:
+            return None
+        try:
+            head = orjson.loads(buf[:first] + b"}}")
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(head, dict) or list(head)[-1:] != ["data"] or head["data"] != {}:
+            return None
+        pos = first
+        while True:
+            i = buf.find(_ENTRY_START, pos)
+            q = -1 if i == -1 else buf.find(b'"', i + len(_ENTRY_START))
+            if q == -1 or q + 1 >= len(buf):  # the next name may straddle the block's end
+                if eof:
+                    return names
+                keep = i if i != -1 else max(pos, len(buf) - len(_ENTRY_START))
+                more = fh.read(_BLOCK)
+                eof = len(more) < _BLOCK
+                buf, pos = buf[keep:] + more, 0
+                continue
+            raw = buf[i + len(_ENTRY_START):q]
+            if b"\\" in raw or buf[q + 1:q + 2] != b":":
+                return None
+            try:
+                names.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+            pos = q + 1
+
+
+class NameCheck:
+    """Holds a stream of entries to the names :func:`scan_names` claimed, in order: :meth:`see` each name as it
+    streams, :meth:`done` after the last.
+
+    Raises:
+        NotStreamable: a name that is not the next one claimed, or names left over (the caller's in-memory path
+            then reads the file as a whole).
+    """
+
+    def __init__(self, path: str, names: list[str]):
+        self.path, self.names, self.i = path, names, 0
+
+    def see(self, name: str) -> None:
+        if self.i >= len(self.names) or self.names[self.i] != name:
+            raise NotStreamable(f"{self.path}: entry {name!r} is not the name its first line gave")
+        self.i += 1
+
+    def done(self) -> None:
+        if self.i != len(self.names):
+            raise NotStreamable(f"{self.path}: {len(self.names) - self.i} entry name(s) seen on first lines but "
+                                "not read")
 
 
 def iter_items(path: str, progress=None) -> Iterator[tuple[str, Any]]:

@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from ..compare.stream import NodeStream, progress_bar, stream_files
-from ..dump.scan import NotStreamable, iter_entries, iter_items, read_header
+from ..dump.scan import NameCheck, NotStreamable, iter_entries, iter_items, read_header, scan_names
 from ..dump.reader import Dump, layout, read_construct, read_stack
 from ..errors import MsprobeError
 from ..overflow import check_entry
@@ -36,27 +36,29 @@ from .db import VisDbWriter, _encode, node_row
 from .parts import RankPart, assemble, comm_graph
 
 
-def _names(file: str) -> dict[str, None]:
-    """dump.json's entry names in file order (values parsed and dropped)."""
-    return {name: None for name, _ in iter_items(file)}
-
-
-def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> Graph:
+def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> tuple[Graph, NameCheck | None]:
+    """The graph of one dump.json before its entries stream, from construct.json and the entry names (read from
+    the entries' first lines, :func:`~msprobe_ci.dump.scan.scan_names`, checked as the entries stream: the
+    :class:`~msprobe_ci.dump.scan.NameCheck`, ``None`` where the names were parsed)."""
     folder = os.path.dirname(file)
+    names = scan_names(file)
+    check = None if names is None else NameCheck(file, names)
+    data = dict.fromkeys(names) if names is not None else {name: None for name, _ in iter_items(file)}
     dump = Dump(folder=folder, task=str(head.get("task", "statistics")), level=str(head.get("level", "")),
-                data=_names(file), construct=read_construct(folder))
+                data=data, construct=read_construct(folder))
     graph = build_graph(dump, data_source=source, step=step, rank=rank)
     if not dump.data:  # a structure-only graph: the in-memory path draws it (the node stream needs entries)
         raise NotStreamable(f"{file}: no entries in data")
-    return graph
+    return graph, check
 
 
 class _Side:
     """Writes one graph's node rows as their data arrive, then the rest."""
 
     def __init__(self, graph: Graph, stack: dict[str, list[str]], out: VisDbWriter, overflow: bool,
-                 matched: dict[str, str] | None, comm: dict):
+                 matched: dict[str, str] | None, comm: dict, names: NameCheck | None = None):
         self.g, self.stack, self.out, self.overflow = graph, stack, out, overflow
+        self.names = names  # the skeleton's names, held to the entries as they stream
         self.matched = matched or {}  # exact matching: same name, same ancestors on both sides
         self.comm = comm              # Distributed entries, for cross-rank linking
         self.stacks: dict[str, str] = {}
@@ -82,6 +84,8 @@ class _Side:
 
     def seen(self, name: str, entry: Any) -> None:
         """Every entry as it is read: overflow level and communication entries."""
+        if self.names is not None:
+            self.names.see(name)
         node = self.g.nodes.get(name)
         if node is not None and self.overflow:
             a = check_entry(name, entry)
@@ -102,7 +106,9 @@ class _Side:
             self.write(name, *(node_data(name, entry) if rows is None else rows_data(rows)))
 
     def rest(self) -> None:
-        """Every node not written yet, with no data."""
+        """Every node not written yet, with no data (after the last entry: every name the skeleton had seen)."""
+        if self.names is not None:
+            self.names.done()
         for node in self.g.post_order():
             if node.name not in self.written:
                 self.write(node.name, {}, {})
@@ -113,12 +119,12 @@ def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
     """One (step, rank) of a compare graph, streamed into ``out`` (a rank writer of
     :func:`~msprobe_ci.graph.parts.assemble`)."""
     (step, rank), files, heads, overflow, thresholds, progress = job
-    tg = _skeleton(files[0], heads[0], "NPU", step, rank)
-    bg = _skeleton(files[1], heads[1], "Bench", step, rank)
+    tg, t_names = _skeleton(files[0], heads[0], "NPU", step, rank)
+    bg, b_names = _skeleton(files[1], heads[1], "Bench", step, rank)
     pairs = _match_exact(tg, bg)
     t_comm, b_comm = {}, {}
-    bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm)
-    side = _Side(tg, {}, out, overflow, pairs, t_comm)
+    bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm, b_names)
+    side = _Side(tg, {}, out, overflow, pairs, t_comm, t_names)
     bar = progress_bar(files[0], "graph", progress)
     try:
         nodes = NodeStream(files, heads, thresholds, bar=bar, on_target=side.seen, on_bench=bench.entry,
@@ -173,8 +179,8 @@ def _build_rank(out: VisDbWriter, job: tuple) -> RankPart:
     """One (step, rank) of a build graph, streamed into ``out``."""
     (step, rank), folder, file, head, overflow = job
     comm: dict = {}
-    g = _skeleton(file, head, "NPU", step, rank)
-    side = _Side(g, read_stack(folder), out, overflow, None, comm)
+    g, names = _skeleton(file, head, "NPU", step, rank)
+    side = _Side(g, read_stack(folder), out, overflow, None, comm, names)
     for name, entry in iter_entries(file, head):
         side.entry(name, entry)
     side.rest()
