@@ -1,5 +1,5 @@
 """Stock transformers architectures no gate table tunes to (OPT, BLOOM, Falcon, GPT-Neo, StableLM, Mixtral,
-DistilBERT, ViT), isolated gate per bench kernel: benign bf16/fp16 runs against an fp32 bench, and the first four
+DistilBERT, ViT, Granite: its multipliers leave most unscaled fp16 gradients in fp16's subnormal range), isolated gate per bench kernel: benign bf16/fp16 runs against an fp32 bench, and the first four
 faults ``gate_quality.py`` would pick for each run, each expected to be named exactly.
 
     python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gate_quality as gq  # noqa: E402
 
 warnings.filterwarnings("ignore")
-MODELS = ("opt", "bloom", "falcon", "gpt_neo", "stablelm", "mixtral", "distilbert", "vit")
+MODELS = ("opt", "bloom", "falcon", "gpt_neo", "stablelm", "mixtral", "distilbert", "vit", "granite")
 
 
 def ids(seed: int, n: int = 16) -> torch.Tensor:
@@ -50,6 +50,10 @@ def build(kind: str, seed: int):
     elif kind == "mixtral":
         cfg = transformers.MixtralConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2,
                                          num_local_experts=4, num_experts_per_tok=2)
+    elif kind == "granite":  # muP-style multipliers: unscaled fp16 gradients mostly in fp16's subnormal range
+        cfg = transformers.GraniteConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2,
+                                         embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.0078125, logits_scaling=8.0)
     elif kind == "distilbert":
         cfg = transformers.DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, dropout=0.0,
                                             attention_dropout=0.0, **small)

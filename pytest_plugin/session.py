@@ -39,9 +39,10 @@ _BAD_MARKER = pytest.StashKey[str]()  # an item's unknown @pytest.mark.msprobe o
 session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
 
 
-def _opt(config: pytest.Config, ini: str) -> Any:
-    """The option's value, the command line over the ini file; an ini value is parsed by the same function as its
-    flag (the option table, :data:`msprobe_ci.pytest_plugin.plugin.OPTIONS`: one declaration, one parse).
+def _opt(config: pytest.Config, ini: str, default: Any = None) -> Any:
+    """The option's value, the command line over the ini file, else ``default``; an ini value is parsed by the same
+    function as its flag (the option table, :data:`msprobe_ci.pytest_plugin.plugin.OPTIONS`: one declaration, one
+    parse).
 
     Raises:
         pytest.UsageError: an ini value its parser refuses (``msprobe: ini <key>: <why>``).
@@ -58,7 +59,7 @@ def _opt(config: pytest.Config, ini: str) -> Any:
                 value = PARSERS[ini](value)
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 raise pytest.UsageError(f"msprobe: ini {ini}: {exc}") from None
-    return value if value not in ("", None) else None
+    return value if value not in ("", None) else default
 
 
 class ProbeSession:
@@ -75,8 +76,7 @@ class ProbeSession:
         self.results: list[dict] = []
         # the run's layer of every check's options (call > marker > this): each row of the option table that sets a
         # check option, by its own parser (_opt), else the table's default; then the ini-only keys
-        self.check_options: dict[str, Any] = {o.check: _opt(config, o.ini) if _opt(config, o.ini) is not None
-                                              else o.default for o in OPTIONS if o.check}
+        self.check_options: dict[str, Any] = {o.check: _opt(config, o.ini, o.default) for o in OPTIONS if o.check}
         self.check_options.update({f.check: bool(_opt(config, f.ini)) for f in FLAGS if f.check})
         free_benchmark = _opt(config, "msprobe_free_benchmark")
         if free_benchmark not in (None, "improve_precision", "to_cpu"):

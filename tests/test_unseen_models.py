@@ -197,3 +197,34 @@ def test_multi_query_attention_against_an_upcast_bench(tmp_path):
     assert report.first_divergence is not None and \
         report.first_divergence.name == "Tensor.__matmul__.1.backward", \
         report.first_divergence and report.first_divergence.message
+
+
+def _granite(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.GraniteConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                                     max_position_embeddings=64, intermediate_size=128, num_key_value_heads=2,
+                                     embedding_multiplier=12.0, residual_multiplier=0.22,
+                                     attention_multiplier=0.0078125, logits_scaling=8.0)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(seed)
+    return model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+
+
+def test_unscaled_fp16_gradients_in_the_subnormal_range(tmp_path):
+    """Granite's multipliers leave most fp16 gradients without a loss scale below fp16's smallest normal (the
+    premise, checked on the dump): every benign call still passes against a GPU-like (upcast) bench, and a 1% fault
+    on an RMSNorm weight's product gradient there (max |grad| about 5e-6, some 80 subnormal steps) is named."""
+    from msprobe_ci.dump import load_dump
+
+    report, cases = _check(tmp_path / "benign", _granite(7), "fp16", kernel="upcast")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    data = load_dump(str(tmp_path / "benign" / "target" / "step0" / "rank")).data
+    maxima = [max(abs(float(o["Max"])), abs(float(o["Min"]))) for n, e in data.items() if n.endswith(".backward")
+              for o in e.get("output") or [] if isinstance(o, dict) and o.get("dtype") == "torch.float16"]
+    assert sum(m < torch.finfo(torch.float16).smallest_normal for m in maxima) > len(maxima) / 2
+    report, _ = _check(tmp_path / "fault", _granite(7), "fp16", kernel="upcast",
+                       faults=[Fault("Tensor.__mul__", 12, "backward", "scale", 1.01)])
+    assert report.first_divergence is not None and \
+        report.first_divergence.name == "Tensor.__mul__.12.backward", \
+        report.first_divergence and report.first_divergence.message
