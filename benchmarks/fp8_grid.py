@@ -4,17 +4,16 @@ Each model (a stock transformers config, 2 layers, hidden 64, built from its con
 a bf16 target whose ``nn.Linear`` layers compute through torchao's float8 training linears (``target_fp8``:
 per-tensor dynamic scaling, e4m3 forward, e5m2 gradients) against an fp32 bench, isolated forward and backward
 with the bench kernel asked, as ``msprobe.check(..., target_dtype="bf16", target_fp8=True)`` runs it. Faults: a
-1% scale on an early, a middle and a late FP8 GEMM (``Torch.mm.N``, torchao's float8 mm by its own name; the ones
-made in the backward pass are torchao's gradient GEMMs, which it computes inside its autograd function) and on one
-GEMM backward entry where there is one; each must be the first divergence, with no other API failing.
+1% scale on an early, a middle and a late forward FP8 GEMM (``Torch.mm.N``, torchao's float8 mm by its own name)
+and on one gradient GEMM (e5m2 gradients; torchao computes them inside its autograd function's backward, captured
+as calls of the backward pass); each must be the first divergence, with no other API failing.
 
     python benchmarks/fp8_grid.py [--models llama,mistral,qwen2,opt,falcon,stablelm,gemma] [--seeds 7,8]
                                   [--kernels upcast,device]
 
 Falcon's layers are ``FalconLinear`` (an ``nn.Linear`` subclass with its own forward), which the FP8 target leaves
-in bf16 (``backends.to_float8`` swaps plain ``nn.Linear`` only): its one FP8 GEMM is the LM head, too few to pick
-faults from. torchao computes a float8 linear's gradients inside its autograd function, where they are not
-captured: the faults are on forward GEMMs.
+in bf16 (``backends.to_float8`` swaps plain ``nn.Linear`` only): its FP8 GEMMs are the LM head's, too few to pick
+forward faults from.
 
 Prints one line per kernel, model and seed: the benign run's failing API testcases and model-level cases (none
 expected), the FP8 GEMM calls judged, and the faults named exactly / applied (other APIs failing beside them).
@@ -105,13 +104,16 @@ def main() -> None:
                                  "on its own inputs" in n.message)
                     totals["benign"] += 1
                     totals["false"] += bool(bad or bad_cases)
-                    # torchao computes a float8 linear's gradients inside its autograd function: they are the
-                    # Torch.mm calls made during the backward pass (forward entries), not backward entries
-                    backward = sorted(int(n.split(".")[2]) for n in data
-                                      if n.startswith("Torch.mm.") and n.endswith(".backward"))
-                    picks = [("forward", gemms[1]), ("forward", gemms[len(gemms) // 2]), ("forward", gemms[-2])] \
-                        if len(gemms) >= 3 else []
-                    picks += [("backward", backward[len(backward) // 2])] if backward else []
+                    # a forward GEMM's operands are both e4m3; a gradient GEMM (torchao computes them inside its
+                    # autograd function's backward; captured as calls of the backward pass) takes e5m2 gradients
+                    def e5m2(call):
+                        return any(isinstance(r, dict) and r.get("fp8_dtype") == "torch.float8_e5m2"
+                                   for r in data[f"Torch.mm.{call}.forward"].get("input_args") or [])
+                    fwd = [c for c in gemms if not e5m2(c)]
+                    grad = [c for c in gemms if e5m2(c)]
+                    picks = [("forward", fwd[1]), ("forward", fwd[len(fwd) // 2]), ("forward", fwd[-2])] \
+                        if len(fwd) >= 3 else []
+                    picks += [("forward", grad[len(grad) // 2])] if grad else []
                     exact, misses, other = 0, [], 0
                     for direction, call in picks:
                         node = f"Torch.mm.{call}.{direction}"

@@ -284,3 +284,59 @@ def test_a_tensor_dump_of_moe_experts_is_replayed_offline(tmp_path):
     faulty = replay("fault", [Fault("Torch._grouped_mm", 1, "forward", "scale", 1.02)])
     assert faulty["Torch._grouped_mm.1.forward"] == "error"
     assert faulty["Torch._grouped_mm.0.forward"] == "pass"
+
+
+class _OwnMatmul(torch.autograd.Function):
+    """A user's autograd.Function whose backward is Python: two GEMMs that autograd runs without the caller's
+    torch-function modes."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w.t(), x.t() @ g
+
+
+class _OwnNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 32, generator=torch.Generator().manual_seed(3)) / 6)
+
+    def forward(self, x):
+        return torch.tanh(_OwnMatmul.apply(x, self.w)).square().mean()
+
+
+def test_a_custom_functions_python_backward_is_captured_and_judged(tmp_path):
+    """The calls a custom autograd.Function's backward makes (torchao's float8 gradient GEMMs, a user's op) ran
+    where autograd leaves the capture's mode off: unseen work. They are recorded as API calls of the backward pass
+    (forward entries, numbered after the forward's), coverage is full, and each is judged on its own inputs: a 2%
+    fault on the weight-gradient GEMM is named at it, the input-gradient GEMM passes."""
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.check import run_side
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    def side(name, faults=()):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
+        run = run_side(_OwnNet(), (x,), lambda out: out, Backend.from_options("cpu", "bf16"),
+                       DumpConfig(task="statistics", level="mix", dump_path=str(tmp_path / name)),
+                       faults=tuple(faults), isolator=Isolator(backward=True))
+        found = {}
+        for f in ("dump.json", "coverage.json", "isolation.json"):
+            with open(os.path.join(run.folder, f)) as fh:
+                found[f] = json.load(fh)
+        return found["dump.json"]["data"], found["coverage.json"], found["isolation.json"]["nodes"]
+
+    data, cov, nodes = side("benign")
+    gemms = sorted(k for k in data if k.startswith("Tensor.__matmul__."))
+    assert gemms == [f"Tensor.__matmul__.{i}.forward" for i in range(3)]  # the forward's, then the backward's two
+    assert cov["share"] == 1.0 and cov["uncaptured"] == [], cov["uncaptured"]
+    assert [nodes[g]["status"] for g in gemms] == ["pass"] * 3
+    _, _, nodes = side("fault", [Fault("Tensor.__matmul__", 2, "forward", "scale", 1.02)])
+    assert (nodes["Tensor.__matmul__.1.forward"]["status"], nodes["Tensor.__matmul__.2.forward"]["status"]) == \
+        ("pass", "error")

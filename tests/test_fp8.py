@@ -157,17 +157,22 @@ def test_an_fp8_target_through_torchao_passes_and_a_one_percent_gemm_fault_is_na
     report, folder = _fp8_check(tmp_path / "benign")
     assert not [n.message for n in report.nodes if n.status == "error"]
     gemms = [n for n in report.nodes if n.name.startswith("Torch.mm.")]  # torchao's float8 mm, by its own name
-    assert len(gemms) >= 14 and all("on its own inputs" in n.message for n in gemms)
+    # 15 linears: their forward GEMMs, then the two gradient GEMMs of each, which torchao computes inside its
+    # autograd function's backward (captured as calls of the backward pass)
+    assert len(gemms) == 45 and all("on its own inputs" in n.message for n in gemms)
     with open(os.path.join(folder, "dump.json"), encoding="utf-8") as fh:
         data = json.load(fh)["data"]
     ins = data["Torch.mm.0.forward"]["input_args"]
     assert [r["fp8_dtype"] for r in ins] == ["torch.float8_e4m3fn"] * 2 and ins[0]["dtype"] == "torch.bfloat16"
+    grad = data["Torch.mm.15.forward"]["input_args"]  # the last linear's input gradient: e5m2 gradients
+    assert [r["fp8_dtype"] for r in grad] == ["torch.float8_e5m2", "torch.float8_e4m3fn"]
     casts = [e["quantization"] for e in data.values() if isinstance(e, dict) and "quantization" in e]
     assert casts and all(q["underflow_share"] < 0.05 and q["quant_err_ratio"] < 1.01
                          for c in casts for q in c.values())
-    report, _ = _fp8_check(tmp_path / "fault", [Fault("Torch.mm", 9, "forward", "scale", 1.01)])
-    assert report.first_divergence is not None and report.first_divergence.name == "Torch.mm.9.forward", \
-        report.first_divergence and report.first_divergence.message
+    for call in (9, 40):  # a forward GEMM, a gradient GEMM
+        report, _ = _fp8_check(tmp_path / f"fault{call}", [Fault("Torch.mm", call, "forward", "scale", 1.01)])
+        assert report.first_divergence is not None and report.first_divergence.name == f"Torch.mm.{call}.forward", \
+            report.first_divergence and report.first_divergence.message
 
 
 def test_the_fp8_option_says_what_it_needs(monkeypatch):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 from .. import amp
@@ -41,6 +43,10 @@ class ApiCapture:
     def _on_api(self, func, args, kwargs):
         if self._busy or not self.running:
             return func(*args, **kwargs)
+        for a in args:  # a custom autograd Function's output: its backward's calls are to be seen too
+            if type(a) is torch.Tensor and isinstance(a.grad_fn, BackwardCFunction) and \
+                    _outside_torch(type(a.grad_fn)):
+                self._see_backward_of(a.grad_fn)
         try:
             info = naming.lookup(func)
         except TypeError:  # unhashable callable
@@ -153,6 +159,38 @@ class ApiCapture:
                                                            bwd_faults, n))
         return out
 
+    def _see_backward_of(self, node) -> None:
+        """Put this capture's API mode back on the stack while a custom autograd Function's backward runs.
+
+        Autograd runs a node's backward without the torch-function modes of the code that built it, so the torch
+        calls a Python backward makes (torchao's float8 gradient GEMMs, a fused op's own backward, a user's
+        ``autograd.Function``) reached no capture: computed, not judged, counted as unseen by the coverage mode. A
+        pre-hook on the node pushes the mode (where it is not on that thread's stack already) and a hook pops it
+        when the node is done; the calls are then recorded, isolated and numbered as API calls made in the backward
+        pass (``<Prefix>.<api>.<n>.forward``, as msprobe's patched functions record them). Once per node; only for a
+        Function defined outside PyTorch and msprobe-ci (:func:`_outside_torch`): theirs are plumbing (module
+        backward hooks, isolation taps, FSDP's post-backward, DTensor conversions, reentrant checkpointing's
+        recomputation), not the model's arithmetic."""
+        if getattr(node, "_msprobe_ci_seen", None) is self._mode:
+            return
+        try:
+            node._msprobe_ci_seen = self._mode
+        except AttributeError:  # a node that takes no attribute: its backward stays unseen
+            return
+        mode, pushed = self._mode, []
+
+        def pre(grad_outputs):
+            on = mode is self._mode and self.running and mode not in _function_modes()
+            if on:
+                mode.__enter__()
+            pushed.append(on)
+
+        def post(grad_inputs, grad_outputs):
+            if pushed and pushed.pop():
+                mode.__exit__(None, None, None)
+        node.register_prehook(pre)
+        node.register_hook(post)
+
     def _encode_output(self, out: Any, stem: str | None) -> Any:
         if isinstance(out, torch.Tensor):
             return [self.builder.value(out, f"{stem}.0" if stem else None)]
@@ -188,6 +226,16 @@ class ApiCapture:
 
 
 _CASTS = frozenset({"to", "type"})
+_function_modes = torch.overrides._get_current_function_mode_stack
+
+
+@functools.lru_cache(maxsize=None)
+def _outside_torch(node_type: type) -> bool:
+    """Whether a custom autograd Function's node (by type) belongs to a Function defined outside PyTorch and
+    msprobe-ci (torchao, Transformer Engine, a user's op): whose backward computes the model's gradients."""
+    cls = getattr(node_type, "_forward_cls", None)
+    module = str(getattr(cls, "__module__", "") or "")
+    return cls is not None and module.split(".", 1)[0] not in ("torch", "msprobe_ci")
 
 
 def _fp8_cast(args: tuple, kwargs: dict) -> bool:

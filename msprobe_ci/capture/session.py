@@ -300,6 +300,9 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             mode, self._mode = self._mode, None
             if self.coverage is not None:
                 self.coverage.stop()
+            # a custom Function's backward that raised left its push of the mode (ApiCapture._see_backward_of)
+            for _ in range(max(0, torch.overrides._get_current_function_mode_stack().count(mode) - 1)):
+                mode.__exit__(None, None, None)
             mode.__exit__(None, None, None)
         if self._comm is not None:
             comm, self._comm = self._comm, None
