@@ -202,7 +202,7 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
     :class:`~msprobe_ci.replay.runner.ApiReplayer` path that judged it, without the dump; its record as
     :func:`run` returns it."""
     from .capture.inject import parse_faults
-    from .isolate.support import verdict_fields
+    from .replay.repro import record_of
     from .replay.runner import ApiReplayer, parse_name, resolve
 
     r = spec["replayer"]
@@ -249,10 +249,7 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
                                       [bool(w) for w in wants], {str(k): bool(w) for k, w in wants_kw.items()},
                                       None if amp is None else _DTYPES[str(amp)],
                                       mindspore=bool(spec.get("mindspore")))
-    bad = next(((row, c) for row, c in result.outputs if c.status == result.status), None)
-    record = dict(verdict_fields(*bad)) if bad and result.status != "pass" else {}
-    record.update(status=result.status, message=result.message)
-    return record
+    return record_of(result)
 
 
 def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:

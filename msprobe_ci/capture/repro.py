@@ -48,6 +48,11 @@ VERSION = 1
 CUDA_MATMUL = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
 
+def file_stem(node: str) -> str:
+    """A node's file name stem in ``repro/`` (anything but letters, digits, ``_.-`` made ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)
+
+
 class _Unsaved(Exception):
     """An argument the spec cannot hold (the reason is the message)."""
 
@@ -195,7 +200,7 @@ class Reproducer:
                                                 "message")},
         }
         os.makedirs(folder, exist_ok=True)
-        stem = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]+", "_", node))
+        stem = os.path.join(folder, file_stem(node))
         if os.path.exists(stem + ".py"):
             return f"not written: {stem}.py exists (never overwritten)"
         save_file(tensors, stem + ".safetensors")

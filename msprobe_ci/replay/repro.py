@@ -24,15 +24,25 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 
 import torch
 
-from ..capture.repro import _SCRIPT, MAX_BYTES, MAX_FILES, VERSION, _encode, _Unsaved
-from ..isolate.support import verdict_fields
+from ..capture.repro import _SCRIPT, MAX_BYTES, MAX_FILES, VERSION, _encode, _Unsaved, file_stem
 
 #: the ``kind`` of a replayed item's reproduction (a live gate's has none)
 KIND = "replay"
+
+
+def record_of(result) -> dict:
+    """An :class:`~msprobe_ci.replay.runner.ApiResult` as an isolation record: ``status``, ``message`` and, unless
+    it passed, the verdict fields of its first row with that status (standard, metric, value, threshold, row,
+    metrics: :func:`~msprobe_ci.isolate.support.verdict_fields`). The spec's ``gate`` and a re-run's record alike."""
+    from ..isolate.support import verdict_fields
+
+    bad = next(((row, c) for row, c in result.outputs if c.status == result.status), None)
+    record = dict(verdict_fields(*bad)) if bad is not None and result.status != "pass" else {}
+    record.update(status=result.status, message=result.message)
+    return record
 
 
 def write(result, replayer, folder: str) -> str:
@@ -59,7 +69,7 @@ def _write(result, replayer, folder: str) -> str:
     if r is None:
         return f"not written: {result.name}: no failing verdict with its inputs"
     prefix, api, n, direction = parse_name(result.name)
-    stem = os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]+", "_", result.name))
+    stem = os.path.join(folder, file_stem(result.name))
     if os.path.exists(stem + ".py"):
         return f"not written: {stem}.py exists (never overwritten)"
     written = glob.glob(os.path.join(glob.escape(folder), "*.py"))
@@ -89,9 +99,7 @@ def _write(result, replayer, folder: str) -> str:
     faults = [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
               for f in replayer.faults if f.matches(f"{prefix}.{api}", n, direction)] \
         if targets is None and direction == "forward" else []
-    bad = next(((row, c) for row, c in result.outputs if c.status == result.status), None)
-    gate = dict(verdict_fields(*bad), status=result.status, message=result.message) if bad else \
-        {"status": result.status, "message": result.message}
+    gate = record_of(result)
     spec = {
         "version": VERSION, "kind": KIND, "node": result.name, "prefix": prefix, "api": api, "call": n,
         "direction": direction, "args": spec_args, "kwargs": spec_kwargs, "layouts": layouts,
