@@ -62,12 +62,16 @@ def _decode(v: Any, tensors: dict, where: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ running
-_COMMON = (("node", str), ("prefix", str), ("api", str), ("call", int), ("direction", str), ("args", list),
-           ("kwargs", dict), ("faults", list))
-#: the fields each kind of reproduction must have: a live gate's (capture) and a replayed dump item's (replay)
+_BASE = (("node", str), ("prefix", str), ("api", str), ("call", int), ("direction", str), ("faults", list))
+_COMMON = _BASE + (("args", list), ("kwargs", dict))
+#: the fields each kind of reproduction must have: a live gate's call (capture), a replayed dump item's (replay),
+#: a live gate's collective (collective)
 _FIELDS = {"capture": _COMMON + (("forward", str), ("function", dict), ("requires_grad", dict),
                                  ("grad_outputs", dict), ("isolator", dict)),
-           "replay": _COMMON + (("replayer", dict),)}
+           "replay": _COMMON + (("replayer", dict),),
+           "collective": _BASE + (("collective", dict), ("isolator", dict))}
+#: the most ranks a collective's reproduction starts (one process each)
+MAX_WORLD = 64
 
 
 def load(path: str) -> tuple[dict, dict]:
@@ -132,6 +136,8 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         torch.set_num_threads(threads)  # the gate's: a CPU kernel's summation order follows it
     if spec.get("kind") == "replay":
         return _replayed(spec, tensors, where, fault, target_device), spec
+    if spec.get("kind") == "collective":
+        return _collective(spec, tensors, where, fault), spec
     matmul = spec.get("cuda_matmul") or {}
     if not isinstance(matmul, dict):
         raise MsprobeError(f"{where}: field 'cuda_matmul': expected a mapping")
@@ -252,6 +258,104 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
     return record_of(result)
 
 
+def _collective(spec: dict, tensors: dict, where: str, fault: bool) -> dict:
+    """Re-run a failing collective (``"kind": "collective"``, written by
+    :meth:`~msprobe_ci.capture.repro.Reproducer.write_collective`) on a fresh gloo group of the dumped group's size,
+    one process per rank (``torch.multiprocessing.spawn``; a file store in a temporary folder), each rank giving
+    the input it gave in the gate; the rank that failed applies its injected fault (unless ``fault`` is False) and
+    every rank judges as the gate did (:meth:`~msprobe_ci.isolate.Isolator.judge_collective`). That rank's record.
+
+    An ``AVG`` (which gloo lacks) runs as a ``SUM`` divided by the group's size in the output's dtype, as the
+    judgement's same-dtype bench computes it."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from .capture.inject import parse_faults
+    from .isolate.collectives import JUDGED
+
+    c = spec["collective"]
+    op, red = c.get("op"), c.get("reduce_op")
+    world, rank = c.get("world_size"), c.get("rank_in_group")
+    if op not in JUDGED or spec["api"] != op:
+        raise MsprobeError(f"{where}: field 'collective.op': expected one of {', '.join(JUDGED)} (the node's API)")
+    if red not in ("SUM", "AVG", "PRODUCT", "MAX", "MIN"):
+        raise MsprobeError(f"{where}: field 'collective.reduce_op': expected SUM, AVG, PRODUCT, MAX or MIN")
+    if not isinstance(world, int) or not 1 <= world <= MAX_WORLD or not isinstance(rank, int) or \
+            not 0 <= rank < world:
+        raise MsprobeError(f"{where}: fields 'collective.world_size', 'rank_in_group': expected 1 <= world_size <= "
+                           f"{MAX_WORLD} and 0 <= rank_in_group < world_size")
+    shape, out_shape = c.get("input_shape"), c.get("output_shape")
+    if not all(isinstance(x, list) and all(isinstance(i, int) and i >= 0 for i in x) for x in (shape, out_shape)) \
+            or str(c.get("output_dtype")) not in _DTYPES:
+        raise MsprobeError(f"{where}: fields 'collective.input_shape', 'output_shape', 'output_dtype': expected "
+                           "two shapes and a dtype")
+    inputs = tensors.get("inputs")
+    if inputs is None or list(inputs.shape) != [world, *shape] or not inputs.is_floating_point():
+        raise MsprobeError(f"{where}: tensor 'inputs': expected the group's floating inputs of shape "
+                           f"{[world, *shape]}")
+    faults = parse_faults({"faults": spec["faults"]}, where) if fault else ()
+    faults = [f for f in faults if f.matches(f"{spec['prefix']}.{op}", spec["call"], "forward")]
+    s = spec["isolator"]
+    job = {"node": spec["node"], "op": op, "reduce_op": red, "world": world, "rank": rank, "call": spec["call"],
+           "output_shape": out_shape, "output_dtype": str(c["output_dtype"]), "threads": spec.get("threads"),
+           "standards": dict(s.get("standards") or {}), "thresholds": dict(s.get("thresholds") or {})}
+    with tempfile.TemporaryDirectory(prefix="msprobe-ci-repro-") as tmp:
+        result = os.path.join(tmp, "record.json")
+        try:
+            mp.spawn(_collective_rank, args=(job, inputs, faults, os.path.join(tmp, "store"), result),
+                     nprocs=world, join=True)
+        except Exception as exc:  # noqa: BLE001 - a rank's failure, reported in one line
+            raise MsprobeError(f"{where}: the collective's re-run failed: "
+                               f"{str(exc).strip().splitlines()[-1][:200]}") from None
+        with open(result, encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def _collective_rank(rank: int, job: dict, inputs: torch.Tensor, faults: list, store: str, result: str) -> None:
+    """One rank of :func:`_collective` (a ``torch.multiprocessing.spawn`` target)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from .isolate import Isolator
+
+    threads = job.get("threads")
+    if isinstance(threads, int) and threads > 0:
+        torch.set_num_threads(threads)
+    world, op, red = job["world"], job["op"], job["reduce_op"]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        reduce = getattr(dist.ReduceOp, red)
+        inp = inputs[rank].clone()
+        before = None
+        if op == "all_reduce":
+            before, out = inp.clone(), inp
+            dist.all_reduce(out, op=dist.ReduceOp.SUM if red == "AVG" else reduce)
+            args, kwargs = (out,), {"op": reduce}
+        else:
+            out = torch.empty(job["output_shape"], dtype=_DTYPES[job["output_dtype"]])
+            kwargs = {"op": reduce} if op.startswith("reduce_scatter") else {}
+            with warnings.catch_warnings():  # the gate's own call (torch 2.13 deprecates the *_tensor names)
+                warnings.simplefilter("ignore", FutureWarning)
+                getattr(dist, op)(out, inp, **({"op": dist.ReduceOp.SUM} if red == "AVG" and kwargs else kwargs))
+            args = (out, inp)
+        if red == "AVG" and kwargs:
+            out.div_(world)
+        if rank == job["rank"] and faults:  # what this rank received, off as the gate made it
+            value = out
+            for f in faults:
+                value = f.apply(value, job["call"])
+            out.copy_(value)
+        iso = Isolator(standards=job["standards"], thresholds=job["thresholds"])
+        iso.judge_collective(job["node"], op, args, kwargs, before, None)
+        if rank == job["rank"]:
+            with open(result, "w", encoding="utf-8") as fh:
+                json.dump(iso.results.get(job["node"]) or {"status": "skip", "message": "nothing judged"}, fh)
+    finally:
+        dist.destroy_process_group()
+
+
 def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:
     """The saved flat range ``base`` viewed with the layout the argument had (:func:`_saved`), after checking that
     the layout stays inside it."""
@@ -289,7 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     fault_text = (", fault: " + "; ".join(f"{f['perturb']} {f['value']:g} on the {f['direction']}" for f in faults)
                   if faults else (", fault left out" if spec["faults"] else ""))
     print(f"node: {spec['node']}")
-    if spec.get("kind") == "replay":
+    if spec.get("kind") == "collective":
+        c = spec["collective"]
+        print(f"re-run as the gate ran it: {c['op']} ({c['reduce_op']}) on a gloo group of {c['world_size']} "
+              f"process(es), judged on rank {c['rank_in_group']} of it"
+              + (f", step {spec.get('step')}" if spec.get("step") else "") + fault_text)
+    elif spec.get("kind") == "replay":
         r = spec["replayer"]
         target = (f"run live on {opts.target_device or r.get('target_device')}" if r.get("live")
                   else "the outputs the dump recorded")

@@ -58,6 +58,33 @@ def tp_mlp(rank, world, port, out, fault_rank, ranks, async_op):
         dist.destroy_process_group()
 
 
+def tp_isolated(rank, world, port, out, op, fault):
+    """A bf16 target of the TP MLP on every rank, every API and collective isolated; ``fault`` (a Fault or None)
+    injected on the last rank. ``op``: ``all_reduce`` (the MLP's own) or ``reduce_scatter_tensor`` (its output
+    reduce-scattered after it)."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+        m = TPMLP(rank, world).bfloat16()
+        cap = CaptureSession(DumpConfig(dump_path=out, level="mix"), isolator=Isolator(),
+                             faults=[fault] if fault is not None and rank == world - 1 else [])
+        cap.start(m)
+        y = m(x)
+        if op == "reduce_scatter_tensor":
+            part = torch.empty(4, 16, dtype=y.dtype)
+            dist.reduce_scatter_tensor(part, y.detach() * (rank + 1), op=dist.ReduceOp.SUM)
+        cap.stop()
+        cap.close()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 class Stage(torch.nn.Module):
     def __init__(self, rank):
         super().__init__()

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,6 +92,14 @@ def test_fsdp2_mixed_precision_training_is_judged_rank_by_rank(pytester, monkeyp
     out = result.stdout.str()
     result.assert_outcomes(passed=3, failed=2)
     assert "msprobe: first divergence: step1 rank1 Distributed.reduce_scatter_single.1.forward: " in out, out
+    # its reproduction: FSDP2's reduce-scatter re-run alone on a gloo group of 2, failing as the gate did
+    rerun = re.search(r"reproduce this call alone, without the model \(--no-fault leaves an injected fault out\): "
+                      r"python (\S+Distributed\.reduce_scatter_single\.1\.forward\.py)", out)
+    assert rerun and "step1/rank1/repro/" in rerun.group(1).replace(os.sep, "/"), out
+    for flags, rc in (((), 1), (("--no-fault",), 0)):
+        proc = subprocess.run([sys.executable, rerun.group(1), *flags], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == rc and "on a gloo group of 2 process(es), judged on rank 1" in proc.stdout, \
+            proc.stdout + proc.stderr
     assert "msprobe: first divergence: step1 rank1 Functional.linear.2.forward: " in out, out
     for rank in (0, 1):
         assert re.search(rf"test_llama_clean \[check 0 step1 rank{rank}\]: .*error 0, unmatched 0; first divergence: "

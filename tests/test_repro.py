@@ -185,3 +185,64 @@ def test_amp_fault(msprobe):
     record = _json(os.path.join(os.path.dirname(os.path.dirname(script)), "isolation.json"))
     assert out["message"] == record["nodes"]["Torch.addmm.2.backward"]["message"]
     assert _run(script, "--no-fault")[0] == 0
+
+
+@pytest.mark.parametrize("op, world", [("all_reduce", 2), ("reduce_scatter_tensor", 3)])
+def test_a_failing_collective_reproduces_on_a_gloo_group_of_its_size(tmp_path, op, world):
+    """A collective one rank received 2% off (an injected fault on the last rank): its reproduction, run alone in
+    a fresh process, re-runs it on a new gloo group of the dumped size, fails with the gate's values and passes
+    without the fault; the other ranks pass and write none; the cross-rank answer prints the command."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import _dist_workers
+    from msprobe_ci.cli import main as cli
+
+    def port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    out = tmp_path / "o"
+    mp.spawn(_dist_workers.tp_isolated, args=(world, port(), str(out), op,
+                                              Fault(f"Distributed.{op}", 0, "forward", "scale", 1.02)),
+             nprocs=world, join=True)
+    node = f"Distributed.{op}.0.forward"
+    last = world - 1
+    for rank in range(last):
+        record = _json(out / "step0" / f"rank{rank}" / "isolation.json")["nodes"][node]
+        assert record["status"] == "pass" and "repro" not in record, record
+    record = _json(out / "step0" / f"rank{last}" / "isolation.json")["nodes"][node]
+    script = str(out / "step0" / f"rank{last}" / "repro" / f"{node}.py")
+    assert record["status"] == "error" and record["repro"] == script, record
+    spec = _json(script.replace(".py", ".json"))
+    assert spec["kind"] == "collective" and spec["collective"]["world_size"] == world
+    rc, fields, text = _run(script)
+    assert rc == 1 and fields["status"] == "error", text
+    assert f"on a gloo group of {world} process(es), judged on rank {last} of it" in text, text
+    assert fields["message"] == record["message"], text
+    for k, v in record["metrics"].items():  # every metric, to the printed digits
+        assert fields[k] == repro._fmt(v), (k, fields[k], v)
+    rc, fields, text = _run(script, "--no-fault")
+    assert rc == 0 and fields["status"] == "pass", text
+    for key, bad in (("world_size", 1000), ("op", "barrier"), ("reduce_op", "__class__")):  # data, checked
+        hostile = tmp_path / f"hostile_{key}"
+        hostile.mkdir()
+        with open(hostile / "n.json", "w", encoding="utf-8") as fh:
+            json.dump(dict(spec, collective=dict(spec["collective"], **{key: bad})), fh)
+        os.link(script.replace(".py", ".safetensors"), hostile / "n.safetensors")
+        with pytest.raises(MsprobeError, match=rf"n\.json: field.* 'collective\.{key}'"):
+            repro.run(str(hostile / "n.py"))
+    # the cross-rank answer names it and prints the command (the bench: the same run without the fault)
+    mp.spawn(_dist_workers.tp_isolated, args=(world, port(), str(tmp_path / "b"), op, None), nprocs=world, join=True)
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli(["compare", "-tp", str(out / "step0"), "-gp", str(tmp_path / "b" / "step0"),
+                  "-o", str(tmp_path / "cmp")])
+    printed = buf.getvalue()
+    assert rc == 1 and f"first divergence: step0 rank{last} {node}: " in printed, printed
+    assert f"reproduce this call alone, without the model (--no-fault leaves an injected fault out): python " \
+           f"{script}" in printed, printed

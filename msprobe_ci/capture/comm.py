@@ -11,7 +11,8 @@ back when it stops. An entry is laid out as msprobe lays it out (``shared/spec/d
   ``{"type": "torch.distributed.ReduceOp", "value": "RedOpType.SUM"}``; ``src``/``dst`` are plain ints.
 
 With ``async_op=True`` the output is recorded when the returned work is waited on (the call's own record holds
-the pre-op values until then). Communication ops have no backward entry and are never replayed or isolated.
+the pre-op values until then). Communication ops have no backward entry and are not replayed from a dump; the
+live isolation judges the collectives :mod:`msprobe_ci.isolate.collectives` lists.
 
 The functional collectives of ``torch.distributed._functional_collectives`` (:data:`FUNCTIONAL_OPS`), which DTensor
 redistribution and ``torch.compile``-friendly code call, are recorded under the same names

@@ -24,7 +24,13 @@ function, a path to write or an object to unpickle.
 Limits (a node that hits one gets no files, and its isolation record says why in ``repro``): at most
 :data:`MAX_FILES` reproductions and :data:`MAX_BYTES` of inputs per step folder; a call whose arguments hold
 something other than tensors, numbers, strings, dtypes, devices, shapes, slices and their lists, tuples and dicts
-(a KV-cache object, a DTensor's local shard); dropout (random by definition); a collective.
+(a KV-cache object, a DTensor's local shard); dropout (random by definition).
+
+A judged collective (:mod:`msprobe_ci.isolate.collectives`) that fails writes the same three files from what its
+judgement gathered: ``inputs`` (every rank of its group's input, in rank order) and, in the spec, the collective,
+its reduce op, the group's size and this rank's place in it. Its script re-runs the collective on a fresh gloo
+group of that size (one process per rank, a file store in a temporary folder: no port opened), this rank's
+injected fault applied as the gate applied it, and judges this rank's output as the gate did.
 """
 
 from __future__ import annotations
@@ -138,8 +144,6 @@ class Reproducer:
             record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
 
     def _write(self, iso, call, direction: str, record: dict) -> str:
-        from safetensors.torch import save_file
-
         from . import naming
         from ..replay import allowlist
 
@@ -152,10 +156,6 @@ class Reproducer:
         prefix, api, n = stem_name.split(".", 1)[0], stem_name.split(".", 1)[1].rsplit(".", 1)[0], \
             int(stem_name.rsplit(".", 1)[1])
         node = f"{stem_name}.{direction}"
-        folder = self.folder()
-        files, size = self._written.get(folder, (0, 0))
-        if files >= MAX_FILES:
-            return f"not written: {MAX_FILES} reproductions in this step already"
         tensors: dict[str, torch.Tensor] = {}
         keys: dict[int, str] = {}
         grads: dict[str, bool] = {}
@@ -171,22 +171,12 @@ class Reproducer:
                 if layout is not None:
                     layouts[key] = layout
                 grad_out[str(i)] = key
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if size + nbytes > MAX_BYTES:
-            return f"not written: its inputs ({nbytes / 2**20:.0f} MiB) pass this step's {MAX_BYTES >> 20} MiB"
-        session = self.session
-        rank = session.fault_rank
-        faults = [f for f in session.faults if f.matches(f"{prefix}.{api}", n, direction, session.current_step)
-                  and f.on_rank(rank)]
         spec = {
-            "version": VERSION, "node": node, "forward": call.name, "prefix": prefix, "api": api, "call": n,
+            "node": node, "forward": call.name, "prefix": prefix, "api": api, "call": n,
             "direction": direction, "function": {"prefix": info[0], "api": info[1]},
             "args": spec_args, "kwargs": spec_kwargs, "requires_grad": grads, "grad_outputs": grad_out,
             "layouts": layouts,
             "grad_enabled": call.grad_enabled, "autocast": call.autocast_state,
-            "step": session.current_step, "rank": rank,
-            # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
-            "threads": torch.get_num_threads(),
             # whether a CUDA half GEMM may add split-K partial sums in its dtype (the bench allows it where it may)
             "cuda_matmul": {k: bool(getattr(torch.backends.cuda.matmul, k, False)) for k in CUDA_MATMUL},
             "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
@@ -194,11 +184,57 @@ class Reproducer:
                          "backward": iso.backward, "bench_kernel": iso.bench_kernel,
                          "budget_draws": iso.budget_draws, "oracle_device": iso.oracle_device,
                          "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label},
-            "faults": [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
-                       for f in faults],
-            "gate": {k: record.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row",
-                                                "message")},
         }
+        return self._files(node, f"{prefix}.{api}", n, direction, spec, tensors, record)
+
+    def write_collective(self, iso, name: str, collective: dict, gathered: torch.Tensor, input_shape: list,
+                         output: torch.Tensor, record: dict) -> None:
+        """Write the reproduction of failing collective ``name`` (``Distributed.<op>.<N>.forward``): the inputs of
+        every rank of its group (``gathered``, rank order, each of ``input_shape``), what it computed on this
+        rank (``output``'s shape and dtype) and ``collective`` (``op``, ``reduce_op``, ``world_size``,
+        ``rank_in_group``); it re-runs on a gloo group of that size (:mod:`msprobe_ci.repro`). The script's path
+        (or why none was written) goes into ``record["repro"]``. Never raises."""
+        try:
+            prefix, rest = name.split(".", 1)
+            api, n = rest[: -len(".forward")].rsplit(".", 1)
+            spec = {"kind": "collective", "node": name, "forward": name, "prefix": prefix, "api": api,
+                    "call": int(n), "direction": "forward",
+                    "collective": dict(collective, input_shape=[int(x) for x in input_shape],
+                                       output_shape=list(output.shape),
+                                       output_dtype=str(output.dtype).replace("torch.", "")),
+                    "isolator": {"standards": iso.standards, "thresholds": iso.thresholds}}
+            world = int(collective["world_size"])
+            inputs = gathered.detach().reshape(world, *input_shape).to("cpu", copy=True).contiguous()
+            record["repro"] = self._files(name, f"{prefix}.{api}", int(n), "forward", spec, {"inputs": inputs},
+                                          record)
+        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
+            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+
+    def _files(self, node: str, api_id: str, n: int, direction: str, spec: dict, tensors: dict,
+               record: dict) -> str:
+        """Write ``<node>.safetensors``, ``.json`` and ``.py`` for ``spec`` (completed here with what every kind
+        holds: the step, rank, thread count, the faults injected into this call and the gate's verdict) within
+        the step folder's limits; the script's path, or why nothing was written."""
+        from safetensors.torch import save_file
+
+        folder = self.folder()
+        files, size = self._written.get(folder, (0, 0))
+        if files >= MAX_FILES:
+            return f"not written: {MAX_FILES} reproductions in this step already"
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size + nbytes > MAX_BYTES:
+            return f"not written: its inputs ({nbytes / 2**20:.0f} MiB) pass this step's {MAX_BYTES >> 20} MiB"
+        session = self.session
+        rank = session.fault_rank
+        faults = [f for f in session.faults if f.matches(api_id, n, direction, session.current_step)
+                  and f.on_rank(rank)]
+        spec = {"version": VERSION, **spec, "step": session.current_step, "rank": rank,
+                # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
+                "threads": torch.get_num_threads(),
+                "faults": [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb,
+                            "value": f.value} for f in faults],
+                "gate": {k: record.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row",
+                                                    "message")}}
         os.makedirs(folder, exist_ok=True)
         stem = os.path.join(folder, file_stem(node))
         if os.path.exists(stem + ".py"):
@@ -211,6 +247,15 @@ class Reproducer:
             fh.write(_SCRIPT.format(node=node, gate=gate, name=os.path.basename(stem)))
         self._written[folder] = (files + 1, size + nbytes)
         return stem + ".py"
+
+
+def repro_command(folder: str | None, name: str) -> str:
+    """``python <folder>/repro/<name>.py`` where the capture wrote that reproduction (:mod:`msprobe_ci.repro`),
+    else ''."""
+    if not folder:
+        return ""
+    path = os.path.join(folder, "repro", file_stem(name) + ".py")
+    return f"python {path}" if os.path.isfile(path) else ""
 
 
 _SCRIPT = '''"""msprobe-ci: reproduce one failing API call without the model.

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..capture.repro import repro_command
 from ..errors import MsprobeError
 
 #: the property key of a check's summary row (its value: the row, published as ``msprobe-result.json``)
@@ -301,15 +302,6 @@ def failure_message(report, check_dir: str, target_dump=None, graph_path: str | 
                  f"(incl. modules containing a failing API), unmatched {c['unmatched']}. "
                  f"Compare CSV and dumps: {check_dir}")
     return "\n".join(lines)
-
-
-def repro_command(folder: str | None, name: str) -> str:
-    """``python <folder>/repro/<name>.py`` where the capture wrote that reproduction (:mod:`msprobe_ci.repro`),
-    else ''."""
-    if not folder:
-        return ""
-    path = os.path.join(folder, "repro", f"{name}.py")
-    return f"python {path}" if os.path.isfile(path) else ""
 
 
 def closest_calls(report, k: int = 3) -> str:

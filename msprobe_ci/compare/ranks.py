@@ -30,6 +30,7 @@ class RankDivergence:
         node: the node's verdict (a :class:`~msprobe_ci.compare.verdict.CompareResult`).
         epoch: communication ops before it on this rank.
         received_from: ``(collective name, source ranks)`` when the rank only received diverged data.
+        repro: the command that re-runs the node alone where the capture wrote its reproduction, else ''.
     """
 
     step: int
@@ -37,6 +38,7 @@ class RankDivergence:
     node: Any
     epoch: int
     received_from: tuple[str, tuple[int, ...]] | None = None
+    repro: str = ""
 
     @property
     def where(self) -> str:
@@ -61,7 +63,15 @@ class CrossRankResult:
 
     @property
     def headline(self) -> str:
-        return f"first divergence: {self.first.message}" if self.first else "first divergence: none"
+        """``first divergence: ...`` (one line), and where the first one's reproduction was written, the command
+        that re-runs it alone on a second line."""
+        if self.first is None:
+            return "first divergence: none"
+        line = f"first divergence: {self.first.message}"
+        if self.first.repro and self.first.received_from is None:
+            line += ("\nreproduce this call alone, without the model (--no-fault leaves an injected fault out): "
+                     + self.first.repro)
+        return line
 
 
 def _group_ranks(entry: dict) -> tuple[int, ...] | None:
@@ -112,6 +122,7 @@ class RankSummary:
         group: the recorded process group of ``first`` when it is a collective (None: every rank).
         comm_names: the rank's communication nodes.
         diverged_inputs: those whose inputs diverged from the bench.
+        repro: the command that re-runs ``first`` alone where the capture wrote its reproduction, else ''.
     """
 
     step: int
@@ -121,6 +132,7 @@ class RankSummary:
     group: tuple[int, ...] | None = None
     comm_names: frozenset[str] = frozenset()
     diverged_inputs: frozenset[str] = frozenset()
+    repro: str = ""
 
 
 def summarize(step: int, rank: int, report, dump) -> RankSummary:
@@ -129,9 +141,12 @@ def summarize(step: int, rank: int, report, dump) -> RankSummary:
     comm = frozenset(k for k in dump.data if k.startswith(COMM_PREFIX))
     if first is None:
         return RankSummary(step, rank, None, comm_names=comm, diverged_inputs=_diverged_inputs(report))
+    from ..capture.repro import repro_command
+
     entry = dump.data.get(first.name)
     group = _group_ranks(entry) if isinstance(entry, dict) and first.name.startswith(COMM_PREFIX) else None
-    return RankSummary(step, rank, first, _epoch(dump, first.name), group, comm, _diverged_inputs(report))
+    return RankSummary(step, rank, first, _epoch(dump, first.name), group, comm, _diverged_inputs(report),
+                       repro_command(getattr(dump, "folder", None), first.name))
 
 
 def first_divergence_across_ranks(compared) -> CrossRankResult:
@@ -165,7 +180,7 @@ def first_divergence_across_ranks(compared) -> CrossRankResult:
                     sources.append(other)
             if sources:
                 received = (node.name, tuple(sources))
-        found.append(RankDivergence(step, rank, node, s.epoch, received))
+        found.append(RankDivergence(step, rank, node, s.epoch, received, s.repro))
     own = [d for d in found if d.received_from is None]
     pool = own or found
     first = min(pool, key=lambda d: (d.step, d.epoch, d.rank)) if pool else None

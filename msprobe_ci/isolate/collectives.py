@@ -125,7 +125,9 @@ class CollectiveIsolation:
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         gathered = torch.empty((world * inp.numel(),), dtype=inp.dtype, device=inp.device)
-        dist.all_gather_into_tensor(gathered, inp.detach().contiguous().reshape(-1), group=group)
+        # all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor for it)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, inp.detach().contiguous().reshape(-1), group=group)
         red = _reduce_op(args, kwargs, op)
         try:
             oracle, bench, scale = references(op, red, gathered, world, rank, out.dtype)
@@ -143,3 +145,6 @@ class CollectiveIsolation:
         row = f"{name}.output.0"
         self._store(name, [(row, res)], {row: oracle})
         self.results[name]["collective"] = {"op": red, "world_size": world, "rank_in_group": rank}
+        if self.reproducer is not None and self.results[name].get("status") == "error":
+            coll = {"op": op, "reduce_op": red, "world_size": world, "rank_in_group": rank}
+            self.reproducer.write_collective(self, name, coll, gathered, list(inp.shape), out, self.results[name])
