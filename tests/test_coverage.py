@@ -340,3 +340,32 @@ def test_a_custom_functions_python_backward_is_captured_and_judged(tmp_path):
     _, _, nodes = side("fault", [Fault("Tensor.__matmul__", 2, "forward", "scale", 1.02)])
     assert (nodes["Tensor.__matmul__.1.forward"]["status"], nodes["Tensor.__matmul__.2.forward"]["status"]) == \
         ("pass", "error")
+
+
+def test_gradients_entering_a_custom_functions_backward_are_computed_not_sources(tmp_path):
+    """The gradient autograd hands a custom Function's backward was computed by the backward pass: the calls that
+    backward makes take it as a computed input, never as a source to match the bench's (a 2% fault on the
+    backward of the op after the Function, tanh, reaches them; before, the offline compare also failed both
+    backward GEMMs on that input, beside the fault: BLOOM's GeLUFunction in training, issue 52)."""
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.check import run_side
+    from msprobe_ci.check.outcome import judge
+    from msprobe_ci.compare.verdict import unit_roundoff
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+    from msprobe_ci.judge import JudgeSettings
+
+    def side(name, dtype, faults=(), isolator=None):
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
+        return run_side(_OwnNet(), (x,), lambda out: out, Backend.from_options("cpu", dtype),
+                        DumpConfig(task="statistics", level="mix", dump_path=str(tmp_path / name)),
+                        faults=tuple(faults), isolator=isolator).folder
+
+    bench = side("bench", "fp32")
+    target = side("target", "bf16", [Fault("Torch.tanh", 0, "backward", "scale", 1.02)], Isolator(backward=True))
+    report, _, _ = judge(bench, target, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff("torch.bfloat16",
+                                                                                             "torch.float32")))
+    errors = [n.name for n in report.nodes if n.status == "error" and not n.name.startswith("Module.")]
+    assert report.first_divergence.name == "Torch.tanh.0.backward" and errors == ["Torch.tanh.0.backward"], \
+        [(n.name, n.message) for n in report.nodes if n.status == "error"]

@@ -167,7 +167,8 @@ class ApiCapture:
         ``autograd.Function``) reached no capture: computed, not judged, counted as unseen by the coverage mode. A
         pre-hook on the node pushes the mode (where it is not on that thread's stack already) and a hook pops it
         when the node is done; the calls are then recorded, isolated and numbered as API calls made in the backward
-        pass (``<Prefix>.<api>.<n>.forward``, as msprobe's patched functions record them). Once per node; only for a
+        pass (``<Prefix>.<api>.<n>.forward``, as msprobe's patched functions record them), the gradients it is
+        given counted as computed (no sources). Once per node; only for a
         Function defined outside PyTorch and msprobe-ci (:func:`_outside_torch`): theirs are plumbing (module
         backward hooks, isolation taps, FSDP's post-backward, DTensor conversions, reentrant checkpointing's
         recomputation), not the model's arithmetic."""
@@ -183,6 +184,10 @@ class ApiCapture:
             on = mode is self._mode and self.running and mode not in _function_modes()
             if on:
                 mode.__enter__()
+                if self.isolator is not None:
+                    # the gradients reaching it were computed by the backward pass, not entered from outside:
+                    # its calls' inputs are no sources (compared with the bench's as a parameter would be)
+                    self.isolator.mark_produced(grad_outputs)
             pushed.append(on)
 
         def post(grad_inputs, grad_outputs):
