@@ -361,20 +361,49 @@ def test_two_skips(msprobe):
 
 def test_three_skips(msprobe):
     msprobe.check_training(build(), batches(3), lambda o: o.loss, adamw, target_autocast="fp16")
+
+
+def own_state(p):  # the user's own scaler, in the state their factory returns
+    return adamw(p), torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+
+
+def own_step(model, batch, state):
+    opt, scaler = state
+    opt.zero_grad()
+    loss = model(**batch).loss
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
+def test_own_two_skips(msprobe):
+    msprobe.check_training(build(), batches(2), None, own_state, step=own_step, target_autocast="fp16")
+
+
+def test_own_three_skips(msprobe):
+    msprobe.check_training(build(), batches(3), None, own_state, step=own_step, target_autocast="fp16")
 """
 
 
 def test_steps_the_grad_scaler_skips_are_reported_and_only_a_run_of_them_fails(pytester):
     """A step whose fp16 scaled gradients overflow is skipped by the GradScaler: reported with the loss scale,
-    its overflow not failed on; ``scaler_skips`` (3) skips in a row fail the check, naming the steps and scales."""
+    its overflow not failed on; ``scaler_skips`` (3) skips in a row fail the check, naming the steps and scales.
+    The same with the user's own step and scaler."""
     pytest.importorskip("transformers")
     pytester.makepyfile(test_scaler=SCALER)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*GradScaler (target): loss scale 1.09951e+12 at step 0*steps skipped by the "
-                                 "scaler (inf/NaN in the scaled gradients): [[]0, 1[]]*"])
-    result.stdout.fnmatch_lines(["*msprobe: the target's GradScaler skipped 3 optimizer steps in a row (steps "
-                                 "[[]0, 1, 2[]]*"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    # the user's own step: their GradScaler found in the state, its skips read from its scale (the fp32 bench,
+    # scaled the same, skips none: its steps stay aligned with the target's by number)
+    result.assert_outcomes(passed=2, failed=2)
+    out = result.stdout.str()
+    assert out.count("GradScaler (target): loss scale 1.09951e+12 at step 0, 5.49756e+11 at the last step; steps "
+                     "skipped by the scaler (inf/NaN in the scaled gradients): [0, 1]\n") == 2, out
+    assert "GradScaler (bench): loss scale 1.09951e+12 at step 0, 1.09951e+12 at the last step; steps skipped by " \
+           "the scaler (inf/NaN in the scaled gradients): none" in out, out
+    for name in ("test_three_skips", "test_own_three_skips"):
+        assert f"FAILED test_scaler.py::{name} - Failed: msprobe: the target's G" in out, out
+    assert "msprobe: the target's GradScaler skipped 3 optimizer steps in a row (steps [0, 1, 2]" in out, out
 
 
 def test_the_free_benchmark_reruns_a_call_under_autocast_as_its_kernel_saw_it(pytester):

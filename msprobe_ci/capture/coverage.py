@@ -13,7 +13,7 @@ ATen level, where every op is seen whichever Python API issued it:
   (:func:`routes_gradients`): it routes gradients and sums the contributions of a value used more than once (a
   tensor sliced into q, k and v, an expanded bias), as does autograd at the capture's own module-boundary nodes;
   and the accumulation of a leaf's ``.grad`` (``AccumulateGrad``), whose result the ``parameters_grad`` records
-  hold; and communication (functional collectives, which DTensor issues in its redistributions: torch.distributed
+  hold; a ``GradScaler``'s update of its loss scale (bookkeeping a user's own step runs); and communication (functional collectives, which DTensor issues in its redistributions: torch.distributed
   calls are recorded as ``Distributed.*``);
 * what the capture machinery itself runs (statistics, the isolation's oracle and bench, the writer) is not seen.
 
@@ -44,6 +44,10 @@ amax amin kthvalue median mode max_pool2d_with_indices max_pool1d max_pool3d_wit
 one_hot slice_backward select_backward index_select_backward _assert_async _assert_tensor_metadata _functional_assert_async sym_size sym_stride sym_numel
 """.split())
 
+
+# a GradScaler's loss-scale bookkeeping (growing or backing off its scale from the found-inf flag), which the user's
+# own training step runs between the model's calls: not the model's arithmetic
+_BOOKKEEPING = frozenset(("_amp_update_scale", "_amp_update_scale_"))
 
 # view ops (by name) whose backward nodes route gradients: with MOVES, the data movement whose backward is
 # gradient routing and fan-in (a sliced tensor's slices, an expanded tensor's sum)
@@ -212,7 +216,7 @@ class Coverage(TorchDispatchMode):
         if func.namespace in _COMMUNICATION:
             self.excluded[f"{func.namespace}.{name} (communication)"] += 1
             return out
-        if func.is_view or name in MOVES or func.namespace in _MOVING_NAMESPACES:
+        if func.is_view or name in MOVES or name in _BOOKKEEPING or func.namespace in _MOVING_NAMESPACES:
             self.excluded[f"{func.namespace}.{name}"] += 1
             return out
         elements = _floating_elements(out)

@@ -76,8 +76,10 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     side_model = backend.prepare_model(model, owned=owned, cast=cast)
     side_model.train()
     opt = optimizer(side_model.parameters())
-    # fp16 autocast trains with a loss scale, as torch.amp prescribes (the user's own step brings its own)
+    # fp16 autocast trains with a loss scale, as torch.amp prescribes (the user's own step brings its own: found in
+    # the state its factory returned, its skips read from its scale)
     scaler = backend.grad_scaler() if step is None else None
+    own_scalers = _grad_scalers(opt) if step is not None else []
     bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
     capture = CaptureSession(cfg, faults=faults, isolator=isolator)
     run = TrainingRun()
@@ -94,8 +96,12 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
                 inputs = backend.prepare_inputs((batch,))[0]
                 capture.start(side_model)
                 if step is not None:
+                    scales = [float(sc.get_scale()) for sc in own_scalers]
                     with backend.autocast_context():
                         loss = step(side_model, inputs, opt)
+                    if own_scalers:  # update() backs the scale off after a step it skipped (inf/NaN found)
+                        run.scales.append(scales[0])
+                        run.skipped.append(any(float(sc.get_scale()) < b for sc, b in zip(own_scalers, scales)))
                     if not isinstance(loss, torch.Tensor):
                         raise MsprobeError(f"check_training: step(model, batch, state) returned "
                                            f"{type(loss).__name__}; expected the step's loss tensor")
@@ -264,6 +270,19 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
         d.fail(f"msprobe: monitor: first target anomaly at {a.message}; the bench has none there "
                f"({len(new_anomalies)} in all). Plot: {runs['target'].monitor.png}. Artifacts: {check_dir}")
     return d.done(value)
+
+
+def _grad_scalers(state: Any) -> list:
+    """The enabled ``torch.amp.GradScaler`` objects in the training state a user's optimizer factory returned:
+    the state itself, or an item of the tuple, list or dict it is (one level down)."""
+    import torch
+
+    items = [state]
+    if isinstance(state, (list, tuple)):
+        items += list(state)
+    elif isinstance(state, dict):
+        items += list(state.values())
+    return [x for x in items if isinstance(x, torch.amp.GradScaler) and x.is_enabled()]
 
 
 def _scaler_skips(runs: dict) -> dict:
