@@ -7,7 +7,9 @@ the same kind. Two things keep them true whatever kernel plays the bench:
 
 * ``min_err`` floors the bench's error at the dtype's unit roundoff (bf16 2^-8, fp16 2^-11; msprobe's own floors):
   the bench is never credited with less error than one correct rounding, so a correctly rounded bench does not
-  make the judge stricter than a typical kernel;
+  make the judge stricter than a typical kernel; the small-value error (a share of the small elements) is floored
+  at one of them in error as well (``1 / n_small``): a kernel that cancels O(1) terms into one small element errs
+  there by their rounding where a correctly rounded bench does not;
 * with an error ``scale`` per element (:mod:`msprobe_ci.kernels`: the random-walk size of the rounding the
   arithmetic allows at that element), relative errors are measured against ``max(|oracle|, scale)``: where the
   arithmetic cancels (a LayerNorm output next to its bias, a weight gradient summed over the batch) a kernel's
@@ -193,6 +195,12 @@ class BenchmarkStandard:
         floors = {k: self.min_err for k in METRICS}
         if mt["scale_rms"] > 0:
             floors["rmse"] = self.min_err * mt["scale_rms"]
+        # the small-value error is a share of the small elements: the bench is credited with at least one of them
+        # in error, as with one rounding above (a rate of 1/n_small is that share's resolution: with one small
+        # element, 0 against 1 error is no ratio of 16384)
+        n_small = sums[_SUMS.index("n_small")]
+        if n_small > 0:
+            floors["small_value_err"] = max(self.min_err, 1.0 / n_small)
         for k in METRICS:
             r = mt[k] / max(abs(mb[k]), floors[k])
             ratios[k] = r
