@@ -173,3 +173,51 @@ def test_precision_debugger_token_range_records_only_those_root_forward_calls(tm
     assert counts["sampled"][roots[0]]["input_kwargs"]["input_ids"]["shape"] == [1, 1]
     with pytest.raises(MsprobeError, match="token_range"):
         PrecisionDebugger(dump_path=str(tmp_path / "bad")).start(model, token_range=[3, 1])
+
+
+CHECKPOINTED = """
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build(reentrant):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return m
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": i, "labels": i} for i in (torch.randint(0, 128, (2, 12), generator=g) for _ in range(2))]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed(msprobe, reentrant):
+    msprobe.check_training(build(reentrant), batches(), lambda o: o.loss,
+                           lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=False), target_autocast="bf16")
+"""
+
+
+def test_activation_checkpointing_reentrant_or_not_is_judged_forward_and_backward(pytester):
+    """Gradient checkpointing as transformers enables it, reentrant (its segment's forward under no_grad,
+    recomputed with grad in the backward) or not, in a bf16 AMP training loop: benign passes with every floating
+    op captured, and a 2% fault on the backward of a linear of the recomputation (reentrant: the segment's only
+    backward, before unseen: coverage 75.5% and such a fault could not fire) is named at step 1."""
+    pytester.makepyfile(test_ckpt=CHECKPOINTED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "True")
+    result.assert_outcomes(passed=1)
+    cov = json.loads((pytester.path / "msprobe-out" / "test_ckpt.py_test_checkpointed_True" / "check0" / "target" /
+                      "step1" / "rank" / "coverage.json").read_text())
+    assert cov["share"] == 1.0, cov["uncaptured"]
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.linear, call: 17, direction: backward, "
+                                      "perturb: scale, value: 1.02, step: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-inject=faults.yaml", "-k", "True")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Functional.linear.17.backward (in Module."
+                                 "model.layers.1.self_attn.v_proj.Linear.backward.1)*"])
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "False")
+    result.assert_outcomes(passed=1)

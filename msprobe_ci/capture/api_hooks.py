@@ -169,9 +169,10 @@ class ApiCapture:
         when the node is done; the calls are then recorded, isolated and numbered as API calls made in the backward
         pass (``<Prefix>.<api>.<n>.forward``, as msprobe's patched functions record them), the gradients it is
         given counted as computed (no sources). Once per node; only for a
-        Function defined outside PyTorch and msprobe-ci (:func:`_outside_torch`): theirs are plumbing (module
-        backward hooks, isolation taps, FSDP's post-backward, DTensor conversions, reentrant checkpointing's
-        recomputation), not the model's arithmetic."""
+        Function defined outside PyTorch and msprobe-ci (:func:`_outside_torch`), and reentrant activation
+        checkpointing (:data:`_RECOMPUTING`: its backward recomputes the segment and runs that recomputation's
+        backward, the segment's only one); PyTorch's and ours are otherwise plumbing (module backward hooks,
+        isolation taps, FSDP's post-backward, DTensor conversions), not the model's arithmetic."""
         if getattr(node, "_msprobe_ci_seen", None) is self._mode:
             return
         try:
@@ -240,7 +241,16 @@ def _outside_torch(node_type: type) -> bool:
     msprobe-ci (torchao, Transformer Engine, a user's op): whose backward computes the model's gradients."""
     cls = getattr(node_type, "_forward_cls", None)
     module = str(getattr(cls, "__module__", "") or "")
+    if cls is not None and f"{module}.{cls.__name__}" in _RECOMPUTING:
+        return True
     return cls is not None and module.split(".", 1)[0] not in ("torch", "msprobe_ci")
+
+
+#: PyTorch's own Functions whose backward runs the model's arithmetic: reentrant activation checkpointing
+#: (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, transformers' ``gradient_checkpointing_enable()``
+#: default) runs its segment's forward under ``no_grad`` and recomputes it with grad in its backward, then runs the
+#: backward of that recomputation: the segment's only gradients
+_RECOMPUTING = frozenset({"torch.utils.checkpoint.CheckpointFunction"})
 
 
 def _fp8_cast(args: tuple, kwargs: dict) -> bool:
