@@ -67,6 +67,9 @@ class MsprobeFixture:
         nodeid = self.request.node.nodeid
         # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
         seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid
+        if merged.get("compile") and not compile_target:  # asked, and this mode runs eagerly: said, not silent
+            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check only; "
+                          f"this mode ran the target eagerly", stacklevel=4)
         return CheckSettings.resolve(merged, run_faults=s.faults, compile_target=compile_target, rotation_seed=seed)
 
     @contextlib.contextmanager

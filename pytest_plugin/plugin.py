@@ -129,7 +129,7 @@ FLAGS = [
     Flag(REQUIRE_CHECKS, "msprobe_require_checks", "a session in which no msprobe check ran (no selected test used the fixture or the marker: a refactor dropped it, -k deselected it) fails with exit code 1; without it the summary says so whenever an msprobe option was given."),
     Flag(REQUIRE_COVERAGE, "msprobe_require_coverage", "fail a check whose target ran floating-point work outside every captured API (coverage below 100%, the uncaptured ATen ops named); without it that is a warning."),
     Flag(MONITOR, "msprobe_monitor", "msprobe.check_training also runs the training monitor on both sides (activation, gradient and optimizer-state statistics per step; NaN/Inf and 10x-median jump alerts): a target anomaly the bench does not share fails the test; monitor.db, CSVs and monitor.png in the artifacts.", check="monitor"),
-    Flag(COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides.", check="compile"),
+    Flag(COMPILE, "msprobe_target_compile", "run the target through torch.compile (regional: each block of a ModuleList); capture is then at module level (L0) on both sides. msprobe.check only: the loops and check_parallel run the target eagerly and warn.", check="compile"),
     Flag(TARGET_FP8, "msprobe_target_fp8", "the target's linear layers compute through FP8 GEMMs (torchao's float8 training linears: per-tensor dynamic scaling, e4m3 forward, e5m2 gradients; every nn.Linear whose features are multiples of 16); each cast into FP8 is judged by the quantization standard (underflow, saturation, error against its own amax scale) and each FP8 GEMM on its own inputs. Needs torchao.", check="target_fp8"),
 ]
 

@@ -221,3 +221,15 @@ def test_activation_checkpointing_reentrant_or_not_is_judged_forward_and_backwar
                                  "model.layers.1.self_attn.v_proj.Linear.backward.1)*"])
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "False")
     result.assert_outcomes(passed=1)
+
+
+def test_compile_asked_of_a_loop_is_said_not_silently_dropped(pytester):
+    """``--msprobe-target-compile`` is honoured by ``msprobe.check``; the loops run the target eagerly, and a run
+    that asked for it is told so (before: the label and the verdict read as if nothing had been asked)."""
+    pytester.makepyfile(test_train=TRAIN)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-compile", "-k",
+                                           "not faulty")
+    result.assert_outcomes(passed=2)
+    for mode in ("check_training", "check_generate"):
+        result.stdout.fnmatch_lines([f"*UserWarning: msprobe: msprobe.{mode}(): compile (--msprobe-target-compile) "
+                                     "is honoured by msprobe.check only; this mode ran the target eagerly*"])
