@@ -58,6 +58,9 @@ class _Pending:
     # (msprobe_ci.amp); ``deferred(args, kwargs)`` then runs them on the inputs cast that way
     deferred: Any = None
     inputs: Any = None
+    # what the call's reproduction needs (a reproducer set): ``(func, prefix, api, args, kwargs, call index for the
+    # bit-noise seed, autocast state)``, the arguments as given (an in-place call's first one as before the call)
+    raw: Any = None
 
 
 def bit_noise(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -104,6 +107,9 @@ class FreeBenchmark:
         self.seed = int(seed)
         self.thresholds = dict(THRESHOLDS)
         self.thresholds.update(thresholds or {})
+        # writes a standalone reproduction of each call at risk (msprobe_ci.capture.repro.Reproducer; set by the
+        # capture session)
+        self.reproducer = None
         self.reset()
 
     def reset(self) -> None:
@@ -143,11 +149,23 @@ class FreeBenchmark:
         from . import amp
         from .isolate import is_inplace
 
+        raw = None
+        if self.reproducer is not None:
+            first = tuple(args)
+            if (is_inplace(short) or kwargs.get("inplace") is True) and first and isinstance(first[0], torch.Tensor):
+                first = (first[0].detach().clone(), *first[1:])
+            ac = amp.autocast_dtype(args, kw)
+            raw = (func, prefix, api, first, dict(kwargs), self._calls,
+                   None if ac is None else {"device_type": floats[0].device.type,
+                                            "dtype": str(ac).replace("torch.", "")})
         if "out" not in kwargs and not is_inplace(short) and amp.autocast_dtype(args, kw) is not None:
             # under autocast the kernel sees its inputs cast by the op's policy: rerun after the call, on those
-            return _Pending(name, started=started, inputs=(tuple(args), kw),
+            return _Pending(name, started=started, inputs=(tuple(args), kw), raw=raw,
                             deferred=lambda a, k: self._reruns(name, func, a, k, kernel, started))
-        return self._reruns(name, func, args, kw, kernel, started)
+        pending = self._reruns(name, func, args, kw, kernel, started)
+        if pending is not None:
+            pending.raw = raw
+        return pending
 
     def _reruns(self, name: str, func: Callable, args: tuple, kw: dict, kernel: Callable[[Any], Any],
                 started: float) -> _Pending | None:
@@ -191,11 +209,13 @@ class FreeBenchmark:
         if pending.deferred is not None:
             from . import amp
 
+            raw = pending.raw
             args, kw, _ = amp.kernel_inputs(*pending.inputs, out)
             with amp.disabled((args, kw)):
                 pending = pending.deferred(args, kw)
             if pending is None:
                 return
+            pending.raw = raw
         stem = f"{pending.name}.output"
         refs = dict(_flat_outputs(pending.reference, stem))
         noisy = dict(_flat_outputs(pending.noisy, stem))
@@ -219,6 +239,8 @@ class FreeBenchmark:
         worst["seconds"] = round(time.perf_counter() - pending.started, 6)
         worst["rows"] = judged
         self.results[pending.name] = worst
+        if worst["status"] == "error" and self.reproducer is not None and pending.raw is not None:
+            self.reproducer.write_free(self, pending.name, pending.raw, worst)
 
     def _judge(self, row: str, t: torch.Tensor, r: torch.Tensor, n: torch.Tensor) -> dict:
         y = t.detach().to("cpu", torch.float64)

@@ -69,7 +69,8 @@ _COMMON = _BASE + (("args", list), ("kwargs", dict))
 _FIELDS = {"capture": _COMMON + (("forward", str), ("function", dict), ("requires_grad", dict),
                                  ("grad_outputs", dict), ("isolator", dict)),
            "replay": _COMMON + (("replayer", dict),),
-           "collective": _BASE + (("collective", dict), ("isolator", dict))}
+           "collective": _BASE + (("collective", dict), ("isolator", dict)),
+           "free": _COMMON + (("function", dict), ("free", dict))}
 #: the most ranks a collective's reproduction starts (one process each)
 MAX_WORLD = 64
 
@@ -138,6 +139,8 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         return _replayed(spec, tensors, where, fault, target_device), spec
     if spec.get("kind") == "collective":
         return _collective(spec, tensors, where, fault), spec
+    if spec.get("kind") == "free":
+        return _free(spec, tensors, where, fault, target_device), spec
     matmul = spec.get("cuda_matmul") or {}
     if not isinstance(matmul, dict):
         raise MsprobeError(f"{where}: field 'cuda_matmul': expected a mapping")
@@ -256,6 +259,57 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
                                       None if amp is None else _DTYPES[str(amp)],
                                       mindspore=bool(spec.get("mindspore")))
     return record_of(result)
+
+
+def _free(spec: dict, tensors: dict, where: str, fault: bool, target_device: str | None) -> dict:
+    """Judge a call the free benchmark found at risk (``"kind": "free"``, written by
+    :meth:`~msprobe_ci.capture.repro.Reproducer.write_free`) again: the same higher-precision reference and
+    bit-noise rerun (the same seed and call index), the call under the gate's autocast state, its injected fault
+    applied to its output and to the bit-noise rerun as the gate applied it; the free benchmark's record."""
+    from .capture.inject import parse_faults
+    from .free_benchmark import FreeBenchmark
+    from .replay import allowlist
+
+    func = allowlist.lookup(str(spec["function"].get("prefix")), str(spec["function"].get("api")))
+    if func is None:
+        raise MsprobeError(f"{where}: field 'function': not on the replay allowlist")
+    f = spec["free"]
+    th = f.get("thresholds") or {}
+    if not isinstance(th, dict) or not all(str(k) in _DTYPES and isinstance(v, (int, float)) for k, v in th.items()) \
+            or not isinstance(f.get("seed"), int) or not isinstance(f.get("calls"), int) or f["calls"] < 0:
+        raise MsprobeError(f"{where}: field 'free': expected mode, an int seed and call index, thresholds by dtype")
+    try:
+        fb = FreeBenchmark(str(f.get("mode")), seed=f["seed"], thresholds={_DTYPES[str(k)]: float(v)
+                                                                           for k, v in th.items()})
+    except ValueError as exc:
+        raise MsprobeError(f"{where}: field 'free.mode': {exc}") from None
+    fb._calls = f["calls"]  # the bit-noise signs are seeded by the call's index in its step
+    device = target_device or "cpu"
+    moved = {k: t.to(device) for k, t in tensors.items()}
+    layouts = spec.get("layouts") or {}
+    if not isinstance(layouts, dict):
+        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
+    for key, layout in layouts.items():
+        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
+    args, kwargs = _decode(spec["args"], moved, where), _decode(spec["kwargs"], moved, where)
+    n, node = spec["call"], spec["node"]
+    api_id = f"{spec['prefix']}.{spec['api']}"
+    faults = [x for x in (parse_faults({"faults": spec["faults"]}, where) if fault else ())
+              if x.matches(api_id, n, "forward")]
+
+    def kernel(value: Any) -> Any:
+        for x in faults:
+            value = x.apply(value, n)
+        return value
+    ac = spec.get("autocast")
+    autocast = torch.autocast(torch.device(device).type if target_device else str(ac["device_type"]),
+                              dtype=_DTYPES[str(ac["dtype"])]) \
+        if isinstance(ac, dict) and str(ac.get("dtype")) in _DTYPES else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        pending = fb.before(node, spec["prefix"], spec["api"], func, tuple(args), dict(kwargs), kernel)
+        out = kernel(func(*args, **kwargs))
+        fb.after(pending, out)
+    return fb.results.get(node) or {"status": "skip", "message": "nothing judged"}
 
 
 def _collective(spec: dict, tensors: dict, where: str, fault: bool) -> dict:
@@ -398,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-run as the gate ran it: {c['op']} ({c['reduce_op']}) on a gloo group of {c['world_size']} "
               f"process(es), judged on rank {c['rank_in_group']} of it"
               + (f", step {spec.get('step')}" if spec.get("step") else "") + fault_text)
+    elif spec.get("kind") == "free":
+        f = spec["free"]
+        ac = spec.get("autocast")
+        print(f"re-run as the free benchmark ran it: reference {f.get('mode')}, bit-noise seed {f.get('seed')} at "
+              f"call {f.get('calls')} of its step, target {opts.target_device or 'cpu'}"
+              + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "") + fault_text)
     elif spec.get("kind") == "replay":
         r = spec["replayer"]
         target = (f"run live on {opts.target_device or r.get('target_device')}" if r.get("live")
@@ -416,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     if record.get("standard"):
         print(f"standard: {record['standard']}: {record.get('metric')} {_fmt(record.get('value'))} "
               f"(threshold {_fmt(record.get('threshold'))}, row {record.get('row')})")
+    elif record.get("metric"):  # the free benchmark's record: its metric against the allowance that applied
+        print(f"metric: {record['metric']} {_fmt(record.get('value'))} (allowed {_fmt(record.get('threshold'))}, "
+              f"row {record.get('row')})")
     print(f"message: {record.get('message')}")
     for k, v in sorted((record.get("metrics") or {}).items()):
         print(f"  {k}: {_fmt(v)}")

@@ -133,6 +133,9 @@ def test_plugin_free_benchmark_runs_no_bench_and_names_the_faulty_api(pytester):
     result.stdout.fnmatch_lines(["*msprobe: free benchmark: 1 API call(s) at risk on cpu/bf16; first: "
                                  "Functional.layer_norm.3.forward.output.0: rel_rmse * exceeds *"])
     result.stdout.fnmatch_lines(["*none (free benchmark, improve_precision) vs cpu/bf16*"])
+    result.stdout.fnmatch_lines(["reproduce this call alone, without the model (--no-fault leaves an injected fault "
+                                 "out): python *test_fb.py_test_faulty_layer_norm/check0/target/step0/rank/repro/"
+                                 "Functional.layer_norm.3.forward.py"])
     junit = (pytester.path / "j.xml").read_text()
     assert 'name="Functional.layer_norm.3.forward"' in junit and junit.count("<failure") == 1
     with open(next((pytester.path / "msprobe-out").rglob("free_benchmark.csv")), newline="") as fh:

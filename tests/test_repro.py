@@ -246,3 +246,40 @@ def test_a_failing_collective_reproduces_on_a_gloo_group_of_its_size(tmp_path, o
     assert rc == 1 and f"first divergence: step0 rank{last} {node}: " in printed, printed
     assert f"reproduce this call alone, without the model (--no-fault leaves an injected fault out): python " \
            f"{script}" in printed, printed
+
+
+class _Autocast(torch.nn.Module):
+    """A model whose forward runs under bf16 autocast (an AMP target)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kw):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(**kw)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_a_call_the_free_benchmark_finds_at_risk_reproduces_alone(tmp_path, amp):
+    """The free benchmark (no bench) finds a 2% fault on a SiLU at risk (bf16, or under bf16 autocast, where its
+    reruns wait for the kernel's dtype): its reproduction, run alone in a fresh process, re-runs the same
+    higher-precision reference and bit-noise rerun (same seed and call index) and fails with the gate's message,
+    to the printed digits; without the fault it passes."""
+    from msprobe_ci.free_benchmark import run_forward
+
+    model, (ids,), _ = _llama()
+    model = _Autocast(model) if amp else model.bfloat16()
+    fb = run_forward(model, {"input_ids": ids}, str(tmp_path / "d"),
+                     faults=(Fault("Functional.silu", 1, "forward", "scale", 1.02),))
+    node = "Functional.silu.1.forward"
+    record = fb.results[node]
+    assert [k for k, _ in fb.errors()] == [node] and record["repro"].endswith(f"repro/{node}.py"), record
+    spec = _json(record["repro"].replace(".py", ".json"))
+    assert spec["kind"] == "free" and (spec["autocast"] or {}).get("dtype") == ("bfloat16" if amp else None)
+    rc, out, text = _run(record["repro"])
+    assert rc == 1 and out["status"] == "error" and out["message"] == record["message"], text
+    assert out["metric"].startswith(f"{record['metric']} {repro._fmt(record['value'])} (allowed "
+                                    f"{repro._fmt(record['threshold'])}"), text
+    rc, out, text = _run(record["repro"], "--no-fault")
+    assert rc == 0 and out["status"] == "pass", text

@@ -31,6 +31,11 @@ judgement gathered: ``inputs`` (every rank of its group's input, in rank order) 
 its reduce op, the group's size and this rank's place in it. Its script re-runs the collective on a fresh gloo
 group of that size (one process per rank, a file store in a temporary folder: no port opened), this rank's
 injected fault applied as the gate applied it, and judges this rank's output as the gate did.
+
+A call the free benchmark (:mod:`msprobe_ci.free_benchmark`) finds at risk writes them too (``"kind": "free"``):
+its arguments as for a call isolation fails, and the free benchmark's mode, seed, the call's index in its step
+(which seeds its bit-noise signs) and thresholds; its script re-runs the reference and the bit-noise rerun and
+judges the call as the gate did.
 """
 
 from __future__ import annotations
@@ -186,6 +191,41 @@ class Reproducer:
                          "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label},
         }
         return self._files(node, f"{prefix}.{api}", n, direction, spec, tensors, record)
+
+    def write_free(self, fb, name: str, raw: tuple, record: dict) -> None:
+        """Write the reproduction of call ``name`` that the free benchmark ``fb`` judged at risk: ``raw`` is
+        ``(func, prefix, api, args, kwargs, call index, autocast state)`` as its ``before`` kept them; the script
+        re-runs the call's higher-precision reference and bit-noise rerun with the same seed and judges it as the
+        gate did (:mod:`msprobe_ci.repro`). The script's path (or why none was written) goes into
+        ``record["repro"]``. Never raises."""
+        try:
+            record["repro"] = self._write_free(fb, name, raw, record)
+        except _Unsaved as exc:
+            record["repro"] = f"not written: {exc} cannot be saved"
+        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
+            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+
+    def _write_free(self, fb, name: str, raw: tuple, record: dict) -> str:
+        from . import naming
+        from ..replay import allowlist
+
+        func, prefix, api, args, kwargs, calls, autocast = raw
+        info = naming.lookup(func)
+        if info is None or allowlist.lookup(info[0], info[1]) is not func:
+            return f"not written: {name}: its function is not on the replay allowlist"
+        n = int(name[: -len(".forward")].rsplit(".", 1)[1])
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[int, str] = {}
+        grads: dict[str, bool] = {}
+        layouts: dict[str, dict] = {}
+        spec = {"kind": "free", "node": name, "forward": name, "prefix": prefix, "api": api, "call": n,
+                "direction": "forward", "function": {"prefix": info[0], "api": info[1]},
+                "args": _encode(list(args), tensors, keys, grads, layouts),
+                "kwargs": _encode(dict(kwargs), tensors, keys, grads, layouts), "layouts": layouts,
+                "autocast": autocast,
+                "free": {"mode": fb.mode, "seed": fb.seed, "calls": int(calls),
+                         "thresholds": {str(k).replace("torch.", ""): float(v) for k, v in fb.thresholds.items()}}}
+        return self._files(name, f"{prefix}.{api}", n, "forward", spec, tensors, record)
 
     def write_collective(self, iso, name: str, collective: dict, gathered: torch.Tensor, input_shape: list,
                          output: torch.Tensor, record: dict) -> None:

@@ -126,6 +126,10 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             isolator.quiet = quiet
             # a failing call's standalone reproduction goes into repro/ beside the step's dump.json
             isolator.reproducer = Reproducer(self)
+        if free_bench is not None:  # a call at risk: its reproduction too
+            from .repro import Reproducer
+
+            free_bench.reproducer = Reproducer(self)
         self.rank = rank
         self.current_step = 0
         self.running = False

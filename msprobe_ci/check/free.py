@@ -68,8 +68,11 @@ def run_free_check(ctx: CheckContext, s, model: Any, inputs: tuple, loss_fn: Cal
     if errors:
         name, rec = errors[0]
         more = "".join(f"\n  {v['message']}" for _, v in errors[1:5])
+        rerun = str(rec.get("repro") or "")
+        rerun = (f"\nreproduce this call alone, without the model (--no-fault leaves an injected fault out): "
+                 f"python {rerun}") if rerun.endswith(".py") else ""
         d.fail(f"msprobe: free benchmark: {len(errors)} API call(s) at risk on {s.target.label}; first: "
-               f"{rec['message']}{more}\nArtifacts: {check_dir} (free_benchmark.csv)")
+               f"{rec['message']}{more}{rerun}\nArtifacts: {check_dir} (free_benchmark.csv)")
     return d.done(fb.results)
 
 
