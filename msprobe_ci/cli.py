@@ -308,12 +308,19 @@ def _compare_pair(job: tuple) -> tuple:
     # a later step of a multi-step dump: its weights and optimizer state trained apart by rounding (context)
     factor, rule = sources_rule(key[0])
     # isolated verdicts where the target has them (isolation.json) or they can be had (a tensor dump: replay)
+    from .replay.repro import write_replayed
+
     report, target, _ = judge(g, t, JudgeSettings(fuzzy=fuzzy, mappings=mappings, source_factor=factor))
     path = report.write_csv(out, prefix=f"compare_result_{rank}" if rank else "compare_result")
+    # calls replayed from a tensor dump that fail: their reproductions beside the CSV, named as it is
+    write_replayed(report, path[: -len(".csv")].replace("compare_result", "compare_repro", 1))
     line = _summary_line(path, len(report.nodes), report.counts(), report.first_divergence, report.isolated)
     if report.isolated:
         line += f" [{rule}]"
-    return line, summarize(*key, report, target)
+    summary = summarize(*key, report, target)
+    if summary.repro:
+        line += f"\n  reproduce {summary.first.name} alone, without the model: {summary.repro}"
+    return line, summary
 
 
 def _compare_merged(args, parallel) -> int:

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 
@@ -142,3 +143,10 @@ def test_tensor_dumps_made_elsewhere_are_judged_by_their_calls_replayed(fixtures
     r = _run("compare", "-tp", str(target), "-gp", bench, "-o", str(tmp_path / "fault"))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "first divergence: Functional.layer_norm.0.forward" in r.stdout and "replayed" in r.stdout
+    # its reproduction, beside the CSV: the call judged again from its saved inputs and dumped output, no dump
+    m = re.search(r"reproduce Functional\.layer_norm\.0\.forward alone, without the model: python (\S+)", r.stdout)
+    assert m and os.path.dirname(m.group(1)).startswith(str(tmp_path / "fault" / "compare_repro_")), r.stdout
+    again = subprocess.run([sys.executable, m.group(1)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "status: error" in again.stdout, again.stdout + again.stderr
+    # benign: none written
+    assert not [p for p in os.listdir(tmp_path / "benign") if p.startswith("compare_repro_")]

@@ -289,9 +289,13 @@ class Reproducer:
         return stem + ".py"
 
 
-def repro_command(folder: str | None, name: str) -> str:
-    """``python <folder>/repro/<name>.py`` where the capture wrote that reproduction (:mod:`msprobe_ci.repro`),
-    else ''."""
+def repro_command(folder: str | None, name: str, report=None) -> str:
+    """``python <script>`` for node ``name``: the one a compare wrote for a call it replayed from a tensor dump
+    (``report.repros``: :func:`msprobe_ci.replay.repro.write_replayed`), else ``<folder>/repro/<name>.py`` where
+    the capture wrote it (:mod:`msprobe_ci.repro`); '' where there is none."""
+    written = (getattr(report, "repros", None) or {}).get(name, "")
+    if str(written).endswith(".py") and os.path.isfile(written):
+        return f"python {written}"
     if not folder:
         return ""
     path = os.path.join(folder, "repro", file_stem(name) + ".py")

@@ -126,7 +126,7 @@ def overflow_or_api(draft: Draft, outcome, where: str, artifacts: str, require_c
                           f"there. Artifacts: {artifacts}")
     if outcome.api_errors:
         a = outcome.api_errors[0]
-        rerun = repro_command(getattr(outcome.target_dump, "folder", None), a.name)
+        rerun = repro_command(getattr(outcome.target_dump, "folder", None), a.name, outcome.report)
         return draft.fail(f"msprobe: per-API pre-check at {where}{a.name}: {a.message}. Artifacts: {artifacts}"
                           + (f"\nreproduce this call alone: {rerun}" if rerun else ""))
     return False
@@ -186,7 +186,7 @@ def conclude_check(row: dict, outcome, check_dir: str, level: str, unapplied: li
         return d.done(report)
     api_errors = outcome.api_errors
     if api_errors:
-        rerun = repro_command(getattr(target_dump, "folder", None), api_errors[0].name)
+        rerun = repro_command(getattr(target_dump, "folder", None), api_errors[0].name, report)
         d.fail(f"msprobe: per-API pre-check: {len(api_errors)} API call(s) fail their own standard; first: "
                f"{api_errors[0].name}: {api_errors[0].message}. Artifacts: {check_dir}"
                + (f"\nreproduce this call alone: {rerun}" if rerun else ""))
@@ -288,7 +288,7 @@ def failure_message(report, check_dir: str, target_dump=None, graph_path: str | 
     if graph_path:
         lines.append(f"graph: {graph_path}  (open: msprobe-ci view {os.path.dirname(os.path.dirname(graph_path))}; "
                      f"red boxes lead down to {first.name}, or type it in the viewer's search)")
-    rerun = repro_command(getattr(target_dump, "folder", None), first.name)
+    rerun = repro_command(getattr(target_dump, "folder", None), first.name, report)
     if rerun:
         lines.append(f"reproduce this call alone, without the model (--no-fault leaves an injected fault out): "
                      f"{rerun}")

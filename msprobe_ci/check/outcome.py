@@ -323,9 +323,13 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, settings: Judg
     """
     from ..overflow import check_overflow, new_overflows
 
+    from ..replay.repro import write_replayed
+
     s = settings
     report, target_dump, bench_dump = judge(bench if isinstance(bench, str) else bench.folder, target.folder, s)
     csv_path = report.write_csv(out_dir)
+    # a tensor dump judged by replay: its failing calls' reproductions beside the CSV
+    write_replayed(report, os.path.join(out_dir, "repro"), s.bench_kernel, dict(s.api_standards), _thresholds(s))
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
     if graph_dir is not None:

@@ -146,7 +146,7 @@ def summarize(step: int, rank: int, report, dump) -> RankSummary:
     entry = dump.data.get(first.name)
     group = _group_ranks(entry) if isinstance(entry, dict) and first.name.startswith(COMM_PREFIX) else None
     return RankSummary(step, rank, first, _epoch(dump, first.name), group, comm, _diverged_inputs(report),
-                       repro_command(getattr(dump, "folder", None), first.name))
+                       repro_command(getattr(dump, "folder", None), first.name, report))
 
 
 def first_divergence_across_ranks(compared) -> CrossRankResult:

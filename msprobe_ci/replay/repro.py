@@ -121,3 +121,21 @@ def _write(result, replayer, folder: str) -> str:
         fh.write(_SCRIPT.format(node=result.name, gate=message, name=os.path.basename(stem)))
     return stem + ".py"
 
+
+
+def write_replayed(report, folder: str, bench_kernel: str = "device", standards: dict | None = None,
+                   thresholds: dict | None = None) -> dict[str, str]:
+    """Write the reproduction of every failing call a compare replayed from a tensor dump (``report.replayed``:
+    :func:`msprobe_ci.compare.isolated.replay`, the dump made without isolation) into ``folder``, with the settings
+    they were judged with; ``report.repros`` maps each node to its script (or why none was written). The same
+    files as the per-API pre-check's: ``python <node>.py`` judges that call again without the dump."""
+    from .runner import ApiReplayer
+
+    failing = [r for r in (getattr(report, "replayed", None) or ()) if r.status == "error"]
+    if not failing:
+        return {}
+    replayer = ApiReplayer(None, bench_kernel=bench_kernel, standards=dict(standards or {}),
+                           thresholds=dict(thresholds or {}))  # the settings the calls were judged with
+    repros = {r.name: write(r, replayer, folder) for r in failing}
+    report.repros = dict(getattr(report, "repros", None) or {}, **repros)
+    return repros
