@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -223,3 +224,21 @@ def folder_lock(out: str, name: str):
     key = hashlib.sha1(os.path.abspath(os.path.join(out, name)).encode()).hexdigest()
     folder = make_output_dir(os.path.join(tempfile.gettempdir(), LOCKS), "lock folder")
     return FileLock(os.path.join(folder, key + ".lock"))
+
+
+def file_stem(node: str) -> str:
+    """A node's file name stem in ``repro/`` (anything but letters, digits, ``_.-`` made ``_``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)
+
+
+def repro_command(folder: str | None, name: str, report=None) -> str:
+    """``python <script>`` for node ``name``: the one a compare wrote for a call it replayed from a tensor dump
+    (``report.repros``: :func:`msprobe_ci.replay.repro.write_replayed`), else ``<folder>/repro/<name>.py`` where
+    the capture wrote it (:mod:`msprobe_ci.repro`); '' where there is none."""
+    written = (getattr(report, "repros", None) or {}).get(name, "")
+    if str(written).endswith(".py") and os.path.isfile(written):
+        return f"python {written}"
+    if not folder:
+        return ""
+    path = os.path.join(folder, "repro", file_stem(name) + ".py")
+    return f"python {path}" if os.path.isfile(path) else ""

@@ -43,10 +43,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from typing import Any
 
 import torch
+
+from ..outputs import file_stem
 
 #: reproductions written per step folder at most (a model broken everywhere would otherwise write one per call)
 MAX_FILES = 32
@@ -59,9 +60,6 @@ VERSION = 1
 CUDA_MATMUL = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
 
 
-def file_stem(node: str) -> str:
-    """A node's file name stem in ``repro/`` (anything but letters, digits, ``_.-`` made ``_``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", node)
 
 
 class _Unsaved(Exception):
@@ -287,19 +285,6 @@ class Reproducer:
             fh.write(_SCRIPT.format(node=node, gate=gate, name=os.path.basename(stem)))
         self._written[folder] = (files + 1, size + nbytes)
         return stem + ".py"
-
-
-def repro_command(folder: str | None, name: str, report=None) -> str:
-    """``python <script>`` for node ``name``: the one a compare wrote for a call it replayed from a tensor dump
-    (``report.repros``: :func:`msprobe_ci.replay.repro.write_replayed`), else ``<folder>/repro/<name>.py`` where
-    the capture wrote it (:mod:`msprobe_ci.repro`); '' where there is none."""
-    written = (getattr(report, "repros", None) or {}).get(name, "")
-    if str(written).endswith(".py") and os.path.isfile(written):
-        return f"python {written}"
-    if not folder:
-        return ""
-    path = os.path.join(folder, "repro", file_stem(name) + ".py")
-    return f"python {path}" if os.path.isfile(path) else ""
 
 
 _SCRIPT = '''"""msprobe-ci: reproduce one failing API call without the model.

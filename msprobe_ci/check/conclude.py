@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..capture.repro import repro_command
+from ..outputs import repro_command
 from ..errors import MsprobeError
 
 #: the property key of a check's summary row (its value: the row, published as ``msprobe-result.json``)

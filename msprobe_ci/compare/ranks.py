@@ -141,7 +141,7 @@ def summarize(step: int, rank: int, report, dump) -> RankSummary:
     comm = frozenset(k for k in dump.data if k.startswith(COMM_PREFIX))
     if first is None:
         return RankSummary(step, rank, None, comm_names=comm, diverged_inputs=_diverged_inputs(report))
-    from ..capture.repro import repro_command
+    from ..outputs import repro_command
 
     entry = dump.data.get(first.name)
     group = _group_ranks(entry) if isinstance(entry, dict) and first.name.startswith(COMM_PREFIX) else None
