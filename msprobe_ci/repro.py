@@ -163,12 +163,7 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         t = tensors.get(key)
         if t is None:
             raise MsprobeError(f"{where}: field 'requires_grad': no tensor {key!r} in the inputs")
-    moved = {k: t.to(device) for k, t in tensors.items()}
-    layouts = spec.get("layouts") or {}
-    if not isinstance(layouts, dict):
-        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
-    for key, layout in layouts.items():
-        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
+    moved = _placed(tensors, spec, device, where)
     for key, want in spec["requires_grad"].items():
         if want and (moved[key].is_floating_point() or moved[key].is_complex()):
             moved[key].requires_grad_(True)
@@ -233,12 +228,7 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
                                budget_draws=int(r.get("budget_draws", 3)))
     except (TypeError, ValueError) as exc:
         raise MsprobeError(f"{where}: field 'replayer': {exc}") from None
-    layouts = spec.get("layouts") or {}
-    if not isinstance(layouts, dict):
-        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
-    tensors = dict(tensors)
-    for key, layout in layouts.items():
-        tensors[key] = _viewed(tensors.get(key), layout, f"{where}: field 'layouts.{key}'")
+    tensors = _placed(tensors, spec, None, where)
     args, kwargs = _decode(spec["args"], tensors, where), _decode(spec["kwargs"], tensors, where)
     targets = spec.get("targets")
     if targets is not None:
@@ -285,12 +275,7 @@ def _free(spec: dict, tensors: dict, where: str, fault: bool, target_device: str
         raise MsprobeError(f"{where}: field 'free.mode': {exc}") from None
     fb._calls = f["calls"]  # the bit-noise signs are seeded by the call's index in its step
     device = target_device or "cpu"
-    moved = {k: t.to(device) for k, t in tensors.items()}
-    layouts = spec.get("layouts") or {}
-    if not isinstance(layouts, dict):
-        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
-    for key, layout in layouts.items():
-        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
+    moved = _placed(tensors, spec, device, where)
     args, kwargs = _decode(spec["args"], moved, where), _decode(spec["kwargs"], moved, where)
     n, node = spec["call"], spec["node"]
     api_id = f"{spec['prefix']}.{spec['api']}"
@@ -408,6 +393,18 @@ def _collective_rank(rank: int, job: dict, inputs: torch.Tensor, faults: list, s
                 json.dump(iso.results.get(job["node"]) or {"status": "skip", "message": "nothing judged"}, fh)
     finally:
         dist.destroy_process_group()
+
+
+def _placed(tensors: dict, spec: dict, device: str | None, where: str) -> dict:
+    """The saved tensors on ``device`` (``None``: where they are), each argument that was not contiguous viewed
+    again with its layout (the spec's ``layouts``)."""
+    moved = {k: t.to(device) for k, t in tensors.items()} if device is not None else dict(tensors)
+    layouts = spec.get("layouts") or {}
+    if not isinstance(layouts, dict):
+        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
+    for key, layout in layouts.items():
+        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
+    return moved
 
 
 def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:

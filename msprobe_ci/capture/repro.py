@@ -139,12 +139,7 @@ class Reproducer:
     def write(self, iso, call, direction: str, record: dict) -> None:
         """Write the files of ``call``'s failing ``direction`` (``forward``/``backward``); the script's path (or
         why none was written) goes into ``record["repro"]``. Never raises: the user's run goes on."""
-        try:
-            record["repro"] = self._write(iso, call, direction, record)
-        except _Unsaved as exc:
-            record["repro"] = f"not written: {exc} cannot be saved"
-        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
-            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+        _into(record, self._write, iso, call, direction, record)
 
     def _write(self, iso, call, direction: str, record: dict) -> str:
         from . import naming
@@ -196,12 +191,7 @@ class Reproducer:
         re-runs the call's higher-precision reference and bit-noise rerun with the same seed and judges it as the
         gate did (:mod:`msprobe_ci.repro`). The script's path (or why none was written) goes into
         ``record["repro"]``. Never raises."""
-        try:
-            record["repro"] = self._write_free(fb, name, raw, record)
-        except _Unsaved as exc:
-            record["repro"] = f"not written: {exc} cannot be saved"
-        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
-            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+        _into(record, self._write_free, fb, name, raw, record)
 
     def _write_free(self, fb, name: str, raw: tuple, record: dict) -> str:
         from . import naming
@@ -232,21 +222,21 @@ class Reproducer:
         rank (``output``'s shape and dtype) and ``collective`` (``op``, ``reduce_op``, ``world_size``,
         ``rank_in_group``); it re-runs on a gloo group of that size (:mod:`msprobe_ci.repro`). The script's path
         (or why none was written) goes into ``record["repro"]``. Never raises."""
-        try:
-            prefix, rest = name.split(".", 1)
-            api, n = rest[: -len(".forward")].rsplit(".", 1)
-            spec = {"kind": "collective", "node": name, "forward": name, "prefix": prefix, "api": api,
-                    "call": int(n), "direction": "forward",
-                    "collective": dict(collective, input_shape=[int(x) for x in input_shape],
-                                       output_shape=list(output.shape),
-                                       output_dtype=str(output.dtype).replace("torch.", "")),
-                    "isolator": {"standards": iso.standards, "thresholds": iso.thresholds}}
-            world = int(collective["world_size"])
-            inputs = gathered.detach().reshape(world, *input_shape).to("cpu", copy=True).contiguous()
-            record["repro"] = self._files(name, f"{prefix}.{api}", int(n), "forward", spec, {"inputs": inputs},
-                                          record)
-        except Exception as exc:  # noqa: BLE001 - a reproduction is a by-product, never the run's failure
-            record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
+        _into(record, self._write_collective, iso, name, collective, gathered, input_shape, output, record)
+
+    def _write_collective(self, iso, name: str, collective: dict, gathered: torch.Tensor, input_shape: list,
+                          output: torch.Tensor, record: dict) -> str:
+        prefix, rest = name.split(".", 1)
+        api, n = rest[: -len(".forward")].rsplit(".", 1)
+        spec = {"kind": "collective", "node": name, "forward": name, "prefix": prefix, "api": api,
+                "call": int(n), "direction": "forward",
+                "collective": dict(collective, input_shape=[int(x) for x in input_shape],
+                                   output_shape=list(output.shape),
+                                   output_dtype=str(output.dtype).replace("torch.", "")),
+                "isolator": {"standards": iso.standards, "thresholds": iso.thresholds}}
+        world = int(collective["world_size"])
+        inputs = gathered.detach().reshape(world, *input_shape).to("cpu", copy=True).contiguous()
+        return self._files(name, f"{prefix}.{api}", int(n), "forward", spec, {"inputs": inputs}, record)
 
     def _files(self, node: str, api_id: str, n: int, direction: str, spec: dict, tensors: dict,
                record: dict) -> str:
@@ -285,6 +275,17 @@ class Reproducer:
             fh.write(_SCRIPT.format(node=node, gate=gate, name=os.path.basename(stem)))
         self._written[folder] = (files + 1, size + nbytes)
         return stem + ".py"
+
+
+def _into(record: dict, write, *args) -> None:
+    """``record["repro"] = write(*args)``: the script's path, or why none was written (an argument the spec
+    cannot hold, anything else that went wrong): a reproduction is a by-product, never the run's failure."""
+    try:
+        record["repro"] = write(*args)
+    except _Unsaved as exc:
+        record["repro"] = f"not written: {exc} cannot be saved"
+    except Exception as exc:  # noqa: BLE001 - the user's run goes on
+        record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"
 
 
 _SCRIPT = '''"""msprobe-ci: reproduce one failing API call without the model.
