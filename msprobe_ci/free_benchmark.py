@@ -149,26 +149,23 @@ class FreeBenchmark:
         from . import amp
         from .isolate import is_inplace
 
+        ac = amp.autocast_dtype(args, kw)
         raw = None
         if self.reproducer is not None:
             first = tuple(args)
             if (is_inplace(short) or kwargs.get("inplace") is True) and first and isinstance(first[0], torch.Tensor):
                 first = (first[0].detach().clone(), *first[1:])
-            ac = amp.autocast_dtype(args, kw)
             raw = (func, prefix, api, first, dict(kwargs), self._calls,
                    None if ac is None else {"device_type": floats[0].device.type,
                                             "dtype": str(ac).replace("torch.", "")})
-        if "out" not in kwargs and not is_inplace(short) and amp.autocast_dtype(args, kw) is not None:
+        if "out" not in kwargs and not is_inplace(short) and ac is not None:
             # under autocast the kernel sees its inputs cast by the op's policy: rerun after the call, on those
-            return _Pending(name, started=started, inputs=(tuple(args), kw), raw=raw,
-                            deferred=lambda a, k: self._reruns(name, func, a, k, kernel, started))
-        pending = self._reruns(name, func, args, kw, kernel, started)
-        if pending is not None:
-            pending.raw = raw
-        return pending
+            return _Pending(name, started=started, inputs=(tuple(args), kw),
+                            deferred=lambda a, k: self._reruns(name, func, a, k, kernel, started, raw))
+        return self._reruns(name, func, args, kw, kernel, started, raw)
 
     def _reruns(self, name: str, func: Callable, args: tuple, kw: dict, kernel: Callable[[Any], Any],
-                started: float) -> _Pending | None:
+                started: float, raw: Any = None) -> _Pending | None:
         """The reference (higher precision) and the bit-noise rerun of one call on copies of ``args``/``kw``."""
         floats = [t for t in _tensors(args) + _tensors(kw) if t.is_floating_point()]
         low = min((t.dtype for t in floats), key=lambda d: torch.finfo(d).bits)
@@ -200,7 +197,7 @@ class FreeBenchmark:
         except Exception as exc:  # noqa: BLE001 - unjudgeable, never a crash of the user's run
             self.skip(name, f"rerun failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             return None
-        return _Pending(name, reference, noise_out, started)
+        return _Pending(name, reference, noise_out, started, raw=raw)
 
     def after(self, pending: _Pending | None, out: Any) -> None:
         """Judge the target's output ``out`` of a call prepared by :meth:`before`."""
@@ -209,13 +206,11 @@ class FreeBenchmark:
         if pending.deferred is not None:
             from . import amp
 
-            raw = pending.raw
             args, kw, _ = amp.kernel_inputs(*pending.inputs, out)
             with amp.disabled((args, kw)):
                 pending = pending.deferred(args, kw)
             if pending is None:
                 return
-            pending.raw = raw
         stem = f"{pending.name}.output"
         refs = dict(_flat_outputs(pending.reference, stem))
         noisy = dict(_flat_outputs(pending.noisy, stem))

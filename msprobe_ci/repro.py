@@ -363,9 +363,15 @@ def _collective_rank(rank: int, job: dict, inputs: torch.Tensor, faults: list, s
     if isinstance(threads, int) and threads > 0:
         torch.set_num_threads(threads)
     world, op, red = job["world"], job["op"], job["reduce_op"]
+    # closed tables, never a name from the file looked up on a module: the spec was checked against these
+    reduce = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
+              "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}[red]
+    call = {"reduce_scatter_tensor": dist.reduce_scatter_tensor, "all_gather_into_tensor": dist.all_gather_into_tensor,
+            # the *_single names of torch 2.13 (older torch records none)
+            "reduce_scatter_single": getattr(dist, "reduce_scatter_single", None),
+            "all_gather_single": getattr(dist, "all_gather_single", None)}.get(op)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        reduce = getattr(dist.ReduceOp, red)
         inp = inputs[rank].clone()
         before = None
         if op == "all_reduce":
@@ -377,7 +383,7 @@ def _collective_rank(rank: int, job: dict, inputs: torch.Tensor, faults: list, s
             kwargs = {"op": reduce} if op.startswith("reduce_scatter") else {}
             with warnings.catch_warnings():  # the gate's own call (torch 2.13 deprecates the *_tensor names)
                 warnings.simplefilter("ignore", FutureWarning)
-                getattr(dist, op)(out, inp, **({"op": dist.ReduceOp.SUM} if red == "AVG" and kwargs else kwargs))
+                call(out, inp, **({"op": dist.ReduceOp.SUM} if red == "AVG" and kwargs else kwargs))
             args = (out, inp)
         if red == "AVG" and kwargs:
             out.div_(world)

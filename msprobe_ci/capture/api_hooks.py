@@ -185,10 +185,10 @@ class ApiCapture:
             on = mode is self._mode and self.running and mode not in _function_modes()
             if on:
                 mode.__enter__()
-                if self.isolator is not None:
-                    # the gradients reaching it were computed by the backward pass, not entered from outside:
-                    # its calls' inputs are no sources (compared with the bench's as a parameter would be)
-                    self.isolator.mark_produced(grad_outputs)
+            if self.running and self.isolator is not None:
+                # the gradients reaching it were computed by the backward pass, not entered from outside: its
+                # calls' inputs are no sources (compared with the bench's as a parameter would be)
+                self.isolator.mark_produced(grad_outputs)
             pushed.append(on)
 
         def post(grad_inputs, grad_outputs):

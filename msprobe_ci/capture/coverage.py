@@ -13,7 +13,8 @@ ATen level, where every op is seen whichever Python API issued it:
   (:func:`routes_gradients`): it routes gradients and sums the contributions of a value used more than once (a
   tensor sliced into q, k and v, an expanded bias), as does autograd at the capture's own module-boundary nodes;
   and the accumulation of a leaf's ``.grad`` (``AccumulateGrad``), whose result the ``parameters_grad`` records
-  hold; a ``GradScaler``'s update of its loss scale (bookkeeping a user's own step runs); and communication (functional collectives, which DTensor issues in its redistributions: torch.distributed
+  hold; a ``GradScaler``'s update of its loss scale (bookkeeping a user's own step runs); and communication
+  (functional collectives, which DTensor issues in its redistributions: torch.distributed
   calls are recorded as ``Distributed.*``);
 * what the capture machinery itself runs (statistics, the isolation's oracle and bench, the writer) is not seen.
 
