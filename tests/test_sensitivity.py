@@ -84,6 +84,38 @@ def test_an_fp32_layer_norm_over_a_large_mean_is_budgeted_at_its_own_size():
         assert judge_pair("layer_norm", faulty, bench, oracle, terms=scale).status == "error", kernel
 
 
+def test_small_values_may_carry_a_rounding_of_their_rows_terms():
+    """An fp32 LayerNorm output where ``x`` sits at its row's mean is the difference of two terms rounded in fp32
+    (``x * rstd``, ``mean * rstd``): PyTorch's kernel lands 1e-8 off there, past msprobe's fp32 ``atol`` (2^-30),
+    where the correctly rounded bench is exact (GPT-2 small's residual stream at 1024 tokens has such elements).
+    With a budget a small value may carry one fp32 rounding of its row's terms; a 0.1% fault and a small value off
+    by 1e-6 still fail."""
+    from msprobe_ci.checkers import BenchmarkStandard
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 768, generator=g) * 0.03 + 0.002
+    for r in range(16):
+        for j in (5, 77, 300):
+            x[r, j] = float(torch.cat([x[r, :j], x[r, j + 1:]]).double().mean())  # the mean of the row with it
+    args = (x, (768,), torch.ones(768), torch.zeros(768))
+    oracle = F.layer_norm(x.double(), (768,), args[2].double(), args[3].double())
+    small = oracle.abs() <= 2.0 ** -20
+    assert int(small.sum()) >= 8
+    (scale,) = kernels.forward_scale(F.layer_norm, args, {}, _rows)
+    target, bench = F.layer_norm(*args), oracle.float()
+    assert float((target.double() - oracle).abs()[small].max()) > 2.0 ** -30
+    assert judge_pair("layer_norm", target, bench, oracle, terms=scale).status == "pass"
+    msprobe_atol = BenchmarkStandard("fp32", "layer_norm")
+    msprobe_atol.u_acc = 0.0
+    plain = msprobe_atol(target, bench, oracle, scale=scale)
+    assert plain.status == "error" and plain.message.startswith("small_value_err ratio"), plain.message
+    assert judge_pair("layer_norm", target * 1.001, bench, oracle, terms=scale).status == "error"
+    off = target.clone()
+    off[small] += 1e-6
+    res = judge_pair("layer_norm", off, bench, oracle, terms=scale)
+    assert res.status == "error" and "small_value_err" in res.message, res.message
+
+
 def test_fused_attention_budget_covers_the_cpu_flash_kernel_forward_and_backward():
     """PyTorch's CPU flash attention rounds its probabilities (and their gradient) to bf16 before the GEMMs
     that follow: the budget models that (``kernels.ATTENTION_HELD``), so the CPU kernel passes against the
@@ -111,6 +143,39 @@ def test_fused_attention_budget_covers_the_cpu_flash_kernel_forward_and_backward
     for got, r, s in zip(leaves, ref, scales):
         res = judge_pair(name, got.grad, r.grad.bfloat16(), r.grad, True, terms=s)
         assert res.status == "pass", res.message
+
+
+def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
+    """A flash backward computes ``D = rowsum(dO * O)`` from the output it stored in bf16: ``D``'s rounding is
+    the same for every key of a query row, so ``dQ`` carries it coherently while the exact ``dQ`` averages out
+    over a long, diffuse attention (GPT-2 at init: values with a mean, near-uniform probabilities). The budget
+    models it (``kernels.modes._stored_output_terms``): PyTorch's CPU flash kernel passes against the correctly
+    rounded bench; without the term its ``dQ`` fails; a 1% fault on the backward still fails."""
+    from msprobe_ci.kernels import modes
+
+    g = torch.Generator().manual_seed(5)
+    sdpa, name = F.scaled_dot_product_attention, "scaled_dot_product_attention"
+    q = (torch.randn(1, 2, 256, 64, generator=g) * 0.1).bfloat16()
+    k, v = ((torch.randn(1, 2, 256, 64, generator=g) + 1.0).bfloat16() for _ in range(2))
+    up = (torch.randn(1, 2, 256, 64, generator=g) * 1e-3).bfloat16()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    sdpa(*leaves, is_causal=True).backward(up)
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    sdpa(*ref, is_causal=True).backward(up.double())
+
+    def judged(grads):
+        scales = kernels.backward_scale(sdpa, tuple(t.clone().requires_grad_(True) for t in (q, k, v)),
+                                        {"is_causal": True}, {0: up})
+        return [judge_pair(name, got, r.grad.bfloat16(), r.grad, True, terms=s)
+                for got, r, s in zip(grads, ref, scales)]
+
+    target = [t.grad for t in leaves]
+    assert all(r.status == "pass" for r in judged(target)), [r.message for r in judged(target)]
+    faulty = judged([(t.double() * 1.01).bfloat16() for t in target])
+    assert faulty[2].status == "error", faulty[2].message  # dV, where the fault is not drowned in cancellation
+    monkeypatch.setattr(modes, "_stored_output_terms", lambda leaves, *a: [None] * len(leaves))
+    without = judged(target)
+    assert without[0].status == "error" and without[0].passing["max_rel_err"] > 10, without[0].message
 
 
 def test_cpu_half_kernels_are_held_only_for_a_half_target_on_the_cpu():
