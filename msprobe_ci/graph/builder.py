@@ -11,7 +11,7 @@ forward follows a module backward, and ``order`` is the post-order index (childr
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..compare.metrics import number_cells
@@ -34,8 +34,9 @@ class Node:
         name: node id (``Module.fc1.Linear.forward.0``, ``Functional.linear.0.forward``, ``DefaultModel``).
         type: 0 module, 1 function API, 9 API collection (msprobe's ``NodeOp``).
         parent: parent name, ``None`` for the root.
-        children: child names in display order.
-        input_data, output_data: ``{row name: {field: str}}``.
+        children: child names in display order (a list once the node has one; the shared ``()`` before).
+        input_data, output_data: ``{row name: {field: str}}``, ``None`` where the node has none (the nodes of a
+            streamed graph never hold data: a 1M-entry dump's 2M nodes would each hold three empty containers).
         stack: frame strings of the call site.
         micro_step: micro-step id (0 when no split).
         order: post-order index within the graph.
@@ -50,9 +51,9 @@ class Node:
     name: str
     type: int
     parent: str | None = None
-    children: list[str] = field(default_factory=list)
-    input_data: dict[str, dict] = field(default_factory=dict)
-    output_data: dict[str, dict] = field(default_factory=dict)
+    children: Sequence[str] = ()
+    input_data: dict[str, dict] | None = None
+    output_data: dict[str, dict] | None = None
     stack: Sequence[str] = ()  # the empty defaults are shared immutables: a 1M-node graph holds 2M nodes
     micro_step: int = 0
     order: int = 0
@@ -157,8 +158,9 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
     for name in parents:
         nodes[name] = Node(name, node_type(name))
     for name, parent in parents.items():
-        nodes[name].parent = parent or ROOT
-        nodes[parent or ROOT].children.append(name)
+        up = nodes[parent or ROOT]
+        nodes[name].parent = up.name  # the parent's own name object: construct.json's copies are let go
+        _adopt(up, name)
     # parameter gradients: module-type children of the module's backward node
     backward_calls: dict[str, list[int]] = {}  # module base -> its backward call numbers (one pass, not per entry)
     for k in nodes:
@@ -175,8 +177,8 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
             continue
         n = int(m.group("n")) if m.group("n") is not None and int(m.group("n")) in backs else backs[-1]
         parent = f"{base}.backward.{n}"
-        nodes[name] = Node(name, MODULE, parent=parent)
-        nodes[parent].children.append(name)
+        nodes[name] = Node(name, MODULE, parent=nodes[parent].name)
+        _adopt(nodes[parent], name)
     _group_root_apis(nodes)
     for node in nodes.values():
         if node.type == COLLECTION:
@@ -198,6 +200,14 @@ def build_graph(dump: Dump, *, data_source: str = "NPU", step: int = 0, rank: in
 
         data_dir = os.path.join(dump.folder, "dump_tensor_data")
     return Graph(nodes, data_source, step, rank, data_dir)
+
+
+def _adopt(parent: Node, name: str) -> None:
+    """Append ``name`` to ``parent``'s children (its list made on the first)."""
+    if isinstance(parent.children, list):
+        parent.children.append(name)
+    else:
+        parent.children = [*parent.children, name]
 
 
 def _group_root_apis(nodes: dict[str, Node]) -> None:

@@ -96,7 +96,7 @@ def compare_graphs(target: Graph, bench: Graph, report: CompareReport, *, fuzzy:
         node = target.nodes[t_name]
         if node.type == COLLECTION or t_name == ROOT:
             continue
-        annotate(node, node.input_data, node.output_data, rows, verdicts.get(t_name), report.mode)
+        annotate(node, node.input_data or {}, node.output_data or {}, rows, verdicts.get(t_name), report.mode)
     _roll_up(target, ROOT, pairs)
     return pairs
 

@@ -225,8 +225,8 @@ def node_row(g: Graph, node, stack_id: str, input_data: dict | None = None, outp
             node.micro_step, _ascii(list(link)) if link else "[]", stack_id,
             _encode(node.merge_info) if node.merge_info else "",
             _ascii(node.matched_distributed) if node.matched_distributed else "{}", 0,
-            text(node.input_data if input_data is None else input_data),
-            text(node.output_data if output_data is None else output_data), g.data_source, g.dump_data_dir,
+            text((node.input_data or {}) if input_data is None else input_data),
+            text((node.output_data or {}) if output_data is None else output_data), g.data_source, g.dump_data_dir,
             g.step, g.rank, int(node.name.startswith("Distributed")))
 
 

@@ -42,14 +42,19 @@ def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> tuple
     :class:`~msprobe_ci.dump.scan.NameCheck`, ``None`` where the names were parsed)."""
     folder = os.path.dirname(file)
     names = scan_names(file)
-    check = None if names is None else NameCheck(file, names)
     data = dict.fromkeys(names) if names is not None else {name: None for name, _ in iter_items(file)}
     dump = Dump(folder=folder, task=str(head.get("task", "statistics")), level=str(head.get("level", "")),
                 data=data, construct=read_construct(folder))
     graph = build_graph(dump, data_source=source, step=step, rank=rank)
     if not dump.data:  # a structure-only graph: the in-memory path draws it (the node stream needs entries)
         raise NotStreamable(f"{file}: no entries in data")
-    return graph, check
+    del dump, data
+    if names is None:
+        return graph, None
+    nodes = graph.nodes
+    # the names held for the check are the nodes' own name objects where there is a node: one copy of each name
+    names = [nodes[n].name if n in nodes else n for n in names]
+    return graph, NameCheck(file, names)
 
 
 class _Side:
