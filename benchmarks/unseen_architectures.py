@@ -102,11 +102,11 @@ def main() -> None:
                         if unapplied:
                             continue
                         total += 1
-                        first = rep.first_divergence
+                        first = rep.first_divergence  # a failing CompareResult is falsy: compare it with None
                         if first is not None and first.name == node:
                             exact += 1
                         else:
-                            misses.append((node, first.name if first else None))
+                            misses.append((node, first.name if first is not None else None))
                     print(f"{kernel:<10} {kind:<10} {dname} seed {seed}: benign errors {errors[:2]} {bad}  "
                           f"faults exact {exact}/{total} {misses[:2]}", flush=True)
 

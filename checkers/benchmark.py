@@ -13,7 +13,8 @@ the same kind. Two things keep them true whatever kernel plays the bench:
 * with an error ``scale`` per element (:mod:`msprobe_ci.kernels`: the random-walk size of the rounding the
   arithmetic allows at that element), relative errors are measured against ``max(|oracle|, scale)``: where the
   arithmetic cancels (a LayerNorm output next to its bias, a weight gradient summed over the batch) a kernel's
-  error is of the size of the terms, not of the result, for every kernel alike.
+  error is of the size of the terms, not of the result, for every kernel alike; a small value (judged by its
+  absolute error) may carry one rounding of its row's terms at the accumulation roundoff (fp32 up to fp32).
 
 A target no worse than a typical kernel of its dtype then passes against the most accurate bench, and a fault of a
 few units of roundoff on every element (2% in bf16 is 5 of them) moves the mean relative error past ratio 2."""

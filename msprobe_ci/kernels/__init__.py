@@ -41,7 +41,9 @@ the dtype's unit roundoff ``u``: the API is run in fp64 (forward, and the backwa
   roundoff) and elementwise math runs in fp32 (PyTorch's ``opmath_t``; GPU and NPU kernels alike);
 * intermediates are held in the target dtype only where a kernel is known to hold them there, each with its
   source: a fused attention's probabilities and their gradient (:data:`ATTENTION_HELD`), and PyTorch's own CPU
-  half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only).
+  half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only); a flash
+  attention backward reads the output it stored in the target dtype for ``D = rowsum(dO * O)``, whose rounding a
+  query's whole row shares (``modes._stored_output_terms``).
 
 Each rounding is a random error of RMS ``u / sqrt(3)`` (:data:`ROUNDING_RMS`; a random sign times a magnitude
 on ``[0.5, 1.5]`` of it, :func:`jitter`), and ``scale = rms over draws
