@@ -4,11 +4,13 @@ reentrant activation checkpointing, against the fp32 bench, through ``msprobe.ch
 that this script writes into a temporary folder and runs with the installed plugin.
 
     python benchmarks/gpt2_small_amp.py [--bench-kernel upcast] [--autocast bf16] [--tokens 1024]
-                                        [--fault Functional.scaled_dot_product_attention:5:backward:1.01]
+                                        [--fault Functional.scaled_dot_product_attention:17:backward:1.01]
 
-``--fault API:CALL:DIRECTION:SCALE`` injects one scale fault on the target at step 1 (a fault file, ``inject``). Prints the
-gate's summary lines per step (nodes, pass/error, first divergence), the failure's first lines and pytest's exit
-status; a benign run must pass, a fault run must name the faulty call first.
+``--fault API:CALL:DIRECTION:SCALE`` injects one scale fault on the target at step 1 (a fault file, ``inject``).
+With reentrant checkpointing a layer's backward runs on its recomputed forward: the attention calls whose backward
+is judged are 12 to 23 (the last layer first). Prints the gate's summary lines per step (nodes, pass/error,
+first divergence), the failure's first lines and pytest's exit status; a benign run must pass, a fault run must
+name the faulty call first.
 """
 
 from __future__ import annotations

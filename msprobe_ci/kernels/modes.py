@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
 import threading
 import warnings
 from typing import Any
@@ -437,14 +437,15 @@ def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, eta: fl
     """What a flash attention backward adds to the gradients of ``Q``, ``K`` (and a float mask) by reading the
     forward output ``O`` as it stored it, rounded to the target dtype, in ``D = rowsum(dO * O)``
     (FlashAttention-2's backward preprocessing, PyTorch's CPU ``cpu_flash_attention_backward``, the NPU's fused
-    attention all take the stored output). ``D`` is off by ``dD_i = dO_i . dO_rounding_i``, the same for every key
-    of a query row, so ``dS = P * (dP - D)`` is off by ``-P_ij dD_i``: a term whose row does not sum to 0, which
-    exact math's gradients never carry, and which adds up coherently over the keys (``dQ_i`` is off by
-    ``-scale dD_i (P K)_i``), where the exact gradient averages out over them. With a long sequence the exact
+    attention all take the stored output). ``D`` is off by ``dD_i = dO_i . e_i`` (``e_i``: the rounding of
+    ``O_i``), the same for every key of a query row, so ``dS = P * (dP - D)`` is off by ``-P_ij dD_i``: a term
+    whose row does not sum to 0, which exact math's gradients never carry, and which adds up coherently over the
+    keys (``dQ_i`` is off by ``-scale dD_i (P K)_i``), where the exact gradient averages out over them. With a long sequence the exact
     ``dQ`` shrinks and this term stays: GPT-2 small's attention backward at 1024 tokens under bf16 autocast
     failed 11 of its 12 layers against the ``upcast`` bench without it (max relative error ratio up to 43, mean
-    2.9; with it at most 4.7 and 0.67; ``docs/verdicts.md``). ``O``'s rounding is one rounding of RMS ``eta`` per element, drawn from
-    ``generator``; returns one term per leaf, ``None`` where a leaf needs no gradient or gets none from here."""
+    2.9; with it at most 4.7 and 0.67; ``docs/verdicts.md``). ``O``'s rounding is one rounding of RMS ``eta`` per
+    element, so ``dD_i`` has RMS ``eta * |dO_i * O_i|``, drawn from ``generator``. Returns one term per leaf,
+    ``None`` where a leaf needs no gradient or gets none from here."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     terms: list = [None] * len(leaves)
