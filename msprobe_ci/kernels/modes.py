@@ -422,30 +422,32 @@ class _FusedAttention(torch.autograd.Function):
             want = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
             _inside().append(ATTENTION_HELD)
             try:
-                out = _attention_math(*leaves, **ctx.kwargs)
+                out, probs = _attention_math(*leaves, weights=True, **ctx.kwargs)
                 got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
             finally:
                 _inside().pop()
         grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
         grads = [g if g is None or d is None else g + d
-                 for g, d in zip(grads, _stored_output_terms(leaves, ctx.kwargs, grad, *ctx.eta_gen))]
+                 for g, d in zip(grads, _stored_output_terms(leaves, ctx.kwargs, grad, out.detach(), probs.detach(),
+                                                             *ctx.eta_gen))]
         return (None, None, *[_round_out(g, *ctx.eta_gen) if g is not None else None for g in grads])
 
 
-def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, eta: float,
-                         generator: torch.Generator) -> list:
+def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, out: torch.Tensor, probs: torch.Tensor,
+                         eta: float, generator: torch.Generator) -> list:
     """What a flash attention backward adds to the gradients of ``Q``, ``K`` (and a float mask) by reading the
     forward output ``O`` as it stored it, rounded to the target dtype, in ``D = rowsum(dO * O)``
     (FlashAttention-2's backward preprocessing, PyTorch's CPU ``cpu_flash_attention_backward``, the NPU's fused
     attention all take the stored output). ``D`` is off by ``dD_i = dO_i . e_i`` (``e_i``: the rounding of
     ``O_i``), the same for every key of a query row, so ``dS = P * (dP - D)`` is off by ``-P_ij dD_i``: a term
     whose row does not sum to 0, which exact math's gradients never carry, and which adds up coherently over the
-    keys (``dQ_i`` is off by ``-scale dD_i (P K)_i``), where the exact gradient averages out over them. With a long sequence the exact
-    ``dQ`` shrinks and this term stays: GPT-2 small's attention backward at 1024 tokens under bf16 autocast
-    failed 11 of its 12 layers against the ``upcast`` bench without it (max relative error ratio up to 43, mean
-    2.9; with it at most 4.7 and 0.67; ``docs/verdicts.md``). ``O``'s rounding is one rounding of RMS ``eta`` per
-    element, so ``dD_i`` has RMS ``eta * |dO_i * O_i|``, drawn from ``generator``. Returns one term per leaf,
-    ``None`` where a leaf needs no gradient or gets none from here."""
+    keys (``dQ_i`` is off by ``-scale dD_i (P K)_i``), where the exact gradient averages out over them. With a
+    long sequence the exact ``dQ`` shrinks and this term stays: GPT-2 small's attention backward at 1024 tokens
+    under bf16 autocast failed 11 of its 12 layers against the ``upcast`` bench without it (max relative error
+    ratio up to 43, mean 2.9; with it at most 4.7 and 0.67; ``docs/verdicts.md``). ``O``'s rounding is one
+    rounding of RMS ``eta`` per element, so ``dD_i`` has RMS ``eta * |dO_i * O_i|``, drawn from ``generator``.
+    ``out`` and ``probs``: the output and the probabilities the backward recomputed (its draw's own roundings in
+    them). Returns one term per leaf, ``None`` where a leaf needs no gradient or gets none from here."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     terms: list = [None] * len(leaves)
@@ -457,9 +459,6 @@ def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, eta: fl
     scale = kwargs.get("scale")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
     with _disable_current_modes(), torch.no_grad():
-        out, probs = torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, mask, 0.0, bool(kwargs.get("is_causal", False)), None, scale=scale,
-            enable_gqa=bool(kwargs.get("enable_gqa", False)))
         # the sum of a row's roundings, drawn whole: its RMS ``eta * |dO * O|`` (independent roundings) times one
         # error of RMS 1 with a magnitude on [0.5, 1.5] (:func:`jitter`), so that few draws never estimate a row
         # far under its size (every element of a query's dQ row shares it: no row floor pools it)
@@ -480,9 +479,12 @@ def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, eta: fl
     return terms
 
 
-def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
-                                                              scale=scale, enable_gqa=enable_gqa)[0]
+def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    weights=False):
+    """The attention's output (``weights``: and its probabilities) by PyTorch's math path."""
+    res = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                             scale=scale, enable_gqa=enable_gqa)
+    return res if weights else res[0]
 
 
 def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
