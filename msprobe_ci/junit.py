@@ -2,7 +2,7 @@
 it has no per-testcase properties, so they are added to each ``<testcase>`` after rendering).
 
 Torch-free and pytest-free: the plugin (:mod:`msprobe_ci.pytest_plugin.junit`) builds its suites from its check
-summaries, the CLI from its :class:`~msprobe_ci.replay.runner.ApiResult` list; both write here.
+summaries, the CLI from its :class:`~msprobe_ci.replay.result.ApiResult` list; both write here.
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device:
     :func:`run` returns it."""
     from .capture.inject import parse_faults
     from .replay.repro import record_of
-    from .replay.runner import ApiReplayer, parse_name, resolve
+    from .replay.apis import parse_name, resolve
+    from .replay.runner import ApiReplayer
 
     r = spec["replayer"]
     node = spec["node"]

@@ -80,7 +80,7 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
                      f"| {_cell(r.get('overflow_first') or 'none') if r.get('overflow_failed') else 'none'} |")
     budgets = [(r, r["isolation_budget"]) for r in results if r.get("isolation_budget")]
     if budgets:
-        from ..compare.isolated import describe_budget
+        from ..compare.isolation_file import describe_budget
 
         lines += [""] + [f"- {_cell(r['test'])} {r['index']}: {describe_budget(b)}" for r, b in budgets]
     if results:

@@ -69,7 +69,7 @@ def test_benign_half_precision_target_passes(tmp_path, llama, dtype, kernel):
     iso = [n for n in report.nodes if n.metrics.get("isolated")]
     assert len(iso) > 50  # forward and backward API calls were judged, not skipped
     assert any(n.name.endswith(".backward") for n in iso)
-    from msprobe_ci.compare.isolated import load_isolation
+    from msprobe_ci.compare.isolation_file import load_isolation
 
     records = load_isolation(tdump.folder)
     bench_judged = [r for r in records.values() if r.get("standard") == "benchmark"]
@@ -104,7 +104,7 @@ def test_fault_is_named_exactly_and_nothing_else_fails(tmp_path, llama, fault, n
 def test_a_fault_that_never_fires_changes_no_verdict(tmp_path, llama, kernel):
     """The judge reads tensors, never the fault plan: with a fault file whose only fault never fires, every
     isolation record has the status, standard, metric and value it has with no fault file at all."""
-    from msprobe_ci.compare.isolated import load_isolation
+    from msprobe_ci.compare.isolation_file import load_isolation
 
     _, plain = _check(tmp_path / "plain", llama, "bf16", kernel=kernel)
     never = Fault("Functional.linear", 999, "forward", "scale", 1.5)
@@ -142,7 +142,7 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
         cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
         report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=cast_u))
         assert _api_errors(report) == ([node] if node else [])
-        from msprobe_ci.compare.isolated import load_isolation
+        from msprobe_ci.compare.isolation_file import load_isolation
 
         records[where] = {k: (r["status"], r.get("standard")) for k, r in load_isolation(tdump.folder).items()}
     assert len(records["target"]) > 50 and records["target"] == records["cpu"]
@@ -268,7 +268,7 @@ def test_training_mode_with_dropout_passes(tmp_path, level):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     report, tdump = _run(tmp_path, (model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss), level)
     assert [n.name for n in report.nodes if n.status == "error"] == []
-    from msprobe_ci.compare.isolated import load_isolation
+    from msprobe_ci.compare.isolation_file import load_isolation
 
     records = load_isolation(tdump.folder)
     if level == "mix":

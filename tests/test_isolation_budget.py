@@ -232,7 +232,7 @@ def test_a_left_out_call_keeps_the_drift_verdict_and_rolls_up():
 
 
 def test_isolation_json_holds_the_budget_and_the_compare_reads_it(tmp_path):
-    from msprobe_ci.compare.isolated import describe_budget, load_budget
+    from msprobe_ci.compare.isolation_file import describe_budget, load_budget
 
     assert load_budget(str(tmp_path)) is None
     (tmp_path / "isolation.json").write_text(json.dumps({"version": 1, "budget": {

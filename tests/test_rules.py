@@ -986,9 +986,9 @@ def test_isolation_files_and_replayed_records(tmp_path):
     import json
 
     from msprobe_ci.checkers import CheckResult
-    from msprobe_ci.compare.isolated import ISOLATION_FILE, _float, _fmt, is_tensor_dump, load_isolation, \
-        replay_isolation
-    from msprobe_ci.replay.runner import ApiResult
+    from msprobe_ci.compare.isolated import _float, _fmt, is_tensor_dump, replay_isolation
+    from msprobe_ci.compare.isolation_file import ISOLATION_FILE, load_isolation
+    from msprobe_ci.replay.result import ApiResult
 
     assert ISOLATION_FILE == "isolation.json" and load_isolation(str(tmp_path)) is None
     path = tmp_path / "isolation.json"

@@ -149,9 +149,9 @@ def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
     """A flash backward computes ``D = rowsum(dO * O)`` from the output it stored in bf16: ``D``'s rounding is
     the same for every key of a query row, so ``dQ`` carries it coherently while the exact ``dQ`` averages out
     over a long, diffuse attention (GPT-2 at init: values with a mean, near-uniform probabilities). The budget
-    models it (``kernels.modes._stored_output_terms``): PyTorch's CPU flash kernel passes against the correctly
+    models it (``kernels.attention._stored_output_terms``): PyTorch's CPU flash kernel passes against the correctly
     rounded bench; without the term its ``dQ`` fails; a 1% fault on the backward still fails."""
-    from msprobe_ci.kernels import modes
+    from msprobe_ci.kernels import attention
 
     g = torch.Generator().manual_seed(5)
     sdpa, name = F.scaled_dot_product_attention, "scaled_dot_product_attention"
@@ -173,7 +173,7 @@ def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
     assert all(r.status == "pass" for r in judged(target)), [r.message for r in judged(target)]
     faulty = judged([(t.double() * 1.01).bfloat16() for t in target])
     assert faulty[2].status == "error", faulty[2].message  # dV, where the fault is not drowned in cancellation
-    monkeypatch.setattr(modes, "_stored_output_terms", lambda leaves, *a: [None] * len(leaves))
+    monkeypatch.setattr(attention, "_stored_output_terms", lambda leaves, *a: [None] * len(leaves))
     without = judged(target)
     assert without[0].status == "error" and without[0].passing["max_rel_err"] > 10, without[0].message
 

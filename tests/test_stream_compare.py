@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -65,6 +66,25 @@ def test_streaming_gives_the_in_memory_csv_and_verdicts(gpt2_pair, tmp_path):
     names = list(data)
     pg = next(n for n in names if n.endswith(".parameters_grad.0") or ".parameters_grad" in n)
     assert any(n.startswith(pg.split(".parameters_grad")[0]) and ".backward" in n for n in names[names.index(pg):])
+
+
+def test_streamed_node_verdicts_are_the_in_memory_ones_metric_for_metric(gpt2_pair):
+    """Each node's verdict, its metrics included (a gradient's cancellation allowance reads its forward twin's
+    shapes and norms, which the stream keeps in a compact form until the backward call is judged), is the
+    in-memory compare's."""
+    from msprobe_ci.compare.stream import NodeStream, stream_files
+
+    target, bench = gpt2_pair
+    files, heads = stream_files(str(target), str(bench))
+    streamed = {name: node for name, _, node in NodeStream(files, heads)}
+    loaded = {n.name: n for n in compare_dumps(bench=load_dump(bench), target=load_dump(target)).nodes}
+    assert streamed.keys() == loaded.keys() and len(streamed) > 100
+    conditioned = 0
+    for name, node in streamed.items():
+        assert (node.status, node.message, node.metrics) == (loaded[name].status, loaded[name].message,
+                                                           loaded[name].metrics), name
+        conditioned += "cancellation" in node.message  # verdict.judge words a condition above 1
+    assert conditioned, "some gradient's allowance comes from its twin's shapes"
 
 
 def test_cli_compare_streams_and_fails_naming_the_first_divergence(gpt2_pair, tmp_path, capsys):
@@ -489,6 +509,32 @@ def test_a_wrong_claim_of_names_falls_back_to_the_in_memory_graph(gpt2_pair, tmp
         streamed, loaded = _both_graphs(tmp_path, target, bench)
     assert calls and check.called and streamed == loaded
     assert "NPU_0_0_Functional.relu.999.forward" not in streamed[0]
+
+
+@pytest.mark.parametrize("side", ["target", "bench", "build"])
+def test_a_name_given_twice_is_an_error_on_the_streamed_graph(gpt2_pair, tmp_path, side):
+    """The streamed graph keeps no set of every entry name (the skeleton's names are checked for repeats instead,
+    and the stream is held to them): a dump.json naming one entry twice, in msprobe's indent=1 layout whose names
+    are read off the first lines, is still refused with the in-memory reader's one-line error, and no graph is
+    left."""
+    from msprobe_ci.dump import scan
+    from msprobe_ci.graph import build_vis_db, compare_vis_db
+
+    t, bench = _copy(gpt2_pair, tmp_path)
+    folder = bench if side == "bench" else t
+    raw = json.loads((folder / "dump.json").read_text())
+    names = list(raw["data"])
+    text = json.dumps(raw, indent=1).replace(f'\n  {json.dumps(names[3])}:', f'\n  {json.dumps(names[2])}:', 1)
+    (folder / "dump.json").write_text(text)
+    assert scan.scan_names(str(folder / "dump.json")).count(names[2]) == 2
+    out = tmp_path / "o"
+    out.mkdir()
+    with pytest.raises(MsprobeError, match=rf"^\S*dump.json: duplicate key '{re.escape(names[2])}'"):
+        if side == "build":
+            build_vis_db(str(t), str(out))
+        else:
+            compare_vis_db(str(t), str(bench), str(out))
+    assert not os.listdir(out)
 
 
 def test_graph_of_dumps_without_entries_is_drawn_from_the_structure(tmp_path):

@@ -46,7 +46,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         "test_every_kind_each_step_the_rest_rotating_deterministically",
         "test_the_factor_holds_within_a_step_and_the_share_follows_what_was_spent",
         "test_a_factor_that_is_not_above_one_is_refused_in_one_line", "test_the_budgets_figures_and_rules_exactly")]),
-    "isolated": (["msprobe_ci/compare/isolated.py"], [
+    "isolated": (["msprobe_ci/compare/isolated.py", "msprobe_ci/compare/isolation_file.py"], [
         "tests/test_rules.py",
         "tests/test_isolation.py::test_scalar_sources_match_constants_by_role_and_clamps_at_the_top_of_the_range"]),
 }
@@ -192,8 +192,8 @@ EQUIVALENT: dict[str, str] = {
     "msprobe_ci.judge.allowances.x_accumulation_floor__mutmut_36": _OUT,
     "msprobe_ci.judge.allowances.x_accumulation_floor__mutmut_37": _OUT,
     "msprobe_ci.judge.allowances.x_accumulation_scale__mutmut_24": "sum/mean/cumsum always return a tensor",
-    # compare/isolated.py
-    **{f"msprobe_ci.compare.isolated.x_load_isolation__mutmut_{i}": _UTF8 for i in (9, 11, 13)},
+    # compare/isolated.py, compare/isolation_file.py
+    **{f"msprobe_ci.compare.isolation_file.x_load_isolation__mutmut_{i}": _UTF8 for i in (9, 11, 13)},
     "msprobe_ci.compare.isolated.x__call_site__mutmut_10": _FIRST_LINE,
     "msprobe_ci.compare.isolated.x__call_site__mutmut_14": _FIRST_LINE,
     "msprobe_ci.compare.isolated.x__call_site__mutmut_16": "rstrip of a set of characters that holds ','",

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._perf import gc_paused, release_free_memory
 from ..errors import MsprobeError
-from ..compare.isolated import describe_budget, load_budget
+from ..compare.isolation_file import describe_budget, load_budget
 from ..judge.settings import JudgeSettings
 
 
@@ -90,7 +90,8 @@ def judge_dumps(bench_dump, target_dump, settings: JudgeSettings = JudgeSettings
         MsprobeError: incompatible dumps.
     """
     from ..compare import compare_dumps
-    from ..compare.isolated import apply_isolation, is_tensor_dump, load_isolation, replay, replay_isolation
+    from ..compare.isolated import apply_isolation, is_tensor_dump, replay, replay_isolation
+    from ..compare.isolation_file import load_isolation
 
     s = settings
     report = compare_dumps(bench=bench_dump, target=target_dump, fuzzy=s.fuzzy, thresholds=s.thresholds,
@@ -239,7 +240,7 @@ class CheckOutcome:
         coverage: the target dump's ``coverage.json`` (:func:`read_coverage`): the share of floating-point work
             inside captured APIs and the uncaptured ops; ``None`` where the dump has none (L0, made elsewhere).
         isolation_budget: budgeted isolation's figures of the target's step (calls, judged, API kinds, factor
-            asked and measured; :func:`msprobe_ci.compare.isolated.load_budget`), or ``None``: every call isolated.
+            asked and measured; :func:`msprobe_ci.compare.isolation_file.load_budget`), or ``None``: every call isolated.
     """
 
     report: Any

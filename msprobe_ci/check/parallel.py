@@ -228,7 +228,7 @@ def evaluate_merged(bench: str, target: str, out_dir: str, settings: JudgeSettin
     Raises:
         MsprobeError: unreadable dumps, or layouts that do not fit the rank folders.
     """
-    from ..compare.isolated import load_isolation
+    from ..compare.isolation_file import load_isolation
     from ..compare.merge import merge_isolation, merged_pairs
     from ..overflow import check_overflow, new_overflows
     from .outcome import CheckOutcome, judge_dumps, merge_coverage, read_coverage

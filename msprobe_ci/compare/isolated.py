@@ -25,7 +25,6 @@ from :mod:`.verdict`) and the target's ``isolation.json`` (written by capture wi
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import replace
@@ -33,32 +32,10 @@ from typing import Any
 
 from ..dtypes import finite_max
 from ..dump import names
-from ..errors import MsprobeError
 from .verdict import CompareResult, unit_roundoff
 
-ISOLATION_FILE = "isolation.json"
 _STAT_U = 2.0 ** -24  # capture takes the statistics of fp32, fp16 and bf16 tensors in fp32 (fp64's in fp64)
 _FINFO_CONSTANTS: dict[float, frozenset] = {}
-
-
-def load_isolation(folder: str) -> dict | None:
-    """``{node: record}`` from ``folder/isolation.json``, or ``None`` when the dump has none.
-
-    Raises:
-        MsprobeError: the file exists but is not an isolation record.
-    """
-    path = os.path.join(folder, ISOLATION_FILE)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise MsprobeError(f"{path}: not readable JSON ({exc})") from None
-    nodes = raw.get("nodes") if isinstance(raw, dict) else None
-    if not isinstance(nodes, dict) or not all(isinstance(v, dict) for v in nodes.values()):
-        raise MsprobeError(f"{path}: expected {{'nodes': {{name: record}}}}")
-    return nodes
 
 
 def _in_place(name: str) -> bool:
@@ -67,46 +44,11 @@ def _in_place(name: str) -> bool:
     return len(parts) > 1 and parts[1].endswith("_") and not parts[1].endswith("__")
 
 
-def load_budget(folder: str) -> dict | None:
-    """The budgeted isolation's figures of the step in ``folder/isolation.json`` (its ``budget`` block,
-    :meth:`msprobe_ci.isolate.budget.IsolationBudget.summary`), read without the nodes that follow it; ``None``
-    where there is no file, no block, or the block is not a mapping."""
-    import ijson
-
-    path = os.path.join(folder, ISOLATION_FILE)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as fh:
-            block = next(ijson.items(fh, "budget", use_float=True), None)
-    except (OSError, ijson.JSONError):
-        return None
-    return block if isinstance(block, dict) else None
-
-
-def describe_budget(budget: dict) -> str:
-    """One line for a step's budget figures (:func:`load_budget`): what was judged on its own inputs, what by the
-    drift rule, and what the isolation cost."""
-    calls, judged = int(budget.get("calls") or 0), int(budget.get("judged") or 0)
-    share = judged / calls if calls else 1.0
-    measured = budget.get("measured_factor")
-    cost = ""
-    if isinstance(measured, (int, float)):
-        cost = f"; isolation cost {measured:.2f}x the capture alone"
-        factor = budget.get("factor")
-        if isinstance(factor, (int, float)) and measured > factor and judged <= int(budget.get("kinds") or 0):
-            cost += " (above the factor asked: judging every API kind once a step costs that much here)"
-        elif isinstance(factor, (int, float)) and measured > factor:
-            cost += " (above the factor asked: the step's time is measured as it goes; the next step's share adapts)"
-    return (f"budgeted isolation (factor {budget.get('factor')}): {judged} of {calls} API calls judged on their own "
-            f"inputs ({share:.0%}: the first of each of {budget.get('kinds')} API kinds, the rest rotating over steps, "
-            f"seed {budget.get('seed')!r}); the other {calls - judged} judged by the drift rule{cost}")
-
 def replay(target, bench_kernel: str = "device", standards: dict | None = None,
            thresholds: dict | None = None) -> list:
     """Every dumped API call of a tensor dump, forward and backward, replayed on CPU on its dumped inputs against
     the oracle and judged by its own standard (:class:`~msprobe_ci.replay.ApiReplayer`, the per-API pre-check):
-    one :class:`~msprobe_ci.replay.runner.ApiResult` each; a call that cannot be replayed (no such API here, a
+    one :class:`~msprobe_ci.replay.result.ApiResult` each; a call that cannot be replayed (no such API here, a
     communication op, a missing tensor file) is a skip with its reason. Empty for a dump that is not PyTorch's
     (no MindSpore here)."""
     from ..replay import ApiReplayer
@@ -123,7 +65,7 @@ def replay_isolation(results: list) -> dict[str, dict] | None:
     replayed (:func:`replay`): the verdict of each is its record, as a live capture's would be.
 
     Returns:
-        ``{node: record}`` in :func:`load_isolation`'s form, ``replayed`` set in each record; ``None`` where
+        ``{node: record}`` in :func:`~msprobe_ci.compare.isolation_file.load_isolation`'s form, ``replayed`` set in each record; ``None`` where
         nothing could be judged, so the drift rule decides rather than every node passing as "not isolated".
     """
     from ..isolate import verdict_fields
@@ -212,7 +154,7 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
 
     Args:
         report: the :class:`~msprobe_ci.compare.CompareReport` of the target against the bench.
-        isolation: the target's isolation records (:func:`load_isolation`).
+        isolation: the target's isolation records (:func:`~msprobe_ci.compare.isolation_file.load_isolation`).
         construct: the target's construct.json (``{node: parent}``) for the module roll-up.
         source_factor: sources may differ by ``source_factor × u`` (default 4).
         cast_roundoff: unit roundoff of the dtypes the sides' models and inputs were cast to (a bf16 target's

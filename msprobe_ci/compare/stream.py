@@ -6,9 +6,10 @@ whole entries where the layout allows, else ``ijson``'s C backend, yajl2), pairs
 come (dumps of the same model list them in the same execution order; a bench entry not yet needed waits in a window,
 and is dropped once matched), judges each node with the same rules as the in-memory compare
 (:func:`msprobe_ci.compare.engine.compare_dumps`) and writes its CSV rows at once. Kept for the whole run: entry
-names (duplicate detection), per forward entry the relative errors and bench norms of its rows (what its backward
-twin and a module's ``parameters_grad`` judge their inputs by: a tuple of floats each, dropped for an API once its
-backward call is judged), the target's stack.json and the counts. Measured by ``benchmarks/scale.py``.
+names (duplicate detection; not where the caller has shown them unique, as the streamed graph does), per forward
+entry the relative errors, bench norms and shapes of its matched rows (what its backward twin and a module's
+``parameters_grad`` judge their inputs by: packed doubles and shared shape tuples, :func:`_twin`, dropped for an
+API once its backward call is judged), the target's stack.json and the counts. Measured by ``benchmarks/scale.py``.
 
 Each entry is validated against the dump schema as it is read (one-line errors naming file, entry and field);
 duplicate entry names are caught, duplicate keys *inside* one entry are not (the in-memory reader catches both).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
@@ -52,13 +54,14 @@ _API_PREFIXES = ("Functional.", "Torch.", "Tensor.", "Aten.", "Distributed.", "N
 
 
 class _TwinBench:
-    """What a twin's row keeps of its bench record: its L2 norm (``stats()[3]``), size and shape."""
+    """What a twin's row keeps of its bench record: its L2 norm (``stats()[3]``) and shape (its size follows)."""
 
     __slots__ = ("norm", "numel", "dims")
     is_tensor = True
 
-    def __init__(self, norm: float, numel: int, dims: list):
-        self.norm, self.numel, self.dims = norm, numel, dims
+    def __init__(self, norm: float, dims: tuple):
+        self.norm, self.dims = norm, dims
+        self.numel = math.prod(dims) if dims else 1  # a record's numel (rows.Row.numel), from its shape
 
     def stats(self):
         return (None, None, None, self.norm)
@@ -73,9 +76,29 @@ class _TwinTarget:
         self.side = side
 
 
-def _twin_row(r) -> tuple:
-    b = r.bench
-    return (r.error, drift.row_norm(b), r.target.side, b.numel, b.dims, r.norm_error)
+def _twin(own: list, shapes: dict[tuple, tuple]) -> tuple:
+    """What a forward entry keeps of its matched rows until its twins are judged, as compactly as Python holds it:
+    ``(packed, side, shape, side, shape, ...)``, ``packed`` each row's error, bench norm (``stats()[3]``) and norm
+    error as doubles (exact: they are Python floats), each shape one tuple shared by every row of that shape
+    (``shapes``) rather than the bench record's list. The forward twins held until their backward calls were a
+    quarter of a streamed graph's memory before (100k entries: 38 of 145 MB traced)."""
+    numbers: list[float] = []
+    refs: list = []
+    for r in own:
+        b = r.bench
+        if b is None:
+            continue
+        dims = tuple(b.dims)
+        numbers += (r.error, drift.row_norm(b), r.norm_error)
+        refs += (r.target.side, shapes.setdefault(dims, dims))
+    return (struct.pack(f"{len(numbers)}d", *numbers), *refs)
+
+
+def _twin_rows(twin: tuple) -> list[RowResult]:
+    """The rows :func:`_twin` kept, as the judge reads them."""
+    numbers = struct.unpack(f"{len(twin[0]) // 8}d", twin[0])
+    return [RowResult(_TwinTarget(twin[1 + 2 * i]), _TwinBench(numbers[3 * i + 1], twin[2 + 2 * i]), {},
+                      numbers[3 * i], numbers[3 * i + 2]) for i in range(len(numbers) // 3)]
 
 
 def _first_tensor_md5(entry: Any) -> bool | None:
@@ -123,7 +146,8 @@ class NodeStream:
     ``on_target(name, entry)`` and ``on_bench(name, entry, rows)`` see every entry as it is read (validated; ``rows``
     its :func:`~msprobe_ci.compare.rows.entry_rows`);
     ``drain_bench`` reads the bench to its end after the target's last entry (so ``on_bench`` sees every bench
-    entry, matched or not).
+    entry, matched or not); ``unique`` (target, bench): the caller has shown that side's entry names unique
+    (:func:`~msprobe_ci.dump.scan.iter_entries`); ``target_stack``: the target's stack.json as read by the caller.
 
     Raises (on construction or while iterating):
         MsprobeError: bad dumps (one line naming the file and entry) or tasks that cannot be compared.
@@ -131,13 +155,14 @@ class NodeStream:
     """
 
     def __init__(self, files: list[str], heads: list[dict], thresholds: Thresholds | None = None, *, bar=None,
-                 on_target=None, on_bench=None, drain_bench: bool = False):
+                 on_target=None, on_bench=None, drain_bench: bool = False, unique: tuple[bool, bool] = (False, False),
+                 target_stack: dict | None = None):
         self.th = thresholds or Thresholds()
         self.files = files
         self._on_target, self._on_bench, self._drain = on_target, on_bench, drain_bench
         t_head, b_head = heads
-        self._targets = iter_entries(files[0], t_head, bar)
-        self._benches = iter_entries(files[1], b_head)
+        self._targets = iter_entries(files[0], t_head, bar, unique=unique[0])
+        self._benches = iter_entries(files[1], b_head, unique=unique[1])
         self._window: dict[str, Any] = {}  # bench entries read ahead, by renumbered name
         self._bench_done = False
         self._b_seen: dict[str, int] = {}
@@ -161,7 +186,8 @@ class NodeStream:
             self._t_dump = Dump(folder=os.path.dirname(files[0]), task=t_task, level="", data={})
             self._b_dump = Dump(folder=os.path.dirname(files[1]), task=b_task, level="", data={})
         self.report = CompareReport(mode=self.mode, rows=[], nodes=[],
-                                           target_stack=read_stack(os.path.dirname(files[0])), thresholds=self.th)
+                                    target_stack=read_stack(os.path.dirname(files[0])) if target_stack is None
+                                    else target_stack, thresholds=self.th)
         self._first = (first_t, first_key, first_b)
 
     def _bench_for(self, key: str):
@@ -182,7 +208,8 @@ class NodeStream:
         from ..dump.names import parse
 
         mode, th, t_dump, b_dump = self.mode, self.th, self._t_dump, self._b_dump
-        twins: dict[str, tuple] = {}       # forward/module entry -> ((error, bench norm) per row)
+        twins: dict[str, tuple] = {}       # forward/module entry -> its matched rows (_twin)
+        shapes: dict[tuple, tuple] = {}    # one tuple per distinct shape, shared by the twins' rows
         queue: list[list] = []             # [name, own rows, node or None, twin names awaited], in dump order
         head = 0
         first_error: str | None = None
@@ -211,9 +238,7 @@ class NodeStream:
 
         def node_of(slot: list) -> None:
             name, own = slot[0], slot[1]
-            by_entry = {tw: [RowResult(_TwinTarget(side), _TwinBench(norm, numel, dims), {}, err, nerr)
-                             for err, norm, side, numel, dims, nerr in twins[tw]]
-                        for tw in drift.twin_entries(name) if tw in twins}
+            by_entry = {tw: _twin_rows(twins[tw]) for tw in drift.twin_entries(name) if tw in twins}
             slot[2] = drift.judge_node(name, own, by_entry, mode, th, slot[4])
             if name.startswith(_API_PREFIXES) and name.endswith(".backward"):
                 for tw in by_entry:  # an API's forward twin serves its one backward call only
@@ -232,7 +257,7 @@ class NodeStream:
             if not awaited:  # a parameters_grad entry precedes its module's backward entry: it waits for it
                 node_of(slot)
             if p is not None and (p.direction == "forward" or p.kind == "module"):
-                twins[name] = tuple(_twin_row(r) for r in own if r.bench is not None)
+                twins[name] = _twin(own, shapes)
                 for waiting in queue[head:]:
                     if waiting[2] is None and name in waiting[3]:
                         waiting[3].remove(name)

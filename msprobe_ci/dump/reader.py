@@ -10,7 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import MsprobeError
 from .validate import validate_dump_json
@@ -235,9 +235,12 @@ def read_construct(folder: str) -> dict[str, Any]:
     return construct
 
 
-def read_stack(folder: str) -> dict[str, list[str]]:
+def read_stack(folder: str, canon: Callable[[str], str] | None = None) -> dict[str, list[str]]:
     """``{entry name: [frame strings]}`` from ``folder/stack.json`` (msprobe's grouped format
     ``{"0": [[names], [frames]], ...}`` inverted, or the older flat one); empty when there is none.
+
+    ``canon``: maps a name to the string object to key it by (a graph's own node name, so a 1M-entry stack.json does
+    not keep a second copy of every name; grouped format only).
 
     Raises:
         MsprobeError: malformed JSON, or a group that is not ``[[names], [frames]]``.
@@ -252,8 +255,10 @@ def read_stack(folder: str) -> dict[str, list[str]]:
                     if not (isinstance(group, list) and len(group) == 2 and isinstance(group[0], list)
                             and isinstance(group[1], list)):
                         raise MsprobeError(f"{stack_file}: entry {key!r}: expected [[names], [frames]]")
+                    frames = group[1]
                     for n in group[0]:
-                        stack[str(n)] = group[1]
+                        n = str(n)
+                        stack[n if canon is None else canon(n)] = frames
             else:
                 stack = raw_stack
     return stack

@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from ..compare.stream import NodeStream, progress_bar, stream_files
-from ..dump.scan import NameCheck, NotStreamable, iter_entries, iter_items, read_header, scan_names
+from ..dump.scan import NameCheck, NotStreamable, duplicate_key, iter_entries, iter_items, read_header, scan_names
 from ..dump.reader import Dump, layout, read_construct, read_stack
 from ..errors import MsprobeError
 from ..overflow import check_entry
@@ -36,25 +36,53 @@ from .db import VisDbWriter, _encode, node_row
 from .parts import RankPart, assemble, comm_graph
 
 
-def _skeleton(file: str, head: dict, source: str, step: int, rank: int) -> tuple[Graph, NameCheck | None]:
+def _skeleton(file: str, head: dict, source: str, step: int, rank: int,
+              like: Graph | None = None) -> tuple[Graph, NameCheck | None]:
     """The graph of one dump.json before its entries stream, from construct.json and the entry names (read from
     the entries' first lines, :func:`~msprobe_ci.dump.scan.scan_names`, checked as the entries stream: the
-    :class:`~msprobe_ci.dump.scan.NameCheck`, ``None`` where the names were parsed)."""
+    :class:`~msprobe_ci.dump.scan.NameCheck`, ``None`` where the names were parsed). ``like``: the other side's
+    graph, whose name objects this one's nodes take where the names are the same (a bench and its target share
+    nearly every name: one copy each, not two).
+
+    Raises:
+        MsprobeError: a name the first lines give twice (the stream then keeps no set of every name).
+    """
     folder = os.path.dirname(file)
+    canon = _canon(like) if like is not None else None
     names = scan_names(file)
+    if names is not None and canon is not None:
+        names = [canon(n) for n in names]
     data = dict.fromkeys(names) if names is not None else {name: None for name, _ in iter_items(file)}
+    if names is not None and len(data) != len(names):
+        seen: set[str] = set()
+        raise duplicate_key(file, next(n for n in names if n in seen or seen.add(n)))
+    construct = read_construct(folder)
+    if canon is not None:
+        construct = {canon(k): v for k, v in construct.items()}  # parents become their nodes' own names anyway
     dump = Dump(folder=folder, task=str(head.get("task", "statistics")), level=str(head.get("level", "")),
-                data=data, construct=read_construct(folder))
+                data=data, construct=construct)
     graph = build_graph(dump, data_source=source, step=step, rank=rank)
     if not dump.data:  # a structure-only graph: the in-memory path draws it (the node stream needs entries)
         raise NotStreamable(f"{file}: no entries in data")
-    del dump, data
+    del dump, data, construct
     if names is None:
         return graph, None
     nodes = graph.nodes
     # the names held for the check are the nodes' own name objects where there is a node: one copy of each name
     names = [nodes[n].name if n in nodes else n for n in names]
     return graph, NameCheck(file, names)
+
+
+def _canon(graph: Graph):
+    """A name as ``graph``'s own name object where it has that node (stack.json's keys,
+    :func:`~msprobe_ci.dump.reader.read_stack`, and the other side's skeleton take them: one copy of each name)."""
+    nodes = graph.nodes
+
+    def canon(name: str) -> str:
+        node = nodes.get(name)
+        return name if node is None else node.name
+
+    return canon
 
 
 class _Side:
@@ -68,7 +96,11 @@ class _Side:
         self.comm = comm              # Distributed entries, for cross-rank linking
         self.stacks: dict[str, str] = {}
         self._by_frames: dict[int, tuple[Any, str]] = {}  # id(frames list) -> (the list, its stack id)
-        self.written: set[str] = set()
+        self._written = bytearray(len(graph.nodes))  # by node order (post-order index: 0 .. n-1, each once)
+
+    def written(self, name: str) -> bool:
+        node = self.g.nodes.get(name)
+        return node is not None and self._written[node.order] == 1
 
     def _stack_id(self, name: str) -> str:
         frames = node_frames(self.stack, name)
@@ -101,21 +133,22 @@ class _Side:
     def write(self, name: str, inputs: dict, outputs: dict) -> None:
         node = self.g.nodes[name]
         self.out.add_node(node_row(self.g, node, self._stack_id(name), inputs, outputs, self._link(name)))
-        self.written.add(name)
+        self._written[node.order] = 1
 
     def entry(self, name: str, entry: Any, rows: list | None = None) -> None:
         """A node's entry (build graphs, the bench side): its rows as they are (``rows``: its
         :func:`~msprobe_ci.compare.rows.entry_rows`, when the caller has them)."""
         self.seen(name, entry)
-        if name in self.g.nodes and name not in self.written:
+        if name in self.g.nodes and not self.written(name):
             self.write(name, *(node_data(name, entry) if rows is None else rows_data(rows)))
 
     def rest(self) -> None:
         """Every node not written yet, with no data (after the last entry: every name the skeleton had seen)."""
         if self.names is not None:
             self.names.done()
+        written = self._written
         for node in self.g.post_order():
-            if node.name not in self.written:
+            if not written[node.order]:
                 self.write(node.name, {}, {})
 
 
@@ -125,19 +158,20 @@ def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
     :func:`~msprobe_ci.graph.parts.assemble`)."""
     (step, rank), files, heads, overflow, thresholds, progress = job
     tg, t_names = _skeleton(files[0], heads[0], "NPU", step, rank)
-    bg, b_names = _skeleton(files[1], heads[1], "Bench", step, rank)
+    bg, b_names = _skeleton(files[1], heads[1], "Bench", step, rank, like=tg)
     pairs = _match_exact(tg, bg)
     t_comm, b_comm = {}, {}
-    bench = _Side(bg, read_stack(os.path.dirname(files[1])), out, overflow, pairs, b_comm, b_names)
-    side = _Side(tg, {}, out, overflow, pairs, t_comm, t_names)
+    bench = _Side(bg, read_stack(os.path.dirname(files[1]), _canon(bg)), out, overflow, pairs, b_comm, b_names)
+    side = _Side(tg, read_stack(os.path.dirname(files[0]), _canon(tg)), out, overflow, pairs, t_comm, t_names)
     bar = progress_bar(files[0], "graph", progress)
     try:
+        # names the skeleton's NameCheck holds the stream to are unique (checked there): no set of them is kept
         nodes = NodeStream(files, heads, thresholds, bar=bar, on_target=side.seen, on_bench=bench.entry,
-                           drain_bench=True)
-        side.stack = nodes.report.target_stack
+                           drain_bench=True, unique=(t_names is not None, b_names is not None),
+                           target_stack=side.stack)
         for name, own, verdict in nodes:
             node = tg.nodes.get(name)
-            if node is None or name in side.written:
+            if node is None or side.written(name):
                 continue
             inputs, outputs = rows_data([rr.target for rr in own])
             if name in pairs and node.type != COLLECTION and name != ROOT:
@@ -147,8 +181,8 @@ def _compare_rank(out: VisDbWriter, job: tuple) -> RankPart:
         if bar is not None:
             bar.close()
     _roll_up(tg, ROOT, pairs)
-    out.update("precision_index", [(tg.nodes[n].precision_index, f"{tg.graph_id}_{n}")
-                                   for n in side.written if tg.nodes[n].type != API])
+    out.update("precision_index", [(n.precision_index, f"{tg.graph_id}_{n.name}")
+                                   for n in tg.nodes.values() if n.type != API and side.written(n.name)])
     side.rest()
     bench.rest()
     return RankPart((step, rank), nodes.mode, max(tg.micro_steps, bg.micro_steps),
@@ -185,8 +219,8 @@ def _build_rank(out: VisDbWriter, job: tuple) -> RankPart:
     (step, rank), folder, file, head, overflow = job
     comm: dict = {}
     g, names = _skeleton(file, head, "NPU", step, rank)
-    side = _Side(g, read_stack(folder), out, overflow, None, comm, names)
-    for name, entry in iter_entries(file, head):
+    side = _Side(g, read_stack(folder, _canon(g)), out, overflow, None, comm, names)
+    for name, entry in iter_entries(file, head, unique=names is not None):
         side.entry(name, entry)
     side.rest()
     return RankPart((step, rank), "statistics", g.micro_steps, {"NPU": comm_graph(g)}, {"NPU": comm})

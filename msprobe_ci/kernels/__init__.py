@@ -43,7 +43,7 @@ the dtype's unit roundoff ``u``: the API is run in fp64 (forward, and the backwa
   source: a fused attention's probabilities and their gradient (:data:`ATTENTION_HELD`), and PyTorch's own CPU
   half-precision kernels measured to keep half sums (:data:`CPU_HALF_HELD`, for a CPU target only); a flash
   attention backward reads the output it stored in the target dtype for ``D = rowsum(dO * O)``, whose rounding a
-  query's whole row shares (``modes._stored_output_terms``).
+  query's whole row shares (``attention._stored_output_terms``).
 
 Each rounding is a random error of RMS ``u / sqrt(3)`` (:data:`ROUNDING_RMS`; a random sign times a magnitude
 on ``[0.5, 1.5]`` of it, :func:`jitter`), and ``scale = rms over draws
@@ -53,13 +53,15 @@ element where the arithmetic does not cancel; the benchmark standard judges the 
 bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE against the RMS.
 """
 
-# one package, four rooms: which kernel (choice), the dispatch modes, running references, error budgets;
+# one package, five rooms: which kernel (choice), the dispatch modes, the fused attention, running references, error
+# budgets;
 # every name is importable from here as it was from the single module
 from ..config import BENCH_KERNELS  # noqa: F401 (the vocabulary lives where the torch-free option parsers read it)
 from .choice import (  # noqa: F401
     _group_bounds, _HALF, _qualified, _references, _UNIT, call_best_precision, cast, check_bench_kernel, default_bench_kernel, float32_fallback, FP8_DTYPES, grouped_mm_reference, in_float64, needs_grad, oracle_dtype, reference_note, REFERENCES, ROUNDING_RMS, scaled_mm_reference, tensors_of, unwritten, upcast_dtype, zero_past)
 from .modes import (  # noqa: F401
-    _ALPHA_OPS, _attention_math, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _FusedAttention, _inside, _KERNEL, _NO_ROUNDING, _NO_ROUNDING_INPLACE, _reduces, _round_out, _rounds_in_place, _same_meta, _SDPA, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, Decomposed, decomposed, FusedAttention, jitter, Materialized, materialized, Perturb, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
+    _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _NO_ROUNDING, _NO_ROUNDING_INPLACE, _reduces, _rounds_in_place, _same_meta, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, Decomposed, decomposed, jitter, Materialized, materialized, Perturb, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
+from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, FusedAttention  # noqa: F401
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401

@@ -1,11 +1,10 @@
 """The dispatch modes a reference or a budget runs under: :class:`Decomposed` (PyTorch's decompositions),
-:class:`Materialized` (each kernel's result rounded once), :class:`Perturb` (the rounding real kernels commit) and
-:class:`FusedAttention` (a fused attention's held probabilities)."""
+:class:`Materialized` (each kernel's result rounded once) and :class:`Perturb` (the rounding real kernels commit);
+the fused attention's mode is :class:`~msprobe_ci.kernels.attention.FusedAttention`."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import warnings
 from typing import Any
@@ -395,130 +394,6 @@ class Perturb(TorchDispatchMode):
         steps = self._steps(func, args, kwargs, out, held=True)
         return steps if steps is not None else self._at(self.unit, out)
 
-
-class _FusedAttention(torch.autograd.Function):
-    """``F.scaled_dot_product_attention`` as one fused kernel for the budget's runs: its math (PyTorch's
-    ``_scaled_dot_product_attention_math``: ``Q K^T``, softmax, ``P V``), forward and backward, run inside a kernel
-    (:class:`Perturb`: intermediates in fp32, :data:`ATTENTION_HELD` in the input dtype), its results rounded once.
-    The backward recomputes the forward (as flash kernels do), with fresh draws."""
-
-    @staticmethod
-    def forward(ctx, eta_gen, kwargs, *tensors):
-        ctx.eta_gen, ctx.kwargs = eta_gen, kwargs
-        ctx.save_for_backward(*tensors)
-        _inside().append(ATTENTION_HELD)
-        try:
-            out = _attention_math(*tensors, **kwargs)
-        finally:
-            _inside().pop()
-        return _round_out(out, *eta_gen)
-
-    @staticmethod
-    def backward(ctx, grad):
-        tensors = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(ctx.needs_input_grad[2 + i]) if t.is_floating_point() else t
-                      for i, t in enumerate(tensors)]
-            want = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-            _inside().append(ATTENTION_HELD)
-            try:
-                out, probs = _attention_math(*leaves, weights=True, **ctx.kwargs)
-                got = iter(torch.autograd.grad(out, want, grad, allow_unused=True))
-            finally:
-                _inside().pop()
-        grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
-        grads = [g if g is None or d is None else g + d
-                 for g, d in zip(grads, _stored_output_terms(leaves, ctx.kwargs, grad, out.detach(), probs.detach(),
-                                                             *ctx.eta_gen))]
-        return (None, None, *[_round_out(g, *ctx.eta_gen) if g is not None else None for g in grads])
-
-
-def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, out: torch.Tensor, probs: torch.Tensor,
-                         eta: float, generator: torch.Generator) -> list:
-    """What a flash attention backward adds to the gradients of ``Q``, ``K`` (and a float mask) by reading the
-    forward output ``O`` as it stored it, rounded to the target dtype, in ``D = rowsum(dO * O)``
-    (FlashAttention-2's backward preprocessing, PyTorch's CPU ``cpu_flash_attention_backward``, the NPU's fused
-    attention all take the stored output). ``D`` is off by ``dD_i = dO_i . e_i`` (``e_i``: the rounding of
-    ``O_i``), the same for every key of a query row, so ``dS = P * (dP - D)`` is off by ``-P_ij dD_i``: a term
-    whose row does not sum to 0, which exact math's gradients never carry, and which adds up coherently over the
-    keys (``dQ_i`` is off by ``-scale dD_i (P K)_i``), where the exact gradient averages out over them. With a
-    long sequence the exact ``dQ`` shrinks and this term stays: GPT-2 small's attention backward at 1024 tokens
-    under bf16 autocast failed 11 of its 12 layers against the ``upcast`` bench without it (max relative error
-    ratio up to 43, mean 2.9; with it at most 4.7 and 0.67; ``docs/verdicts.md``). ``O``'s rounding is one
-    rounding of RMS ``eta`` per element, so ``dD_i`` has RMS ``eta * |dO_i * O_i|``, drawn from ``generator``.
-    ``out`` and ``probs``: the output and the probabilities the backward recomputed (its draw's own roundings in
-    them). Returns one term per leaf, ``None`` where a leaf needs no gradient or gets none from here."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    terms: list = [None] * len(leaves)
-    q, k, v = leaves[:3]
-    mask = leaves[3] if len(leaves) > 3 else None
-    wanted = [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]
-    if not (wanted[0] or wanted[1] or (mask is not None and wanted[3])) or q.ndim < 2 or k.ndim != q.ndim:
-        return terms
-    scale = kwargs.get("scale")
-    scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
-    with _disable_current_modes(), torch.no_grad():
-        # the sum of a row's roundings, drawn whole: its RMS ``eta * |dO * O|`` (independent roundings) times one
-        # error of RMS 1 with a magnitude on [0.5, 1.5] (:func:`jitter`), so that few draws never estimate a row
-        # far under its size (every element of a query's dQ row shares it: no row floor pools it)
-        rms = eta * (grad.to(out.dtype) * out).square().sum(-1, keepdim=True).sqrt()
-        d_rowsum = jitter(rms, 1.0, generator) - rms
-        d_scores = probs * -d_rowsum  # [..., Hq, L, S]
-        groups = q.size(-3) // k.size(-3) if q.ndim > 2 and k.size(-3) and q.size(-3) != k.size(-3) else 1
-        keys = k.repeat_interleave(groups, dim=-3) if groups > 1 else k
-        if wanted[0]:
-            terms[0] = (d_scores @ keys * scale).sum_to_size(q.shape)
-        if wanted[1]:
-            dk = d_scores.transpose(-1, -2) @ q * scale
-            if groups > 1:
-                dk = dk.unflatten(-3, (k.size(-3), groups)).sum(-3)
-            terms[1] = dk.sum_to_size(k.shape)
-        if mask is not None and wanted[3] and mask.is_floating_point():
-            terms[3] = d_scores.sum_to_size(mask.shape)
-    return terms
-
-
-def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                    weights=False):
-    """The attention's output (``weights``: and its probabilities) by PyTorch's math path."""
-    res = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
-                                                             scale=scale, enable_gqa=enable_gqa)
-    return res if weights else res[0]
-
-
-def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():  # the kernel's output rounding, once: not again as an op of the mode
-        return jitter(t, eta, generator)
-
-
-#: the attention API itself (``F.scaled_dot_product_attention``), not whatever a capture's hook put in its place
-_SDPA = torch._C._nn.scaled_dot_product_attention
-
-
-class FusedAttention(torch.overrides.TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` (without dropout) through :class:`_FusedAttention` in the
-    budget's runs (``perturb``: ``(eta, generator)`` of the kernel's output rounding)."""
-
-    def __init__(self, eta: float, generator: torch.Generator):
-        super().__init__()
-        self.eta_gen = (eta, generator)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA and not kwargs.get("dropout_p") and \
-                (len(args) < 5 or not args[4]):
-            kw = dict(kwargs)
-            for key, value in zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]):
-                kw[key] = value
-            kw.pop("dropout_p", None)
-            mask = kw.pop("attn_mask", None)
-            if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[:3]) and \
-                    (mask is None or isinstance(mask, torch.Tensor)):
-                return _FusedAttention.apply(self.eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
-        return func(*args, **kwargs)
 
 # in-place ops that write no arithmetic result: copies, fills, random draws, index writes, metadata
 _NO_ROUNDING_INPLACE = frozenset({"copy_", "fill_", "zero_", "set_", "resize_", "resize_as_", "normal_", "uniform_",

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from .choice import FP8_DTYPES, REFERENCES, cast, needs_grad, tensors_of
-from .modes import _SDPA, FusedAttention, Perturb
+from .attention import _SDPA, FusedAttention
+from .modes import Perturb
 
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from .runner import ApiReplayer, ApiResult
+from .result import ApiResult
+from .runner import ApiReplayer
 
 
 def _check_chunk(job: tuple[str, list[str], bool, str]) -> list:
@@ -36,7 +37,7 @@ def check_folders(folders: list[str], *, workers: int = 1, scheduler: str | None
         out_path: where the CSV reports go (default: beside each dump).
 
     Returns:
-        One :class:`~msprobe_ci.replay.runner.ApiResult` per API call, folder by folder, in dump order.
+        One :class:`~msprobe_ci.replay.result.ApiResult` per API call, folder by folder, in dump order.
     """
     from .. import workers as engine
     from ..dump.reader import load_dump

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .args import DTYPES
-from .runner import ApiReplayer, ApiResult
+from .result import ApiResult
+from .runner import ApiReplayer
 
 
 def _edges(rec: dict, dtype: torch.dtype) -> list[float]:

@@ -8,7 +8,8 @@ import os
 
 from ..dump.writer import timestamped_path
 from ..outputs import atomic_write, release
-from .runner import ApiResult, parse_name
+from .apis import parse_name
+from .result import ApiResult
 
 RESULT_COLUMNS = ["API name", "Forward Test Success", "Backward Test Success", "Message"]
 DETAIL_COLUMNS = ["API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "余弦相似度", "最大绝对误差", "双百指标", "双千指标",

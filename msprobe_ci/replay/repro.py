@@ -34,7 +34,7 @@ KIND = "replay"
 
 
 def record_of(result) -> dict:
-    """An :class:`~msprobe_ci.replay.runner.ApiResult` as an isolation record: ``status``, ``message`` and, unless
+    """An :class:`~msprobe_ci.replay.result.ApiResult` as an isolation record: ``status``, ``message`` and, unless
     it passed, the verdict fields of its first row with that status (standard, metric, value, threshold, row,
     metrics: :func:`~msprobe_ci.isolate.support.verdict_fields`). The spec's ``gate`` and a re-run's record alike."""
     from ..isolate.support import verdict_fields
@@ -46,7 +46,7 @@ def record_of(result) -> dict:
 
 
 def write(result, replayer, folder: str) -> str:
-    """Write the reproduction of ``result`` (an :class:`~msprobe_ci.replay.runner.ApiResult` whose ``replay`` is
+    """Write the reproduction of ``result`` (an :class:`~msprobe_ci.replay.result.ApiResult` whose ``replay`` is
     set) into ``folder``.
 
     Returns:
@@ -63,7 +63,7 @@ def write(result, replayer, folder: str) -> str:
 def _write(result, replayer, folder: str) -> str:
     from safetensors.torch import save_file
 
-    from .runner import parse_name
+    from .apis import parse_name
 
     r = result.replay
     if r is None:

@@ -20,8 +20,6 @@ other than dropout, statistics dumps offline (their target outputs belong to oth
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,96 +28,12 @@ from ..checkers import CheckResult, make_standard, worst
 from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
-from ..judge import UNSUPPORTED_PREFIX, judge_rows, judged_as, unjudgeable
+from ..judge import judge_rows, judged_as, unjudgeable
 from ..judge.rows import outputs as _outputs
 from ..kernels import cast as _cast
-from . import allowlist
 from .args import Rebuilder, api_generator, mindspore_order, record_rows
-
-
-@dataclass
-class ApiResult:
-    """Verdict of one API call in one direction.
-
-    Attributes:
-        name: dump name, e.g. ``Functional.linear.0.forward``.
-        status: ``pass`` / ``warning`` / ``error`` / ``skip``.
-        outputs: ``[(row name, CheckResult)]`` per compared output.
-        reason: why it was skipped (empty otherwise).
-        info: ``{row: (oracle dtype, target dtype, shape)}`` for the details CSV.
-        autocast: for a call made under autocast, the dtype its inputs were replayed in and how that is known
-            (``bfloat16 (recorded)``, ``float16 (inferred)``: :func:`msprobe_ci.amp.of_entry`); empty otherwise.
-        replay: on an error, what reproduces it (see the field).
-    """
-
-    name: str
-    status: str
-    outputs: list[tuple[str, CheckResult]] = field(default_factory=list)
-    reason: str = ""
-    info: dict[str, tuple[str, str, str]] = field(default_factory=dict)
-    autocast: str = ""
-    #: what reproduces a failing verdict without the dump (kept on an error only): the inputs as they were judged,
-    #: the recorded target outputs (``None``: the target ran live), a backward's upstream gradient and which inputs
-    #: needed grad (written by :func:`msprobe_ci.replay.repro.write`)
-    replay: dict | None = field(default=None, repr=False)
-
-    @property
-    def message(self) -> str:
-        if self.status == "skip":
-            return self.reason
-        amp = f" [autocast: inputs replayed in {self.autocast}]" if self.autocast else ""
-        bad = [(n, r) for n, r in self.outputs if r.status in ("error", "warning")]
-        if not bad:
-            return f"{len(self.outputs)} output(s) pass{amp}"
-        n, r = bad[0]
-        return f"{n}: {r.standard} {r.status}: {r.message}{amp}"
-
-
-def parse_name(name: str) -> tuple[str, str, int, str]:
-    """``(prefix, api, call, direction)`` of a dump name; raises MsprobeError for anything else."""
-    p = names.parse(name, any_prefix=True)
-    if p is None or p.kind != "api":
-        raise MsprobeError(f"{name}: not an API call name (<Prefix>.<api>.<n>.forward|backward)")
-    return p.prefix, p.api, int(p.call), p.direction
-
-
-@functools.lru_cache(maxsize=None)
-def resolve(prefix: str, api: str):
-    """The torch callable of an API, or raise MsprobeError saying why it is not replayable.
-
-    Names resolve only through the replay allowlist (:mod:`msprobe_ci.replay.allowlist`, data): a dump cannot
-    name ``os.system``, ``load``, ``save`` or any other function that is not a listed tensor operation.
-    """
-    if prefix in UNSUPPORTED_PREFIX:
-        raise MsprobeError(unjudgeable(prefix, api))
-    if prefix not in allowlist.PREFIXES:  # a MindSpore API whose PyTorch twin takes the same arguments
-        from ..dump.frameworks import torch_api
-
-        base, row = torch_api(prefix, api)
-        if base is not None and (row.get("replay") or not row) and "." in base:
-            t_prefix, t_api = base.split(".", 1)
-            if t_prefix in allowlist.PREFIXES and (func := allowlist.lookup(t_prefix, t_api)) is not None:
-                return func
-            raise MsprobeError(f"{prefix}.{api}: its PyTorch twin {base} is not on the replay allowlist")
-        raise MsprobeError(f"{prefix}.{api}: unknown API prefix (replay knows {', '.join(allowlist.PREFIXES)})")
-    func = allowlist.lookup(prefix, api)
-    if func is None:
-        raise MsprobeError(f"{prefix}.{api}: not on the replay allowlist (tensor operations only; "
-                           "I/O, process, file, RNG-state and serialisation functions are never replayed)")
-    return func
-
-
-@functools.lru_cache(maxsize=None)
-def _short(prefix: str, api: str) -> str:
-    """The API name the standards registry knows: ``linear`` for ``Functional.linear`` and for MindSpore's
-    ``Primitive.dense.Dense`` (its PyTorch twin)."""
-    if prefix not in allowlist.PREFIXES:
-        from ..dump.frameworks import torch_api
-
-        base, _ = torch_api(prefix, api)
-        if base is not None:
-            return base.rsplit(".", 1)[-1]
-    return api.rsplit(".", 1)[-1]
+from .apis import _short, parse_name, resolve
+from .result import ApiResult
 
 
 def _upcast(dtype: torch.dtype):
