@@ -68,8 +68,8 @@ class MsprobeFixture:
         # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
         seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid
         if merged.get("compile") and not compile_target:  # asked, and this mode runs eagerly: said, not silent
-            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check only; "
-                          f"this mode ran the target eagerly", stacklevel=4)
+            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check and "
+                          f"msprobe.check_training only; this mode ran the target eagerly", stacklevel=4)
         return CheckSettings.resolve(merged, run_faults=s.faults, compile_target=compile_target, rotation_seed=seed)
 
     @contextlib.contextmanager
@@ -249,7 +249,8 @@ class MsprobeFixture:
                 accumulation, scheduler, your scaler and autocast, ``optimizer.step()``, ``zero_grad``), captured
                 whole as one step per batch; ``state`` is what ``optimizer(parameters)`` returned (an optimizer, or
                 a tuple holding a scheduler and a scaler too); ``loss_fn`` may be ``None``.
-            options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate ...), and
+            options: as for :meth:`check` (bench, target, dtypes, level, task, inject, seed, isolate, compile:
+                the target's blocks compiled regionally as :meth:`check` does, every step captured at L0), and
                 ``monitor`` (default ``--msprobe-monitor``): run :class:`msprobe_ci.TrainerMon` on both sides and
                 fail on a target anomaly (NaN/Inf, a 10x jump over the running median) the bench does not share.
 
@@ -261,7 +262,7 @@ class MsprobeFixture:
         from ..check import check_training
 
         return self._run("check_training", options, check_training, model, batches, loss_fn, optimizer,
-                         grad_cosine=grad_cosine, scaler_skips=scaler_skips, step=step)
+                         grad_cosine=grad_cosine, scaler_skips=scaler_skips, step=step, compile_target=True)
 
     def check_generate(self, model: Any, input_ids: Any, *, max_new_tokens: int, token_range: Any = None,
                        **options: Any):

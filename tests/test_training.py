@@ -223,13 +223,34 @@ def test_activation_checkpointing_reentrant_or_not_is_judged_forward_and_backwar
     result.assert_outcomes(passed=1)
 
 
-def test_compile_asked_of_a_loop_is_said_not_silently_dropped(pytester):
-    """``--msprobe-target-compile`` is honoured by ``msprobe.check``; the loops run the target eagerly, and a run
-    that asked for it is told so (before: the label and the verdict read as if nothing had been asked)."""
+def test_a_compiled_target_trains_through_the_gate(pytester):
+    """``--msprobe-target-compile`` in ``msprobe.check_training``: the target's blocks compiled regionally, as
+    ``msprobe.check`` compiles them, every step captured at L0 and each compiled region judged whole against its
+    eager self, forward and backward: a benign bf16 run over three AdamW steps passes; a fault inside a compiled
+    region cannot be reached and says so (it proves nothing); one outside the regions (the LM head's linear) is
+    named at its step. The decode loop still runs eagerly and says so."""
     pytester.makepyfile(test_train=TRAIN)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-compile", "-k",
-                                           "not faulty")
+    run = ("-p", "no:cacheprovider", "--msprobe-target-compile", "--msprobe-target-dtype=bf16", "-rA")
+    result = pytester.runpytest_subprocess(*run, "-k", "not faulty")
     result.assert_outcomes(passed=2)
-    for mode in ("check_training", "check_generate"):
-        result.stdout.fnmatch_lines([f"*UserWarning: msprobe: msprobe.{mode}(): compile (--msprobe-target-compile) "
-                                     "is honoured by msprobe.check only; this mode ran the target eagerly*"])
+    result.stdout.fnmatch_lines([
+        "*test_train [[]check 0 step0[]]: 13 nodes compared (cpu/model-dtype vs cpu/bf16+compile, statistics, L0): "
+        "pass 13*", "*note: cpu/bf16+compile: compiled with * (1 region(s)); every step captured at L0*"])
+    records = json.loads(next(pytester.path.glob("msprobe-out/*test_train/check0/target/step1/rank/isolation.json"))
+                         .read_text())["nodes"]
+    layer = {k: r["status"] for k, r in records.items() if ".layers.0.LlamaDecoderLayer." in k}
+    assert layer == {"Module.model.layers.0.LlamaDecoderLayer.forward.0": "pass",
+                     "Module.model.layers.0.LlamaDecoderLayer.backward.0": "pass"}, layer  # the region, judged whole
+    result.stdout.fnmatch_lines(["*UserWarning: msprobe: msprobe.check_generate(): compile (--msprobe-target-compile) "
+                                 "is honoured by msprobe.check and msprobe.check_training only; this mode ran the "
+                                 "target eagerly*"])
+    assert "msprobe.check_training(): compile" not in result.stdout.str()
+    pytester.makefile(".yaml", inside="faults:\n  - {api: Functional.silu, perturb: scale, value: 1.5, step: 1}\n",
+                      head="faults:\n  - {api: Functional.linear, perturb: scale, value: 1.05, step: 1}\n")
+    result = pytester.runpytest_subprocess(*run, "--msprobe-inject=inside.yaml", "-k", "test_train and not faulty and not generate")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: inside.yaml: fault Functional.silu (forward) was never applied: it ran "
+                                 "inside a torch.compile region*"])
+    result = pytester.runpytest_subprocess(*run, "--msprobe-inject=head.yaml", "-k", "test_train and not faulty and not generate")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Module.lm_head.Linear.forward.0 *"])

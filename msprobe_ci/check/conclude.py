@@ -233,7 +233,7 @@ def conclude_steps(d: Draft, s, nodeid: str, index: int, check_dir: str, outcome
     outcomes = [_without_overflow(o) if i in skipped_notes else o for i, o in enumerate(outcomes)]
     for i, outcome in enumerate(outcomes):
         row = {"test": nodeid, "index": f"{index} step{steps[i]}", "dir": os.path.join(check_dir, f"step{steps[i]}"),
-               "bench": s.bench.label, "target": s.target.label, "level": s.level,
+               "bench": s.bench.label, "target": s.target.label, "level": "L0" if s.target.compile else s.level,
                "bench_kernel": s.bench_kernel if s.isolate else None,
                "notes": list(outcome.notes) + (list(first_notes) if i == 0 else [])}
         row.update(outcome.summary(), unapplied=[], step=steps[i], **extra[i])

@@ -68,7 +68,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     """
     import torch
 
-    from ..backends import deterministic
+    from ..backends import compile_backend, compile_regions, deterministic
     from ..capture import CaptureSession
 
     if not batches:
@@ -81,7 +81,10 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     scaler = backend.grad_scaler() if step is None else None
     own_scalers = _grad_scalers(opt) if step is not None else []
     bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
-    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
+    # a compiled side (its blocks compiled regionally by prepare_model, as msprobe.check compiles them): no hooks
+    # inside the regions, each judged whole against its eager self by module isolation (cfg's level is L0)
+    regions = compile_regions(model) if backend.compile else []
+    capture = CaptureSession(cfg, faults=faults, isolator=isolator, opaque_modules=regions)
     run = TrainingRun()
     mon = None
     if monitor_dir is not None:
@@ -146,8 +149,11 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
         capture.close()
         if mon is not None:
             run.monitor = mon.close()
-    run.unapplied = unapplied_faults(faults, capture)
+    run.unapplied = unapplied_faults(faults, capture, bool(backend.compile))
     run.notes = precision_notes(capture, backend)
+    if regions:
+        run.notes = (f"{backend.label}: compiled with {compile_backend()} ({len(regions)} region(s)); every step "
+                     "captured at L0, submodules inside compiled regions not captured", *run.notes)
     return run
 
 
@@ -220,9 +226,10 @@ def check_training(ctx, s, model: Any, batches: list, loss_fn: Callable[[Any], A
     _require_module(model, "check_training")
     index, check_dir = ctx.next_check()
     runs = {}
+    level = "L0" if s.target.compile else s.level  # both sides, so that their module nodes pair
     try:
         for side, backend in (("bench", s.bench), ("target", s.target)):
-            cfg = DumpConfig(dump_path=os.path.join(check_dir, side), level=s.level, task=s.task)
+            cfg = DumpConfig(dump_path=os.path.join(check_dir, side), level=level, task=s.task)
             runs[side] = run_training(model, list(batches), loss_fn, optimizer, backend, cfg,
                                       faults=s.faults if side == "target" else (), seed=s.seed,
                                       isolator=s.isolator(backward=True) if side == "target" else None,
