@@ -68,8 +68,8 @@ class MsprobeFixture:
         # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
         seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid
         if merged.get("compile") and not compile_target:  # asked, and this mode runs eagerly: said, not silent
-            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check and "
-                          f"msprobe.check_training only; this mode ran the target eagerly", stacklevel=4)
+            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check, "
+                          f"check_training and check_generate only; this mode ran the target eagerly", stacklevel=4)
         return CheckSettings.resolve(merged, run_faults=s.faults, compile_target=compile_target, rotation_seed=seed)
 
     @contextlib.contextmanager
@@ -293,7 +293,7 @@ class MsprobeFixture:
         from ..check import check_generate
 
         return self._run("check_generate", options, check_generate, model, input_ids,
-                         max_new_tokens=max_new_tokens, token_range=token_range)
+                         max_new_tokens=max_new_tokens, token_range=token_range, compile_target=True)
 
     @contextlib.contextmanager
     def monitor(self, model: Any, optimizer: Any = None, *, alert_factor: float = 10.0, warmup: int = 3,

@@ -223,12 +223,12 @@ def test_activation_checkpointing_reentrant_or_not_is_judged_forward_and_backwar
     result.assert_outcomes(passed=1)
 
 
-def test_a_compiled_target_trains_through_the_gate(pytester):
+def test_a_compiled_target_trains_and_decodes_through_the_gate(pytester):
     """``--msprobe-target-compile`` in ``msprobe.check_training``: the target's blocks compiled regionally, as
     ``msprobe.check`` compiles them, every step captured at L0 and each compiled region judged whole against its
     eager self, forward and backward: a benign bf16 run over three AdamW steps passes; a fault inside a compiled
     region cannot be reached and says so (it proves nothing); one outside the regions (the LM head's linear) is
-    named at its step. The decode loop still runs eagerly and says so."""
+    named at its step. The decode loop compiles the same way (its KV cache copied for each isolated layer call)."""
     pytester.makepyfile(test_train=TRAIN)
     run = ("-p", "no:cacheprovider", "--msprobe-target-compile", "--msprobe-target-dtype=bf16", "-rA")
     result = pytester.runpytest_subprocess(*run, "-k", "not faulty")
@@ -241,10 +241,11 @@ def test_a_compiled_target_trains_through_the_gate(pytester):
     layer = {k: r["status"] for k, r in records.items() if ".layers.0.LlamaDecoderLayer." in k}
     assert layer == {"Module.model.layers.0.LlamaDecoderLayer.forward.0": "pass",
                      "Module.model.layers.0.LlamaDecoderLayer.backward.0": "pass"}, layer  # the region, judged whole
-    result.stdout.fnmatch_lines(["*UserWarning: msprobe: msprobe.check_generate(): compile (--msprobe-target-compile) "
-                                 "is honoured by msprobe.check and msprobe.check_training only; this mode ran the "
-                                 "target eagerly*"])
-    assert "msprobe.check_training(): compile" not in result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "*test_generate [[]check 0 step0[]]: 6 nodes compared (cpu/model-dtype vs cpu/bf16+compile, statistics, L0): "
+        "pass 6*", "*note: token agreement * 5/5*", "*note: cpu/bf16+compile: compiled with * (1 region(s))*",
+        "*test_generate [[]check 0 step4[]]: 6 nodes compared (*L0): pass 6*"])
+    assert "compile (--msprobe-target-compile) is honoured" not in result.stdout.str()
     pytester.makefile(".yaml", inside="faults:\n  - {api: Functional.silu, perturb: scale, value: 1.5, step: 1}\n",
                       head="faults:\n  - {api: Functional.linear, perturb: scale, value: 1.05, step: 1}\n")
     result = pytester.runpytest_subprocess(*run, "--msprobe-inject=inside.yaml", "-k", "test_train and not faulty and not generate")
@@ -254,3 +255,7 @@ def test_a_compiled_target_trains_through_the_gate(pytester):
     result = pytester.runpytest_subprocess(*run, "--msprobe-inject=head.yaml", "-k", "test_train and not faulty and not generate")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1: Module.lm_head.Linear.forward.0 *"])
+    result = pytester.runpytest_subprocess(*run, "--msprobe-inject=head.yaml", "-k", "test_generate and not faulty")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence at step 1 (decode token 1): "
+                                 "Module.lm_head.Linear.forward.0 *"])

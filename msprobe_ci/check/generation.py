@@ -49,13 +49,14 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
     """
     import torch
 
-    from ..backends import deterministic
+    from ..backends import compile_backend, compile_regions, deterministic
     from ..capture import CaptureSession
 
     side_model = backend.prepare_model(model, eval_mode=True)
     ids = backend.prepare_inputs((input_ids,))[0]
     bound_heap()  # a check's sides and judgement share one process (msprobe_ci._perf.bound_heap)
-    capture = CaptureSession(cfg, faults=faults, isolator=isolator)
+    regions = compile_regions(model) if backend.compile else []  # as run_training: no hooks inside, cfg at L0
+    capture = CaptureSession(cfg, faults=faults, isolator=isolator, opaque_modules=regions)
     run = DecodeRun()
     torch.manual_seed(seed)
     past, step_ids = None, ids
@@ -86,8 +87,11 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
                 step_ids = nxt.reshape(-1, 1).to(ids.device)
     finally:
         capture.close()
-    run.unapplied = unapplied_faults(faults, capture)
+    run.unapplied = unapplied_faults(faults, capture, bool(backend.compile))
     run.notes = precision_notes(capture, backend)
+    if regions:
+        run.notes = (f"{backend.label}: compiled with {compile_backend()} ({len(regions)} region(s)); every step "
+                     "captured at L0, submodules inside compiled regions not captured", *run.notes)
     return run
 
 
@@ -136,7 +140,8 @@ def check_generate(ctx, s, model: Any, input_ids: Any, *, max_new_tokens: int, t
     index, check_dir = ctx.next_check()
 
     def cfg(side: str) -> DumpConfig:
-        return DumpConfig(dump_path=os.path.join(check_dir, side), level=s.level, task=s.task)
+        return DumpConfig(dump_path=os.path.join(check_dir, side), level="L0" if s.target.compile else s.level,
+                          task=s.task)
 
     try:
         bench_run = run_decode(model, input_ids, max_new_tokens, s.bench, cfg("bench"), seed=s.seed,

@@ -117,7 +117,7 @@ class CheckSettings:
         Args:
             options: every key of :data:`CHECK_OPTIONS` the run defines, merged.
             run_faults: the run's fault plan, used when the check names no ``inject`` file of its own.
-            compile_target: honour ``compile`` (the single check and the training loop do; decoding and ranks run
+            compile_target: honour ``compile`` (the single check and the training and decode loops do; ranks run
                 eagerly).
             rotation_seed: what seeds budgeted isolation's rotation (the fixture gives the test id).
 
