@@ -250,8 +250,8 @@ def test_tp_x_pp_against_one_rank(msprobe):
 
 
 def test_ddp_training_step(msprobe):
-    """DistributedDataParallel on 2 ranks against one rank: forward, backward (DDP's bucketed gradient all_reduce
-    runs in its C++ reducer, so it is not a captured call, as with msprobe) and every parameter gradient."""
+    """DistributedDataParallel on 2 ranks against one rank: forward, backward, DDP's bucketed gradient all_reduce
+    (made a captured, isolated call on each side's copy: docs/multi-rank.md) and every parameter gradient."""
     x = torch.randn(4, D, generator=torch.Generator().manual_seed(4))
     msprobe.check_parallel(build_ddp, x, world_size=2, bench_world_size=1, loss_fn=loss)
 

@@ -302,9 +302,11 @@ class Backend:
         ddp = _ddp_class(model)
         if ddp is not None:  # re-wrap a prepared copy of the wrapped module: DDP's reducer holds the originals
             inner = self.prepare_model(model.module, eval_mode=eval_mode)
-            return ddp(inner, process_group=model.process_group, broadcast_buffers=model.broadcast_buffers,
-                       find_unused_parameters=model.find_unused_parameters,
-                       gradient_as_bucket_view=model.gradient_as_bucket_view)
+            wrapped = ddp(inner, process_group=model.process_group, broadcast_buffers=model.broadcast_buffers,
+                          find_unused_parameters=model.find_unused_parameters,
+                          gradient_as_bucket_view=model.gradient_as_bucket_view)
+            _ddp_comm_hooks(wrapped, model)
+            return wrapped
         if owned:
             clone = model
         else:
@@ -406,6 +408,36 @@ def _shared_handles(model: Any) -> dict:
             if isinstance(v, ProcessGroup):
                 memo[id(v)] = v
     return memo
+
+
+def _ddp_comm_hooks(wrapped: "torch.nn.Module", original: "torch.nn.Module") -> None:
+    """DDP's gradient all_reduce as a call a capture sees. The user's own comm hooks (``register_comm_hook``) are
+    carried over to the side's copy; where there are none, the copy gets torch's reference hook's arithmetic
+    (``ddp_comm_hooks.default_hooks.allreduce_hook``: each bucket divided by the world size, then summed by
+    ``torch.distributed.all_reduce``; torch documents its results as DDP's without a hook), the all_reduce made
+    synchronously through the public function. DDP's reducer otherwise sums the buckets in C++, out of reach of
+    every capture (msprobe's too): a wrong gradient reduction went unjudged, and from step 1 on only showed as
+    parameters that had trained apart. A rank then waits for each bucket's reduction in the backward pass (no
+    overlap of communication and computation: a gate's run, not a benchmark)."""
+    import torch
+    import torch.distributed as dist
+
+    hooks = list(getattr(original, "_comm_hooks", None) or [])
+    if hooks:
+        for hook, state in hooks:
+            wrapped.register_comm_hook(state, hook)
+        return
+    group = wrapped.process_group
+
+    def recorded_allreduce(state, bucket):
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(group))  # first, as torch's hook does (no fp16 overflow in the sum)
+        dist.all_reduce(tensor, group=group)
+        done = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+
+    wrapped.register_comm_hook(None, recorded_allreduce)
 
 
 def _ddp_class(model: Any):

@@ -1,6 +1,7 @@
 """Backends: device specs, the accelerator code path exercised with a stand-in kind on cpu, compile regions,
 determinism, and GPU/NPU smoke tests that run where the device exists."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -138,3 +139,44 @@ def test_device_smoke(pytester, device):
     result = pytester.runpytest_subprocess(f"--msprobe-target={device}", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"*vs {'cuda' if device == 'gpu' else 'npu'}/model-dtype*error 0*"])
+
+
+def test_a_ddp_copy_keeps_the_users_comm_hook_or_reduces_where_a_capture_sees_it():
+    """A side's copy of a ``DistributedDataParallel`` model is wrapped anew: the user's own comm hook is carried
+    over to it (before, the copy reduced with DDP's built-in C++ path instead); without one, the copy's buckets are
+    reduced by ``torch.distributed.all_reduce`` (a call captures record), with the reference hook's arithmetic: the
+    gradients equal the plain module's on one rank."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from msprobe_ci.backends import Backend
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        ddp = DDP(copy.deepcopy(plain))
+        side = Backend.from_options("cpu").prepare_model(ddp)
+        assert [h.__name__ for h, _ in side._comm_hooks] == ["recorded_allreduce"]
+        calls = []
+        real = dist.all_reduce
+
+        def counting(tensor, *args, **kwargs):
+            calls.append(tensor.numel())
+            return real(tensor, *args, **kwargs)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        dist.all_reduce = counting
+        try:
+            side(x).square().sum().backward()
+        finally:
+            dist.all_reduce = real
+        plain(x).square().sum().backward()
+        assert calls == [sum(p.numel() for p in plain.parameters())]  # one bucket, through the public function
+        for p, q in zip(side.module.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        assert [h for h, _ in Backend.from_options("cpu").prepare_model(ddp)._comm_hooks] == \
+            [default_hooks.allreduce_hook]
+    finally:
+        dist.destroy_process_group()

@@ -613,3 +613,43 @@ def test_check_parallel_runs_each_ranks_oracle_on_its_target_device(pytester):
     out = result.stdout.str()
     assert "msprobe: first divergence: step0 rank1 Functional.gelu.0.forward" in out
     assert "oracle on npu (at most float32)" in out, out
+
+
+DDP_TESTS = '''
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.environ["MSPROBE_EXAMPLES"])
+from test_parallel import D, build_ddp, loss  # noqa: E402
+
+X = torch.randn(4, D, generator=torch.Generator().manual_seed(4))
+
+
+def test_ddp_clean(msprobe):
+    msprobe.check_parallel(build_ddp, X, world_size=2, bench_world_size=1, loss_fn=loss)
+
+
+def test_ddp_reduction_fault(msprobe):
+    msprobe.check_parallel(build_ddp, X, world_size=2, bench_world_size=1, loss_fn=loss, inject="allreduce1.yaml")
+'''
+
+
+def test_ddp_gradient_reduction_is_a_judged_call(pytester, monkeypatch):
+    """DDP's bucketed gradient all_reduce ran inside its C++ reducer, out of reach of every capture: a wrong
+    reduction went unjudged (and from step 1 on showed only as weights trained apart). Each side's DDP copy now
+    reduces through ``torch.distributed.all_reduce`` (torch's reference hook's arithmetic), recorded on every
+    rank and isolated like any collective: a bf16 DDP run on 2 ranks against one fp32 rank passes, and a 2% fault
+    on rank 1's reduction is named there (before: the fault was never applied, there being no such call)."""
+    monkeypatch.setenv("MSPROBE_EXAMPLES", os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    pytester.makepyfile(test_ddp=DDP_TESTS)
+    pytester.makefile(".yaml", allreduce1="faults:\n  - {api: Distributed.all_reduce, perturb: scale, value: 1.02, "
+                                          "rank: 1}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*msprobe: first divergence: step0 rank1 Distributed.all_reduce.0.forward*"])
+    check = pytester.path / "msprobe-out" / "test_ddp.py_test_ddp_clean" / "check0"
+    for rank in ("target/step0/rank0", "target/step0/rank1", "bench/step0/rank0"):
+        data = json.loads((check / rank / "dump.json").read_text())["data"]
+        assert "Distributed.all_reduce.0.forward" in data, rank
