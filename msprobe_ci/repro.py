@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .capture.repro import CUDA_MATMUL, VERSION
+from .replay.repro_files import CUDA_MATMUL, VERSION
 from .errors import MsprobeError
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}

@@ -14,13 +14,11 @@ from typing import Any
 
 import pytest
 
-from .session import session_key
+from .session import API_CHECK_DIR, session_key
 
 STATUS_PROPERTY = "msprobe.status"
 #: the property naming a failing item's reproduction (``repro/<node>.py``, or why none was written)
 REPRO_PROPERTY = "msprobe.repro"
-#: the folder under ``--msprobe-out`` holding the pre-check's reproductions
-API_CHECK_DIR = "api-check"
 
 
 class ApiCheckFailure(Exception):

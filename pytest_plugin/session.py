@@ -9,12 +9,16 @@ from typing import Any
 import pytest
 
 from ..check.conclude import RESULT as RESULT_PROPERTY
+from ..check.settings import check_keys
+from ..errors import MsprobeError
+from .options import FLAGS, OPTIONS, PARSERS, RULE_INI
+from .summary import check_failed
 
 #: the property of a check that raised before it concluded (its one-line error): it ran, and failed
 ERROR_PROPERTY = "msprobe.check_error"
-from ..check.settings import check_keys
-from .summary import check_failed
-from ..errors import MsprobeError
+#: the folder under ``--msprobe-out`` holding the pre-check's reproductions
+API_CHECK_DIR = "api-check"
+
 
 def dump_files(path: str) -> list[str]:
     """The dump.json files named by ``--msprobe-api-check`` (a file, a rank folder or a step folder).
@@ -41,15 +45,13 @@ session_key: "pytest.StashKey[ProbeSession]" = pytest.StashKey()
 
 def _opt(config: pytest.Config, ini: str, default: Any = None) -> Any:
     """The option's value, the command line over the ini file, else ``default``; an ini value is parsed by the same
-    function as its flag (the option table, :data:`msprobe_ci.pytest_plugin.plugin.OPTIONS`: one declaration, one
+    function as its flag (the option table, :data:`msprobe_ci.pytest_plugin.options.OPTIONS`: one declaration, one
     parse).
 
     Raises:
         pytest.UsageError: an ini value its parser refuses (``msprobe: ini <key>: <why>``).
     """
     import argparse
-
-    from .plugin import PARSERS
 
     value = config.getoption(ini, default=None)
     if value is None:
@@ -70,8 +72,6 @@ class ProbeSession:
     """
 
     def __init__(self, config: pytest.Config):
-        from .plugin import FLAGS, OPTIONS, RULE_INI
-
         self.config = config
         self.results: list[dict] = []
         # the run's layer of every check's options (call > marker > this): each row of the option table that sets a
@@ -121,7 +121,6 @@ class ProbeSession:
             config.args[:] = (list(config.args) if explicit else []) + self.api_files
             if not hasattr(config, "workerinput"):  # the controller, once per run (xdist workers write into it)
                 from ..outputs import owned_dir
-                from .apicheck import API_CHECK_DIR
 
                 try:  # a previous run's reproductions replaced: none is left to mislead
                     owned_dir(os.path.join(self.out, API_CHECK_DIR), "--msprobe-api-check reproductions")

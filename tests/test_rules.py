@@ -1553,7 +1553,7 @@ def test_every_option_is_declared_once_and_reaches_the_check(pytester):
     settings: a new option is a table row plus its settings field, and a row wired nowhere fails here. Command
     line over ini, marker over both, ``atol`` (ini) read as ``rel_floor``."""
     from msprobe_ci.check.settings import CHECK_OPTIONS
-    from msprobe_ci.pytest_plugin.plugin import FLAGS, OPTIONS, RULE_INI
+    from msprobe_ci.pytest_plugin.options import FLAGS, OPTIONS, RULE_INI
 
     by_run = {o.check for o in OPTIONS + FLAGS if o.check} | {k for k, _ in RULE_INI} | \
         {"free_benchmark", "api_standards", "api_thresholds"}

@@ -7,7 +7,7 @@ import shlex
 import pytest
 import yaml
 
-from msprobe_ci.pytest_plugin.plugin import FLAGS, OPTIONS
+from msprobe_ci.pytest_plugin.options import FLAGS, OPTIONS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 KNOWN = {flag for flag, *_ in OPTIONS} | {flag for flag, *_ in FLAGS}

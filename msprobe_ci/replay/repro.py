@@ -14,9 +14,9 @@ names (the plugin: ``<msprobe-out>/api-check/<the dump's folder>/repro/``):
   standard's metrics against their thresholds and exits 1 when it fails (0 when it passes, 2 when the files cannot
   be read).
 
-Limits (the item says why no files were written): at most :data:`~msprobe_ci.capture.repro.MAX_FILES`
-reproductions and :data:`~msprobe_ci.capture.repro.MAX_BYTES` of inputs per folder; an argument the spec cannot hold
-(:func:`~msprobe_ci.capture.repro._encode`); dropout (random by definition).
+Limits (the item says why no files were written): at most :data:`~msprobe_ci.replay.repro_files.MAX_FILES`
+reproductions and :data:`~msprobe_ci.replay.repro_files.MAX_BYTES` of inputs per folder; an argument the spec cannot hold
+(:func:`~msprobe_ci.replay.repro_files._encode`); dropout (random by definition).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import os
 
 import torch
 
-from ..capture.repro import _SCRIPT, MAX_BYTES, MAX_FILES, VERSION, _encode, _Unsaved, file_stem
+from ..outputs import file_stem
+from .repro_files import _SCRIPT, MAX_BYTES, MAX_FILES, VERSION, _encode, _Unsaved
 
 #: the ``kind`` of a replayed item's reproduction (a live gate's has none)
 KIND = "replay"
