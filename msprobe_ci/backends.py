@@ -411,23 +411,33 @@ def _shared_handles(model: Any) -> dict:
 
 
 def _ddp_comm_hooks(wrapped: "torch.nn.Module", original: "torch.nn.Module") -> None:
-    """DDP's gradient all_reduce as a call a capture sees. The user's own comm hooks (``register_comm_hook``) are
-    carried over to the side's copy; where there are none, the copy gets torch's reference hook's arithmetic
-    (``ddp_comm_hooks.default_hooks.allreduce_hook``: each bucket divided by the world size, then summed by
-    ``torch.distributed.all_reduce``; torch documents its results as DDP's without a hook), the all_reduce made
-    synchronously through the public function. DDP's reducer otherwise sums the buckets in C++, out of reach of
-    every capture (msprobe's too): a wrong gradient reduction went unjudged, and from step 1 on only showed as
-    parameters that had trained apart. A rank then waits for each bucket's reduction in the backward pass (no
-    overlap of communication and computation: a gate's run, not a benchmark)."""
+    """The comm hooks of a side's re-wrapped copy of a DDP model: the user's own (``register_comm_hook``) carried
+    over, or, where there are none, :func:`record_ddp_reduction`'s."""
+    hooks = list(getattr(original, "_comm_hooks", None) or [])
+    for hook, state in hooks:
+        wrapped.register_comm_hook(state, hook)
+    if not hooks:
+        record_ddp_reduction(wrapped)
+
+
+def record_ddp_reduction(model: "torch.nn.Module") -> bool:
+    """Make a ``DistributedDataParallel`` model's gradient all_reduce a call a capture sees; returns whether it did
+    (``False``: not a DDP model, or one with a comm hook of its own, whose ``torch.distributed`` calls are seen as
+    they are).
+
+    DDP's reducer sums the gradient buckets in C++, out of reach of every capture (msprobe's too): a wrong
+    reduction went unjudged, and from step 1 on only showed as parameters that had trained apart. The hook
+    registered here does torch's reference hook's arithmetic (``ddp_comm_hooks.default_hooks.allreduce_hook``: each
+    bucket divided by the world size, then summed; torch documents its results as DDP's without a hook) through
+    ``torch.distributed.all_reduce``, synchronously. It stays registered (DDP takes one registration per model): a
+    rank then waits for each bucket's reduction in the backward pass, no overlap of communication and computation
+    (a gate's or a debugging run, not a benchmark)."""
     import torch
     import torch.distributed as dist
 
-    hooks = list(getattr(original, "_comm_hooks", None) or [])
-    if hooks:
-        for hook, state in hooks:
-            wrapped.register_comm_hook(state, hook)
-        return
-    group = wrapped.process_group
+    if _ddp_class(model) is None or getattr(model, "_comm_hooks", None):
+        return False
+    group = model.process_group
 
     def recorded_allreduce(state, bucket):
         tensor = bucket.buffer()
@@ -437,7 +447,8 @@ def _ddp_comm_hooks(wrapped: "torch.nn.Module", original: "torch.nn.Module") -> 
         done.set_result(tensor)
         return done
 
-    wrapped.register_comm_hook(None, recorded_allreduce)
+    model.register_comm_hook(None, recorded_allreduce)
+    return True
 
 
 def _ddp_class(model: Any):

@@ -45,6 +45,13 @@ class PrecisionDebugger:
         inject: faults to inject into the captured run (not in msprobe): a fault YAML file
             (:func:`~msprobe_ci.capture.inject.load_faults`) or :class:`~msprobe_ci.capture.inject.Fault` objects,
             to prove that a gate on these dumps names a known fault; default none.
+        ddp_reduction: record a ``DistributedDataParallel`` model's gradient all_reduce (not in msprobe, whose
+            capture cannot see it either: DDP's reducer sums the buckets in C++). At ``start()`` a DDP model without
+            a comm hook of its own gets one that reduces through ``torch.distributed.all_reduce``
+            (:func:`msprobe_ci.backends.record_ddp_reduction`: torch's reference hook's arithmetic, synchronous), so
+            each bucket's reduction is recorded as ``Distributed.all_reduce.<n>.forward`` and, with ``isolate``,
+            judged. It changes your model for good (DDP takes one hook): no overlap of the reduction with the
+            backward pass from then on. Default ``False``.
 
     Raises:
         MsprobeError: invalid configuration (one line naming the field), or at ``start()`` a dump folder that
@@ -54,7 +61,7 @@ class PrecisionDebugger:
     def __init__(self, config_path: str | os.PathLike | None = None, task: str | None = None,
                  dump_path: str | os.PathLike | None = None, level: str | None = None, step: Any = None,
                  isolate: bool = True, bench_kernel: str = "device", inject: Any = None,
-                 isolate_budget: float | None = None, rotation_seed: str = ""):
+                 isolate_budget: float | None = None, rotation_seed: str = "", ddp_reduction: bool = False):
         from .capture import CaptureSession
         from .capture.inject import load_faults
 
@@ -75,6 +82,7 @@ class PrecisionDebugger:
         else:
             faults = tuple(inject)
         self.session = CaptureSession(self.config, faults=faults, isolator=isolator)
+        self.ddp_reduction = bool(ddp_reduction)
 
     def start(self, model: Any = None, token_range: Any = None) -> None:
         """Begin recording; ``model`` (an ``nn.Module`` or list of them) is required at L0 and mix.
@@ -83,6 +91,11 @@ class PrecisionDebugger:
             token_range: ``[a, b]``: record only the root model's forward calls a..b (0-based, counted from the
                 first ``start``), as msprobe does for inference; generation steps outside the range run uncaptured.
         """
+        if self.ddp_reduction and model is not None:
+            from .backends import record_ddp_reduction
+
+            for m in model if isinstance(model, (list, tuple)) else [model]:
+                record_ddp_reduction(m)  # a DDP model without a hook of its own: once (it keeps the hook)
         self.session.start(model, token_range=token_range)
 
     def stop(self) -> None:

@@ -227,3 +227,29 @@ def sequence_parallel_mlp(rank, world, port, out):
         dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
     finally:
         dist.destroy_process_group()
+
+
+def ddp_debugger(rank, world, port, out, record):
+    """A user's own DDP loop dumped with PrecisionDebugger over two AdamW steps (each rank its own batch);
+    ``record``: ``ddp_reduction=True``, which makes DDP's gradient all_reduce a recorded call."""
+    from msprobe_ci import PrecisionDebugger
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        dbg = PrecisionDebugger(dump_path=out, level="mix", ddp_reduction=record)
+        g = torch.Generator().manual_seed(10 + rank)
+        for _ in range(2):
+            dbg.start(model)
+            model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            dbg.stop()
+            dbg.step()
+        dist.barrier()  # as msprobe_ci.check.ranks: no rank leaves (closing its gloo pairs) while a peer works
+    finally:
+        dist.destroy_process_group()

@@ -653,3 +653,20 @@ def test_ddp_gradient_reduction_is_a_judged_call(pytester, monkeypatch):
     for rank in ("target/step0/rank0", "target/step0/rank1", "bench/step0/rank0"):
         data = json.loads((check / rank / "dump.json").read_text())["data"]
         assert "Distributed.all_reduce.0.forward" in data, rank
+
+
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "ddp_reduction"])
+def test_a_users_ddp_loop_records_its_gradient_reduction_when_asked(tmp_path, record):
+    """``PrecisionDebugger(ddp_reduction=True)`` in a user's own DDP loop (2 ranks, 2 AdamW steps): each step's
+    dump on each rank holds DDP's bucket all_reduce, isolated and passing; without it (msprobe's behaviour too)
+    the reducer's C++ reduction leaves no entry."""
+    mp.spawn(_dist_workers.ddp_debugger, args=(2, _port(), str(tmp_path), record), nprocs=2, join=True)
+    for step in (0, 1):
+        for rank in (0, 1):
+            folder = tmp_path / f"step{step}" / f"rank{rank}"
+            data = json.loads((folder / "dump.json").read_text())["data"]
+            reductions = [n for n in data if n.startswith("Distributed.all_reduce.")]
+            assert reductions == (["Distributed.all_reduce.0.forward"] if record else []), (step, rank)
+            if record:
+                records = json.loads((folder / "isolation.json").read_text())["nodes"]
+                assert records["Distributed.all_reduce.0.forward"]["status"] == "pass", records
