@@ -12,7 +12,7 @@ from typing import Any
 
 from .._perf import bound_heap
 from ..errors import MsprobeError
-from .sides import precision_notes, unapplied_faults
+from .sides import compiled_note, precision_notes, unapplied_faults
 
 
 @dataclass
@@ -49,7 +49,7 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
     """
     import torch
 
-    from ..backends import compile_backend, compile_regions, deterministic
+    from ..backends import compile_regions, deterministic
     from ..capture import CaptureSession
 
     side_model = backend.prepare_model(model, eval_mode=True)
@@ -88,10 +88,7 @@ def run_decode(model: Any, input_ids, max_new_tokens: int, backend, cfg, *, forc
     finally:
         capture.close()
     run.unapplied = unapplied_faults(faults, capture, bool(backend.compile))
-    run.notes = precision_notes(capture, backend)
-    if regions:
-        run.notes = (f"{backend.label}: compiled with {compile_backend()} ({len(regions)} region(s)); every step "
-                     "captured at L0, submodules inside compiled regions not captured", *run.notes)
+    run.notes = compiled_note(backend, regions) + precision_notes(capture, backend)
     return run
 
 

@@ -111,6 +111,17 @@ def _spill(flat: list, folder: str) -> str | None:
     return path
 
 
+def compiled_note(backend, regions: list) -> tuple[str, ...]:
+    """The report line of a loop's compiled side (none where ``regions`` is empty): the compile backend, the
+    regions, and that every step was captured at L0."""
+    if not regions:
+        return ()
+    from ..backends import compile_backend
+
+    return (f"{backend.label}: compiled with {compile_backend()} ({len(regions)} region(s)); every step captured at "
+            "L0, submodules inside compiled regions not captured",)
+
+
 def precision_notes(capture, backend) -> tuple[str, ...]:
     """One report line per API the side ran below its dtype because it has no kernel there (a float64 bench's
     ``torch._grouped_mm``: :func:`~msprobe_ci.kernels.float32_fallback`)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from .._perf import bound_heap
 from ..errors import MsprobeError
-from .sides import precision_notes, unapplied_faults
+from .sides import compiled_note, precision_notes, unapplied_faults
 
 
 @dataclass
@@ -68,7 +68,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
     """
     import torch
 
-    from ..backends import compile_backend, compile_regions, deterministic
+    from ..backends import compile_regions, deterministic
     from ..capture import CaptureSession
 
     if not batches:
@@ -150,10 +150,7 @@ def run_training(model: Any, batches: list, loss_fn: Callable, optimizer: Callab
         if mon is not None:
             run.monitor = mon.close()
     run.unapplied = unapplied_faults(faults, capture, bool(backend.compile))
-    run.notes = precision_notes(capture, backend)
-    if regions:
-        run.notes = (f"{backend.label}: compiled with {compile_backend()} ({len(regions)} region(s)); every step "
-                     "captured at L0, submodules inside compiled regions not captured", *run.notes)
+    run.notes = compiled_note(backend, regions) + precision_notes(capture, backend)
     return run
 
 
