@@ -13,7 +13,8 @@ unit roundoff (mean and worst), the share of draws beyond 2 units (the benchmark
 against a bench credited with one unit), and the same for log_softmax in the dtype followed by an fp32 sum.
 
 The other kernels ``msprobe_ci.kernels.CPU_HALF_HELD`` names: the embedding backward (a token repeated ``n``
-times: its gradient rows added one by one), the convolution backward and the batch norm in training mode. Printed
+times: its gradient rows added one by one), the convolution backward, the max/avg pooling backward and col2im
+(overlapping windows' gradients summed) and the batch norm in training mode. Printed
 per dtype: the mean error over the output in units of one rounding of each element (``u * |exact|``), beside the
 same for the exact result rounded once (about 0.36-0.43: a kernel that accumulates in fp32), and for the batch norm
 the mean over the elements near their channel's mean (``|x| > 5 |x - mean|``), where a kernel that folds the mean
@@ -72,6 +73,27 @@ def _held_kernels() -> None:
             out[d] = (xx.grad, ww.grad)
         rows += [("conv2d backward, input gradient", out[dtype][0], out[torch.float64][0]),
                  ("conv2d backward, weight gradient", out[dtype][1], out[torch.float64][1])]
+        # overlapping windows: an input element's gradient is the sum over the windows it belongs to (for the max
+        # pool, those it is the max of: judged over the elements that are, where the sum happens)
+        xp = torch.randn(4, 8, 32, 32, generator=g).to(dtype)
+        for label, fn, shape in (("max_pool2d k3 s1 backward, summed elems", lambda t: F.max_pool2d(t, 3, 1, 1),
+                                  (4, 8, 32, 32)),
+                                 ("avg_pool2d k3 s1 backward", lambda t: F.avg_pool2d(t, 3, 1, 1), (4, 8, 32, 32)),
+                                 ("col2im (F.fold, unfold's backward)", None, (4, 72, 1024))):
+            gy = torch.randn(*shape, generator=g).to(dtype)
+            if fn is None:
+                got, exact = (F.fold(gy.to(d), (32, 32), 3, padding=1) for d in (dtype, torch.float64))
+            else:
+                grads = []
+                for d, gd in ((dtype, gy), (torch.float64, gy), (torch.float64, torch.ones(shape))):
+                    xx = xp.detach().to(d).requires_grad_()
+                    fn(xx).backward(gd.to(d))
+                    grads.append(xx.grad)
+                got, exact = grads[0], grads[1]
+                if "max" in label:  # the elements that received two gradients or more
+                    many = grads[2] > 1.5
+                    got, exact = got[many], exact[many]
+            rows.append((label, got, exact))
         xb = torch.relu(torch.randn(4, 8, 16, 16, generator=g) * 2 + 0.5).to(dtype)
         ones, zeros = torch.ones(8), torch.zeros(8)
         got, exact = (F.batch_norm(xb.to(d), None, None, ones.to(d), zeros.to(d), training=True)

@@ -68,8 +68,9 @@ class MsprobeFixture:
         # budgeted isolation rotates by the test id and, where pytest's cache keeps it, by the run
         seed = f"{nodeid}#run{s.rotation_run(nodeid)}" if merged.get("isolate_budget") else nodeid
         if merged.get("compile") and not compile_target:  # asked, and this mode runs eagerly: said, not silent
-            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by msprobe.check, "
-                          f"check_training and check_generate only; this mode ran the target eagerly", stacklevel=4)
+            warnings.warn(f"msprobe: {what}: compile (--msprobe-target-compile) is honoured by the modes that run "
+                          f"a target (check, check_training, check_generate, check_parallel); this one runs none",
+                          stacklevel=4)
         return CheckSettings.resolve(merged, run_faults=s.faults, compile_target=compile_target, rotation_seed=seed)
 
     @contextlib.contextmanager
@@ -221,7 +222,7 @@ class MsprobeFixture:
 
         return self._run("check_parallel", options, check_parallel, build, inputs, world_size=world_size,
                          bench_world_size=bench_world_size, loss_fn=loss_fn, timeout=timeout, tp=tp, pp=pp,
-                         optimizer=optimizer, steps=steps)
+                         optimizer=optimizer, steps=steps, compile_target=True)
 
     def check_training(self, model: Any, batches: list, loss_fn: Callable[[Any], Any] | None, optimizer: Callable,
                        *, grad_cosine: float = 0.99, scaler_skips: int = 3, step: Callable | None = None,

@@ -57,6 +57,11 @@ class ModuleCapture:
                 handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
                 handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True,
                                                          always_call=True))
+                if whole:
+                    # judged before any hook registered earlier runs: FSDP2's post-forward hook reshards the
+                    # module, freeing the unsharded parameters the isolation's re-runs read (a segfault, not an
+                    # error), and the judged output is the forward's own
+                    handles.append(mod.register_forward_hook(self._isolate_hook(), prepend=True))
             if self._bwd:
                 # the module's backward hooks are set per call by the forward hooks (see _module_io)
                 for pname, p in mod.named_parameters(recurse=False):
@@ -146,8 +151,10 @@ class ModuleCapture:
             if self._fwd_stack and self._fwd_stack[-1] == name:
                 self._fwd_stack.pop()
             if self.isolator is not None:
-                with self.machinery:
-                    self.isolator.module_after(mcall, output)
+                if not call.judged:  # not judged by _isolate_hook (a call that raised)
+                    call.judged = True
+                    with self.machinery:
+                        self.isolator.module_after(mcall, output)
                 self.isolator.mark_produced(output)
             if entry is not None and self.running:
                 with self.machinery:
@@ -162,6 +169,21 @@ class ModuleCapture:
             if not call.bwd_name:
                 return None
             return self._module_io(call, output, inputs=False)
+        return quiet(hook)
+
+    def _isolate_hook(self):
+        """A whole-isolated module's forward is judged as soon as it returns (registered first, see
+        :meth:`_hook_model`); the recording hook that runs last then has nothing left to judge."""
+        def hook(module, args, output):
+            if self._busy:
+                return None
+            pending = self._pending_fwd.get(id(module))
+            call = pending[-1] if pending else None
+            if call is not None and not call.judged:
+                call.judged = True
+                with self.machinery:
+                    self.isolator.module_after(call.mcall, output)
+            return None
         return quiet(hook)
 
     def _bwd_pre_hook(self, call: "_ModuleCall"):
@@ -266,11 +288,12 @@ class _Alias(torch.autograd.Function):
 class _ModuleCall:
     """One forward call of a hooked module: its dump name, entry, isolation call and backward-hook state."""
 
-    __slots__ = ("name", "entry", "mcall", "bwd_name", "bwd_recs", "in_idx", "n_in", "out_idx", "n_out",
+    __slots__ = ("name", "entry", "mcall", "judged", "bwd_name", "bwd_recs", "in_idx", "n_in", "out_idx", "n_out",
                  "grad_out")
 
     def __init__(self, name: str, entry: dict | None, mcall: Any):
         self.name, self.entry, self.mcall = name, entry, mcall
+        self.judged = mcall is None  # the forward's isolation done (or none asked)
         self.bwd_name = ""  # set when the call's backward is hooked
         self.bwd_recs: list | bool | None = None  # None: backward not begun; False: begun, not recorded
         self.in_idx: list[int] | None = None  # positional args routed through the input alias node

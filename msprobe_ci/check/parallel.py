@@ -75,10 +75,13 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
                            "convert_to_float8_training before fully_shard, as torchao's FSDP2 recipe does)")
     index, check_dir = ctx.next_check()
     os.makedirs(check_dir, exist_ok=True)
+    # a compiled target (each rank's blocks compiled regionally, as msprobe.check compiles them): both sides at
+    # L0, so that module nodes pair; each compiled block judged whole against its eager self on the rank
+    level = "L0" if s.target.compile else s.level
     job = RankJob(build=build, inputs=tuple(inputs), loss_fn=loss_fn, out=check_dir,
-                  sides=(("bench", s.bench_device, s.bench_dtype, s.bench_autocast),
-                         ("target", s.target_device, s.target_dtype, s.target_autocast)),
-                  level=s.level, task=s.task, seed=s.seed, faults=tuple(s.faults), judge=s.judge,
+                  sides=(("bench", s.bench_device, s.bench_dtype, s.bench_autocast, False),
+                         ("target", s.target_device, s.target_dtype, s.target_autocast, s.target.compile)),
+                  level=level, task=s.task, seed=s.seed, faults=tuple(s.faults), judge=s.judge.replace(level=level),
                   port=free_port(), backend=s.target.dist_backend, oracle_device=s.oracle_device,
                   optimizer=optimizer, steps=steps if optimizer is not None else 1)
     if merged:
@@ -108,7 +111,7 @@ def check_parallel(ctx: CheckContext, s, build: Callable[[int, int], Any], input
         row = {"test": ctx.nodeid, "index": f"{index} {where}",
                "dir": os.path.join(check_dir, where.replace(" ", "_")),
                "bench": f"{s.bench.label} x{world_size}", "target": f"{s.target.label} x{world_size}",
-               "level": s.level, "bench_kernel": s.bench_kernel if s.isolate else None,
+               "level": job.level, "bench_kernel": s.bench_kernel if s.isolate else None,
                "notes": list(outcome.notes), "rank": rank, **({"step": step} if job.steps > 1 else {}),
                # the cross-rank answer, for the report: this rank's own divergence or what it received
                "rank_divergence": per_rank[(step, rank)].message if (step, rank) in per_rank else None,
@@ -176,7 +179,7 @@ def _check_merged(ctx: CheckContext, s, job, index: int, world: int, bench_world
     for step, i, merged, outcome in results:
         row = {"test": ctx.nodeid, "index": f"{index} group{i}", "dir": os.path.join(check_dir, f"step{step}_group{i}"),
                "bench": f"{s.bench.label} x{bench_world}", "target": f"{s.target.label} x{world}",
-               "level": s.level, "bench_kernel": s.bench_kernel if s.isolate else None,
+               "level": job.level, "bench_kernel": s.bench_kernel if s.isolate else None,
                "notes": list(outcome.notes)}
         row.update(outcome.summary(), unapplied=[])
         d.properties.append((RESULT, row))

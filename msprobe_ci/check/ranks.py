@@ -29,7 +29,7 @@ class RankJob:
     inputs: tuple
     loss_fn: Callable | None
     out: str
-    sides: tuple  # ((side, device, dtype option, autocast option), ...)
+    sides: tuple  # ((side, device, dtype option, autocast option, compile), ...)
     level: str
     task: str
     seed: int
@@ -76,16 +76,16 @@ def free_port() -> int:
 def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawned process
     import torch.distributed as dist
 
-    from ..backends import Backend
-    from .sides import run_side
+    from ..backends import Backend, compile_regions
+    from .sides import compiled_note, run_side
     from ..config import DumpConfig
 
     _log_to(os.path.join(job.out, f"rank{rank}.log"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
     dist.init_process_group(job.backend, rank=rank, world_size=world)
     try:
-        for side, device, dtype, autocast in job.sides:
-            backend = Backend.from_options(device, dtype, autocast=autocast)
+        for side, device, dtype, autocast, compiled in job.sides:
+            backend = Backend.from_options(device, dtype, compiled, autocast=autocast)
             isolator = None
             if side == "target" and job.judge.isolate:
                 from ..isolate import Isolator
@@ -104,14 +104,17 @@ def _rank_main(rank: int, world: int, job: RankJob) -> None:  # runs in a spawne
                 run = run_training(model, [batch] * job.steps, job.loss_fn, job.optimizer, backend, cfg,
                                    faults=faults, seed=job.seed, isolator=isolator, owned=True, cast=cast)
             else:
+                # a compiled side: its blocks compiled by prepare_model, opaque to capture (judged whole)
+                regions = compile_regions(model) if backend.compile else []
                 run = run_side(model, job.inputs, job.loss_fn, backend, cfg, faults=faults, seed=job.seed,
-                               isolator=isolator, owned=True, cast=cast)
+                               isolator=isolator, owned=True, cast=cast, regions=regions)
             if run.unapplied:
                 with open(os.path.join(job.out, f"unapplied.rank{rank}.txt"), "w", encoding="utf-8") as fh:
                     fh.write("\n".join(run.unapplied))
-            if run.notes:
+            notes = (() if job.optimizer is not None else compiled_note(backend, regions)) + tuple(run.notes)
+            if notes:
                 with open(os.path.join(job.out, f"notes.{side}.rank{rank}.txt"), "w", encoding="utf-8") as fh:
-                    fh.write("\n".join(run.notes))
+                    fh.write("\n".join(notes))
         # no rank leaves while a peer still works: a rank whose peer closed its gloo connections mid-run aborts
         # (gloo's IoException "Connection closed by peer" is thrown in its I/O thread: SIGABRT)
         dist.barrier()
@@ -201,7 +204,10 @@ def unapplied_faults_on_ranks(faults, world: int, check_dir: str) -> list[str]:
         ranks = [r for r in range(world) if f.on_rank(r)]
         files = [os.path.join(check_dir, f"unapplied.rank{r}.txt") for r in ranks]
         if ranks and all(os.path.isfile(p) and f"fault {f.api}" in _text(p) for p in files):
-            out.append(f"fault {f.api} never fired or changed no value on rank(s) {ranks}")
+            # the first rank's own reason (e.g. the call ran inside a torch.compile region)
+            lines = [ln for ln in _text(files[0]).splitlines() if ln.startswith(f"fault {f.api}")]
+            why = lines[0].split(": ", 1)[1] if lines and ": " in lines[0] else ""
+            out.append(f"fault {f.api} never fired or changed no value on rank(s) {ranks}" + (f": {why}" if why else ""))
     return out
 
 
