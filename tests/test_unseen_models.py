@@ -278,3 +278,29 @@ def test_a_layer_norm_backward_adds_its_rows_into_a_half_buffer_one_by_one(tmp_p
     assert report.first_divergence is not None and \
         report.first_divergence.name == "Functional.layer_norm.3.backward", \
         report.first_divergence and report.first_divergence.message
+
+
+def _deberta(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.DebertaV2Config(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+                                       pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    model = transformers.DebertaV2ForMaskedLM(cfg).eval()
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(7))
+    return model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+
+
+def test_a_cross_entropy_sums_its_tokens_as_a_cascade_of_half_partial_sums(tmp_path):
+    """The CPU half ``nll_loss`` adds its tokens' terms in runs of 16, one by one, into half-precision partial sums:
+    each addition rounds at the size of the sum so far. DeBERTa's fp16 loss over 32 tokens, 2.6 roundings off,
+    failed a benign run against the upcast bench when charged its terms' rounding only; charged the cascade, it
+    passes, and a 2% fault on the bf16 loss is still named."""
+    report, cases = _check(tmp_path / "benign", _deberta(0), "fp16", kernel="upcast")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    report, _ = _check(tmp_path / "fault", _deberta(0), "bf16", kernel="upcast",
+                       faults=[Fault("Functional.cross_entropy", 0, "forward", "scale", 1.02)])
+    assert report.first_divergence is not None and \
+        report.first_divergence.name == "Functional.cross_entropy.0.forward", \
+        report.first_divergence and report.first_divergence.message
