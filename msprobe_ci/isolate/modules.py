@@ -19,6 +19,17 @@ _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, to
                     torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
+def _is_dtensor(value) -> bool:
+    """Whether ``value`` is a ``torch.distributed`` DTensor (an FSDP2 shard, a tensor-parallel weight)."""
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
 @dataclass
 class _ModuleCall:
     """A whole-isolated module call: its eager wrapper, the state and inputs it was called with, the oracle's and
@@ -80,6 +91,13 @@ class ModuleIsolation:
         if random:
             self.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
                                               "mode inside)")
+            return None
+        sharded = next((k for k, v in state.items() if _is_dtensor(v)), None)
+        if sharded is not None:
+            # its re-runs would gather that state (FSDP's and DTensor's collectives) as many times as this rank's
+            # judgement asks, a number that differs between ranks: the ranks would wait on each other for ever
+            self.results[name].update(message=f"module not isolated: its state is sharded across ranks "
+                                              f"({sharded} is a DTensor); its submodules are judged")
             return None
         wrapper = _EagerForward(module)
         dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))

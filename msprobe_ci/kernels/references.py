@@ -34,7 +34,9 @@ def _clone_wrapper(t: torch.Tensor, device: str) -> torch.Tensor:
     """A detached copy of a traceable wrapper subclass (``__tensor_flatten__``, torch's protocol for them) with its
     inner tensors cloned onto ``device``: the same subclass, so the same kernel runs on it."""
     inner, ctx = t.__tensor_flatten__()
-    parts = {k: getattr(t, k).detach().to(device=device, copy=True) for k in inner}
+    # torch 2.13's DTensor lists its DeviceMesh among the inner attributes: only tensors are copied
+    parts = {k: (v.detach().to(device=device, copy=True) if isinstance(v, torch.Tensor) else v)
+             for k, v in ((k, getattr(t, k)) for k in inner)}
     return type(t).__tensor_unflatten__(parts, ctx, t.shape, t.stride())
 
 
