@@ -72,6 +72,20 @@ def _errors(report, cases):
         [c["message"] for c in cases if c["status"] == "error"]
 
 
+def _clean(path, case, dtype, kernel="device"):
+    """A benign run: no API, module or model-level testcase fails."""
+    report, cases = _check(path, case, dtype, kernel=kernel)
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+
+
+def _named(path, case, dtype, fault, kernel="device"):
+    """A run with ``fault``: its call is the first divergence."""
+    report, _ = _check(path, case, dtype, kernel=kernel, faults=[fault])
+    expected = f"{fault.api}.{fault.call}.{fault.direction}"
+    assert report.first_divergence is not None and report.first_divergence.name == expected, \
+        report.first_divergence and report.first_divergence.message
+
+
 @pytest.mark.parametrize("name, build, dtype, fault, expected", [
     ("gpt_neo", lambda s: _causal("gpt_neo", s), "bf16", Fault("Functional.softmax", 1, "forward", "scale", 1.05),
      "Functional.softmax.1.forward"),
@@ -190,13 +204,9 @@ def test_multi_query_attention_against_an_upcast_bench(tmp_path):
     """Falcon's multi-query attention: the key gradient of ``Q @ K^T`` is summed over the heads the key was
     broadcast to, each head's GEMM rounded first (fp16: 2.05 times the once-rounded bench's mean relative error,
     a false fail). The upcast bench holds what the definition holds; a 1% fault on that gradient is still named."""
-    report, cases = _check(tmp_path / "benign", _falcon(7), "fp16", kernel="upcast")
-    assert not _errors(report, cases), _errors(report, cases)[:3]
-    report, _ = _check(tmp_path / "fault", _falcon(7), "fp16", kernel="upcast",
-                       faults=[Fault("Tensor.__matmul__", 1, "backward", "scale", 1.01)])
-    assert report.first_divergence is not None and \
-        report.first_divergence.name == "Tensor.__matmul__.1.backward", \
-        report.first_divergence and report.first_divergence.message
+    _clean(tmp_path / "benign", _falcon(7), "fp16", kernel="upcast")
+    _named(tmp_path / "fault", _falcon(7), "fp16",
+           Fault("Tensor.__matmul__", 1, "backward", "scale", 1.01), kernel="upcast")
 
 
 def _granite(seed):
@@ -246,13 +256,9 @@ def test_a_max_pool_backward_sums_overlapping_windows_in_the_half_dtype(tmp_path
     a benign run failed it against the upcast bench (max_rel_err ratio 19.7 > 10 where the sum cancels). Charged
     as the half sum it is, only where it sums: a 1% fault on it is still named."""
     for seed in (0, 1):
-        report, cases = _check(tmp_path / f"benign{seed}", _resnet(seed), "bf16", kernel="upcast")
-        assert not _errors(report, cases), _errors(report, cases)[:3]
-    report, _ = _check(tmp_path / "fault", _resnet(0), "bf16", kernel="upcast",
-                       faults=[Fault("Functional.max_pool2d", 0, "backward", "scale", 1.01)])
-    assert report.first_divergence is not None and \
-        report.first_divergence.name == "Functional.max_pool2d.0.backward", \
-        report.first_divergence and report.first_divergence.message
+        _clean(tmp_path / f"benign{seed}", _resnet(seed), "bf16", kernel="upcast")
+    _named(tmp_path / "fault", _resnet(0), "bf16",
+           Fault("Functional.max_pool2d", 0, "backward", "scale", 1.01), kernel="upcast")
 
 
 def _clip_text(seed):
@@ -271,13 +277,9 @@ def test_a_layer_norm_backward_adds_its_rows_into_a_half_buffer_one_by_one(tmp_p
     the subnormal step). Charged the terms' rounding only, CLIP's final LayerNorm backward failed a benign fp16 run
     against the upcast bench (mean_rel_err ratio 5.8); charged as a kernel holding everything in fp16, a 1% bf16
     fault on it passed. Modelled as that sum, both come out right."""
-    report, cases = _check(tmp_path / "benign", _clip_text(0), "fp16", kernel="upcast")
-    assert not _errors(report, cases), _errors(report, cases)[:3]
-    report, _ = _check(tmp_path / "fault", _clip_text(0), "bf16", kernel="upcast",
-                       faults=[Fault("Functional.layer_norm", 3, "backward", "scale", 1.01)])
-    assert report.first_divergence is not None and \
-        report.first_divergence.name == "Functional.layer_norm.3.backward", \
-        report.first_divergence and report.first_divergence.message
+    _clean(tmp_path / "benign", _clip_text(0), "fp16", kernel="upcast")
+    _named(tmp_path / "fault", _clip_text(0), "bf16",
+           Fault("Functional.layer_norm", 3, "backward", "scale", 1.01), kernel="upcast")
 
 
 def _deberta(seed):
@@ -297,10 +299,6 @@ def test_a_cross_entropy_sums_its_tokens_as_a_cascade_of_half_partial_sums(tmp_p
     each addition rounds at the size of the sum so far. DeBERTa's fp16 loss over 32 tokens, 2.6 roundings off,
     failed a benign run against the upcast bench when charged its terms' rounding only; charged the cascade, it
     passes, and a 2% fault on the bf16 loss is still named."""
-    report, cases = _check(tmp_path / "benign", _deberta(0), "fp16", kernel="upcast")
-    assert not _errors(report, cases), _errors(report, cases)[:3]
-    report, _ = _check(tmp_path / "fault", _deberta(0), "bf16", kernel="upcast",
-                       faults=[Fault("Functional.cross_entropy", 0, "forward", "scale", 1.02)])
-    assert report.first_divergence is not None and \
-        report.first_divergence.name == "Functional.cross_entropy.0.forward", \
-        report.first_divergence and report.first_divergence.message
+    _clean(tmp_path / "benign", _deberta(0), "fp16", kernel="upcast")
+    _named(tmp_path / "fault", _deberta(0), "bf16",
+           Fault("Functional.cross_entropy", 0, "forward", "scale", 1.02), kernel="upcast")

@@ -207,7 +207,8 @@ def unapplied_faults_on_ranks(faults, world: int, check_dir: str) -> list[str]:
             # the first rank's own reason (e.g. the call ran inside a torch.compile region)
             lines = [ln for ln in _text(files[0]).splitlines() if ln.startswith(f"fault {f.api}")]
             why = lines[0].split(": ", 1)[1] if lines and ": " in lines[0] else ""
-            out.append(f"fault {f.api} never fired or changed no value on rank(s) {ranks}" + (f": {why}" if why else ""))
+            out.append(f"fault {f.api} never fired or changed no value on rank(s) {ranks}"
+                       + (f": {why}" if why else ""))
     return out
 
 

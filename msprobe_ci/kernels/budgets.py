@@ -44,9 +44,8 @@ def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generat
     :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
     (:data:`ACCUMULATION`, or the target's own where that is finer), the kernels known to hold their terms in
     the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere) and, with them, the
-    target dtype's smallest normal number (below it a held sum rounds by half a subnormal step, absolute). The scales are
-    measured in units of the
-    target's roundoff (:func:`unit_of`)."""
+    target dtype's smallest normal number (below it a held sum rounds by half a subnormal step, absolute). The
+    scales are measured in units of the target's roundoff (:func:`unit_of`)."""
     unit = target_roundoff(tensors)
     cpu_half = unit > ACCUMULATION and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
     tiny = torch.finfo(target_dtype(tensors)).smallest_normal if cpu_half else 0.0
