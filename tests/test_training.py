@@ -130,6 +130,14 @@ def test_sampled_fault(msprobe):
 
 def test_bad_range(msprobe):
     msprobe.check_generate(build().eval(), PROMPT, max_new_tokens=3, token_range=[2, 5])
+
+
+def test_seq2seq(msprobe):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=128, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    msprobe.check_generate(BartForConditionalGeneration(cfg).eval(), PROMPT, max_new_tokens=2)
 """
 
 
@@ -138,8 +146,11 @@ def test_token_range_captures_only_its_steps_and_still_names_the_faulty_step(pyt
     pytester.makefile(".yaml", faults="faults:\n  - {api: Functional.silu, call: 0, perturb: scale, value: 1.05, "
                                       "step: 3}\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=1, failed=3)
     result.stdout.fnmatch_lines(["*msprobe: first divergence at step 3 (decode token 3): Functional.silu.0.forward*"])
+    # an encoder-decoder model would decode nothing the user runs (each token fed to its encoder): refused
+    result.stdout.fnmatch_lines(["*check_generate: BartForConditionalGeneration is an encoder-decoder model; "
+                                 "check_generate decodes a causal LM*"])
     result.stdout.fnmatch_lines(["*token_range: expected ?a, b? with 0 <= a <= b <= max_new_tokens (3), got ?2, 5?*"])
     result.stdout.fnmatch_lines(["*captured and judged steps 2..3 of 0..6*"])
     check = pytester.path / "msprobe-out" / "test_gen.py_test_sampled" / "check0"

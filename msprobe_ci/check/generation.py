@@ -108,8 +108,8 @@ def check_generate(ctx, s, model: Any, input_ids: Any, *, max_new_tokens: int, t
         "target_picks": ..., "token_agreement": float, "reports": [...]}``.
 
     Raises:
-        MsprobeError: a bad ``max_new_tokens`` or ``token_range``, a model without logits/KV cache, unreadable
-            step dumps.
+        MsprobeError: a bad ``max_new_tokens`` or ``token_range``, an encoder-decoder model, a model without
+            logits/KV cache, unreadable step dumps.
     """
     import os
 
@@ -134,6 +134,12 @@ def check_generate(ctx, s, model: Any, input_ids: Any, *, max_new_tokens: int, t
             raise MsprobeError(f"check_generate: the config's step list {sorted(config_steps)} holds no step <= "
                                f"max_new_tokens ({max_new_tokens})")
     _require_module(model, "check_generate")
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        # its decode steps would feed each new token to the encoder as its whole input: a computation both sides
+        # share, but no decoding the user runs
+        raise MsprobeError(f"check_generate: {type(model).__name__} is an encoder-decoder model; check_generate "
+                           "decodes a causal LM (input_ids and past_key_values in, logits out): gate a seq2seq "
+                           "model's forward with msprobe.check or its training steps with msprobe.check_training")
     index, check_dir = ctx.next_check()
 
     def cfg(side: str) -> DumpConfig:
