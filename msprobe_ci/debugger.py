@@ -82,6 +82,7 @@ class PrecisionDebugger:
         else:
             faults = tuple(inject)
         self.session = CaptureSession(self.config, faults=faults, isolator=isolator)
+        self._warned: set[int] = set()  # faults already said to be unapplied (step)
         self.ddp_reduction = bool(ddp_reduction)
 
     def start(self, model: Any = None, token_range: Any = None) -> None:
@@ -103,5 +104,24 @@ class PrecisionDebugger:
         self.session.stop()
 
     def step(self) -> None:
-        """Close the step: counters reset and the next ``start()`` writes ``step{N+1}``."""
+        """Close the step: counters reset and the next ``start()`` writes ``step{N+1}``.
+
+        An injected fault meant for the step just closed (its ``step``, or any step for one without) that never
+        fired or changed no value there is said in a ``UserWarning``, once: a self-test of the gate with such a
+        fault proves nothing (an fp16 gradient that overflowed to inf under a loss scale stays inf when scaled).
+        """
+        closed = self.session.current_step
         self.session.step()
+        log, warned = self.session.fault_log, self._warned
+        due = [i for i, f in enumerate(log.faults)
+               if i not in log.changed and i not in warned and (f.step is None or f.step == closed)
+               and f.on_rank(self.session.fault_rank)]
+        if due:
+            import warnings
+
+            warned.update(due)
+            lines = [ln for ln in log.unapplied(self.session.fault_rank, "no such call ran in this step")
+                     if any(ln.startswith(f"fault {log.faults[i].api}") for i in due)]
+            if lines:
+                warnings.warn(f"msprobe: step {closed}: {'; '.join(lines)}: a fault that never fires or changes no "
+                              "value proves nothing about the gate", stacklevel=2)

@@ -90,3 +90,34 @@ def test_noise_faults_draw_the_same_noise_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2")}
     assert len(outs) == 1, outs
+
+
+def test_a_users_loop_is_told_when_its_fault_proves_nothing(tmp_path):
+    """PrecisionDebugger(inject=...) in the user's own loop: a fault meant for a step that never fired there, or
+    that only touched values a scale cannot move (NaN, where an fp16 step overflowed under a loss scale), is said
+    at that step's step() in one warning, once; a fault that changed values says nothing."""
+    import warnings
+
+    from msprobe_ci import PrecisionDebugger
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    faults = [Fault("Functional.linear", 1, "forward", "scale", 1.02, step=0),  # fires and changes values
+              Fault("Functional.linear", 7, "forward", "scale", 1.02, step=1),  # no 8th linear: never fires
+              Fault("Functional.relu", 0, "forward", "scale", 1.02, step=2)]    # fires on NaNs only
+    debugger = PrecisionDebugger(dump_path=str(tmp_path), level="L1", inject=faults)
+    said = []
+    for step in range(3):
+        x = torch.randn(4, 8) if step < 2 else torch.full((4, 8), float("nan"))  # an overflowed step's NaNs
+        debugger.start(model)
+        model(x)
+        debugger.stop()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            debugger.step()
+        said.append([str(w.message) for w in caught if "msprobe:" in str(w.message)])
+    assert said[0] == []
+    assert len(said[1]) == 1 and "step 1: fault Functional.linear call 7 (forward) was never applied: no such " \
+                                   "call ran in this step" in said[1][0], said
+    assert len(said[2]) == 1 and "step 2: fault Functional.relu call 0 (forward) fired but changed no value: every " \
+                                   "torch.float32 value it touched was 0, inf or NaN" in said[2][0], said

@@ -213,6 +213,10 @@ class FaultLog:
                 out.append(f"{what} fired but found no floating-point value to perturb")
                 continue
             peak, dtype = self.touched[i]
+            if peak == 0:  # nothing finite and nonzero to move: zeros, or an overflow
+                out.append(f"{what} fired but changed no value: every {dtype} value it touched was 0, inf or NaN "
+                           "(an overflow: under a loss scale, a step the GradScaler skips)")
+                continue
             out.append(f"{what} fired but changed no value: {f.perturb} {f.value:g} is below the resolution of "
                        f"{dtype} at the values it touched (largest |x| {peak:.3g})")
         return tuple(out)
