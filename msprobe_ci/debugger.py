@@ -108,7 +108,7 @@ class PrecisionDebugger:
 
         An injected fault meant for the step just closed (its ``step``, or any step for one without) that never
         fired or changed no value there is said in a ``UserWarning``, once: a self-test of the gate with such a
-        fault proves nothing (an fp16 gradient that overflowed to inf under a loss scale stays inf when scaled).
+        fault proves nothing (an fp16 step that overflowed under a loss scale leaves NaN, which no scale moves).
         """
         closed = self.session.current_step
         self.session.step()
@@ -120,8 +120,7 @@ class PrecisionDebugger:
             import warnings
 
             warned.update(due)
-            lines = [ln for ln in log.unapplied(self.session.fault_rank, "no such call ran in this step")
-                     if any(ln.startswith(f"fault {log.faults[i].api}") for i in due)]
+            lines = log.unapplied(self.session.fault_rank, "no such call ran in this step", only=due)
             if lines:
                 warnings.warn(f"msprobe: step {closed}: {'; '.join(lines)}: a fault that never fires or changes no "
                               "value proves nothing about the gate", stacklevel=2)

@@ -198,12 +198,13 @@ class FaultLog:
             if peak >= self.touched.get(i, (-1.0, ""))[0]:
                 self.touched[i] = (peak, str(b.dtype))
 
-    def unapplied(self, rank: int | None, why: str) -> tuple[str, ...]:
+    def unapplied(self, rank: int | None, why: str, only: Iterable[int] | None = None) -> tuple[str, ...]:
         """One line per fault meant for ``rank`` that never fired (``why``: the reason to give) or fired and
-        changed nothing."""
+        changed nothing; ``only``: just the faults of these indices."""
         out = []
+        keep = None if only is None else set(only)
         for i, f in enumerate(self.faults):
-            if not f.on_rank(rank) or i in self.changed:
+            if not f.on_rank(rank) or i in self.changed or (keep is not None and i not in keep):
                 continue
             what = f"fault {f.api}{'' if f.call is None else f' call {f.call}'} ({f.direction})"
             if i not in self.fired:
