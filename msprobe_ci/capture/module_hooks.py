@@ -1,5 +1,5 @@
-"""L0 capture: forward and backward hooks on every submodule, one alias node routing a module call's gradients,
-and parameter-gradient hooks."""
+"""L0 capture: forward and backward hooks on every submodule (each call one event for the engine's observers), one
+alias node routing a module call's gradients, and parameter-gradient hooks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .coverage import quiet
+from .observers import ModuleCall
 
 
 #: modules that wrap the user's module and compute nothing of their own (FSDP1, activation checkpointing, CPU
@@ -37,78 +38,84 @@ def class_name(mod: torch.nn.Module) -> str:
     return cls.__name__
 
 
-class ModuleCapture:
-    """The module half of :class:`~msprobe_ci.capture.session.CaptureSession` (L0 and mix)."""
+class ModuleHooks:
+    """L0 capture's hooks (L0 and mix): each module call one :class:`~.observers.ModuleCall` for the engine's
+    observers, its backward routed through one :class:`_Alias` node, its parameters' gradients seen as they
+    accumulate. The engine's bookkeeping (call counters, the construct's parents, the module stacks) is done here;
+    the observers record and judge.
 
-    # ------------------------------------------------------------------ L0: modules
-    def _hook_model(self, model: torch.nn.Module, root_prefix: str) -> None:
-        if id(model) in self._hooked:
+    Args:
+        engine: the :class:`~msprobe_ci.capture.session.CaptureSession`.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.hooked: dict[int, list] = {}  # id(model) -> its hook handles
+
+    def hook_model(self, model: torch.nn.Module, root_prefix: str) -> None:
+        """Hook every submodule of ``model`` once (the root itself and :data:`WRAPPERS` are not recorded; the
+        engine's opaque regions get no hooks below them)."""
+        if id(model) in self.hooked:
             return
+        eng = self.engine
         handles = []
         for path, mod in model.named_modules():
-            if mod is model or path.startswith(self.opaque_prefixes):
+            if mod is model or path.startswith(eng.opaque_prefixes):
                 continue
             base = f"Module.{root_prefix}{model_path(path)}.{class_name(mod)}"
             # a wrapper records nothing of its own; the module it wraps at the root is the model itself
             wrapper = class_name(mod) in WRAPPERS or not model_path(path)
             # modules whose APIs are not seen (L0 capture, a torch.compile region) are isolated whole
-            whole = self.isolator is not None and (not self.api_level or f"{path}." in self.opaque_prefixes)
+            whole = eng.isolator is not None and (not eng.api_level or f"{path}." in eng.opaque_prefixes)
             if not wrapper:
                 handles.append(mod.register_forward_pre_hook(self._fwd_pre_hook(base, whole), with_kwargs=True))
-                handles.append(mod.register_forward_hook(self._fwd_hook(base), with_kwargs=True,
-                                                         always_call=True))
+                handles.append(mod.register_forward_hook(self._fwd_hook(), with_kwargs=True, always_call=True))
                 if whole:
                     # judged before any hook registered earlier runs: FSDP2's post-forward hook reshards the
                     # module, freeing the unsharded parameters the isolation's re-runs read (a segfault, not an
                     # error), and the judged output is the forward's own
                     handles.append(mod.register_forward_hook(self._isolate_hook(), prepend=True))
-            if self._bwd:
+            if eng.bwd:
                 # the module's backward hooks are set per call by the forward hooks (see _module_io)
                 for pname, p in mod.named_parameters(recurse=False):
                     if p.requires_grad:
                         handles.append(p.register_post_accumulate_grad_hook(self._pgrad_hook(base, pname)))
-        self._hooked[id(model)] = handles
+        self.hooked[id(model)] = handles
+
+    def remove(self) -> None:
+        """Remove every hook installed."""
+        for handles in self.hooked.values():
+            for h in handles:
+                h.remove()
+        self.hooked.clear()
 
     def _fwd_pre_hook(self, base: str, whole: bool = False):
         key = f"{base}.forward."
         bkey = f"{base}.backward."
+        eng = self.engine
 
         def hook(module, args, kwargs):
-            if not self.running or self._busy:
+            if not eng.recording:
                 return None
-            n = self.module_counts.get(key, 0)
-            self.module_counts[key] = n + 1
+            state = eng.state
+            n = state.module_counts.get(key, 0)
+            state.module_counts[key] = n + 1
             name = f"{key}{n}"
-            if self.with_construct:
-                self.construct[name] = self._fwd_stack[-1] if self._fwd_stack else None
-            self._fwd_stack.append(name)
-            entry = None
-            if self._keep(name):
-                entry = {"input_args": [], "input_kwargs": {}}
-                if self._fwd_in:
-                    with self.machinery:
-                        files = self._tensor_file(name)
-                        entry["input_args"] = [self.builder.value(a, f"{name}.input.{i}" if files else None)
-                                               for i, a in enumerate(args)]
-                        entry["input_kwargs"] = {k: self.builder.value(v, f"{name}.kwargs.{k}" if files else None, k)
-                                                 for k, v in kwargs.items()}
-                        self._stack(name)
-            mcall = None
-            if whole and entry is not None:
-                with self.machinery:
-                    # without API capture (L0) nothing follows views and casts between modules, so only a
-                    # module's own parameters count as sources there
-                    mcall = self.isolator.module_before(name, module, args, kwargs, input_sources=self.api_level)
-            call = _ModuleCall(name, entry, mcall)
+            if eng.with_construct:
+                state.construct[name] = state.fwd_stack[-1] if state.fwd_stack else None
+            state.fwd_stack.append(name)
+            call = ModuleCall(name, whole)
+            for o in eng.observers:
+                o.module_before(call, module, args, kwargs)
             new_args = None
-            if self._bwd and torch.is_grad_enabled():
+            if eng.bwd and torch.is_grad_enabled():
                 call.bwd_name, call.n_in = f"{bkey}{n}", len(args)
                 new_args = self._module_io(call, args, inputs=True)
-            self._pending_fwd.setdefault(id(module), []).append(call)
+            state.pending_fwd.setdefault(id(module), []).append(call)
             return None if new_args is None else (new_args, kwargs)
         return quiet(hook)
 
-    def _module_io(self, call: "_ModuleCall", value: Any, inputs: bool) -> Any:
+    def _module_io(self, call: ModuleCall, value: Any, inputs: bool) -> Any:
         """Route a module call's positional inputs (or its outputs) through one :class:`_Alias` node, whose
         backward hooks see the gradients w.r.t. them: what ``register_full_backward_hook`` does, but with aliases
         where torch makes views. Returns the new args (outputs), or None when no tensor in them requires grad.
@@ -122,11 +129,12 @@ class ModuleCapture:
         idx = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not idx:
             return None
-        with self.machinery:
+        eng = self.engine
+        with eng.machinery:
             new = _Alias.apply(*(items[i] for i in idx))
         for i, t in zip(idx, new):
-            if self.isolator is not None:
-                self.isolator.alias(t, items[i])
+            for o in eng.observers:
+                o.aliased(t, items[i])
             items[i] = t
         node = new[0].grad_fn
         if inputs:
@@ -139,33 +147,21 @@ class ModuleCapture:
             return items[0]
         return tuple(items) if type(value) is tuple else type(value)(*items)
 
-    def _fwd_hook(self, base: str):
+    def _fwd_hook(self):
+        eng = self.engine
+
         def hook(module, args, kwargs, output):
-            if self._busy:
+            if eng.machinery.busy:
                 return None
-            pending = self._pending_fwd.get(id(module))
+            state = eng.state
+            pending = state.pending_fwd.get(id(module))
             if not pending:
                 return None
             call = pending.pop()
-            name, entry, mcall = call.name, call.entry, call.mcall
-            if self._fwd_stack and self._fwd_stack[-1] == name:
-                self._fwd_stack.pop()
-            if self.isolator is not None:
-                if not call.judged:  # not judged by _isolate_hook (a call that raised)
-                    call.judged = True
-                    with self.machinery:
-                        self.isolator.module_after(mcall, output)
-                self.isolator.mark_produced(output)
-            if entry is not None and self.running:
-                with self.machinery:
-                    files = self._tensor_file(name)
-                    entry["output"] = self._encode_output(output, f"{name}.output" if files else None) \
-                        if self._fwd_out else []
-                    entry["parameters"] = {
-                        pname: self.builder.value(p, f"{name}.parameters.{pname}" if files else None)
-                        for pname, p in module.named_parameters(recurse=False)} if self._fwd_out else {}
-                    self.data.pop(name, None)
-                    self.data[name] = entry
+            if state.fwd_stack and state.fwd_stack[-1] == call.name:
+                state.fwd_stack.pop()
+            for o in reversed(eng.observers):
+                o.module_after(call, module, output)
             if not call.bwd_name:
                 return None
             return self._module_io(call, output, inputs=False)
@@ -173,43 +169,43 @@ class ModuleCapture:
 
     def _isolate_hook(self):
         """A whole-isolated module's forward is judged as soon as it returns (registered first, see
-        :meth:`_hook_model`); the recording hook that runs last then has nothing left to judge."""
+        :meth:`hook_model`); the recording hook that runs last then has nothing left to judge."""
+        eng = self.engine
+
         def hook(module, args, output):
-            if self._busy:
+            if eng.machinery.busy:
                 return None
-            pending = self._pending_fwd.get(id(module))
+            pending = eng.state.pending_fwd.get(id(module))
             call = pending[-1] if pending else None
             if call is not None and not call.judged:
-                call.judged = True
-                with self.machinery:
-                    self.isolator.module_after(call.mcall, output)
+                for o in reversed(eng.observers):
+                    o.module_judge(call, output)
             return None
         return quiet(hook)
 
-    def _bwd_pre_hook(self, call: "_ModuleCall"):
+    def _bwd_pre_hook(self, call: ModuleCall):
         """Gradients w.r.t. a module call's outputs arrived: the backward entry begins (its ``input``)."""
+        eng = self.engine
+
         def hook(grad_outputs):
             grads = [None] * call.n_out
             for i, g in zip(call.out_idx, grad_outputs):
                 grads[i] = g
             call.grad_out = tuple(grads)
-            if self.running and not self._busy:
-                name = call.bwd_name
-                if self.with_construct:
-                    self.construct[name] = self._bwd_stack[-1] if self._bwd_stack else None
-                self._bwd_stack.append(name)
-                call.bwd_recs = False  # the backward began; a list once recorded
-                if self._keep(name):
-                    with self.machinery:
-                        files = self._tensor_file(name)
-                        call.bwd_recs = [self.builder.value(g, f"{name}.input.{i}" if files else None)
-                                         for i, g in enumerate(call.grad_out)] if self._bwd_in else []
+            if eng.recording:
+                state = eng.state
+                if eng.with_construct:
+                    state.construct[call.bwd_name] = state.bwd_stack[-1] if state.bwd_stack else None
+                state.bwd_stack.append(call.bwd_name)
+                call.bwd_recs = False  # the backward began
+                for o in eng.observers:
+                    o.module_backward_begin(call)
             if call.in_idx is None:  # no input requires grad: the module's backward ends here
                 self._bwd_done(call, (None,) * call.n_in)
             return None
         return quiet(hook)
 
-    def _bwd_hook(self, call: "_ModuleCall"):
+    def _bwd_hook(self, call: ModuleCall):
         """Gradients w.r.t. a module call's inputs are computed: the backward entry ends (its ``output``)."""
         def hook(grad_inputs, _grad_outputs):
             grads = [None] * call.n_in
@@ -219,49 +215,36 @@ class ModuleCapture:
             return None
         return quiet(hook)
 
-    def _bwd_done(self, call: "_ModuleCall", grad_input: tuple) -> None:
+    def _bwd_done(self, call: ModuleCall, grad_input: tuple) -> None:
         grad_output, call.grad_out = call.grad_out, None
         if grad_output is None:  # gradient reached the inputs but not through the outputs (double backward)
             return
-        name = call.bwd_name
-        if self.isolator is not None and call.mcall is not None:
-            with self.machinery:
-                self.isolator.module_backward(call.mcall, name, grad_input, grad_output)
-        recs, call.bwd_recs = call.bwd_recs, None
-        if recs is None:
-            return
-        if name in self._bwd_stack:
-            self._bwd_stack.remove(name)
-        if recs is False or not self.running:
-            return
-        with self.machinery:
-            files = self._tensor_file(name)
-            grads = [g for g in grad_input if g is not None]
-            self.data[name] = {
-                "input": recs,
-                "output": [self.builder.value(g, f"{name}.output.{i}" if files else None)
-                           for i, g in enumerate(grads)] if self._bwd_out else [],
-            }
+        begun = call.bwd_recs is not None
+        for o in reversed(self.engine.observers):
+            o.module_backward_end(call, grad_input, grad_output)
+        stack = self.engine.state.bwd_stack
+        if begun and call.bwd_name in stack:
+            stack.remove(call.bwd_name)
 
     def _pgrad_hook(self, base: str, pname: str):
         key = f"{base}.parameters_grad"
+        eng = self.engine
 
         def hook(param):
-            if not self.running or self._busy or param.grad is None:
+            if not eng.recording or param.grad is None:
                 return
-            state = self._pgrad.setdefault(key, [None, 0, None])  # first param, count, current entry name
+            # one entry per backward pass: a new one when the module's first parameter accumulates again
+            state = eng.state.pgrad.setdefault(key, [None, 0, None])  # first param, count, current entry name
             if state[0] is None:
                 state[0] = pname
             if pname == state[0] or state[2] is None:
                 state[2] = f"{key}.{state[1]}"
                 state[1] += 1
             name = state[2]
-            if not self._keep(name):
+            if not eng.keep(name):
                 return
-            with self.machinery:
-                files = self._tensor_file(name)
-                entry = self.data.setdefault(name, {})
-                entry[pname] = [self.builder.value(param.grad, f"{name}.{pname}" if files else None)]
+            for o in eng.observers:
+                o.param_grad(name, pname, param)
         return quiet(hook)
 
 
@@ -283,21 +266,3 @@ class _Alias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return grads
-
-
-class _ModuleCall:
-    """One forward call of a hooked module: its dump name, entry, isolation call and backward-hook state."""
-
-    __slots__ = ("name", "entry", "mcall", "judged", "bwd_name", "bwd_recs", "in_idx", "n_in", "out_idx", "n_out",
-                 "grad_out")
-
-    def __init__(self, name: str, entry: dict | None, mcall: Any):
-        self.name, self.entry, self.mcall = name, entry, mcall
-        self.judged = mcall is None  # the forward's isolation done (or none asked)
-        self.bwd_name = ""  # set when the call's backward is hooked
-        self.bwd_recs: list | bool | None = None  # None: backward not begun; False: begun, not recorded
-        self.in_idx: list[int] | None = None  # positional args routed through the input alias node
-        self.n_in = 0
-        self.out_idx: list[int] = []
-        self.n_out = 0
-        self.grad_out: tuple | None = None

@@ -29,16 +29,17 @@ from .._perf import freeze_heap, thaw_heap
 from ..config import DumpConfig
 from ..dump.writer import ensure_fresh_dir, write_dump_folder
 from ..errors import MsprobeError
+from .api_hooks import ApiHooks, _ApiMode
+from .comm_hooks import CommHooks
 from .coverage import Coverage, quiet
-from .api_hooks import ApiCapture, _ApiMode
-from .comm_hooks import CommCapture
 from .inject import Fault, FaultLog
-from .module_hooks import ModuleCapture
-from .records import RecordBuilder
+from .module_hooks import ModuleHooks
+from .observers import CoverageObserver, FaultObserver, FreeBenchObserver, IsolationObserver, Observer
+from .state import Machinery, StepState
+from .statistics import Statistics
 
 if TYPE_CHECKING:
     from ..isolate import Isolator
-    from .module_hooks import _ModuleCall
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: the test harness's packages: a call stack's walk stops at their first frame (see ``CaptureSession._stack``)
@@ -59,27 +60,7 @@ def _harness_dirs() -> tuple[str, ...]:
 _TORCH_MODULE_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "module.py")
 
 
-class _Machinery:
-    """``with session.machinery:`` around the capture's own work (statistics, isolation, the writer, fault kernels):
-    the torch calls made inside are not the model's, neither recorded nor counted. Sets the session's busy flag and
-    restores what it was on the way out, so the blocks nest; one instance per session (no allocation per use)."""
-
-    __slots__ = ("_owner", "_was")
-
-    def __init__(self, owner: "CaptureSession"):
-        self._owner = owner
-        self._was: list[bool] = []
-
-    def __enter__(self) -> None:
-        self._was.append(self._owner._busy)
-        self._owner._busy = True
-
-    def __exit__(self, *exc) -> bool:
-        self._owner._busy = self._was.pop()
-        return False
-
-
-class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
+class CaptureSession:
     """Capture one model run (or a training loop) into msprobe-compatible dumps.
 
     Args:
@@ -107,95 +88,90 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
                  opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None,
                  coverage: bool = True):
         config.validate()
-        self.isolator = isolator
+        self.config = config
+        self.rank = rank
         self.free_bench = free_bench
         self._harness = _harness_dirs()  # where a call stack's walk stops (the test harness, when one runs)
         # API -> how it ran where float64 had no kernel: "float32", or "reference" (its float64 decomposition)
         self.precision_fallbacks: dict[str, str] = {}
         self.opaque_prefixes = tuple(f"{p}." for p in opaque_modules if p)
-        self.config = config
         self.faults = tuple(faults)
-        self._fault_apis = {f.api for f in self.faults}
+        self.fault_apis = frozenset(f.api for f in self.faults)
         self.fault_log = FaultLog(self.faults)  # which faults fired, and which changed a value
-        if isolator is not None:
-            from .repro import Reproducer
-
-            isolator.on_fault_applied = self.fault_log.record
-            # the isolation's own hooks (its backward oracle and bench) are the machinery's work: the capture wraps
-            # them so that their ops stay out of the coverage count, as its own hooks do
-            isolator.quiet = quiet
-            # a failing call's standalone reproduction goes into repro/ beside the step's dump.json
-            isolator.reproducer = Reproducer(self)
-        if free_bench is not None:  # a call at risk: its reproduction too
-            from .repro import Reproducer
-
-            free_bench.reproducer = Reproducer(self)
-        self.rank = rank
         self.current_step = 0
         self.running = False
         self._armed = False  # started: recording unless a token_range says this root call is outside it
         self._token_range: tuple[int, int] | None = None
         self._token_hooked: dict[int, tuple] = {}
         self._root_calls = 0
-        self._busy_flag = False
         self._frozen = False  # freeze_heap() froze the heap at start(): stop() thaws it
-        self.machinery = _Machinery(self)  # ``with self.machinery:`` around the capture's own work
-        self._mode: _ApiMode | None = None
-        self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
-        self._hooked: dict[int, list] = {}
         self._folders_written: list[str] = []
         self.api_level = config.level in ("L1", "mix")
         self.module_level = config.level in ("L0", "mix")
         self.with_construct = self.module_level
-        modes = config.allowed_modes
-        self._fwd_in = "forward" in modes and "input" in modes
-        self._fwd_out = "forward" in modes and "output" in modes
-        self._bwd_in = "backward" in modes and "input" in modes
-        self._bwd_out = "backward" in modes and "output" in modes
-        self._bwd = "backward" in modes
+        self.bwd = "backward" in config.allowed_modes
         # the share of floating-point work inside recorded APIs (coverage.json), for API-level captures
-        self.coverage = Coverage(lambda: self._busy) if self.api_level and coverage else None
-        self._reset_step_state()
+        self.coverage = Coverage(lambda: self.machinery.busy) if self.api_level and coverage else None
+        self.machinery = Machinery(self.coverage)  # ``with self.machinery:`` around the capture's own work
+        self.state = StepState(config.summary_mode, bool(config.scope))
+        self.apis, self.modules, self.comms = ApiHooks(self), ModuleHooks(self), CommHooks(self)
+        self._comm = None  # the torch.distributed patch while recording (capture/comm.py)
+        self.isolator = isolator  # builds the observers
+        self._reset_observers()
+
+    # ------------------------------------------------------------------ observers
+    @property
+    def isolator(self) -> "Isolator | None":
+        """The :class:`~msprobe_ci.isolate.Isolator` judging every recorded call (None: captures only)."""
+        return self._isolator
+
+    @isolator.setter
+    def isolator(self, isolator: "Isolator | None") -> None:
+        self._isolator = isolator
+        if isolator is not None:
+            from .repro import Reproducer
+
+            # the isolation's own hooks (its backward oracle and bench) are the machinery's work: the capture
+            # wraps them so that their ops stay out of the coverage count, as its own hooks do; a fault it applies
+            # at a tap is logged with the others; a failing call's reproduction goes into repro/ beside dump.json
+            isolator.attach(quiet=quiet, on_fault_applied=self.fault_log.record, reproducer=Reproducer(self))
+        if self.free_bench is not None:  # a call at risk: its reproduction too
+            from .repro import Reproducer
+
+            self.free_bench.reproducer = Reproducer(self)
+        self.observers: tuple[Observer, ...] = self._observers()
+
+    def _observers(self) -> tuple[Observer, ...]:
+        """The observers, in the order they are called on the way in (the reverse on the way out,
+        :mod:`.observers`): statistics, free benchmark, coverage, isolation, faults; each only where it is on."""
+        out: list[Observer] = [Statistics(self)]
+        if self.free_bench is not None:
+            out.append(FreeBenchObserver(self.free_bench, self.machinery))
+        if self.coverage is not None:
+            out.append(CoverageObserver(self.coverage))
+        if self._isolator is not None:
+            out.append(IsolationObserver(self._isolator, self.machinery, input_sources=self.api_level))
+        if self.faults:
+            out.append(FaultObserver(self.fault_log, self.machinery))
+        return tuple(out)
+
+    def _reset_observers(self) -> None:
+        for o in self.observers:
+            o.reset(self.current_step)
+
+    @property
+    def recording(self) -> bool:
+        """Recording, and not inside the capture's own machinery: a hook records the call it sees."""
+        return self.running and not self.machinery.busy
+
+    def faults_due(self, api_id: str, n: int) -> tuple[list[Fault], list[Fault]]:
+        """The faults on this rank due on call ``n`` of ``api_id`` at the current step: ``(forward, backward)``."""
+        rank, step = self.fault_rank, self.current_step
+        mine = [f for f in self.faults if f.api == api_id and f.on_rank(rank)]
+        return ([f for f in mine if f.matches(api_id, n, "forward", step)],
+                [f for f in mine if f.matches(api_id, n, "backward", step)])
 
     # ------------------------------------------------------------------ lifecycle
-    @property
-    def _busy(self) -> bool:
-        """True while the capture machinery itself runs (statistics, isolation, writer): its torch calls are
-        not the model's. Setting it steps the coverage mode off the dispatch stack and back."""
-        return self._busy_flag
-
-    @_busy.setter
-    def _busy(self, value: bool) -> None:
-        cov = getattr(self, "coverage", None)
-        if cov is not None and value != self._busy_flag:
-            if value:
-                cov.suspend()
-            else:
-                cov.resume()
-        self._busy_flag = value
-
-    def _reset_step_state(self) -> None:
-        self.data: dict[str, Any] = {}
-        self.construct: dict[str, Any] = {}
-        self.stacks: dict[tuple, list[str]] = {}
-        self.api_counts: dict[str, int] = {}
-        self.module_counts: dict[str, int] = {}
-        self.builder = RecordBuilder(self.config.summary_mode)
-        self._fwd_stack: list[str] = []
-        self._bwd_stack: list[str] = []
-        self._pending_fwd: dict[int, list[_ModuleCall]] = {}
-        self._pgrad: dict[str, list] = {}
-        self._in_scope = not self.config.scope
-        self._scope_done = False
-        self._folder_checked = False
-        self._dirty = False  # something was recorded since the last flush
-        if getattr(self, "isolator", None) is not None:
-            self.isolator.reset(getattr(self, "current_step", None))
-        if getattr(self, "free_bench", None) is not None:
-            self.free_bench.reset()
-        if getattr(self, "coverage", None) is not None:
-            self.coverage.reset()
-
     @property
     def step_enabled(self) -> bool:
         return not self.config.step or self.current_step in self.config.step
@@ -249,34 +225,35 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             for i, m in enumerate(models):
                 if not isinstance(m, torch.nn.Module):
                     raise MsprobeError(f"start(model): expected torch.nn.Module, got {type(m).__name__}")
-                self._hook_model(m, f"{i}." if len(models) > 1 else "")
+                self.modules.hook_model(m, f"{i}." if len(models) > 1 else "")
         if token_range is not None:
             self._token_range = (token_range[0], token_range[1])
             for m in (list(model) if isinstance(model, (list, tuple)) else [model]):
                 if isinstance(m, torch.nn.Module) and id(m) not in self._token_hooked:
                     self._token_hooked[id(m)] = (m.register_forward_pre_hook(self._token_pre, prepend=True),
                                                  m.register_forward_hook(self._token_post))
-        if self.step_enabled and self.rank_dir() and not self._folder_checked:
+        state = self.state
+        if self.step_enabled and self.rank_dir() and not state.folder_checked:
             ensure_fresh_dir(self.dump_folder())
-            self._folder_checked = True
+            state.folder_checked = True
         if self.running:
             return
         self.running = self.step_enabled and bool(self.rank_dir())
         if self.running and not self._frozen:
             self._frozen = freeze_heap()  # the collector's full passes skip what was alive before recording
-        self._dirty = self._dirty or self.running
+        state.dirty = state.dirty or self.running
         self._armed = self.running
         if self._token_range is not None:
             self.running = False  # until a root forward call inside the range begins
-        if (self.api_level or self._fault_apis) and self._mode is None:
-            self._mode = _ApiMode(self)
-            self._mode.__enter__()
-            if self.coverage is not None:
-                self.coverage.start()
+        if (self.api_level or self.fault_apis) and self.apis.mode is None:
+            self.apis.mode = _ApiMode(self.apis)
+            self.apis.mode.__enter__()
+            for o in self.observers:
+                o.start()
         if self.api_level and self._comm is None and torch.distributed.is_available():
             from .comm import CommPatch
 
-            self._comm = CommPatch(self._on_comm)
+            self._comm = CommPatch(self.comms.on_comm)
 
     def _token_pre(self, module, args):
         n = self._root_calls
@@ -300,11 +277,11 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         self._armed = False
         thaw_heap(self._frozen)
         self._frozen = False
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            if self.coverage is not None:
-                self.coverage.stop()
-            # a custom Function's backward that raised left its push of the mode (ApiCapture._see_backward_of)
+        if self.apis.mode is not None:
+            mode, self.apis.mode = self.apis.mode, None
+            for o in reversed(self.observers):
+                o.stop()
+            # a custom Function's backward that raised left its push of the mode (ApiHooks._see_backward_of)
             for _ in range(max(0, torch.overrides._get_current_function_mode_stack().count(mode) - 1)):
                 mode.__exit__(None, None, None)
             mode.__exit__(None, None, None)
@@ -317,44 +294,40 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         """Flush, then start a new step: counters and per-step caches reset, the next folder is ``step{N+1}``."""
         self.flush()
         self.current_step += 1
-        self._reset_step_state()
+        self.state = StepState(self.config.summary_mode, bool(self.config.scope))
+        self._reset_observers()
 
     def close(self) -> None:
         """Stop and remove every hook this session installed."""
-        if self.running or self._mode is not None:
+        if self.running or self.apis.mode is not None:
             self.stop()
-        for handles in list(self._hooked.values()) + list(self._token_hooked.values()):
+        self.modules.remove()
+        for handles in self._token_hooked.values():
             for h in handles:
                 h.remove()
-        self._hooked.clear()
         self._token_hooked.clear()
 
     def flush(self) -> None:
-        """Write the step's files when something was recorded since the last flush (stop() then step() writes once)."""
-        if not self._dirty or not self._folder_checked or (not self.data and not self.construct):
+        """Write the step's files when something was recorded since the last flush (stop() then step() writes
+        once): the dump folder, then each observer's own files beside it."""
+        state = self.state
+        if not state.dirty or not state.folder_checked or (not state.data and not state.construct):
             return
-        self._dirty = False
-        self.builder.resolve()
+        state.dirty = False
+        state.builder.resolve()
         folder = self.dump_folder()
         stack = {}
-        for i, (frames, names) in enumerate(self.stacks.items()):
+        for i, (frames, names) in enumerate(state.stacks.items()):
             stack[str(i)] = [names, [_format_frame(f) for f in frames]]
         save_tensors = self.config.task == "tensor" or bool(self.config.tensor_list)
-        write_dump_folder(folder, task=self.config.task, level=self.config.level, data=self.data, stack=stack,
-                          construct=self.construct if self.with_construct else {},
-                          tensors=self.builder.tensors if save_tensors else None)
-        if self.isolator is not None:
-            from ..dump.writer import atomic_write_json
+        write_dump_folder(folder, task=self.config.task, level=self.config.level, data=state.data, stack=stack,
+                          construct=state.construct if self.with_construct else {},
+                          tensors=state.builder.tensors if save_tensors else None)
+        from ..dump.writer import atomic_write_json
 
-            atomic_write_json(os.path.join(folder, "isolation.json"), self.isolator.as_json())
-        if self.free_bench is not None:
-            from ..dump.writer import atomic_write_json
-
-            atomic_write_json(os.path.join(folder, "free_benchmark.json"), self.free_bench.as_json())
-        if self.coverage is not None:
-            from ..dump.writer import atomic_write_json
-
-            atomic_write_json(os.path.join(folder, "coverage.json"), self.coverage.as_json())
+        for o in self.observers:
+            for file, value in o.files().items():
+                atomic_write_json(os.path.join(folder, file), value)
         if folder not in self._folders_written:
             self._folders_written.append(folder)
 
@@ -364,27 +337,30 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         return list(self._folders_written)
 
     # ------------------------------------------------------------------ filters
-    def _keep(self, name: str) -> bool:
-        cfg = self.config
+    def keep(self, name: str) -> bool:
+        """Whether node ``name`` is recorded: the config's ``scope`` (from its first node to its last, once) and
+        ``list`` (a name containing an entry, or inside a module whose name does) filters."""
+        cfg, state = self.config, self.state
         if cfg.scope:
-            if not self._in_scope:
-                if self._scope_done or name != cfg.scope[0]:
+            if not state.in_scope:
+                if state.scope_done or name != cfg.scope[0]:
                     return False
-                self._in_scope = True
+                state.in_scope = True
             if name == cfg.scope[1]:
-                self._in_scope, self._scope_done = False, True
+                state.in_scope, state.scope_done = False, True
         if cfg.list:
             if any(s in name for s in cfg.list):
                 return True
-            return any(s in m for m in self._fwd_stack + self._bwd_stack for s in cfg.list if s.startswith("Module"))
+            return any(s in m for m in state.fwd_stack + state.bwd_stack for s in cfg.list if s.startswith("Module"))
         return True
 
-    def _tensor_file(self, name: str) -> bool:
+    def tensor_file(self, name: str) -> bool:
+        """Whether node ``name``'s tensors are saved as files (the tensor task, or a ``tensor_list`` match)."""
         if self.config.task == "tensor":
             return True
         return any(s in name for s in self.config.tensor_list)
 
-    def _stack(self, name: str) -> None:
+    def stack(self, name: str) -> None:
         """Record the call stack of ``name``: the user's frames (and torch's), innermost first; our own frames are
         left out and the walk stops at the test harness (pytest, pluggy, our plugin), whose frames say nothing
         about the model and cost megabytes per check."""
@@ -398,10 +374,10 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
             if not fn.startswith(_PKG_DIR):
                 frames.append((fn, f.f_lineno, f.f_code.co_name))
             f = f.f_back
-        self.stacks.setdefault(tuple(frames), []).append(name)
+        self.state.stacks.setdefault(tuple(frames), []).append(name)
 
-    # ------------------------------------------------------------------ L1: APIs
-    def _call(self, func, args, kwargs):
+    # ------------------------------------------------------------------ running a call
+    def call_kernel(self, func, args, kwargs):
         """The API call itself; in float32 where it has no float64 kernel
         (:func:`~msprobe_ci.kernels.float32_fallback`, noted in :attr:`precision_fallbacks`)."""
         try:
@@ -414,12 +390,6 @@ class CaptureSession(ApiCapture, CommCapture, ModuleCapture):
         from ..kernels import REFERENCES, _qualified
 
         self.precision_fallbacks.setdefault(_qualified(func), "reference" if func in REFERENCES else "float32")
-        return out
-
-    def _passthrough(self, func, args, kwargs):
-        out = self._call(func, args, kwargs)
-        if self.isolator is not None and self.running and not self._busy:
-            self.isolator.propagate(args, kwargs, out)
         return out
 
 

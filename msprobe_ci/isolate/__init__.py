@@ -153,8 +153,23 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
         self._sources: dict[int, tuple[weakref.ref, str]] = {}
         self.faults_at_tap.clear()
 
-    def on_fault_applied(self, fault, before, after) -> None:  # replaced by the capture session's FaultLog.record
-        pass
+    def on_fault_applied(self, fault, before, after) -> None:
+        """A fault turned ``before`` into ``after`` at a tap (:meth:`attach` gives the capture's log)."""
+
+    def attach(self, *, quiet=None, on_fault_applied=None, reproducer=None) -> None:
+        """What the capture that drives this isolator lends it (each None: left as it is).
+
+        Args:
+            quiet: wraps the isolation's own autograd hooks (their ops are the machinery's, not the model's).
+            on_fault_applied: ``(fault, before, after)``, called when a fault is applied at a tap.
+            reproducer: writes each failing call's standalone reproduction (:class:`msprobe_ci.capture.repro.Reproducer`).
+        """
+        if quiet is not None:
+            self.quiet = quiet
+        if on_fault_applied is not None:
+            self.on_fault_applied = on_fault_applied
+        if reproducer is not None:
+            self.reproducer = reproducer
 
     def as_json(self) -> dict:
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
