@@ -387,3 +387,64 @@ def test_the_heap_alive_at_start_is_frozen_while_recording_and_thawed_at_stop(tm
         assert gc.get_freeze_count() == theirs
     finally:
         gc.unfreeze()
+
+
+def test_an_observer_of_the_capture_sees_each_call_in_the_documented_order(tmp_path):
+    """The engine calls its observers in order on the way in and in reverse on the way out: an observer of the
+    caller's (right after the statistics) sees the inputs the model gave, the output the model got (a 2% fault
+    applied to the kernel's own output) with the isolation's verdict already known, the gradients of the call, and
+    its files land beside dump.json."""
+    from msprobe_ci.capture import CaptureSession, Fault, Observer
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    log = []
+
+    class Seen(Observer):
+        def __init__(self, tag, iso=None):
+            self.tag, self.iso, self.outs = tag, iso, {}
+
+        def api_before(self, call):
+            if call.record:
+                log.append((self.tag, "before", call.name))
+
+        def api_after(self, call):
+            if call.record:
+                log.append((self.tag, "after", call.name))
+                if self.iso is not None:
+                    status = self.iso.results[call.name]["status"]
+                    self.outs[call.name] = (call.out.detach().clone(), call.orig.detach().clone(), status)
+
+        def api_backward(self, call, grad_inputs, grad_outputs):
+            log.append((self.tag, "backward", call.bwd_name))
+
+        def files(self):
+            return {f"seen_{self.tag}.json": sorted(self.outs)}
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    iso = Isolator()
+    first, second = Seen("a", iso), Seen("b")
+    cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / "d"), level="mix", task="statistics"),
+                         faults=[Fault("Functional.linear", 1, "forward", "scale", 1.02)], isolator=iso,
+                         observers=[first, second])
+    cap.start(model)
+    model(torch.randn(8, 16)).square().mean().backward()
+    cap.stop()
+    cap.close()
+
+    mine = [e for e in log if e[2].startswith("Functional.linear.1.")]
+    assert mine[:4] == [("a", "before", "Functional.linear.1.forward"), ("b", "before", "Functional.linear.1.forward"),
+                        ("b", "after", "Functional.linear.1.forward"), ("a", "after", "Functional.linear.1.forward")]
+    assert ("b", "backward", "Functional.linear.1.backward") in mine and ("a", "backward", "Functional.linear.1.backward") in mine
+    assert mine.index(("b", "backward", "Functional.linear.1.backward")) < mine.index(("a", "backward", "Functional.linear.1.backward"))
+    out, orig, status = first.outs["Functional.linear.1.forward"]
+    assert torch.allclose(out, orig * 1.02) and not torch.equal(out, orig)
+    assert status == "error"  # judged on the output the model got, before the outer observer's after
+    assert first.outs["Functional.linear.0.forward"][2] == "pass"
+    folder = tmp_path / "d" / "step0" / "rank"
+    assert {"Functional.linear.0.forward", "Functional.linear.1.forward", "Functional.gelu.0.forward"} <= \
+        set(_read_json(folder / "seen_a.json"))
+    assert (folder / "seen_b.json").exists() and (folder / "isolation.json").exists()
+    dump = _read_json(folder / "dump.json")
+    assert dump["data"]["Functional.linear.1.forward"]["output"][0]["Max"] == pytest.approx(float(out.max()), rel=1e-6)

@@ -5,7 +5,7 @@ Imported lazily: ``msprobe_ci.capture.inject`` (fault files) does not load torch
 
 from .inject import Fault, load_faults, parse_faults
 
-__all__ = ["CaptureSession", "Fault", "load_faults", "parse_faults"]
+__all__ = ["CaptureSession", "Fault", "Observer", "load_faults", "parse_faults"]
 
 
 def __getattr__(name: str):
@@ -13,4 +13,8 @@ def __getattr__(name: str):
         from .session import CaptureSession
 
         return CaptureSession
+    if name == "Observer":
+        from .observers import Observer
+
+        return Observer
     raise AttributeError(f"module 'msprobe_ci.capture' has no attribute {name!r}")

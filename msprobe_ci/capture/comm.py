@@ -136,3 +136,33 @@ def wrap_work(work: Any, on_done: Callable[[], None]) -> Any:
     if work is None or not hasattr(work, "wait"):
         return work
     return _Work(work, on_done)
+
+
+def group_of(args: tuple, kwargs: dict) -> Any:
+    """The process group a torch.distributed collective was called with (``None``: the default group)."""
+    import torch.distributed as dist
+
+    g = kwargs.get("group")
+    if g is None:
+        g = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return g
+
+
+def resolved_groups(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A functional collective's arguments with its ``group`` (ranks, DeviceMesh, ``(mesh, dim)``, a name)
+    replaced by the ProcessGroup it names, for the record (the call itself gets the original arguments)."""
+    import inspect
+
+    if "group" in kwargs:
+        pg = resolve_group(kwargs["group"])
+        return args, (dict(kwargs, group=pg) if pg is not None else kwargs)
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "group" in params and params.index("group") < len(args):
+        i = params.index("group")
+        pg = resolve_group(args[i])
+        if pg is not None:
+            return args[:i] + (pg,) + args[i + 1:], kwargs
+    return args, kwargs

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .observers import CommCall
 
 
@@ -59,35 +57,3 @@ class CommHooks:
             return wrap_work(result, done)
         done()
         return result
-
-
-def group_of(args: tuple, kwargs: dict) -> Any:
-    """The process group a torch.distributed collective was called with (``None``: the default group)."""
-    import torch.distributed as dist
-
-    g = kwargs.get("group")
-    if g is None:
-        g = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-    return g
-
-
-def resolved_groups(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A functional collective's arguments with its ``group`` (ranks, DeviceMesh, ``(mesh, dim)``, a name)
-    replaced by the ProcessGroup it names, for the record (the call itself gets the original arguments)."""
-    import inspect
-
-    from .comm import resolve_group
-
-    if "group" in kwargs:
-        pg = resolve_group(kwargs["group"])
-        return args, (dict(kwargs, group=pg) if pg is not None else kwargs)
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
-        return args, kwargs
-    if "group" in params and params.index("group") < len(args):
-        i = params.index("group")
-        pg = resolve_group(args[i])
-        if pg is not None:
-            return args[:i] + (pg,) + args[i + 1:], kwargs
-    return args, kwargs

@@ -323,7 +323,7 @@ class IsolationObserver(Observer):
     def comm_after(self, call: CommCall) -> None:
         if not call.judged:
             return
-        from .comm_hooks import group_of
+        from .comm import group_of
 
         with self.machinery:
             try:

@@ -1,7 +1,11 @@
 """The capture engine: module hooks (L0), torch API capture through ``TorchFunctionMode`` (L1), and both (mix).
 
-One :class:`CaptureSession` owns the per-step state (call counters, dump entries, construct parents, stacks) and
-writes an msprobe-layout dump folder at :meth:`CaptureSession.stop` / :meth:`CaptureSession.step`.
+One :class:`CaptureSession` is the engine: its hooks (:mod:`.api_hooks`, :mod:`.module_hooks`, :mod:`.comm_hooks`)
+turn what the model runs into events for a list of observers (:mod:`.observers`: statistics, free benchmark,
+coverage, isolation, faults, called in that order on the way in and the reverse on the way out). It owns the per-step
+state (:class:`~.state.StepState`: call counters, dump entries, construct parents, stacks), the one switch for its
+own work (:class:`~.state.Machinery`), and writes an msprobe-layout dump folder, with each observer's files beside
+it, at :meth:`CaptureSession.stop` / :meth:`CaptureSession.step`.
 
 Names, counters and the JSON layout follow msprobe 26.2.0 (``shared/spec/dump-format.md`` §4-7):
 
@@ -79,6 +83,10 @@ class CaptureSession:
             dump.json); ``None`` (default) does not.
         coverage: at L1 and mix, count every ATen op's floating-point work inside and outside the recorded APIs
             (``coverage.json`` beside dump.json, :mod:`.coverage`); default True.
+        observers: more :class:`~msprobe_ci.capture.observers.Observer` objects, called right after the
+            statistics on the way in and right before them on the way out: they see each call's inputs as the model
+            gave them and its output as the model got it (faults applied, the isolation's verdict known), and each
+            one's ``files()`` are written beside dump.json. Default none.
 
     Raises:
         MsprobeError: at ``start()`` when the step folder already holds a dump, or a model is needed and missing.
@@ -86,8 +94,9 @@ class CaptureSession:
 
     def __init__(self, config: DumpConfig, faults: Iterable[Fault] = (), rank: int | None = None,
                  opaque_modules: Iterable[str] = (), isolator: "Isolator | None" = None, free_bench=None,
-                 coverage: bool = True):
+                 coverage: bool = True, observers: Iterable[Observer] = ()):
         config.validate()
+        self._extra = tuple(observers)
         self.config = config
         self.rank = rank
         self.free_bench = free_bench
@@ -143,8 +152,9 @@ class CaptureSession:
 
     def _observers(self) -> tuple[Observer, ...]:
         """The observers, in the order they are called on the way in (the reverse on the way out,
-        :mod:`.observers`): statistics, free benchmark, coverage, isolation, faults; each only where it is on."""
-        out: list[Observer] = [Statistics(self)]
+        :mod:`.observers`): statistics, the caller's own, free benchmark, coverage, isolation, faults; each only
+        where it is on."""
+        out: list[Observer] = [Statistics(self), *self._extra]
         if self.free_bench is not None:
             out.append(FreeBenchObserver(self.free_bench, self.machinery))
         if self.coverage is not None:

@@ -3,15 +3,12 @@ the capture engine sees, in msprobe 26.2.0's layout (``shared/spec/dump-format.m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import amp
 from .observers import ApiCall, CommCall, ModuleCall, Observer
-
-if TYPE_CHECKING:
-    from .session import CaptureSession
 
 #: in-place APIs that overwrite their first argument without reading it: that argument is recorded by shape only
 OVERWRITES = frozenset({"copy_", "zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
@@ -24,7 +21,7 @@ class Statistics(Observer):
     files, for the tensor task or ``tensor_list``). The first observer: it sees the inputs the model gave and
     (last, on the way out) the output the model got."""
 
-    def __init__(self, engine: "CaptureSession"):
+    def __init__(self, engine):  # the CaptureSession
         self.engine = engine
         self.machinery = engine.machinery
         modes = engine.config.allowed_modes
@@ -185,7 +182,7 @@ class Statistics(Observer):
         with self.machinery:
             files = eng.tensor_file(name)
             if call.functional:
-                from .comm_hooks import resolved_groups
+                from .comm import resolved_groups
 
                 rec_args, rec_kwargs = resolved_groups(call.func, call.args, call.kwargs)
             else:
