@@ -367,7 +367,7 @@ def test_a_held_scatter_sum_charges_the_elements_that_summed_and_leaves_the_copi
     dtype (kernels.CPU_HALF_HELD): an element that received two terms or more is charged their rounding; one that
     received a single term is that term, copied, and charged nothing (else a 1% fault on every element of a bf16
     max-pool backward, 2.6 roundings, hides under the budget)."""
-    from msprobe_ci.kernels.modes import CPU_HALF_HELD, ROUNDING_RMS, Perturb
+    from msprobe_ci.kernels.perturb import CPU_HALF_HELD, ROUNDING_RMS, Perturb
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 11, 11, generator=g, dtype=torch.float64)

@@ -203,7 +203,7 @@ def test_an_fp32_fused_update_rounds_inside_and_a_tenth_of_a_percent_fault_still
     """AdamW's first moment in fp32 master weights (an FSDP mixed-precision policy, AMP): ``exp_avg.lerp_(grad,
     0.1)`` is ``a + w * (b - a)`` in fp32 on the CPU, three roundings where the correctly rounded result has one;
     where the moment cancels (the gradient turned back) its error is of the size of its terms. The budget rounds
-    a fused op's terms inside (kernels.modes._fused), so the CPU kernel passes against the correctly rounded bench; a
+    a fused op's terms inside (kernels.perturb._fused), so the CPU kernel passes against the correctly rounded bench; a
     0.1% fault still fails. Without it the benign update failed the small-value rule (Llama and Qwen2 under
     FSDP2, step 1)."""
     g = torch.Generator().manual_seed(55)
@@ -220,7 +220,7 @@ def test_an_fp32_fused_update_rounds_inside_and_a_tenth_of_a_percent_fault_still
     bad = judge_pair("lerp_", (target.double() * 1.001).float(), bench, oracle, terms=scale)
     assert ok.status == "pass", ok.message
     assert bad.status == "error", bad.message
-    monkeypatch.setattr(kernels.modes, "_fused", lambda func, args, kwargs: False)  # the budget before: one rounding
+    monkeypatch.setattr(kernels.perturb, "_fused", lambda func, args, kwargs: False)  # the budget before: one rounding
     (unfused,) = kernels.forward_scale(torch.Tensor.lerp_, (a.clone(), b, 0.1), {}, _rows)
     was = judge_pair("lerp_", target, bench, oracle, terms=unfused)
     assert was.status == "error" and "small_value_err" in was.message, was.message  # the case the rule is for

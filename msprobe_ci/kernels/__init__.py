@@ -53,14 +53,16 @@ element where the arithmetic does not cancel; the benchmark standard judges the 
 bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE against the RMS.
 """
 
-# one package, five rooms: which kernel (choice), the dispatch modes, the fused attention, running references, error
-# budgets;
+# one package, six rooms: which kernel (choice), the dispatch modes, the kernels' rounding (perturb), the fused
+# attention, running references, error budgets;
 # every name is importable from here as it was from the single module
 from ..config import BENCH_KERNELS  # noqa: F401 (the vocabulary lives where the torch-free option parsers read it)
 from .choice import (  # noqa: F401
     _group_bounds, _HALF, _qualified, _references, _UNIT, call_best_precision, cast, check_bench_kernel, default_bench_kernel, float32_fallback, FP8_DTYPES, grouped_mm_reference, in_float64, needs_grad, oracle_dtype, reference_note, REFERENCES, ROUNDING_RMS, scaled_mm_reference, tensors_of, unwritten, upcast_dtype, zero_past)
 from .modes import (  # noqa: F401
-    _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _NO_ROUNDING, _NO_ROUNDING_INPLACE, _reduces, _rounds_in_place, _same_meta, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, Decomposed, decomposed, jitter, Materialized, materialized, Perturb, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
+    _NO_ROUNDING, _NO_ROUNDING_INPLACE, _same_meta, Decomposed, decomposed, Materialized, materialized, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
+from .perturb import (  # noqa: F401
+    _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _reduces, _rounds_in_place, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, jitter, Perturb)
 from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, FusedAttention  # noqa: F401
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)

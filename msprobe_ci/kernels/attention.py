@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .modes import ATTENTION_HELD, _inside, jitter
+from .perturb import ATTENTION_HELD, _inside, jitter
 
 
 class _FusedAttention(torch.autograd.Function):

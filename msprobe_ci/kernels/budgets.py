@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from .choice import _UNIT, ROUNDING_RMS, tensors_of
-from .modes import CPU_HALF_HELD, target_dtype
+from .modes import target_dtype
+from .perturb import CPU_HALF_HELD
 from .references import reference, vjp
 
 

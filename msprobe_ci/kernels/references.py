@@ -10,7 +10,7 @@ import torch
 
 from .choice import FP8_DTYPES, REFERENCES, cast, needs_grad, tensors_of
 from .attention import _SDPA, FusedAttention
-from .modes import Perturb
+from .perturb import Perturb
 
 
 

@@ -1,0 +1,386 @@
+"""The rounding real kernels commit, as a dispatch mode: :class:`Perturb` runs a reference with every ATen op's
+result jittered as a kernel of the target dtype would round it (the error budgets of
+:mod:`msprobe_ci.kernels.budgets`), with the tables of what each kind of kernel holds in which precision."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .choice import ROUNDING_RMS, tensors_of
+from .modes import _NO_ROUNDING, _NO_ROUNDING_INPLACE, _same_meta
+
+
+#: ATen ops whose every output element is a sum of many products or terms (GEMMs, convolutions, sums): a kernel
+#: accumulates them in fp32, so the rounding they commit is the random walk of their terms at fp32's roundoff
+#: (``sqrt(sum t_j^2) * u32``), which jittering their inputs by the accumulation roundoff gives
+_CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "convolution",
+                           "_convolution", "convolution_backward", "mkldnn_convolution", "sum", "nansum", "mean",
+                           "cumsum", "prod", "_grouped_mm", "embedding_bag", "_embedding_bag", "index_add",
+                           "scatter_add", "scatter_reduce", "segment_reduce", "linalg_vector_norm", "norm"})
+
+#: PyTorch's CPU kernels that hold their terms or partial sums in the tensor's half-precision dtype, where GPU and NPU
+#: kernels accumulate in fp32 (measured: ``python benchmarks/cpu_half_accumulation.py``, docs/verdicts.md). A budget
+#: for a bf16/fp16 target on the CPU charges these as a kernel holding everything in the target dtype: their inputs
+#: (the terms) and every step of their decomposition jittered by the full unit roundoff (their sums grow past one
+#: rounding per term; with the RMS of one rounding, BERT's embedding and GPT-2's LayerNorm backward in bf16 and
+#: BERT's cross entropy in fp16 failed benign runs against the correctly rounded bench). Sources: the LayerNorm
+#: backward keeps its weight- and bias-gradient sums in ``T`` (``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``);
+#: the mean ``nll_loss`` its cascade of partial sums (``LossNLL.cpp``); the embedding backward adds a repeated
+#: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
+#: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43, and the half batch norm folds the mean into
+#: its bias, ``x * a + (b - mean * a)`` in ``T``: its error is that of its terms where ``x`` is near the mean.
+#: The pooling backwards and ``col2im`` (``F.fold``, ``F.unfold``'s backward) add the gradients of overlapping
+#: windows into the input gradient in ``T`` (an element that is the max of several windows: 1.2-1.5 roundings off
+#: on average in bf16/fp16 where one rounding is 0.31; avg_pool2d backward 2.3 and col2im 1.9 against 0.36 and
+#: 0.34): a ResNet's stem max-pool backward failed a benign bf16 run against the upcast bench (max_rel_err ratio
+#: 19.7 where the sum cancels).
+CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nll_loss2d_forward",
+                           "embedding_dense_backward", "convolution_backward", "native_batch_norm",
+                           "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+                           "native_batch_norm_backward", "max_pool2d_with_indices_backward",
+                           "max_pool3d_with_indices_backward", "avg_pool2d_backward", "col2im"})
+#: held kernels whose output elements each add up a data-dependent number of their first argument's elements, often
+#: one (a max-pool input that is the max of a single window, a token seen once): the sum of one term is that term,
+#: copied exactly, and only elements that summed two or more are charged (a 1% fault on a ResNet stem's max-pool
+#: backward in bf16, 2.6 roundings on every element, passed when the copies were charged a rounding too)
+_SCATTERED_SUMS = frozenset({"max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
+                             "embedding_dense_backward"})
+#: held kernels whose math is fp32 but that add their rows into a half-precision buffer one by one: the LayerNorm
+#: backward (``layer_norm_kernel.cpp``: the input gradient and each row's sums in ``opmath_t``, fp32; each thread's
+#: ``dgamma``/``dbeta`` buffer of ``T`` gets row after row of its share). Each addition rounds at the size of the
+#: partial sum so far, not of its term, so the error is the random walk of the partial sums, ``u sqrt(sum_k s_k^2)``,
+#: which outgrows the terms' ``u sqrt(sum_k t_k^2)`` with the rows (measured: 3 roundings of the terms at 8 rows,
+#: 5.3 at 32, 20 at 512; ``benchmarks/cpu_half_accumulation.py``): Swin's, Wav2Vec2's and CLIP's LayerNorm backward
+#: failed benign bf16/fp16 runs against every foreign bench when charged their terms only, and charging the whole
+#: kernel as held hid a 1% fault on its input gradient. One chain over all rows is the longest a thread can hold.
+ROWS_SUMMED = frozenset({"native_layer_norm_backward"})
+#: held kernels that sum their terms as a cascade of half-precision partial sums: the CPU ``nll_loss`` (and
+#: ``nll_loss2d``) with a mean or sum reduction (``LossNLL.cpp``, ``LossNLL2d.cpp``: ``loss_partial_sums`` of
+#: ``scalar_t``, levels of 16 terms added one by one, each level's total added into the next). The error is the
+#: random walk of every partial sum (:func:`_cascade_error`), not of the terms: DeBERTa's fp16 loss over 32 tokens,
+#: 2.6 roundings off, failed a benign run against every foreign bench when charged its terms only. Each partial sum
+#: is charged the full unit roundoff (a rounding's bound, as :meth:`Perturb._held`), not its RMS: the loss is one
+#: number, and the kernel's relative error, RMS 1.0-1.3 u over 16 to 2048 tokens, reaches 2.5-3.3 u in 60 draws.
+CASCADE_SUMMED = frozenset({"nll_loss_forward", "nll_loss2d_forward"})
+#: the terms one level of :data:`CASCADE_SUMMED`'s cascade adds one by one
+CASCADE_STEP = 16
+#: add and sub with an ``alpha`` (``p.add_(grad, alpha=-lr)``): the CPU half kernels cast ``alpha`` to the tensor's
+#: dtype (measured: 0.25 u of the term in bf16, 0.5 u in fp16, for alpha -0.1)
+_ALPHA_OPS = frozenset({"add", "sub", "add_", "sub_"})
+
+#: inside a fused attention kernel (:class:`FusedAttention`): the results held in the input dtype. Flash attention
+#: kernels (PyTorch's CPU ``_scaled_dot_product_flash_attention_for_cpu``, FlashAttention-2 on CUDA) compute
+#: ``Q K^T``, the softmax and ``dP`` in fp32 but cast the probabilities ``P`` (and in the backward ``dS``) to the
+#: input dtype for the GEMMs that follow; everything else stays in fp32.
+ATTENTION_HELD = frozenset({"_softmax", "_safe_softmax", "_softmax_backward_data"})
+#: and whose inputs are held too: a flash backward's ``D = rowsum(dO * O)`` reads the forward output ``O`` rounded
+#: to the input dtype, so ``dP - D`` cancels at the size of a rounding of its terms (the probabilities and their
+#: gradient rounded where they enter ``dS = P * (dP - D)``); T5's attention backward missed by 10.7 u otherwise.
+#: ``D``'s own rounding, shared by a query's whole row, is drawn apart (:func:`_stored_output_terms`)
+ATTENTION_HELD_INPUTS = frozenset({"_softmax_backward_data"})
+
+_KERNEL = threading.local()  # the stack of fused kernels the running ops are inside (their held results)
+
+
+def _inside() -> list:
+    if not hasattr(_KERNEL, "stack"):
+        _KERNEL.stack = []
+    return _KERNEL.stack
+
+
+class Perturb(TorchDispatchMode):
+    """The rounding a typical kernel of the target dtype commits, as random relative jitter of an fp64 run.
+
+    * Inputs are exact (they already are values of the target dtype; :func:`reference` copies them unchanged).
+    * Every ATen op is a kernel: its floating result is materialized in the target dtype, so it is multiplied by
+      ``1 + eta * xi`` (``xi``: random errors of RMS 1 from ``generator``, :func:`jitter`; ``eta``: the RMS of one rounding to the target
+      dtype, :func:`perturbation`).
+    * Inside a kernel, intermediates are held in fp32 (``inner``: one rounding in fp32, or ``eta`` where the target
+      is fp32 itself): a contraction (:data:`_CONTRACTIONS`) accumulates its terms there (its inputs jittered by
+      ``inner`` before it runs: the random walk of the terms), a half-precision kernel combining several tensors
+      (``a + alpha * b``, an in-place ``addcdiv_``) rounds its terms there too (what shows where they cancel), and a
+      *reduction* (an op whose floating outputs are all smaller than its largest floating input: a mean, a loss)
+      that PyTorch can decompose runs as that decomposition, each step jittered by ``inner``, the result rounded once to the target dtype.
+    * Exceptions where a kernel is known to hold intermediates in the target dtype, each with its source:
+      ``held`` (:data:`CPU_HALF_HELD` for a half-precision target on the CPU: inputs and every step of the
+      decomposition jittered by the full unit roundoff ``unit``) and, inside a fused attention
+      (:class:`FusedAttention`), :data:`ATTENTION_HELD`.
+
+    ``inner`` ``None``: every step by ``eta`` (a kernel holding everything in the target dtype)."""
+
+    def __init__(self, eta: float, generator: torch.Generator, inner: float | None = None,
+                 held: frozenset = frozenset(), tiny: float = 0.0):
+        super().__init__()
+        self.eta, self.generator, self.tiny = eta, generator, tiny
+        self.inner = eta if inner is None else inner
+        self.held, self.unit = held, eta / ROUNDING_RMS
+        self._all_at: float | None = None  # inside a held kernel: every result and term at the full ``unit``
+        self._rows_summed = False  # inside a held kernel that sums its rows one by one (:data:`ROWS_SUMMED`)
+
+    def _at(self, eta: float, value: Any) -> Any:
+        return tree_map(lambda t: jitter(t, eta, self.generator), value)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NO_ROUNDING:
+            return func(*args, **kwargs)
+        if self.held and self._all_at is None and name in _ALPHA_OPS and len(args) > 1 and \
+                kwargs.get("alpha", 1) != 1:
+            # PyTorch's CPU half add/sub casts ``alpha`` to the tensor's dtype: the ``alpha * b`` term is off by
+            # up to a rounding of its own (0.25-0.5 u measured for alpha 0.1)
+            args = (args[0], self._at(self.unit, args[1]), *args[2:])
+        if func._schema.is_mutable:
+            if not _rounds_in_place(name):
+                return func(*args, **kwargs)
+            if self._all_at is None and _fused(func, args, kwargs):
+                # a fused update (``exp_avg.lerp_(grad, 0.1)``: ``a + w * (b - a)``) rounds inside, on its
+                # overwritten tensor's terms too (jittered where it lies: the op must write into it)
+                if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                    args[0].copy_(jitter(args[0], self.inner, self.generator))
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            elif self._all_at is None and self.inner < self.eta and _terms(args, kwargs) > 1:
+                # its fp32 math rounds the terms it adds to the tensor it overwrites (not that tensor itself)
+                args = (args[0], *self._at(self.inner, tuple(args[1:])))
+                kwargs = self._at(self.inner, kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                inside = _inside()
+                eta = self._all_at or (self.inner if inside and name not in inside[-1] else self.eta)
+                out.copy_(jitter(out, eta, self.generator))  # an in-place kernel rounds what it writes
+            return out
+        if self._all_at is not None:  # a step of a held kernel
+            if name in _CONTRACTIONS:
+                args, kwargs = self._at(self._all_at, args), self._at(self._all_at, kwargs)
+            out = func(*args, **kwargs)
+            return self._at(self._all_at, out)
+        inside = _inside()
+        if self._rows_summed and name == "sum" and _sums_rows(args):  # a half buffer's row-by-row sum
+            return _sequential_sum(func, args, kwargs, self.unit, self.generator, self.tiny)
+        if name in self.held and not inside:
+            if name in ROWS_SUMMED:
+                return self._rows(func, args, kwargs)
+            if name in CASCADE_SUMMED:
+                return self._cascade(func, args, kwargs)
+            return self._held(func, args, kwargs)
+        # the rounding of this op's result: the target dtype's for a kernel's output or a held intermediate
+        out_eta = self.inner if inside and name not in inside[-1] else self.eta
+        if inside and name in ATTENTION_HELD_INPUTS and self.inner < self.eta:  # a half-precision attention
+            args = self._at(self.eta, args)
+        if name in _CONTRACTIONS or (self.inner < self.eta and _terms(args, kwargs) > 1) or \
+                _fused(func, args, kwargs):
+            # an accumulation in fp32, or a half kernel's fp32 math combining several terms (``a + alpha * b``,
+            # ``addcdiv``): its terms rounded at fp32's roundoff, what shows where they cancel
+            out = func(*self._at(self.inner, args), **self._at(self.inner, kwargs))
+            return self._at(out_eta, out)
+        out = func(*args, **kwargs)
+        if _reduces(args, kwargs, out):
+            steps = self._steps(func, args, kwargs, out, held=False)
+            if steps is not None:
+                return self._at(out_eta, steps)
+        return self._at(out_eta, out)
+
+    def _steps(self, func, args, kwargs, out, held: bool):
+        """``func`` run as its decomposition, each step an op of this mode inside the kernel (``held``: every step
+        at the full unit roundoff); None where PyTorch has none, or it does not take these arguments or gives
+        results of other dtypes or shapes than ``out``."""
+        from torch._decomp import decomposition_table
+
+        fn = decomposition_table.get(func)
+        if fn is None:
+            return None
+        if held:
+            self._all_at = self.unit
+        else:
+            _inside().append(frozenset())
+        try:
+            with self:
+                steps = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - a decomposition that does not take these arguments
+            return None
+        finally:
+            if held:
+                self._all_at = None
+            else:
+                _inside().pop()
+        return steps if _same_meta(steps, out) else None
+
+    def _rows(self, func, args, kwargs):
+        """A kernel whose math is fp32 but which adds its rows into a buffer of the target dtype
+        (:data:`ROWS_SUMMED`): its decomposition with every step at the accumulation roundoff, as any kernel, except
+        those row sums, each partial sum rounded to the target dtype (:func:`_sequential_sum`); each result rounded
+        once. Without a decomposition, a held kernel (:meth:`_held`)."""
+        out = func(*args, **kwargs)
+        self._rows_summed = True
+        try:
+            steps = self._steps(func, args, kwargs, out, held=False)
+        finally:
+            self._rows_summed = False
+        return self._held(func, args, kwargs) if steps is None else self._at(self.eta, steps)
+
+    def _cascade(self, func, args, kwargs):
+        """The CPU half ``nll_loss`` with a reduction (:data:`CASCADE_SUMMED`): its exact result plus the error
+        of its cascade of half-precision partial sums over the picked terms ``-w[t] x[i, t]``, each at the full
+        unit roundoff (:func:`_cascade_error`), divided by the total weight for ``mean``; the result rounded once.
+        Other forms (no reduction), a held kernel (:meth:`_held`)."""
+        names = ("self", "target", "weight", "reduction", "ignore_index")
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        x, target, weight = a.get("self"), a.get("target"), a.get("weight")
+        reduction, ignore = a.get("reduction", 1), a.get("ignore_index", -100)
+        if not isinstance(x, torch.Tensor) or not isinstance(target, torch.Tensor) or x.dim() < 2 or \
+                reduction not in (1, 2):
+            return self._held(func, args, kwargs)
+        loss, total = func(*args, **kwargs)
+        valid = target != ignore
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        picked = -x.gather(1, safe.unsqueeze(1)).squeeze(1)
+        if isinstance(weight, torch.Tensor):
+            picked = picked * weight[safe]
+        picked = torch.where(valid, picked, torch.zeros_like(picked))
+        err = _cascade_error(picked.reshape(-1), self.unit, self.generator, self.tiny)
+        if reduction == 1:
+            err = err / total
+        return self._at(self.eta, loss + err), total
+
+    def _held(self, func, args, kwargs):
+        """A kernel holding its terms in the target dtype: its inputs (the terms), every step of its decomposition
+        (where PyTorch has one) and its result jittered by the full unit roundoff, not the RMS of one rounding:
+        these kernels' half sums grow past one rounding per term (a sequential sum's error is the random walk of
+        its partial sums), measured in ``benchmarks/cpu_half_accumulation.py``."""
+        name = func.overloadpacket.__name__
+        jargs, jkwargs = self._at(self.unit, args), self._at(self.unit, kwargs)
+        out = func(*jargs, **jkwargs)
+        steps = self._steps(func, jargs, jkwargs, out, held=True)
+        out = steps if steps is not None else self._at(self.unit, out)
+        if name in _SCATTERED_SUMS and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            # an element that received one term is that term, copied: exact (only the sums round)
+            counted = [torch.ones_like(args[0]), *args[1:]]
+            if name == "embedding_dense_backward":  # count the rows, not their frequency-scaled weights
+                counted[4:5] = [False] if len(counted) > 4 else []
+            count = func(*counted, **{k: v for k, v in kwargs.items() if k != "scale_grad_by_freq"})
+            out = torch.where(count > 1.5, out, func(*args, **kwargs))
+        return out
+
+
+# in-place ops that write no arithmetic result: copies, fills, random draws, index writes, metadata
+def _terms(args, kwargs) -> int:
+    """How many floating tensors an op reads (the terms its arithmetic may combine)."""
+    return sum(1 for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point())
+
+
+def _fused(func, args, kwargs) -> bool:
+    """Whether a pointwise op's arithmetic rounds inside, before its result: it reads three floating tensors or
+    more (``addcmul``, ``addcdiv``, ``lerp`` with a tensor weight) or two and a floating scalar factor (``lerp(a, b,
+    0.1)``, ``add(a, b, alpha=-0.1)``). Its terms are rounded at the accumulation roundoff (:class:`Perturb`), which
+    matters where that is the target's own (fp32: the CPU's ``lerp`` is ``a + w * (b - a)`` in fp32, three roundings
+    where the correctly rounded result has one, off by 2 u where AdamW's first moment cancels). Only ATen ops
+    tagged ``pointwise``: a normalization's inputs (LayerNorm's ``x, weight, bias``) are not terms it adds."""
+    if torch.Tag.pointwise not in getattr(func, "tags", ()):
+        return False
+    n = _terms(args, kwargs)
+    if n >= 3:
+        return True
+    scalars = [v for v in list(args) + list(kwargs.values()) if isinstance(v, float) and not isinstance(v, bool)]
+    return n >= 2 and any(v not in (1.0, -1.0, 0.0) for v in scalars)
+
+
+def _rounds_in_place(name: str) -> bool:
+    """An in-place ATen op (``add_``, ``addcdiv_``, ``lerp_``) whose written result is arithmetic: rounded once
+    in the target dtype like its functional form."""
+    return name.endswith("_") and not name.startswith("_foreach") and name not in _NO_ROUNDING_INPLACE and \
+        name[:-1] not in _NO_ROUNDING
+
+
+def _reduces(args, kwargs, out) -> bool:
+    ins = [t.numel() for t in tensors_of(args) + tensors_of(kwargs) if t.is_floating_point()]
+    outs = [t.numel() for t in tensors_of(out) if t.is_floating_point()]
+    return bool(ins) and bool(outs) and max(outs) < max(ins)
+
+
+_DRAWN: list = []  # one buffer of rounding errors, drawn once: each jitter reads it from a random offset
+_DRAWN_SIZE = 1 << 22
+_SPREAD = (13.0 / 12.0) ** -0.5  # |xi| = this * (0.5 + U(0, 1)): RMS 1
+
+
+def _draw(n: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` draws of ``xi``: a random sign times a magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1."""
+    sign = torch.randint(0, 2, (n,), generator=generator, dtype=dtype).mul_(2).sub_(1)
+    return torch.rand(n, generator=generator, dtype=dtype).add_(0.5).mul_(sign).mul_(_SPREAD)
+
+
+def _sums_rows(args) -> bool:
+    """Whether a ``sum.dim_IntList`` step adds whole rows: it reduces leading dimensions, never the last (a
+    LayerNorm backward's weight and bias gradients; its per-row sums over the normalized dimension are fp32)."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], (list, tuple)):
+        return False
+    x, dims = args[0], args[1]
+    if x.dim() < 2 or not dims:
+        return False
+    return (x.dim() - 1) not in {d % x.dim() for d in dims}
+
+
+def _sequential_sum(func, args, kwargs, eta: float, generator: torch.Generator, tiny: float = 0.0) -> torch.Tensor:
+    """``sum(x, dims)`` with the error of adding its rows one by one into a buffer of the target dtype: each
+    partial sum ``s_k`` (row-major order over ``dims``) jittered by ``eta``, so the error is ``sum_k eta xi_k s_k``
+    (:data:`ROWS_SUMMED`); a partial sum below ``tiny`` (the dtype's smallest normal) rounds by ``eta * tiny``,
+    absolute (fp16 weight gradients of 1e-5 are subnormal: a step of 6e-8 is 0.6% of them, 6 units)."""
+    x, dims = args[0], [d % args[0].dim() for d in args[1]]
+    keep = [d for d in range(x.dim()) if d not in dims]
+    rows = x.permute(*keep, *sorted(dims)).reshape(*[x.shape[d] for d in keep], -1)
+    size = rows.cumsum(-1).abs().clamp(min=tiny)
+    out = func(*args, **kwargs)
+    return out + (jitter(size, eta, generator) - size).sum(-1).reshape(out.shape)
+
+
+def _cascade_error(terms: torch.Tensor, eta: float, generator: torch.Generator, tiny: float = 0.0) -> torch.Tensor:
+    """The error of summing ``terms`` (1-D, in order) as a cascade of partial sums in the target dtype
+    (:data:`CASCADE_SUMMED`): every partial sum of each level's runs of :data:`CASCADE_STEP` jittered by ``eta``
+    (absolute ``eta * tiny`` below the smallest normal, as :func:`_sequential_sum`), the runs' totals the next
+    level's terms. A 0-d tensor."""
+    err = terms.new_zeros(())
+    level = terms
+    while level.numel() > 1:
+        pad = (-level.numel()) % CASCADE_STEP
+        runs = torch.cat([level, level.new_zeros(pad)]).view(-1, CASCADE_STEP).cumsum(-1)
+        real = (torch.arange(runs.numel()) < level.numel()).view(runs.shape)  # the padding adds nothing
+        size = torch.where(real, runs.abs().clamp(min=tiny), torch.zeros_like(runs))
+        err = err + (jitter(size, eta, generator) - size).sum()
+        level = runs[:, -1]
+    return err
+
+
+def jitter(t: Any, eta: float, generator: torch.Generator) -> Any:
+    """``t * (1 + eta * xi)`` for a floating tensor ``t``, anything else unchanged: ``xi`` a random sign times a
+    magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1, so ``eta * xi`` has the RMS ``eta`` of one rounding.
+
+    The budget estimates each element's error RMS from a few draws, so ``xi`` is chosen for that estimate, not to
+    mimic one rounding's (uniform) error: a random sign of fixed size (every draw of a one-rounding element
+    exact) let two roundings of equal size cancel exactly in half of the draws, and 4 draws estimated a scale of 0
+    in 1 case out of 16 (Mixtral's router softmax backward, ``y_i (g_i - sum_j g_j y_j)`` over two routed
+    experts, false-failed the small-value rule there); a uniform error never cancels, but one of 4 draws near 0
+    estimates a one-rounding element far under its size (GPT-2's attention backward false-failed its max
+    relative error). Magnitudes on ``[0.5, 1.5]`` do neither: a one-rounding element is estimated within
+    ``[0.48, 1.44]`` of its size, two equal roundings never cancel exactly.
+
+    The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
+    jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
+    fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
+        return t
+    n = t.numel()
+    if n > _DRAWN_SIZE // 2:
+        xi = _draw(n, generator, t.dtype).view(t.shape)
+    else:
+        if not _DRAWN:
+            _DRAWN.append(_draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32))
+        start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
+        xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
+    factor = xi.mul_(eta).add_(1.0)
+    return t * (factor if t.device.type == "cpu" else factor.to(t.device))
