@@ -80,6 +80,7 @@ class MsprobeFixture:
         __tracebackhide__ = True
         from ..check import DeviceAbsent
         from ..check.conclude import publish
+        from ..check.row import CheckRow
         from ..errors import MsprobeError
 
         try:
@@ -88,7 +89,7 @@ class MsprobeFixture:
             if self.session.require_device:
                 self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc} (--msprobe-require-device)"))
                 raise pytest.fail.Exception(f"msprobe: {exc} (--msprobe-require-device)", pytrace=False) from None
-            self.request.node.user_properties.append((RESULT_PROPERTY, publish(dict(exc.row, skipped=str(exc)))))
+            self.request.node.user_properties.append((RESULT_PROPERTY, publish(CheckRow.from_json(dict(exc.row, skipped=str(exc))))))
             raise pytest.skip.Exception(f"msprobe: {exc}") from None
         except MsprobeError as exc:
             self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc}"))
@@ -107,10 +108,8 @@ class MsprobeFixture:
         props = self.request.node.user_properties
         # the one verdict, decided by the Conclusion, stamped on every row it publishes: the terminal summary,
         # report.html, the job summary, pytest-html's extras and JUnit read it, never re-derive it
-        verdict = {"verdict": "fail" if conclusion.failure else "pass",
-                   "failure": conclusion.failure.splitlines()[0] if conclusion.failure else None}
         for name, value in conclusion.properties:
-            props.append((name, publish(dict(value, **verdict)) if name == RESULT_PROPERTY else value))
+            props.append((name, publish(value.stamped(conclusion.failure)) if name == RESULT_PROPERTY else value))
         for line in conclusion.warnings:
             warnings.warn(line, stacklevel=3)
         if conclusion.failure:

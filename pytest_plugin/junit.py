@@ -26,12 +26,12 @@ def classname(test: str, index: int) -> str:
         f"{package} check {index}"
 
 
-def _body(n: dict) -> str:
+def _body(n) -> str:
     """The failure body: the numbers of the verdict, one per line."""
     keys = (("metric", "metric"), ("value", "value"), ("threshold", "threshold"), ("standard", "standard"),
             ("worst_row", "worst row"), ("input_error", "input error"), ("drift", "drift RelativeErr"),
             ("drift_status", "drift status"))
-    return "\n".join(f"{label:<18} {n[k]}" for k, label in keys if n.get(k) not in (None, ""))
+    return "\n".join(f"{label:<18} {getattr(n, k)}" for k, label in keys if getattr(n, k, None) not in (None, ""))
 
 
 def _budget_properties(budget: dict | None) -> dict[str, str]:
@@ -44,84 +44,82 @@ def _budget_properties(budget: dict | None) -> dict[str, str]:
             "msprobe.isolation_cost": str(budget.get("measured_factor"))}
 
 
-def write_junit(path: str, results: list[dict]) -> None:
-    """Write ``results`` (the plugin's serialisable check summaries) to ``path`` atomically.
+def write_junit(path: str, results: list) -> None:
+    """Write ``results`` (the plugin's :class:`~msprobe_ci.check.row.CheckRow` summaries) to ``path`` atomically.
 
     Each node testcase carries the seconds its isolated verdict took (an API: running it, its oracle and bench,
     judging; a module: the calls inside it), a failure body with the verdict's numbers, and warnings in
     ``system-out`` (shown by Jenkins, GitLab and GitHub test reporters).
     """
-    from .summary import check_failed, step_failed
-
     suites = []
     props: dict[tuple[str, str], dict[str, str]] = {}
     # checks (test, index before a step/rank suffix) whose failure some row's own cases already show
-    shown = {(r["test"], str(r["index"]).partition(" ")[0]) for r in results if step_failed(r)}
+    shown = {(r.test, str(r.index).partition(" ")[0]) for r in results if r.step_failed}
     for r in results:
-        if r.get("recorded"):  # a recording run compares nothing
+        if r.recorded:  # a recording run compares nothing
             continue
-        suite_name = classname(r["test"], r["index"])
-        if r.get("skipped"):  # an absent device: said, as a skipped case
+        suite_name = classname(r.test, r.index)
+        if r.skipped:  # an absent device: said, as a skipped case
             case = TestCase("check", classname=suite_name)
-            case.add_skipped_info(message=r["skipped"])
+            case.add_skipped_info(message=r.skipped)
             suites.append(TestSuite(suite_name, [case]))
             continue
-        if r.get("error"):  # the check raised before it concluded: it ran, and failed
+        if r.error:  # the check raised before it concluded: it ran, and failed
             case = TestCase("check", classname=suite_name)
-            case.add_failure_info(message=r["error"], failure_type="check raised")
+            case.add_failure_info(message=r.error, failure_type="check raised")
             suites.append(TestSuite(suite_name, [case]))
             continue
         cases = []
-        for n in r["nodes"]:
-            case = TestCase(n["name"], classname=suite_name, elapsed_sec=n.get("seconds") or None)
-            if n["status"] == "error":
-                case.add_failure_info(message=n["message"], output=_body(n), failure_type="accuracy")
-            elif n["status"] == "warning":
-                case.stdout = f"msprobe warning: {n['message']}\n{_body(n)}"
-            elif n["status"] == "unmatched":
-                case.add_skipped_info(message=n["message"] or "no bench data matched")
-            elif n["status"] == "skip":  # not judgeable (free benchmark): said, never counted as a pass
-                case.add_skipped_info(message=n["message"])
+        for n in r.nodes:
+            case = TestCase(n.name, classname=suite_name, elapsed_sec=n.seconds or None)
+            if n.status == "error":
+                case.add_failure_info(message=n.message, output=_body(n), failure_type="accuracy")
+            elif n.status == "warning":
+                case.stdout = f"msprobe warning: {n.message}\n{_body(n)}"
+            elif n.status == "unmatched":
+                case.add_skipped_info(message=n.message or "no bench data matched")
+            elif n.status == "skip":  # not judgeable (free benchmark): said, never counted as a pass
+                case.add_skipped_info(message=n.message)
             cases.append(case)
-            props[(suite_name, n["name"])] = {
-                "msprobe.status": n["status"], "msprobe.metric": n["metric"], "msprobe.value": str(n["value"]),
-                "msprobe.threshold": str(n["threshold"]), "msprobe.input_error": str(n["input_error"]),
-                "msprobe.worst_row": n["worst_row"], "msprobe.standard": n.get("standard", ""),
-                "msprobe.drift_RelativeErr": str(n.get("drift", "")),
-                "msprobe.drift_status": n.get("drift_status", "")}
-        for m in r.get("model") or ():
-            case = TestCase(m["name"], classname=suite_name)
-            if m["status"] == "error":
-                case.add_failure_info(message=m["message"], output=_body(m), failure_type="end-to-end drift")
+            props[(suite_name, n.name)] = {
+                "msprobe.status": n.status, "msprobe.metric": n.metric, "msprobe.value": str(n.value),
+                "msprobe.threshold": str(n.threshold), "msprobe.input_error": str(n.input_error),
+                "msprobe.worst_row": n.worst_row, "msprobe.standard": n.standard,
+                "msprobe.drift_RelativeErr": str("" if n.drift is None else n.drift),
+                "msprobe.drift_status": n.drift_status}
+        for m in r.model:
+            case = TestCase(m.name, classname=suite_name)
+            if m.status == "error":
+                case.add_failure_info(message=m.message, output=_body(m), failure_type="end-to-end drift")
             cases.append(case)
-            props[(suite_name, m["name"])] = {"msprobe.metric": m["metric"], "msprobe.value": str(m["value"]),
-                                              "msprobe.threshold": str(m["threshold"])}
-        if r.get("unapplied"):  # an injected fault that never fired: the check proved nothing
+            props[(suite_name, m.name)] = {"msprobe.metric": m.metric, "msprobe.value": str(m.value),
+                                              "msprobe.threshold": str(m.threshold)}
+        if r.unapplied:  # an injected fault that never fired: the check proved nothing
             case = TestCase("injected-faults", classname=suite_name)
-            case.add_failure_info(message="; ".join(r["unapplied"]), failure_type="fault never fired")
+            case.add_failure_info(message="; ".join(r.unapplied), failure_type="fault never fired")
             cases.append(case)
-        key = (r["test"], str(r["index"]).partition(" ")[0])
-        if check_failed(r) and key not in shown:
+        key = (r.test, str(r.index).partition(" ")[0])
+        if r.failed and key not in shown:
             # the check failed for a reason no node shows (a loop's fault that never fired, coverage required):
             # one case says it, so JUnit agrees with the test
             case = TestCase("verdict", classname=suite_name)
-            case.add_failure_info(message=r.get("failure") or "the check failed", failure_type="check failed")
+            case.add_failure_info(message=r.failure or "the check failed", failure_type="check failed")
             cases.append(case)
             shown.add(key)
         ov = TestCase("overflow", classname=suite_name)
-        if r.get("overflow_failed"):
-            ov.add_failure_info(message=r["overflow_message"], failure_type="overflow")
+        if r.overflow_failed:
+            ov.add_failure_info(message=r.overflow_message, failure_type="overflow")
         cases.append(ov)
-        props[(suite_name, "overflow")] = {"msprobe.first_overflow": r.get("overflow_first") or ""}
-        if r.get("api_checks"):
+        props[(suite_name, "overflow")] = {"msprobe.first_overflow": r.overflow_first or ""}
+        if r.api_checks:
             api_cases = []
-            for a in r["api_checks"]:
-                api_cases.append(api_case(a["name"], a["status"], a["message"], f"{suite_name}[api-check]"))
-                props[(f"{suite_name}[api-check]", a["name"])] = {"msprobe.status": a["status"]}
+            for a in r.api_checks:
+                api_cases.append(api_case(a.name, a.status, a.message, f"{suite_name}[api-check]"))
+                props[(f"{suite_name}[api-check]", a.name)] = {"msprobe.status": a.status}
             suites.append(TestSuite(f"{suite_name}[api-check]", api_cases))
-        suites.append(TestSuite(suite_name, cases, timestamp=r.get("started"), properties={
-            "msprobe.test": r["test"],
-            "msprobe.bench": r["bench"], "msprobe.target": r["target"], "msprobe.mode": r["mode"],
-            "msprobe.first_divergence": r.get("first_divergence") or "", "msprobe.artifacts": r["dir"],
-            **_budget_properties(r.get("isolation_budget"))}))
+        suites.append(TestSuite(suite_name, cases, timestamp=r.started, properties={
+            "msprobe.test": r.test,
+            "msprobe.bench": r.bench, "msprobe.target": r.target, "msprobe.mode": r.mode,
+            "msprobe.first_divergence": r.first_divergence or "", "msprobe.artifacts": r.dir,
+            **_budget_properties(r.isolation_budget)}))
     write_junit_xml(path, suites, props)

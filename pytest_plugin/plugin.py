@@ -81,12 +81,13 @@ def pytest_runtest_makereport(item, call):
 
     import pytest_html
 
+    from ..check.row import CheckRow
     from .report import extra_html
 
     extras = list(getattr(report, "extras", []))
     for path in paths:
         with open(path, encoding="utf-8") as fh:
-            extras.append(pytest_html.extras.html(extra_html(json.load(fh))))
+            extras.append(pytest_html.extras.html(extra_html(CheckRow.from_json(json.load(fh), path))))
     report.extras = extras
 
 

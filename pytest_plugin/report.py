@@ -7,10 +7,12 @@ import datetime
 import io
 import math
 import os
+from dataclasses import asdict
 
 from markupsafe import Markup
 
-from .summary import check_failed, row_verdict, step_failed  # the one verdict, read as the job summary reads it
+from ..check.row import CheckRow, NodeRow
+from .summary import row_verdict  # the one verdict, read as the job summary reads it
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>msprobe accuracy gate</title>
@@ -46,7 +48,7 @@ th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; fo
 <h2 id="check{{ loop.index }}">{{ c.test }} &middot; check {{ c.index }}: <span class="{{ 'fail' if c.failed else 'pass' }}">{{ c.verdict }}</span></h2>
 {% if c.note %}<p class="muted">{{ c.note }}</p>{% else %}
 <p>{{ c.sides }}, {{ c.mode }}{% if c.isolated %}, isolated verdicts (each API on its own inputs; drift is context){% else %}, drift rule{% endif %}.
-First divergence: <b>{{ c.first or "none" }}</b>{% if c.first_where %} ({{ c.first_where }}){% endif %}{% if c.first_node %} &mdash; {{ c.first_node.message }}{% endif %}.
+First divergence: <b>{{ c.first or "none" }}</b>{% if c.first_where %} ({{ c.first_where }}){% endif %}{% if c.first_node is not none %} &mdash; {{ c.first_node.message }}{% endif %}.
 First overflow: {{ c.overflow or "none" }}.</p>
 {% if c.plot %}<div class="plot">{{ c.plot }}</div>
 <p class="muted">Each judged node's error as a share of the threshold it had to meet, in run order (forward, then
@@ -68,10 +70,10 @@ backward); above the line fails; the first divergence is marked.</p>{% elif c.pl
 """
 
 
-def _ratio(n: dict) -> float | None:
+def _ratio(n: NodeRow) -> float | None:
     try:
-        v, t = float(n["value"]), float(n["threshold"])
-    except (TypeError, ValueError, KeyError):
+        v, t = float(n.value), float(n.threshold)
+    except (TypeError, ValueError):
         return None
     if math.isnan(v) or math.isnan(t) or math.isinf(t) or t < 0:
         return None
@@ -80,7 +82,7 @@ def _ratio(n: dict) -> float | None:
     return v / t if math.isfinite(v) else math.inf
 
 
-def _plot(nodes: list[dict], first: str | None) -> str | None:
+def _plot(nodes: tuple[NodeRow, ...], first: str | None) -> str | None:
     """An inline SVG: each judged node's value/threshold in run order (log scale), the line at 1, failing nodes
     red and the first divergence named; None without matplotlib or without a judged node."""
     plt = _pyplot()
@@ -95,7 +97,7 @@ def _plot(nodes: list[dict], first: str | None) -> str | None:
     try:
         for status, color in (("pass", "#2da44e"), ("warning", "#bf8700"), ("error", "#cf222e")):
             mine = [(i, max(min(r, cap), 1e-3)) for i, r, n in points
-                    if (n["status"] if n["status"] in ("warning", "error") else "pass") == status]
+                    if (n.status if n.status in ("warning", "error") else "pass") == status]
             if mine:
                 ax.scatter([i for i, _ in mine], [y for _, y in mine], s=9, color=color, label=status)
         ax.axhline(1.0, color="#cf222e", linewidth=0.8, linestyle="--")
@@ -107,7 +109,7 @@ def _plot(nodes: list[dict], first: str | None) -> str | None:
         ax.set_xlabel("node, in run order")
         ax.set_ylabel("error / threshold")
         for i, r, n in points:
-            if n["name"] == first:
+            if n.name == first:
                 ax.annotate(first, (i, max(min(r, cap), 1e-3)), xytext=(5, 5), textcoords="offset points",
                             fontsize=8, color="#cf222e")
         ax.legend(loc="lower right", fontsize=7)
@@ -165,76 +167,76 @@ def _training_plot(steps: list[int], bench: list[float], target: list[float], co
     return _svg(fig)
 
 
-def _group_key(r: dict) -> tuple[str, str] | None:
+def _group_key(r: CheckRow) -> tuple[str, str] | None:
     """``(test, check index)`` of a loop step's or a rank's row (``index`` ``"0 step2"`` / ``"0 rank1"``); None for
     a single check."""
-    index = str(r.get("index", ""))
+    index = str(r.index)
     head, _, tail = index.partition(" ")
-    if not tail or r.get("skipped") or r.get("recorded"):
+    if not tail or r.skipped or r.recorded:
         return None
-    if "loss_bench" in r or "token_agrees" in r or "rank" in r:
-        return r["test"], head
+    if r.loss_bench is not None or r.token_agrees is not None or r.rank is not None:
+        return r.test, head
     return None
 
 
-def _groups(results: list[dict]) -> list[dict]:
+def _groups(results: list[CheckRow]) -> list[dict]:
     """The loop and multi-rank views: per training check its loss curves and per-step gradient cosine, per
     generation check its token agreement per step, per multi-rank check each rank's first divergence."""
-    by_key: dict[tuple[str, str], list[dict]] = {}
+    by_key: dict[tuple[str, str], list[CheckRow]] = {}
     for r in results:
         key = _group_key(r)
         if key is not None:
             by_key.setdefault(key, []).append(r)
     out = []
     for (test, index), rows in by_key.items():
-        shown = any(step_failed(r) for r in rows)  # a row of this check shows why it failed
-        if "loss_bench" in rows[0]:
-            rows = sorted(rows, key=lambda r: r.get("step", 0))
-            steps = [r.get("step", i) for i, r in enumerate(rows)]
+        shown = any(r.step_failed for r in rows)  # a row of this check shows why it failed
+        if rows[0].loss_bench is not None:
+            rows = sorted(rows, key=lambda r: r.step or 0)
+            steps = [i if r.step is None else r.step for i, r in enumerate(rows)]
             lows = []
             for r in rows:
-                grads = [g for g in r.get("grads") or () if isinstance(g.get("cosine"), (int, float))]
+                grads = [g for g in r.grads or () if isinstance(g.get("cosine"), (int, float))]
                 lows.append(min(grads, key=lambda g: g["cosine"]) if grads else None)
-            plot = _training_plot(steps, [r["loss_bench"] for r in rows], [r["loss_target"] for r in rows],
+            plot = _training_plot(steps, [r.loss_bench for r in rows], [r.loss_target for r in rows],
                                   [g["cosine"] if g else None for g in lows])
             out.append({"test": test, "index": index, "title": "training loop",
                         "plot": Markup(plot) if plot else None,
                         "head": ["step", "loss bench", "loss target", "lowest gradient cosine (parameter)",
                                  "verdict", "first divergence"],
-                        "rows": [{"cells": [s, _fmt(r["loss_bench"]), _fmt(r["loss_target"]),
+                        "rows": [{"cells": [s, _fmt(r.loss_bench), _fmt(r.loss_target),
                                             f"{g['cosine']:.6f} ({g.get('param', '')})" if g else "-",
-                                            row_verdict(r, shown), r.get("first_divergence") or "none"],
+                                            row_verdict(r, shown), r.first_divergence or "none"],
                                   "mark": 5, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"}
                                  for s, r, g in zip(steps, rows, lows)],
                         "note": "Losses and gradient cosines are context, never failed on: each step's verdict "
                                 "is its isolated API verdicts."})
-        elif "token_agrees" in rows[0]:
-            rows = sorted(rows, key=lambda r: r.get("step", 0))
-            agree = sum(bool(r["token_agrees"]) for r in rows)
+        elif rows[0].token_agrees is not None:
+            rows = sorted(rows, key=lambda r: r.step or 0)
+            agree = sum(bool(r.token_agrees) for r in rows)
             out.append({"test": test, "index": index, "title": f"generation, token agreement {agree}/{len(rows)}",
                         "plot": None, "head": ["step", "token agrees", "verdict", "first divergence"],
-                        "rows": [{"cells": [f"{r.get('step', '')}" + (" (prefill)" if r.get("step") == 0 else ""),
-                                            "yes" if r["token_agrees"] else "no",
-                                            row_verdict(r, shown), r.get("first_divergence") or "none"],
+                        "rows": [{"cells": [f"{'' if r.step is None else r.step}" + (" (prefill)" if r.step == 0 else ""),
+                                            "yes" if r.token_agrees else "no",
+                                            row_verdict(r, shown), r.first_divergence or "none"],
                                   "mark": 3, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"} for r in rows],
                         "note": "The target is teacher-forced on the bench's tokens; whether its own greedy pick "
                                 "agrees is context, never failed on."})
         else:
-            rows = sorted(rows, key=lambda r: (r.get("step", 0), r.get("rank", 0)))
-            first = next((r for r in rows if r.get("rank_first")), None)
-            steps = sorted({r["step"] for r in rows if "step" in r})  # a training check_parallel: steps x ranks
+            rows = sorted(rows, key=lambda r: (r.step or 0, r.rank or 0))
+            first = next((r for r in rows if r.rank_first), None)
+            steps = sorted({r.step for r in rows if r.step is not None})  # a training check_parallel: steps x ranks
 
             def where(r):
-                return (f"step{r['step']} " if "step" in r else "") + f"rank{r.get('rank')}"
-            ranks = len({r.get("rank") for r in rows})
+                return (f"step{r.step} " if r.step is not None else "") + f"rank{r.rank}"
+            ranks = len({r.rank for r in rows})
             out.append({"test": test, "index": index,
                         "title": f"{ranks} ranks" + (f" x {len(steps)} steps" if steps else "")
                                  + ", first divergence: " + (where(first) if first else "none"),
                         "plot": None, "head": ["step, rank" if steps else "rank", "verdict",
                                                "first divergence over ranks", "own first node"],
-                        "rows": [{"cells": [where(r) + (" (first)" if r.get("rank_first") else ""),
+                        "rows": [{"cells": [where(r) + (" (first)" if r.rank_first else ""),
                                             row_verdict(r, shown),
-                                            r.get("rank_divergence") or "none", r.get("first_divergence") or "none"],
+                                            r.rank_divergence or "none", r.first_divergence or "none"],
                                   "mark": 2, "cls": "pass" if row_verdict(r, shown) == "pass" else "fail"} for r in rows],
                         "note": "A rank that only received diverged data through a collective is said to have "
                                 "received it, and from which rank; the first is the earliest own divergence."})
@@ -254,40 +256,39 @@ def _link(path: str | None, base: str) -> dict | None:
     return {"href": os.path.relpath(os.path.abspath(path), base).replace(os.sep, "/"), "name": os.path.basename(path)}
 
 
-def _view(r: dict, base: str) -> dict:
+def _view(r: CheckRow, base: str) -> dict:
     """What the templates show of one check summary (links relative to ``base``)."""
-    c = {"test": r["test"], "index": r["index"], "dir": r.get("dir", ""), "notes": r.get("notes", [])}
-    if r.get("error"):
+    c = {"test": r.test, "index": r.index, "dir": r.dir, "notes": list(r.notes)}
+    if r.error:
         c.update(verdict="fail", failed=True, sides="", nodes="", counts={"pass": "", "warning": "", "error": ""},
-                 first=None, note=f"the check raised before it concluded: {r['error']}")
+                 first=None, note=f"the check raised before it concluded: {r.error}")
         return c
-    if r.get("skipped") or r.get("recorded"):
-        c.update(verdict="skipped" if r.get("skipped") else "recorded", failed=False, sides=r.get("bench", ""),
+    if r.skipped or r.recorded:
+        c.update(verdict="skipped" if r.skipped else "recorded", failed=False, sides=r.bench,
                  nodes="", counts={"pass": "", "warning": "", "error": ""}, first=None,
-                 note=r.get("skipped") or f"recorded the bench in {r.get('baseline', '')}")
+                 note=r.skipped or f"recorded the bench in {r.baseline or ''}")
         return c
-    nodes = r.get("nodes") or []
-    first = r.get("first_divergence")
-    failed = check_failed(r)
+    nodes = r.nodes
+    first = r.first_divergence
+    failed = r.failed
     judged = sorted((n for n in nodes if _ratio(n) is not None), key=_ratio, reverse=True)[:10]
     plot = _plot(nodes, first)
-    c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r['bench']} → {r['target']}",
-             nodes=r.get("nodes_compared", len(nodes)), counts=r["counts"], first=first, mode=r.get("mode", ""),
-             first_node=next((n for n in nodes if n["name"] == first), None), isolated=r.get("isolated"),
-             overflow=r.get("overflow_first") if r.get("overflow_failed") else None,
+    c.update(verdict="fail" if failed else "pass", failed=failed, sides=f"{r.bench} → {r.target}",
+             nodes=r.nodes_compared, counts=r.counts, first=first, mode=r.mode,
+             first_node=next((n for n in nodes if n.name == first), None), isolated=r.isolated,
+             overflow=r.overflow_first if r.overflow_failed else None,
              plot=Markup(plot) if plot else None,
              plot_note=None if plot else "no plot: matplotlib is not installed, or no node was judged",
-             worst=[{**n, "value": _fmt(n["value"]), "threshold": _fmt(n["threshold"])} for n in judged],
-             model=[{**m, "value": _fmt(m["value"]), "threshold": _fmt(m["threshold"])}
-                    for m in r.get("model") or ()],
-             csv=_link(r.get("csv"), base), graph=r.get("graph"), replay=r.get("replay"),
-             first_where=r.get("first_where"), note=None)
+             worst=[dict(asdict(n), value=_fmt(n.value), threshold=_fmt(n.threshold)) for n in judged],
+             model=[dict(asdict(m), value=_fmt(m.value), threshold=_fmt(m.threshold)) for m in r.model],
+             csv=_link(r.csv, base), graph=r.graph, replay=r.replay,
+             first_where=r.first_where, note=None)
     return c
 
 
 _EXTRA = """<div><p><b>msprobe check {{ c.index }}: <span style="color:{{ '#b42318' if c.failed else '#116329' }}">{{ c.verdict }}</span></b>
 {% if c.note %}({{ c.note }}){% else %}&middot; {{ c.sides }} &middot; first divergence: <b>{{ c.first or "none" }}</b>
-{% if c.first_node %}&mdash; {{ c.first_node.message }}{% endif %}{% endif %}</p>
+{% if c.first_node is not none %}&mdash; {{ c.first_node.message }}{% endif %}{% endif %}</p>
 {% if c.plot %}<div style="max-width:900px">{{ c.plot }}</div>{% endif %}
 {% if c.worst %}<table><tr><th>worst nodes</th><th>status</th><th>metric</th><th>value</th><th>threshold</th></tr>
 {% for n in c.worst[:5] %}<tr><td>{{ n.name }}</td><td>{{ n.status }}</td><td>{{ n.metric }}</td><td>{{ n.value }}</td>
@@ -296,7 +297,7 @@ _EXTRA = """<div><p><b>msprobe check {{ c.index }}: <span style="color:{{ '#b423
 """
 
 
-def extra_html(result: dict) -> str:
+def extra_html(result: CheckRow) -> str:
     """One check's verdict, first divergence, plot and worst nodes as an HTML fragment (pytest-html's extras on the
     test's row)."""
     import jinja2
@@ -305,12 +306,12 @@ def extra_html(result: dict) -> str:
     return jinja2.Environment(autoescape=True).from_string(_EXTRA).render(c=view)
 
 
-def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | None = None,
+def render(results: list[CheckRow], out_dir: str, report_path: str, junitxml: str | None = None,
            no_checks: str = "") -> str:
     """The report's HTML for a session's check summaries (``msprobe-result.json`` contents).
 
     Args:
-        results: one dict per check, as the plugin stores them.
+        results: one :class:`~msprobe_ci.check.row.CheckRow` per check, as the plugin stores them.
         out_dir: ``--msprobe-out``. report_path: where the page goes (links are made relative to it).
         junitxml: the ``--msprobe-junitxml`` path, if any. no_checks: the "no msprobe check ran" line, if any.
     """
@@ -326,7 +327,7 @@ def render(results: list[dict], out_dir: str, report_path: str, junitxml: str | 
         when=datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S"))
 
 
-def write_report(path: str, results: list[dict], out_dir: str, junitxml: str | None = None,
+def write_report(path: str, results: list[CheckRow], out_dir: str, junitxml: str | None = None,
                  no_checks: str = "") -> str:
     """Write :func:`render`'s page to ``path`` (atomically; an existing file is replaced only when it is one of
     ours); returns the path.

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from ..check.conclude import RESULT as RESULT_PROPERTY
+from ..check.row import CheckRow
 from ..check.settings import check_keys
 from ..errors import MsprobeError
 from .options import FLAGS, OPTIONS, PARSERS, RULE_INI
-from .summary import check_failed
 
 #: the property of a check that raised before it concluded (its one-line error): it ran, and failed
 ERROR_PROPERTY = "msprobe.check_error"
@@ -73,7 +73,7 @@ class ProbeSession:
 
     def __init__(self, config: pytest.Config):
         self.config = config
-        self.results: list[dict] = []
+        self.results: list[CheckRow] = []
         # the run's layer of every check's options (call > marker > this): each row of the option table that sets a
         # check option, by its own parser (_opt), else the table's default; then the ini-only keys
         self.check_options: dict[str, Any] = {o.check: _opt(config, o.ini, o.default) for o in OPTIONS if o.check}
@@ -239,10 +239,9 @@ class ProbeSession:
         for name, value in report.user_properties:
             if name == RESULT_PROPERTY:  # the path of the check's msprobe-result.json (see fixture._publish)
                 with open(value, encoding="utf-8") as fh:
-                    self.results.append(json.load(fh))
+                    self.results.append(CheckRow.from_json(json.load(fh), value))
             elif name == ERROR_PROPERTY and report.when == "call":
-                self.results.append({"test": report.nodeid, "index": "-", "dir": "", "error": value,
-                                     "verdict": "fail", "failure": value})
+                self.results.append(CheckRow(test=report.nodeid, index="-", error=value, verdict="fail", failure=value))
 
     api_nothing = ""
     no_checks = ""
@@ -263,50 +262,50 @@ class ProbeSession:
         tr = terminalreporter
         tr.section("msprobe")
         for r in self.results:
-            head = f"{r['test']} [check {r['index']}]"
-            if r.get("skipped"):
-                tr.write_line(f"{head}: SKIPPED, nothing compared: {r['skipped']} "
+            head = f"{r.test} [check {r.index}]"
+            if r.skipped:
+                tr.write_line(f"{head}: SKIPPED, nothing compared: {r.skipped} "
                               "(--msprobe-require-device makes this a failure)")
                 continue
-            if r.get("error"):
-                tr.write_line(f"{head}: verdict: fail: the check raised before it concluded: {r['error']}")
+            if r.error:
+                tr.write_line(f"{head}: verdict: fail: the check raised before it concluded: {r.error}")
                 continue
-            if r.get("recorded"):
-                tr.write_line(f"{head}: recorded the bench ({r['bench']}, {r['mode']}, {r['level']}): "
-                              f"{_size(r['baseline_bytes'])} in {r['baseline']}")
+            if r.recorded:
+                tr.write_line(f"{head}: recorded the bench ({r.bench}, {r.mode}, {r.level}): "
+                              f"{_size(r.baseline_bytes)} in {r.baseline}")
                 continue
-            c = r["counts"]
-            first = r.get("first_divergence") or "none"
-            overflow = r.get("overflow_first") or "none"
-            tr.write_line(f"{head}: {r['nodes_compared']} nodes compared "
-                          f"({r['bench']} vs {r['target']}, {r['mode']}, {r.get('level', '')}): pass {c['pass']}, "
-                          f"warning {c['warning']}, error {c['error']}, unmatched {c['unmatched']}; "
+            c = r.counts
+            first = r.first_divergence or "none"
+            overflow = r.overflow_first or "none"
+            tr.write_line(f"{head}: {r.nodes_compared} nodes compared "
+                          f"({r.bench} vs {r.target}, {r.mode}, {r.level}): pass {c.get('pass', 0)}, "
+                          f"warning {c.get('warning', 0)}, error {c.get('error', 0)}, unmatched {c.get('unmatched', 0)}; "
                           f"first divergence: {first}; first overflow: {overflow}; verdict: "
-                          f"{'fail' if check_failed(r) else 'pass'}")
-            if r.get("failure"):
-                tr.write_line(f"    failure: {r['failure']}")
-            if r.get("isolated"):
-                n_iso = sum(1 for n in r["nodes"] if n.get("standard"))
-                n_skip = sum(1 for n in r["nodes"] if n.get("metric") == "isolation")
-                kernel = f" (bench kernel: {r['bench_kernel']})" if r.get("bench_kernel") else ""
+                          f"{'fail' if r.failed else 'pass'}")
+            if r.failure:
+                tr.write_line(f"    failure: {r.failure}")
+            if r.isolated:
+                n_iso = sum(1 for n in r.nodes if n.standard)
+                n_skip = sum(1 for n in r.nodes if n.metric == "isolation")
+                kernel = f" (bench kernel: {r.bench_kernel})" if r.bench_kernel else ""
                 tr.write_line(f"    isolation: {n_iso} API calls judged on their own inputs{kernel}, {n_skip} not "
                               "judgeable (named in the CSV/JUnit); verdicts above are isolated, drift is context")
-            for m in r.get("model") or ():
-                tr.write_line(f"    {m['name']}: {m['status']} (relative L2 error {float(m['value']):.3g}, "
-                              f"tolerance {m['threshold']:.3g})")
-            if r.get("api_checks"):
-                ac = r["api_checks"]
-                counts = {s: sum(a["status"] == s for a in ac) for s in ("pass", "warning", "error", "skip")}
+            for m in r.model:
+                tr.write_line(f"    {m.name}: {m.status} (relative L2 error {float(m.value):.3g}, "
+                              f"tolerance {m.threshold:.3g})")
+            if r.api_checks:
+                ac = r.api_checks
+                counts = {s: sum(a.status == s for a in ac) for s in ("pass", "warning", "error", "skip")}
                 tr.write_line(f"    per-API pre-check: {len(ac)} API calls: pass {counts['pass']}, warning "
                               f"{counts['warning']}, error {counts['error']}, skip {counts['skip']}")
-            if r.get("baseline"):
-                tr.write_line(f"    bench from baseline {r['baseline']} ({_size(r['baseline_bytes'])})")
-            for note in r.get("notes", ()):
+            if r.baseline:
+                tr.write_line(f"    bench from baseline {r.baseline} ({_size(r.baseline_bytes)})")
+            for note in r.notes:
                 tr.write_line(f"    note: {note}")
-            if r.get("graph"):
-                tr.write_line(f"    graph: {r['graph']}")
-            tr.write_line(f"    artifacts: {r['dir']}")
-        if any(r.get("graph") for r in self.results):
+            if r.graph:
+                tr.write_line(f"    graph: {r.graph}")
+            tr.write_line(f"    artifacts: {r.dir}")
+        if any(r.graph for r in self.results):
             tr.write_line(f"msprobe graphs: msprobe-ci view {os.path.join(self.out, 'graphs')} "
                           "(TensorBoard with tb-graph-ascend's plugin; red boxes lead to the first divergence)")
         if self.junitxml:

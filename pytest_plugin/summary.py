@@ -5,32 +5,15 @@ from __future__ import annotations
 
 import os
 
-
-def check_failed(r: dict) -> bool:
-    """Whether the check a summary row belongs to failed its test: the verdict its
-    :class:`~msprobe_ci.check.conclude.Conclusion` decided, stamped on every row it published (``verdict``), so
-    every artifact says what the test said (a fault that never fired, coverage short under
-    ``--msprobe-require-coverage``, a check that raised included). A row without the stamp (written by an older
-    version) falls back to its own evidence (:func:`step_failed`)."""
-    if r.get("verdict") in ("pass", "fail"):
-        return r["verdict"] == "fail"
-    return step_failed(r)
+from ..check.row import CheckRow
 
 
-def step_failed(r: dict) -> bool:
-    """Whether one row's own evidence fails (one step or rank of a loop or multi-rank check): a first divergence, a
-    new overflow, a fault that never fired, a failing model-level case or per-API pre-check."""
-    return bool(r.get("first_divergence") or r.get("overflow_failed") or r.get("unapplied") or
-                any(m["status"] == "error" for m in r.get("model") or ()) or
-                any(a["status"] == "error" for a in r.get("api_checks") or ()))
-
-
-def row_verdict(r: dict, shown: bool = False) -> str:
+def row_verdict(r: CheckRow, shown: bool = False) -> str:
     """A loop step's or a rank's verdict cell: its own evidence; where the check failed for a reason no row of it
     shows (``shown`` False: a fault that never fired, coverage), said so: ``pass (check failed)``."""
-    if step_failed(r):
+    if r.step_failed:
         return "fail"
-    return "pass (check failed)" if check_failed(r) and not shown else "pass"
+    return "pass (check failed)" if r.failed and not shown else "pass"
 
 
 def _cell(value) -> str:
@@ -38,12 +21,12 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_checks: str = "",
+def markdown(results: list[CheckRow], out_dir: str, junitxml: str | None = None, no_checks: str = "",
              report: str | None = None) -> str:
     """The summary of a session's check results (the plugin's serialisable summaries).
 
     Args:
-        results: one dict per check (``msprobe-result.json``'s content).
+        results: one :class:`~msprobe_ci.check.row.CheckRow` per check (``msprobe-result.json``'s content).
         out_dir: ``--msprobe-out`` (artifacts, graphs).
         junitxml: the ``--msprobe-junitxml`` path, if any.
         no_checks: the "no msprobe check ran" line, when the session checked nothing.
@@ -60,33 +43,33 @@ def markdown(results: list[dict], out_dir: str, junitxml: str | None = None, no_
                   "| first overflow |", "|---|---|---|---|---|---|---|---|---|---|"]
     failed = 0
     for r in results:
-        head = f"| {_cell(r['test'])} | {r['index']} "
-        if r.get("skipped"):
-            lines.append(head + f"| skipped: {_cell(r['skipped'])} | | | | | | | |")
+        head = f"| {_cell(r.test)} | {r.index} "
+        if r.skipped:
+            lines.append(head + f"| skipped: {_cell(r.skipped)} | | | | | | | |")
             continue
-        if r.get("recorded"):
-            lines.append(head + f"| recorded the bench ({_cell(r.get('baseline', ''))}) | | | | | | | |")
+        if r.recorded:
+            lines.append(head + f"| recorded the bench ({_cell(r.baseline or '')}) | | | | | | | |")
             continue
-        if r.get("error"):
+        if r.error:
             failed += 1
-            lines.append(head + f"| ❌ fail: the check raised: {_cell(r['error'])} | | | | | | | |")
+            lines.append(head + f"| ❌ fail: the check raised: {_cell(r.error)} | | | | | | | |")
             continue
-        c = r["counts"]
-        bad = check_failed(r)
+        c = r.counts
+        bad = r.failed
         failed += bad
-        lines.append(head + f"| {'❌ fail' if bad else '✅ pass'} | {_cell(r['bench'])} → {_cell(r['target'])} "
-                     f"| {r['nodes_compared']} | {c['pass']} | {c['warning']} | {c['error']} "
-                     f"| {_cell(r.get('first_divergence') or 'none')} "
-                     f"| {_cell(r.get('overflow_first') or 'none') if r.get('overflow_failed') else 'none'} |")
-    budgets = [(r, r["isolation_budget"]) for r in results if r.get("isolation_budget")]
+        lines.append(head + f"| {'❌ fail' if bad else '✅ pass'} | {_cell(r.bench)} → {_cell(r.target)} "
+                     f"| {r.nodes_compared} | {c.get('pass', 0)} | {c.get('warning', 0)} | {c.get('error', 0)} "
+                     f"| {_cell(r.first_divergence or 'none')} "
+                     f"| {_cell(r.overflow_first or 'none') if r.overflow_failed else 'none'} |")
+    budgets = [(r, r.isolation_budget) for r in results if r.isolation_budget]
     if budgets:
         from ..compare.isolation_file import describe_budget
 
-        lines += [""] + [f"- {_cell(r['test'])} {r['index']}: {describe_budget(b)}" for r, b in budgets]
+        lines += [""] + [f"- {_cell(r.test)} {r.index}: {describe_budget(b)}" for r, b in budgets]
     if results:
         lines += ["", f"{len(results)} check(s), {failed} failing."]
         lines.append(f"Artifacts (CSV, dumps, graphs): `{os.path.abspath(out_dir)}`")
-        if any(r.get("graph") for r in results):
+        if any(r.graph for r in results):
             lines.append(f"Open the graphs: `msprobe-ci view {os.path.join(os.path.abspath(out_dir), 'graphs')}`")
         if junitxml:
             lines.append(f"JUnit XML: `{os.path.abspath(junitxml)}`")

@@ -180,3 +180,42 @@ def test_a_model_output_failure_with_every_api_passing_names_a_lead(pytester):
     result.stdout.fnmatch_lines(["*model output model.output.logits drifts beyond the end-to-end tolerance*",
                                  "closest to their own standards (a lead, none failing): "
                                  "Functional.layer_norm.3.forward (*; max rel err target * vs bench *"])
+
+
+def test_a_check_row_is_one_typed_result_that_round_trips_its_file(tmp_path):
+    """msprobe-result.json is read into a frozen CheckRow: its nodes, model cases and pre-check calls are typed
+    results whose truth is their verdict, the row's truth is its check's stamped verdict (its own evidence only for
+    an older, unstamped row), fields of no name survive a round trip, and a malformed file is one clear line."""
+    import dataclasses
+
+    import pytest
+
+    from msprobe_ci import MsprobeError
+    from msprobe_ci.check.row import CheckRow, NodeRow
+
+    raw = {"test": "t.py::test_x", "index": "0 step1", "dir": str(tmp_path), "bench": "cpu", "target": "cpu/bf16",
+           "counts": {"pass": 1, "warning": 0, "error": 1, "unmatched": 0}, "step": 1, "a_new_field": [1, 2],
+           "nodes": [{"name": "Functional.linear.0.forward", "status": "pass", "value": 0.5, "threshold": 2.0},
+                     {"name": "Functional.gelu.0.forward", "status": "error", "value": "inf", "threshold": 2.0}],
+           "model": [{"name": "model.loss", "status": "pass", "value": 0.01, "threshold": 0.06}],
+           "first_divergence": "Functional.gelu.0.forward", "notes": ["n"]}
+    row = CheckRow.from_json(raw)
+    assert isinstance(row.nodes[0], NodeRow) and row.nodes[0] and not row.nodes[1] and all(row.model)
+    assert row.step_failed and row.failed and not row  # unstamped: its own evidence (a first divergence) decides
+    passed = row.stamped(None)
+    assert passed.verdict == "pass" and not passed.failed and passed and passed.step_failed  # the check's verdict wins
+    failed = dataclasses.replace(row, first_divergence=None, nodes=row.nodes[:1]).stamped("msprobe: coverage\nmore")
+    assert failed.failed and not failed.step_failed and failed.failure == "msprobe: coverage"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        row.verdict = "pass"
+    back = CheckRow.from_json(json.loads(json.dumps(row.as_json())))
+    assert back == row and back.extra == {"a_new_field": [1, 2]} and back.as_json()["a_new_field"] == [1, 2]
+    assert back.as_json()["nodes"][1] == dict(raw["nodes"][1], metric="", input_error=None, worst_row="", message="",
+                                              standard="", drift=None, drift_status="", seconds=0.0)
+    for bad, says in ((["not", "an", "object"], "expected an object, got list"),
+                      ({"index": 0}, "missing field 'test'"),
+                      (dict(raw, nodes=[{"name": "x", "status": "fine"}]), "nodes[0]: status 'fine', expected one of"),
+                      (dict(raw, model={"name": "x"}), "model: expected a list, got dict")):
+        with pytest.raises(MsprobeError, match=re.escape(says)) as info:
+            CheckRow.from_json(bad, "out/msprobe-result.json")
+        assert str(info.value).startswith("out/msprobe-result.json") and "\n" not in str(info.value)

@@ -320,10 +320,11 @@ def _check(**kw):
 def _junit(tmp_path, results):
     import xml.etree.ElementTree as ET
 
+    from msprobe_ci.check.row import CheckRow
     from msprobe_ci.pytest_plugin.junit import write_junit
 
     path = tmp_path / "sub" / "j.xml"
-    write_junit(str(path), results)
+    write_junit(str(path), [CheckRow.from_json(r) for r in results])  # as the plugin reads msprobe-result.json
     root = ET.parse(path).getroot()
     cases = {(c.get("classname"), c.get("name")): c for c in root.iter("testcase")}
     return root, cases

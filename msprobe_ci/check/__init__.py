@@ -24,6 +24,7 @@ fail; ``msprobe-ci compare`` judges two dumps with :func:`judge`; benchmarks cal
 """
 
 from .conclude import Conclusion, failure_message
+from .row import CheckRow
 from .context import CheckContext, DeviceAbsent
 from .generation import DecodeRun, check_generate, run_decode
 from .monitor import conclude_monitor, open_monitor
@@ -36,7 +37,7 @@ from .sides import precision_notes, run_side, unapplied_faults
 from .single import run_check
 from .training import TrainingRun, check_training, grad_similarity, run_training
 
-__all__ = ["CHECK_OPTIONS", "CheckContext", "CheckOutcome", "CheckSettings", "Conclusion", "DecodeRun",
+__all__ = ["CHECK_OPTIONS", "CheckContext", "CheckOutcome", "CheckRow", "CheckSettings", "Conclusion", "DecodeRun",
            "DeviceAbsent", "SideRun", "TrainingRun", "check_dumps", "check_generate", "check_parallel",
            "check_training", "conclude_monitor", "evaluate", "failure_message", "flatten_outputs", "grad_similarity",
            "judge", "merge_coverage", "model_cases", "open_monitor", "precision_notes", "read_coverage",

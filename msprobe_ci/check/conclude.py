@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ..outputs import repro_command
 from ..errors import MsprobeError
+from .row import CheckRow
 
 #: the property key of a check's summary row (its value: the row, published as ``msprobe-result.json``)
 RESULT = "msprobe.result"
@@ -29,7 +30,7 @@ class Conclusion:
     Attributes:
         value: what the check returns to its caller (a CompareReport, ``{rank: report}``, a loop's dict ...).
         properties: ``(name, value)`` pairs in order, for JUnit; a :data:`RESULT` pair carries a summary row
-            (a dict the terminal summary, report and JUnit writer read).
+            (a :class:`~msprobe_ci.check.row.CheckRow`, frozen here from the dict a mode built).
         warnings: lines to warn about (coverage short of 1) before the failure, if any.
         failure: the first problem, a message whose first line names it (``None``: the check passed).
     """
@@ -39,6 +40,11 @@ class Conclusion:
     warnings: tuple = ()
     failure: str | None = None
 
+    def __post_init__(self):
+        rows = tuple((k, CheckRow.from_json(v, f"{k} row") if k == RESULT and not isinstance(v, CheckRow) else v)
+                     for k, v in self.properties)
+        object.__setattr__(self, "properties", rows)
+
     @property
     def passed(self) -> bool:
         return self.failure is None
@@ -47,7 +53,7 @@ class Conclusion:
         return self.failure is None
 
     @property
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[CheckRow]:
         """The summary rows, in order."""
         return [v for k, v in self.properties if k == RESULT]
 
@@ -70,14 +76,14 @@ class Draft:
         return Conclusion(value, tuple(self.properties), tuple(self.warnings), self.failure)
 
 
-def publish(row: dict) -> str:
+def publish(row: CheckRow) -> str:
     """Write one check's summary row to ``<check dir>/msprobe-result.json`` and return the path: a test report
     (and so pytest's own ``--junitxml``) carries the path, not a JSON blob of every node."""
     from ..dump.writer import atomic_write_json
 
-    os.makedirs(row["dir"], exist_ok=True)
-    path = os.path.join(row["dir"], "msprobe-result.json")
-    atomic_write_json(path, row)
+    os.makedirs(row.dir, exist_ok=True)
+    path = os.path.join(row.dir, "msprobe-result.json")
+    atomic_write_json(path, row.as_json())
     return path
 
 
