@@ -107,10 +107,16 @@ class FreeBenchmark:
         self.seed = int(seed)
         self.thresholds = dict(THRESHOLDS)
         self.thresholds.update(thresholds or {})
-        # writes a standalone reproduction of each call at risk (msprobe_ci.capture.repro.Reproducer; set by the
-        # capture session)
+        # writes a standalone reproduction of each call at risk (msprobe_ci.capture.repro.Reproducer; the capture
+        # session lends it through attach)
         self.reproducer = None
         self.reset()
+
+    def attach(self, *, reproducer=None) -> None:
+        """What the capture that drives this free benchmark lends it: the writer of each call-at-risk's standalone
+        reproduction (:class:`msprobe_ci.capture.repro.Reproducer`; None: left as it is)."""
+        if reproducer is not None:
+            self.reproducer = reproducer
 
     def reset(self) -> None:
         """Start a new step."""

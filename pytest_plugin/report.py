@@ -231,7 +231,7 @@ def _groups(results: list[CheckRow]) -> list[dict]:
             ranks = len({r.rank for r in rows})
             out.append({"test": test, "index": index,
                         "title": f"{ranks} ranks" + (f" x {len(steps)} steps" if steps else "")
-                                 + ", first divergence: " + (where(first) if first else "none"),
+                                 + ", first divergence: " + (where(first) if first is not None else "none"),
                         "plot": None, "head": ["step, rank" if steps else "rank", "verdict",
                                                "first divergence over ranks", "own first node"],
                         "rows": [{"cells": [where(r) + (" (first)" if r.rank_first else ""),

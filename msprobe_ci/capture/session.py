@@ -147,7 +147,7 @@ class CaptureSession:
         if self.free_bench is not None:  # a call at risk: its reproduction too
             from .repro import Reproducer
 
-            self.free_bench.reproducer = Reproducer(self)
+            self.free_bench.attach(reproducer=Reproducer(self))
         self.observers: tuple[Observer, ...] = self._observers()
 
     def _observers(self) -> tuple[Observer, ...]:
