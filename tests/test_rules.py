@@ -1587,3 +1587,15 @@ def test_every_option_is_declared_once_and_reaches_the_check(pytester):
     pytester.makeini("[pytest]\nmsprobe_atol = x\n")
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert "msprobe: threshold 'rel_floor': expected a number, got 'x'" in result.stderr.str()
+
+
+def test_junit_states_a_budgeted_isolations_judged_share_on_its_suite(tmp_path):
+    """A check whose isolation ran under a budget says on its suite how many calls were judged on their own inputs,
+    the factor asked and the one measured; a check without a budget says nothing of it."""
+    budget = {"judged": 120, "calls": 480, "factor": 2.0, "measured_factor": 1.87}
+    root, _ = _junit(tmp_path, [_check(index=0, isolation_budget=budget), _check(index=1)])
+    props = {s.get("name"): {p.get("name"): p.get("value") for p in s.find("properties")} for s in root.iter("testsuite")}
+    with_budget, without = props["tests.test_m.test_x[1_5] check 0"], props["tests.test_m.test_x[1_5] check 1"]
+    assert {k: v for k, v in with_budget.items() if "isolat" in k} == {
+        "msprobe.isolated_calls": "120/480", "msprobe.isolation_budget": "2.0", "msprobe.isolation_cost": "1.87"}
+    assert not [k for k in without if "isolat" in k]
