@@ -89,7 +89,8 @@ class MsprobeFixture:
             if self.session.require_device:
                 self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc} (--msprobe-require-device)"))
                 raise pytest.fail.Exception(f"msprobe: {exc} (--msprobe-require-device)", pytrace=False) from None
-            self.request.node.user_properties.append((RESULT_PROPERTY, publish(CheckRow.from_json(dict(exc.row, skipped=str(exc))))))
+            row = CheckRow.from_json(dict(exc.row, skipped=str(exc)))
+            self.request.node.user_properties.append((RESULT_PROPERTY, publish(row)))
             raise pytest.skip.Exception(f"msprobe: {exc}") from None
         except MsprobeError as exc:
             self.request.node.user_properties.append((ERROR_PROPERTY, f"msprobe: {exc}"))
@@ -366,9 +367,9 @@ class MsprobeFixture:
             # msprobe_round_factor ...), msprobe_api_standards/msprobe_api_thresholds, the bench kernel of a
             # replayed tensor dump
             settings = self._settings({}, "msprobe.compare_dumps()")
-            conclusion = check_dumps(self.context, target, bench, fuzzy=fuzzy, data_mapping=data_mapping,
-                                     layer_mapping=layer_mapping, cell_mapping=cell_mapping, api_mapping=api_mapping,
-                                     settings=settings)
+            conclusion = check_dumps(self.context, bench=bench, target=target, fuzzy=fuzzy,
+                                     data_mapping=data_mapping, layer_mapping=layer_mapping,
+                                     cell_mapping=cell_mapping, api_mapping=api_mapping, settings=settings)
         return self._conclude(conclusion)
 
     def finish(self) -> None:

@@ -1,4 +1,5 @@
-"""L1 capture: torch API calls through ``TorchFunctionMode``, each one event for the engine's observers, and its backward."""
+"""L1 capture: torch API calls through ``TorchFunctionMode``, each one event for the engine's observers, and its
+backward."""
 
 from __future__ import annotations
 

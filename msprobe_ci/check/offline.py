@@ -10,14 +10,15 @@ from .conclude import Conclusion, conclude_check
 from .context import CheckContext
 
 
-def check_dumps(ctx: CheckContext, target: str, bench: str, *, fuzzy: bool = False, data_mapping: str | None = None,
+def check_dumps(ctx: CheckContext, *, bench: str, target: str, fuzzy: bool = False, data_mapping: str | None = None,
                 layer_mapping: str | None = None, cell_mapping: str | None = None,
                 api_mapping: str | None = None, settings=None) -> Conclusion:
     """Judge ``target`` against ``bench`` as :func:`~msprobe_ci.check.single.run_check` judges its two sides.
 
     Args:
         ctx: the test's folders and run-wide choices.
-        target, bench: a dump.json, rank folder or step folder with one rank each.
+        bench, target: a dump.json, rank folder or step folder with one rank each (by name only: msprobe's
+            command line and the fixture's ``compare_dumps`` take the target first, the pipeline the bench first).
         fuzzy: msprobe's ``-fm`` matching. data_mapping, layer_mapping, cell_mapping, api_mapping: msprobe's
             ``-dm``/``-lm``/``-cm``/``-am`` YAML files (optional; a MindSpore dump against a PyTorch one needs none).
         settings: the run's :class:`~msprobe_ci.check.settings.CheckSettings`, whose rules a dump can honour are
