@@ -78,18 +78,18 @@ class ApiHooks:
         record = eng.api_level and (kind == naming.RECORD or (api in _CASTS and _fp8_cast(args, kwargs))) and \
             eng.keep(fwd_name)
         call = ApiCall(fwd_name, prefix, api, n, func, args, kwargs, record, fwd_faults, bwd_faults)
-        observers = eng.observers
-        for o in observers:
-            o.api_before(call)
+        on = eng.on
+        for before in on.api_before:
+            before(call)
         try:
             call.out = call.orig = eng.call_kernel(func, call.args, call.kwargs)
         except BaseException:
-            for o in reversed(observers):
-                o.api_raised(call)
+            for raised in on.api_raised:
+                raised(call)
             raise
         counts[key] = n + 1
-        for o in reversed(observers):
-            o.api_after(call)
+        for after in on.api_after:
+            after(call)
         if (record and eng.bwd) or call.bwd_faults:
             node = _first_grad_fn(call.orig)
             if node is not None and _is_input_node(node, call.args, call.kwargs):
@@ -107,8 +107,8 @@ class ApiHooks:
         eng = self.engine
         out = eng.call_kernel(func, args, kwargs)
         if eng.recording:
-            for o in eng.observers:
-                o.api_passthrough(args, kwargs, out)
+            for seen in eng.on.api_passthrough:
+                seen(args, kwargs, out)
         return out
 
     def _see_backward_of(self, node) -> None:
@@ -138,8 +138,8 @@ class ApiHooks:
             if on:
                 mode.__enter__()
             if eng.running:
-                for o in eng.observers:
-                    o.function_backward(grad_outputs)
+                for seen in eng.on.function_backward:
+                    seen(grad_outputs)
             pushed.append(on)
 
         def post(grad_inputs, grad_outputs):
@@ -149,12 +149,12 @@ class ApiHooks:
         node.register_hook(post)
 
     def _api_backward_hook(self, call: ApiCall):
-        observers = self.engine.observers
+        listeners = self.engine.on.api_backward
 
         def hook(grad_inputs, grad_outputs):
             new = None
-            for o in reversed(observers):
-                r = o.api_backward(call, grad_inputs, grad_outputs)
+            for backward in listeners:
+                r = backward(call, grad_inputs, grad_outputs)
                 if r is not None:
                     new = grad_inputs = r
             return new

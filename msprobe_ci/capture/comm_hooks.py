@@ -33,15 +33,15 @@ class CommHooks:
         api_id = f"Distributed.{op}"
         faults = eng.faults_due(api_id, n)[0] if api_id in eng.fault_apis else []
         call = CommCall(op, n, func, args, kwargs, functional, record, list(faults))
-        observers = eng.observers
-        for o in observers:
-            o.comm_before(call)
+        on = eng.on
+        for before in on.comm_before:
+            before(call)
         with eng.machinery:  # a collective built from other collectives is one record, as msprobe's
             call.result = result = func(*args, **kwargs)
 
         def done() -> None:
-            for o in reversed(observers):
-                o.comm_after(call)
+            for after in on.comm_after:
+                after(call)
 
         from .comm import wrap_work
 

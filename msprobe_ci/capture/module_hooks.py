@@ -105,8 +105,8 @@ class ModuleHooks:
                 state.construct[name] = state.fwd_stack[-1] if state.fwd_stack else None
             state.fwd_stack.append(name)
             call = ModuleCall(name, whole)
-            for o in eng.observers:
-                o.module_before(call, module, args, kwargs)
+            for before in eng.on.module_before:
+                before(call, module, args, kwargs)
             new_args = None
             if eng.bwd and torch.is_grad_enabled():
                 call.bwd_name, call.n_in = f"{bkey}{n}", len(args)
@@ -133,8 +133,8 @@ class ModuleHooks:
         with eng.machinery:
             new = _Alias.apply(*(items[i] for i in idx))
         for i, t in zip(idx, new):
-            for o in eng.observers:
-                o.aliased(t, items[i])
+            for aliased in eng.on.aliased:
+                aliased(t, items[i])
             items[i] = t
         node = new[0].grad_fn
         if inputs:
@@ -160,8 +160,8 @@ class ModuleHooks:
             call = pending.pop()
             if state.fwd_stack and state.fwd_stack[-1] == call.name:
                 state.fwd_stack.pop()
-            for o in reversed(eng.observers):
-                o.module_after(call, module, output)
+            for after in eng.on.module_after:
+                after(call, module, output)
             if not call.bwd_name:
                 return None
             return self._module_io(call, output, inputs=False)
@@ -178,8 +178,8 @@ class ModuleHooks:
             pending = eng.state.pending_fwd.get(id(module))
             call = pending[-1] if pending else None
             if call is not None and not call.judged:
-                for o in reversed(eng.observers):
-                    o.module_judge(call, output)
+                for judge in eng.on.module_judge:
+                    judge(call, output)
             return None
         return quiet(hook)
 
@@ -198,8 +198,8 @@ class ModuleHooks:
                     state.construct[call.bwd_name] = state.bwd_stack[-1] if state.bwd_stack else None
                 state.bwd_stack.append(call.bwd_name)
                 call.bwd_recs = False  # the backward began
-                for o in eng.observers:
-                    o.module_backward_begin(call)
+                for begin in eng.on.module_backward_begin:
+                    begin(call)
             if call.in_idx is None:  # no input requires grad: the module's backward ends here
                 self._bwd_done(call, (None,) * call.n_in)
             return None
@@ -220,8 +220,8 @@ class ModuleHooks:
         if grad_output is None:  # gradient reached the inputs but not through the outputs (double backward)
             return
         begun = call.bwd_recs is not None
-        for o in reversed(self.engine.observers):
-            o.module_backward_end(call, grad_input, grad_output)
+        for end in self.engine.on.module_backward_end:
+            end(call, grad_input, grad_output)
         stack = self.engine.state.bwd_stack
         if begun and call.bwd_name in stack:
             stack.remove(call.bwd_name)
@@ -243,8 +243,8 @@ class ModuleHooks:
             name = state[2]
             if not eng.keep(name):
                 return
-            for o in eng.observers:
-                o.param_grad(name, pname, param)
+            for seen in eng.on.param_grad:
+                seen(name, pname, param)
         return quiet(hook)
 
 

@@ -170,6 +170,24 @@ class Observer:
         return {}
 
 
+#: the events called in the observers' order, and those called in the reverse order (the way out)
+_INWARD = ("api_before", "api_passthrough", "function_backward", "module_before", "aliased", "module_backward_begin",
+           "param_grad", "comm_before")
+_OUTWARD = ("api_raised", "api_after", "api_backward", "module_judge", "module_after", "module_backward_end",
+            "comm_after")
+
+
+class Listeners:
+    """Per event, the bound methods of the observers that override it, in the order the engine calls them: a hook
+    calls only those (a call no observer follows costs no Python call per observer)."""
+
+    def __init__(self, observers: tuple):
+        for event in _INWARD + _OUTWARD:
+            base = getattr(Observer, event)
+            mine = [getattr(o, event) for o in observers if getattr(type(o), event) is not base]
+            setattr(self, event, tuple(reversed(mine) if event in _OUTWARD else mine))
+
+
 class FreeBenchObserver(Observer):
     """The free benchmark (:class:`~msprobe_ci.free_benchmark.FreeBenchmark`): each recorded call re-run in higher
     precision and on bit-noised inputs, the target's kernel (its forward faults included) the one under test."""

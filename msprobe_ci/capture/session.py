@@ -38,7 +38,7 @@ from .comm_hooks import CommHooks
 from .coverage import Coverage, quiet
 from .inject import Fault, FaultLog
 from .module_hooks import ModuleHooks
-from .observers import CoverageObserver, FaultObserver, FreeBenchObserver, IsolationObserver, Observer
+from .observers import CoverageObserver, FaultObserver, FreeBenchObserver, IsolationObserver, Listeners, Observer
 from .state import Machinery, StepState
 from .statistics import Statistics
 
@@ -149,6 +149,7 @@ class CaptureSession:
 
             self.free_bench.attach(reproducer=Reproducer(self))
         self.observers: tuple[Observer, ...] = self._observers()
+        self.on = Listeners(self.observers)  # per event, the observers' methods the hooks call
 
     def _observers(self) -> tuple[Observer, ...]:
         """The observers, in the order they are called on the way in (the reverse on the way out,
