@@ -146,7 +146,7 @@ def test_precision_notes_name_the_oracle_device_and_at_most_five_fallbacks():
 def test_the_standards_judge_where_a_float64_oracle_ran():
     """Isolation judges on the oracle's device when it computes in float64 there (CUDA: nothing copied to the
     host), on the CPU for the CPU oracle and for an oracle limited to float32 (an NPU's: the standards judge in
-    float64); ``_judged`` moves a tensor there (detached) and leaves other values alone."""
+    float64); ``refs.judged`` moves a tensor there (detached) and leaves other values alone."""
     import torch
 
     from msprobe_ci.isolate import Isolator
@@ -156,9 +156,9 @@ def test_the_standards_judge_where_a_float64_oracle_ran():
     assert Isolator(oracle_device="npu:0", oracle_max=torch.float32).judge_device == "cpu"
     assert Isolator(oracle_max=torch.float32, oracle_label="npu:0").judge_device == "cpu"  # a CPU stand-in
     x = torch.ones(3, requires_grad=True) * 2
-    moved = Isolator()._judged(x)
+    moved = Isolator().refs.judged(x)
     assert not moved.requires_grad and moved.device.type == "cpu" and torch.equal(moved, x.detach())
-    assert Isolator()._judged(1.5) == 1.5 and Isolator()._judged(None) is None
+    assert Isolator().refs.judged(1.5) == 1.5 and Isolator().refs.judged(None) is None
 
 
 def test_pass_warning_error_at_the_exact_lines():

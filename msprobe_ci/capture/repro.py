@@ -65,7 +65,9 @@ class Reproducer:
 
     def write(self, iso, call, direction: str, record: dict) -> None:
         """Write the files of ``call``'s failing ``direction`` (``forward``/``backward``); the script's path (or
-        why none was written) goes into ``record["repro"]``. Never raises: the user's run goes on."""
+        why none was written) goes into ``record["repro"]``. ``iso``: the isolator's settings
+        (:class:`msprobe_ci.isolate.references.References`), which the reproduction rebuilds. Never raises: the
+        user's run goes on."""
         _into(record, self._write, iso, call, direction, record)
 
     def _write(self, iso, call, direction: str, record: dict) -> str:

@@ -43,7 +43,6 @@ until its gradient arrives.
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
@@ -54,19 +53,29 @@ from .budget import IsolationBudget
 from .collectives import CollectiveIsolation
 from .modules import ModuleIsolation
 from .provenance import Provenance
+from .records import Loans, Records
+from .references import References
 from .support import headline, is_inplace, _SCHEMA_VERSION, verdict_fields
-
-
-def _as_is(fn):
-    """An isolator's hook wrapper when no capture drives it (a reproduction run alone): the hook as it is."""
-    return fn
 
 
 __all__ = ["Isolator", "headline", "is_inplace", "verdict_fields"]
 
 
-class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsolation, Provenance):
-    """Per-step isolation state of one target capture.
+def _setting(name: str, doc: str) -> property:
+    """A read-only view of the isolator's :class:`~.references.References` setting ``name``."""
+    return property(lambda self: getattr(self.refs, name), doc=doc)
+
+
+class Isolator:
+    """Isolation of one target capture: one object per part, built here and sharing only what they are given.
+
+    * :attr:`refs` (:class:`~.references.References`): the settings, the oracle and the same-dtype bench of a call;
+    * :attr:`records` (:class:`~.records.Records`): one step's verdicts, what could not be judged;
+    * :attr:`provenance` (:class:`~.provenance.Provenance`): which inputs are sources;
+    * :attr:`loans` (:class:`~.records.Loans`): what the driving capture lends (:meth:`attach`);
+    * the parts that judge, each given the pieces above it needs: :attr:`api` (:class:`~.api.ApiIsolation`),
+      :attr:`gradients` (:class:`~.backward.BackwardIsolation`), :attr:`modules`
+      (:class:`~.modules.ModuleIsolation`), :attr:`collectives` (:class:`~.collectives.CollectiveIsolation`).
 
     The judge sees tensors only: the target's output (and the gradients it hands back), the oracle and the
     same-dtype bench, each computed from the target's own inputs; never the fault plan. Work is skipped only where
@@ -82,45 +91,44 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
             ``device`` (default), ``upcast``, ``rounded``, ``decomposed``.
         budget_draws: perturbed runs that size a benchmark-standard call's error budget
             (:func:`msprobe_ci.kernels.forward_scale`; default 3); 0 judges relative to ``|oracle|`` alone.
+        oracle_device, oracle_max, oracle_label: where the oracle runs, the widest dtype it has there, the device
+            as the user named it (:meth:`msprobe_ci.backends.Backend.oracle_options`; default the CPU in float64).
         budget: an :class:`~.budget.IsolationBudget` (budgeted isolation: every API kind each step, the other
             calls rotating within a cost factor), or ``None`` to isolate every call (the default).
 
     Raises:
         MsprobeError: an unknown bench kernel.
-
-    Attributes:
-        results: ``{node name: record}``; a record holds ``status`` (pass/warning/error/skip), ``standard``,
-            ``metric``, ``value``, ``threshold``, ``row``, ``message``, ``metrics`` and, for forward calls,
-            ``sources`` (``{row: {"id", "kind"}}``).
     """
+
+    standards = _setting("standards", "``{API fnmatch pattern: standard}`` overrides.")
+    thresholds = _setting("thresholds", "``{standard: {threshold: value}}`` overrides.")
+    target_device = _setting("target_device", "The target's torch device string.")
+    bench_device = _setting("bench_device", "Where the same-dtype bench runs.")
+    backward = _setting("backward", "Whether gradients are isolated too.")
+    bench_kernel = _setting("bench_kernel", "The same-dtype bench's kernel (``device``, ``upcast``, ...).")
+    budget_draws = _setting("budget_draws", "Perturbed runs per error budget.")
+    oracle_device = _setting("oracle_device", "Where the oracle runs.")
+    oracle_max = _setting("oracle_max", "The widest dtype the oracle has on its device.")
+    oracle_label = _setting("oracle_label", "The oracle's device as the user named it.")
+    oracle_on_target = _setting("oracle_on_target", "Whether the oracle runs on the target's device.")
+    judge_device = _setting("judge_device", "Where the per-API standards judge.")
+    oracle_fallbacks = _setting("oracle_fallbacks", "``{API: why}`` its oracle ran on the CPU.")
 
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
                  bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",
                  budget_draws: int = kernels.DRAWS, oracle_device: str = "cpu",
                  oracle_max: torch.dtype = torch.float64, oracle_label: str | None = None,
                  budget: IsolationBudget | None = None):
-        self.oracle_device = str(oracle_device)
+        self.refs = References(standards, thresholds, target_device, bench_device, backward, bench_kernel,
+                               budget_draws, oracle_device, oracle_max, oracle_label)
         self.budget = budget
-        # calls that computed but could not be judged (their oracle or bench failed): name -> why; the capture
-        # counts them as unseen in its coverage figure
-        self.unjudged: dict[str, str] = {}
-        # writes a standalone reproduction of each failing call (msprobe_ci.repro.Reproducer; set by the capture
-        # session, None: none written)
-        self.reproducer = None
-        # wraps the isolation's own autograd hooks: the capture that drives this isolator sets it (its coverage then
-        # leaves their ops out); alone (a reproduction), a hook runs as it is
-        self.quiet = _as_is
-        self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
-        self.oracle_max = oracle_max
-        self.oracle_fallbacks: dict[str, str] = {}  # API -> why its oracle ran on CPU, not on oracle_device
-        self.standards = dict(standards or {})
-        self.thresholds = {k: dict(v) for k, v in (thresholds or {}).items()}
-        self.target_device = str(target_device)
-        self.bench_device = str(bench_device)
-        self.bench_kernel = kernels.check_bench_kernel(bench_kernel)
-        self.backward = backward
-        self.budget_draws = int(budget_draws)
-        self.faults_at_tap: dict[str, list] = {}
+        self.records = Records()
+        self.provenance = Provenance()
+        self.loans = Loans()
+        self.gradients = BackwardIsolation(self.refs, self.records, self.loans, budget)
+        self.api = ApiIsolation(self.refs, self.records, self.provenance, self.gradients, self.loans)
+        self.modules = ModuleIsolation(self.refs, self.records, self.provenance)
+        self.collectives = CollectiveIsolation(self.refs, self.records, self.loans)
         self.reset()
 
     @classmethod
@@ -143,21 +151,42 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
                    target_device=target_device, bench_device=bench_device, backward=backward,
                    bench_kernel=settings.bench_kernel, budget_draws=draws, budget=budget, **oracle)
 
+    # the records, the capture reads
+
+    @property
+    def results(self) -> dict[str, dict]:
+        """``{node name: record}`` of this step (:attr:`.records.Records.results`)."""
+        return self.records.results
+
+    @property
+    def unjudged(self) -> dict[str, str]:
+        """``{node: why}``: calls that computed but could not be judged (:attr:`.records.Records.unjudged`)."""
+        return self.records.unjudged
+
+    @property
+    def faults_at_tap(self) -> dict[str, list]:
+        """``{backward node: [(fault, call number)]}`` to apply at the API's tap this step."""
+        return self.gradients.faults_at_tap
+
+    @property
+    def reproducer(self):
+        """The capture's reproducer (:class:`~msprobe_ci.capture.repro.Reproducer`), or ``None``."""
+        return self.loans.reproducer
+
+    def skip(self, name: str, reason: str) -> None:
+        """``name`` is not judged, for ``reason``."""
+        self.records.skip(name, reason)
+
     def reset(self, step: int | None = None) -> None:
         """Start a new step (``step``: its number, which moves a budget's rotation; ``None``: the same)."""
         if self.budget is not None:
             self.budget.start(self.budget.step if step is None else step)
-        self.results: dict[str, dict] = {}
-        self._clock: dict[str, float] = {}  # node -> perf_counter() when its isolation began
-        self._produced: dict[int, weakref.ref] = {}
-        self._sources: dict[int, tuple[weakref.ref, str]] = {}
-        self.faults_at_tap.clear()
-
-    def on_fault_applied(self, fault, before, after) -> None:
-        """A fault turned ``before`` into ``after`` at a tap (:meth:`attach` gives the capture's log)."""
+        self.records.reset()
+        self.provenance.reset()
+        self.gradients.faults_at_tap.clear()
 
     def attach(self, *, quiet=None, on_fault_applied=None, reproducer=None) -> None:
-        """What the capture that drives this isolator lends it (each None: left as it is).
+        """What the capture that drives this isolator lends it (each None: left as it is; :class:`.records.Loans`).
 
         Args:
             quiet: wraps the isolation's own autograd hooks (their ops are the machinery's, not the model's).
@@ -165,22 +194,29 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
             reproducer: writes each failing call's standalone reproduction (:class:`msprobe_ci.capture.repro.Reproducer`).
         """
         if quiet is not None:
-            self.quiet = quiet
+            self.loans.quiet = quiet
         if on_fault_applied is not None:
-            self.on_fault_applied = on_fault_applied
+            self.loans.on_fault_applied = on_fault_applied
         if reproducer is not None:
-            self.reproducer = reproducer
+            self.loans.reproducer = reproducer
 
     def as_json(self) -> dict:
+        """isolation.json's content: the settings that matter to a reader, the budget's summary, every record."""
         return {"version": _SCHEMA_VERSION, "target_device": self.target_device, "bench_device": self.bench_device,
                 "bench_kernel": self.bench_kernel, "split_k_gemms": self.split_k_gemms(),
                 **({"budget": self.budget.summary()} if self.budget is not None else {}), "nodes": self.results}
 
+    def split_k_gemms(self) -> list[str]:
+        """:meth:`.references.References.split_k_gemms`."""
+        return self.refs.split_k_gemms()
+
+    # API calls
+
     def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
-        """:meth:`ApiIsolation.before`, within the budget where there is one: a call it leaves out gets a ``skip``
-        record (``budget`` True) for its forward and its backward and runs as it is."""
+        """:meth:`.api.ApiIsolation.before`, within the budget where there is one: a call it leaves out gets a
+        ``skip`` record (``budget`` True) for its forward and its backward and runs as it is."""
         if self.budget is None:
-            return super().before(name, prefix, api, func, args, kwargs)
+            return self.api.before(name, prefix, api, func, args, kwargs)
         kind, call_no, _ = name.rsplit(".", 2)
         if not self.budget.take(kind, int(call_no) if call_no.isdigit() else 0):
             record = {"status": "skip", "message": self.budget.reason(), "budget": True}
@@ -189,24 +225,53 @@ class Isolator(ApiIsolation, BackwardIsolation, CollectiveIsolation, ModuleIsola
             return None, args, kwargs
         start = time.perf_counter()
         try:
-            return super().before(name, prefix, api, func, args, kwargs)
+            return self.api.before(name, prefix, api, func, args, kwargs)
         finally:
             self.budget.add(time.perf_counter() - start)
 
     def after(self, call, out) -> None:
-        """:meth:`ApiIsolation.after`, its time charged to the budget where there is one."""
+        """:meth:`.api.ApiIsolation.after`, its time charged to the budget where there is one."""
         if self.budget is None or call is None:
-            return super().after(call, out)
+            return self.api.after(call, out)
         start = time.perf_counter()
         try:
-            return super().after(call, out)
+            return self.api.after(call, out)
         finally:
             self.budget.add(time.perf_counter() - start)
 
-    def split_k_gemms(self) -> list[str]:
-        """The target dtypes whose GEMMs the ``upcast``/``rounded`` bench splits as the target's may split them
-        (:func:`msprobe_ci.kernels.reduced_precision_reduction`): empty off CUDA or with the flags off."""
-        if self.bench_kernel not in ("upcast", "rounded"):
-            return []
-        return [str(d).replace("torch.", "") for d in (torch.bfloat16, torch.float16)
-                if kernels.reduced_precision_reduction(self.target_device, d)]
+    # provenance of the tensors the captured code passes around
+
+    def is_produced(self, t: torch.Tensor) -> bool:
+        """:meth:`.provenance.Provenance.is_produced`."""
+        return self.provenance.is_produced(t)
+
+    def mark_produced(self, value) -> None:
+        """:meth:`.provenance.Provenance.mark_produced`."""
+        self.provenance.mark_produced(value)
+
+    def alias(self, new: torch.Tensor, old: torch.Tensor) -> None:
+        """:meth:`.provenance.Provenance.alias`."""
+        self.provenance.alias(new, old)
+
+    def propagate(self, args: tuple, kwargs: dict, out) -> None:
+        """:meth:`.provenance.Provenance.propagate`."""
+        self.provenance.propagate(args, kwargs, out)
+
+    # whole modules and collectives
+
+    def module_before(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+                      input_sources: bool = True):
+        """:meth:`.modules.ModuleIsolation.module_before`."""
+        return self.modules.module_before(name, module, args, kwargs, input_sources)
+
+    def module_after(self, call, output) -> None:
+        """:meth:`.modules.ModuleIsolation.module_after`."""
+        self.modules.module_after(call, output)
+
+    def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
+        """:meth:`.modules.ModuleIsolation.module_backward`."""
+        self.modules.module_backward(call, name, grad_input, grad_output)
+
+    def judge_collective(self, name: str, op: str, args: tuple, kwargs: dict, before, group) -> None:
+        """:meth:`.collectives.CollectiveIsolation.judge_collective`."""
+        self.collectives.judge_collective(name, op, args, kwargs, before, group)

@@ -3,7 +3,6 @@ the call's outputs judged by its per-API standard, the record stored."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -13,14 +12,23 @@ from ..kernels import tensors_of as _tensors
 from ..judge import judged_as, unjudgeable
 from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
 from ..judge.support import DROPOUT
-from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local, verdict_fields
+from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local
 
 
 class ApiIsolation:
-    """``before`` / ``after`` one captured API call (:class:`~msprobe_ci.capture.CaptureSession` calls them)."""
+    """``before`` / ``after`` one captured API call (:class:`~msprobe_ci.capture.CaptureSession` calls them).
 
-    def skip(self, name: str, reason: str) -> None:
-        self.results[name] = {"status": "skip", "message": reason}
+    Args:
+        refs: the oracle and bench of a call (:class:`~.references.References`).
+        records: where each verdict is kept (:class:`~.records.Records`).
+        provenance: which inputs are sources (:class:`~.provenance.Provenance`).
+        gradients: the backward half, which taps a call's inputs (:class:`~.backward.BackwardIsolation`).
+        loans: what the driving capture lends (:class:`~.records.Loans`: the reproducer).
+    """
+
+    def __init__(self, refs, records, provenance, gradients, loans):
+        self.refs, self.records, self.provenance, self.gradients, self.loans = \
+            refs, records, provenance, gradients, loans
 
     def before(self, name: str, prefix: str, api: str, func, args: tuple, kwargs: dict):
         """Prepare the isolation of one call: sources, the oracle and the bench on copies of the inputs, taps.
@@ -29,9 +37,9 @@ class ApiIsolation:
             ``(call or None, args, kwargs)``: the arguments to call the target with (tapped where gradients are
             isolated).
         """
-        self._clock[name] = time.perf_counter()
+        self.records.start(name)
         short = api.rsplit(".", 1)[-1]
-        fwd_sources = self._source_rows(name, short, args, kwargs)
+        fwd_sources = self.provenance.source_rows(name, short, args, kwargs)
         bwd_name = name[: -len("forward")] + "backward"
         reason = unjudgeable(prefix, api, kwargs, short=short)
         local = None
@@ -41,12 +49,12 @@ class ApiIsolation:
                 reason = (f"{api}: DTensor call (its sharding may redistribute inside the op): no single-device "
                           "reference; the rank-merged compare shows its drift")
         if reason:
-            self.skip(name, reason)
-            self.skip(bwd_name, reason)
-            self.results[name]["sources"] = fwd_sources
+            self.records.skip(name, reason)
+            self.records.skip(bwd_name, reason)
+            self.records.results[name]["sources"] = fwd_sources
             return None, args, kwargs
-        call = _Call(name, judged_as(short, args, kwargs, self.standards), func=func)
-        self.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
+        call = _Call(name, judged_as(short, args, kwargs, self.refs.standards), func=func)
+        self.records.results[name] = {"status": "skip", "message": "no output judged", "sources": fwd_sources}
         if local is not None:
             # a pointwise op on DTensors of one sharding (an optimizer's update of FSDP's sharded parameters): the
             # rank computes it on its local shards, judged there; its gradient is not isolated
@@ -60,7 +68,7 @@ class ApiIsolation:
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         # an in-place call (``relu_``, or ``F.relu(x, inplace=True)``) is judged forward only: tapping its input
         # for the gradient would hand it a view torch forbids writing in place
-        want_grad = (self.backward and torch.is_grad_enabled() and not is_inplace(short) and
+        want_grad = (self.refs.backward and torch.is_grad_enabled() and not is_inplace(short) and
                      kw.get("inplace") is not True and
                      any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kw)))
         call.autocast = None if is_inplace(short) or "out" in kwargs else amp.autocast_dtype(args, kw)
@@ -71,7 +79,7 @@ class ApiIsolation:
         # else: under autocast the kernel sees its inputs cast by the op's policy, which its output's dtype tells:
         # the oracle and the bench run in after(), on the inputs cast as the kernel saw them (msprobe_ci.amp)
         self._keep_inputs(call, short, args, kw)
-        if self.reproducer is not None:
+        if self.loans.reproducer is not None:
             self._keep_raw(call, short, args, kwargs)
         regions = kernels.unwritten(func, tuple(args), kw)
         if regions:
@@ -81,7 +89,7 @@ class ApiIsolation:
                               "grad": {taps.index(k): r for (kind, k), r in regions.items()
                                        if kind == "input" and k in taps}}
         if want_grad:
-            args, kwargs = self._tap(call, bwd_name, args, kwargs)
+            args, kwargs = self.gradients.tap(call, bwd_name, args, kwargs)
         return call, args, kwargs
 
     def _keep_raw(self, call: _Call, short: str, args: tuple, kwargs: dict) -> None:
@@ -104,7 +112,7 @@ class ApiIsolation:
         local shards ``largs``/``lkw``, the target called with its own ``args``/``kwargs``; :meth:`after` judges
         the local shard of its output."""
         if torch.is_grad_enabled() and any(kernels.needs_grad(t) for t in _tensors(args) + _tensors(kwargs)):
-            self.skip(bwd_name, f"{call.short}: DTensor call judged on its local shards, forward only")
+            self.records.skip(bwd_name, f"{call.short}: DTensor call judged on its local shards, forward only")
         call.local = True
         kw = {k: v for k, v in lkw.items() if k != "out"}
         ok, _ = self._references(call, func, largs, kw, False)
@@ -116,7 +124,7 @@ class ApiIsolation:
     def _keep_inputs(self, call: _Call, short: str, args: tuple, kw: dict) -> None:
         """Keep the call's inputs (and their versions) for its error budget and its gradient."""
         kept = tuple(args)
-        if is_inplace(short) and self.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
+        if is_inplace(short) and self.refs.budget_draws and kept and isinstance(kept[0], torch.Tensor) and \
                 kept[0].is_floating_point():
             # the call overwrites its first argument: its error budget re-runs it on a copy of what it read
             # (AdamW's addcdiv_ on the weights cancels where a weight and its update nearly meet)
@@ -136,99 +144,47 @@ class ApiIsolation:
         name = call.name
         # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
         # the others, and for every gradient
-        need_oracle = want_grad or standard_for(call.short, "torch.float32", self.standards) != "binary"
+        need_oracle = want_grad or standard_for(call.short, "torch.float32", self.refs.standards) != "binary"
         if need_oracle:
             dtype = kernels.oracle_dtype(_tensors(args) + _tensors(kw))
             note = kernels.reference_note(func) if dtype == torch.float64 else None
             if note:
-                self.results[name]["oracle"] = note
+                self.records.results[name]["oracle"] = note
             # no graphs now: the forward is judged on values; the backward runs the oracle and the bench again on
             # the call's inputs when its gradient arrives (holding every call's graphs until then cost more memory
             # than the target's own step: 7 GB on GPT-2 small at 1024 tokens)
             # an upcast/rounded bench is this run rounded once, unless the call's kernels hold intermediates
-            held = self.bench_kernel in ("upcast", "rounded")
-            probe = self._probe(args, kw) if held else None
+            held = self.refs.rounds_bench
+            probe = self.refs.probe(args, kw) if held else None
             try:
-                call.oracle_in, call.oracle_out, copies = self._oracle(func, args, kw, dtype, False, probe)
+                call.oracle_in, call.oracle_out, copies = self.refs.oracle(func, args, kw, dtype, False, probe)
                 call.oracle_how = (dtype, False)
             except Exception:  # noqa: BLE001 - an API without an fp64 CPU kernel: try fp32
                 try:
                     dtype = torch.float32
-                    probe = self._probe(args, kw) if held else None
+                    probe = self.refs.probe(args, kw) if held else None
                     call.oracle_in, call.oracle_out, copies = kernels.reference(
                         func, args, kw, dtype, "cpu", False, None if probe is None else (lambda: probe))
                     call.oracle_how = (dtype, True)
                 except Exception as exc:  # noqa: BLE001 - unjudgeable, not a crash of the user's run
-                    self.results[name].update(message=f"oracle failed on CPU: {type(exc).__name__}: "
-                                                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
-                    self.unjudged[name] = self.results[name]["message"]
+                    self.records.unjudgeable(name, f"oracle failed on CPU: {type(exc).__name__}: "
+                                                   f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
                     return False, want_grad
             call.composite = probe is not None and probe.read
             ins = {id(t) for t in _tensors(copies[0]) + _tensors(copies[1])}
             if want_grad and any(id(t) in ins for t in _tensors(call.oracle_out)):
                 want_grad = False  # it returned an input: it wrote in place (F.leaky_relu(x, 0.1, True)), as above
         try:
-            self._bench(call, func, args, kw, False)
+            self.refs.bench(call, func, args, kw, False)
         except Exception as exc:  # noqa: BLE001
-            self.results[name].update(message=f"same-dtype bench ({self.bench_kernel}) failed on "
-                                              f"{self.bench_device}: {type(exc).__name__}")
-            self.unjudged[name] = self.results[name]["message"]
+            self.records.unjudgeable(name, f"same-dtype bench ({self.refs.bench_kernel}) failed on "
+                                           f"{self.refs.bench_device}: {type(exc).__name__}")
             return False, want_grad
         return True, want_grad
 
-    def _bench(self, call: _Call, func, args: tuple, kw: dict, grad: bool) -> None:
-        """The same-dtype bench of one call, by :attr:`bench_kernel` (:mod:`msprobe_ci.kernels`)."""
-        kernel = self.bench_kernel
-        if kernel in ("upcast", "rounded"):
-            call.bench_round = True
-            up = self._bench_precision(args, kw)
-            if self._bench_is_oracle(call, args, kw):
-                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out  # the oracle is that computation
-                return
-            device = "cpu" if kernel == "rounded" else self.bench_device
-            try:
-                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad,
-                                                                     self._materialized(args, kw))
-            except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
-                if call.oracle_out is None:
-                    raise
-                call.bench_in, call.bench_out = call.oracle_in, call.oracle_out
-            return
-        context = kernels.decomposed if kernel == "decomposed" else None
-        call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
-
-    def _materialized(self, args: tuple, kw: dict):
-        """The ``upcast``/``rounded`` bench's context: the call's kernels, each rounded once to the target dtype,
-        its GEMMs split as the target's may split them (:class:`msprobe_ci.kernels.Materialized`)."""
-        dtype = kernels.target_dtype(_tensors(args) + _tensors(kw))
-        return kernels.materialized(dtype, kernels.reduced_precision_reduction(self.target_device, dtype))
-
-    def _probe(self, args: tuple, kw: dict) -> "kernels.Materialized":
-        """A recording :class:`~msprobe_ci.kernels.Materialized` for the oracle's run: whether the ``upcast``/
-        ``rounded`` bench must be a run of its own (an intermediate held, a GEMM split; only a CUDA target's
-        GEMMs split, so elsewhere no dtype is looked for)."""
-        split = self.target_device.startswith("cuda") and kernels.reduced_precision_reduction(
-            self.target_device, kernels.target_dtype(_tensors(args) + _tensors(kw)))
-        return kernels.Materialized(split=split)
-
-    def _bench_precision(self, args: tuple, kw: dict) -> torch.dtype:
-        """The precision the ``upcast`` (one up from the inputs') or ``rounded`` (float64) bench computes in."""
-        if self.bench_kernel == "upcast":
-            return kernels.upcast_dtype(_tensors(args) + _tensors(kw))
-        return torch.float64
-
-    def _bench_is_oracle(self, call: _Call, args: tuple, kw: dict) -> bool:
-        """Whether the ``upcast``/``rounded`` bench of a call is its oracle's own computation (the oracle's outputs
-        and leaves are already in the bench's precision): then it is not run twice."""
-        if self.bench_kernel not in ("upcast", "rounded") or call.oracle_out is None or call.composite:
-            return False
-        up = self._bench_precision(args, kw)
-        return all(x.dtype == up for x in _tensors(call.oracle_out) if x.is_floating_point()) and \
-            all(x.dtype == up for x in call.oracle_in if x is not None and x.is_floating_point())
-
     def after(self, call: _Call | None, out: Any) -> None:
         """Judge the target's output ``out`` and arm the backward hooks."""
-        self.mark_produced(out)
+        self.provenance.mark_produced(out)
         if call is None:
             return
         from ..checkers import make_standard
@@ -246,16 +202,16 @@ class ApiIsolation:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
                     results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
                 elif isinstance(t, torch.Tensor):  # dropout off: the output is its input
-                    results.append((row, judge_pair("identity", t, x, None, False, self.standards,
-                                                    self.thresholds)))
-            self._store(call.name, results)
+                    results.append((row, judge_pair("identity", t, x, None, False, self.refs.standards,
+                                                    self.refs.thresholds)))
+            self.records.store(call.name, results)
             return
         if call.autocast is not None and not self._autocast_references(call, out):
             call.inputs = None
             return
         # judged where the oracle ran when that device computes in float64 (CUDA: the standards' passes there,
         # counts and maxima brought back), on the CPU otherwise
-        oracles = {row: self._judged(o) for row, o in _flat_outputs(call.oracle_out, stem)} \
+        oracles = {row: self.refs.judged(o) for row, o in _flat_outputs(call.oracle_out, stem)} \
             if call.oracle_out is not None else {}
         bench = dict(_flat_outputs(call.bench_out, stem))
         rows = []
@@ -269,19 +225,19 @@ class ApiIsolation:
             region = call.unwritten.get("output", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            rows.append((row, self._judged(t), self._judged(b), o))
-        results = judge_rows(call.short, rows, standards=self.standards, thresholds=self.thresholds,
+            rows.append((row, self.refs.judged(t), self.refs.judged(b), o))
+        results = judge_rows(call.short, rows, standards=self.refs.standards, thresholds=self.refs.thresholds,
                              inputs=(call.func, *call.inputs) if call.inputs is not None else None,
                              budget=self._forward_budget(call, stem, len(targets)))
         quantized = self._quantization(call, targets)
         results += quantized
         if not call.taps:
             call.inputs = None
-        self._store(call.name, results, oracles)
+        self.records.store(call.name, results, oracles)
         if quantized:  # extra fields of the record and of the dump entry (msprobe ignores them)
-            self.results[call.name]["quantization"] = {row: r.metrics for row, r in quantized}
-        if self.reproducer is not None and self.results[call.name].get("status") == "error":
-            self.reproducer.write(self, call, "forward", self.results[call.name])
+            self.records.results[call.name]["quantization"] = {row: r.metrics for row, r in quantized}
+        if self.loans.reproducer is not None and self.records.results[call.name].get("status") == "error":
+            self.loans.reproducer.write(self.refs, call, "forward", self.records.results[call.name])
         if not call.taps:
             call.raw = None
         if call.taps:
@@ -289,7 +245,7 @@ class ApiIsolation:
             # backward formula saves is freed as in the plain run)
             grads_of = [t for _, t in targets if isinstance(t, torch.Tensor) and t.requires_grad]
             for i, t in enumerate(grads_of):
-                t.register_hook(self._grad_out_hook(call, i))
+                t.register_hook(self.gradients.grad_out_hook(call, i))
             del grads_of
         call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None  # the backward runs them again
 
@@ -309,7 +265,7 @@ class ApiIsolation:
                 continue
             x = next((x for x in sources if x.shape == t.shape), None)
             if x is not None:
-                out.append((row, make_standard("quantization", t.dtype, **self.thresholds.get("quantization", {}))(
+                out.append((row, make_standard("quantization", t.dtype, **self.refs.thresholds.get("quantization", {}))(
                     t, x)))
         return out
 
@@ -322,7 +278,7 @@ class ApiIsolation:
         args, kw, seen = amp.kernel_inputs(*call.inputs, out)
         after = [x for x in _tensors(args) + _tensors(kw) if kernels.needs_grad(x)]
         call.grad_dtypes = [amp.grad_dtype(u.dtype, k.dtype) for u, k in zip(before, after)]
-        rec = self.results.setdefault(call.name, {})
+        rec = self.records.results.setdefault(call.name, {})
         rec["autocast"] = str(call.autocast)
         if seen is not None:
             rec["computed_in"] = str(seen)
@@ -333,103 +289,10 @@ class ApiIsolation:
             call.versions = tuple(t._version for t in _tensors(args) + _tensors(kw))
         return ok
 
-    @property
-    def oracle_on_target(self) -> bool:
-        """Whether the oracle runs on the target's device (``--msprobe-oracle-device=target``) rather than as the
-        CPU float64 oracle (a stand-in device whose tensors live on the CPU still has its precision limit)."""
-        return self.oracle_device != "cpu" or self.oracle_max != torch.float64
-
-    @property
-    def judge_device(self) -> str:
-        """Where the per-API standards judge: the oracle's device when it runs on the target's device in float64
-        (CUDA), so its outputs and the target's are never copied to the host (the elementwise standards count
-        there and bring back their counts and maxima); the CPU otherwise (an NPU's oracle is float32, and the
-        standards judge in float64)."""
-        return self.oracle_device if self.oracle_on_target and self.oracle_max == torch.float64 else "cpu"
-
-    def _judged(self, v: Any) -> Any:
-        """``v`` detached on :attr:`judge_device` (a non-tensor as it is)."""
-        return v.detach().to(self.judge_device) if isinstance(v, torch.Tensor) else v
-
-    def _oracle(self, func, args: tuple, kw: dict, dtype: torch.dtype, grad: bool, probe=None):
-        """:func:`~msprobe_ci.kernels.reference` in ``dtype`` on :attr:`oracle_device`, or on CPU where that device
-        offers no such precision (:attr:`oracle_max`: float32 on an NPU, as msprobe's own bench upcast) or the
-        call fails there; each API that fell back is kept in :attr:`oracle_fallbacks` with the reason. ``probe``: a
-        :class:`~msprobe_ci.kernels.Materialized` the run is recorded under (a fresh one per try)."""
-        context = None if probe is None else (lambda: probe)
-        device = self.oracle_device
-        if self.oracle_on_target:
-            name = kernels._qualified(func)
-            if dtype.itemsize > self.oracle_max.itemsize:
-                self.oracle_fallbacks.setdefault(name, f"{self.oracle_label} offers no "
-                                                       f"{str(dtype).replace('torch.', '')} "
-                                                       f"(at most {str(self.oracle_max).replace('torch.', '')})")
-                device = "cpu"
-            else:
-                try:
-                    return kernels.reference(func, args, kw, dtype, device, grad, context)
-                except Exception as exc:  # noqa: BLE001 - the device lacks the op in this dtype: CPU then
-                    first = str(exc).splitlines()[0][:120] if str(exc) else ""
-                    self.oracle_fallbacks.setdefault(name, f"{type(exc).__name__} on {self.oracle_label}: {first}")
-                    device = "cpu"
-        return kernels.reference(func, args, kw, dtype, device, grad, context)
-
-    def _unchanged(self, call: _Call) -> bool:
-        """Whether the call's inputs still hold the values it was called with (no in-place write since)."""
-        return call.inputs is not None and \
-            tuple(t._version for t in _tensors(call.inputs[0]) + _tensors(call.inputs[1])) == call.versions
-
-    def _lazy_budget(self, call: _Call, n: int, compute):
-        """``budget(i)``: row ``i`` of ``compute()`` (a list of error scales), computed on first use, once per
-        call, while the call's inputs are unchanged; ``None`` rows where it cannot be (no budget: relative to
-        ``|oracle|`` alone, msprobe's own rule)."""
-        cache: list = []
-
-        def budget(i: int):
-            if not self.budget_draws or call.inputs is None:
-                return None
-            if not cache:
-                try:
-                    if not self._unchanged(call):
-                        raise RuntimeError("inputs written since the call")
-                    cache.extend(compute())
-                except Exception:  # noqa: BLE001 - no budget for this call
-                    cache.extend([None] * n)
-            return cache[i] if i < len(cache) else None
-        return budget
-
     def _forward_budget(self, call: _Call, stem: str, n: int):
         """The error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), lazily
         (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
-        return self._lazy_budget(call, n, lambda: kernels.forward_scale(
+        return self.refs.lazy_budget(call, n, lambda: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
-            self.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))
+            self.refs.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))
 
-    def _store(self, name: str, results: list, refs: dict | None = None) -> None:
-        """Keep the verdict of ``name`` (its worst row); ``refs`` (``{row: reference tensor}``) give the
-        magnitude of a failing row, said in the message when values are near zero."""
-        from ..checkers import worst
-        from ..judge import finite_peak
-
-        keep = self.results.get(name, {})
-        start = self._clock.pop(name, None)
-        status = worst([r for _, r in results]) if results else "skip"
-        bad = next(((row, r) for row, r in results if r.status == status), results[0] if results else None)
-        rec = {"status": status, "sources": keep.get("sources", {})}
-        for k in ("oracle", "autocast", "computed_in"):
-            if keep.get(k):
-                rec[k] = keep[k]
-        if bad is None:
-            rec["message"] = "no output judged"
-        else:
-            row, r = bad
-            rec.update(verdict_fields(row, r))
-            ref = (refs or {}).get(row)
-            if status == "error" and isinstance(ref, torch.Tensor) and ref.numel() and ref.is_floating_point():
-                mag = finite_peak(ref)
-                rec["magnitude"] = mag
-                if mag < 1e-3:
-                    rec["message"] += f"; values near zero: max |reference| {mag:.3g}"
-        if start is not None:
-            rec["seconds"] = round(time.perf_counter() - start, 6)
-        self.results[name] = rec

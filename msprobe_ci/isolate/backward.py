@@ -14,9 +14,25 @@ from .support import _Call, _cpu
 
 
 class BackwardIsolation:
-    """The backward half of an API call's isolation (taps, gradient hooks, reference VJPs, budgets)."""
+    """The backward half of an API call's isolation (taps, gradient hooks, reference VJPs, budgets).
 
-    def _tap(self, call: _Call, bwd_name: str, args: tuple, kwargs: dict):
+    Args:
+        refs: the oracle and bench of a call (:class:`~.references.References`).
+        records: where each verdict is kept (:class:`~.records.Records`).
+        loans: what the driving capture lends (:class:`~.records.Loans`: the hooks' wrapper, the fault log, the
+            reproducer).
+        budget: the :class:`~.budget.IsolationBudget` each judgement's time is charged to, or ``None``.
+
+    Attributes:
+        faults_at_tap: ``{backward node: [(fault, call number)]}``: the faults to apply to the gradients the API
+            hands on, at its tap, this step (the capture's fault observer fills it).
+    """
+
+    def __init__(self, refs, records, loans, budget=None):
+        self.refs, self.records, self.loans, self.budget = refs, records, loans, budget
+        self.faults_at_tap: dict[str, list] = {}
+
+    def tap(self, call: _Call, bwd_name: str, args: tuple, kwargs: dict):
         from torch.nn.modules._functions import BackwardHookFunction
 
         slots: list[torch.Tensor] = []
@@ -43,17 +59,18 @@ class BackwardIsolation:
         call.taps = len(tapped)
         node = tapped[0].grad_fn
         if node is not None:
-            node.register_prehook(self._tap_hook(call, bwd_name))
+            node.register_prehook(self.tap_hook(call, bwd_name))
         return args, kwargs
 
-    def _grad_out_hook(self, call: _Call, i: int):
+    def grad_out_hook(self, call: _Call, i: int):
         def hook(grad: torch.Tensor) -> None:
             call.grad_out[i] = grad.detach()
-        return self.quiet(hook)
+        return self.loans.quiet(hook)
 
-    def _tap_hook(self, call: _Call, name: str):
+    def tap_hook(self, call: _Call, name: str):
         def prehook(grad_outputs):
-            self._clock[name] = time.perf_counter()
+            self.records.start(name)
+            start = time.perf_counter()
             faults = self.faults_at_tap.pop(name, [])  # once: the same name at a later step is another call
             grads = tuple(grad_outputs)
             new = None
@@ -61,21 +78,21 @@ class BackwardIsolation:
                 new = grads
                 for f, n in faults:
                     before, new = new, f.apply(new, n)
-                    self.on_fault_applied(f, before, new)
+                    self.loans.on_fault_applied(f, before, new)
             try:
                 self._judge_backward(call, name, list(new if new is not None else grads))
-                if self.reproducer is not None and self.results.get(name, {}).get("status") == "error":
-                    self.reproducer.write(self, call, "backward", self.results[name])
+                record = self.records.results.get(name, {})
+                if self.loans.reproducer is not None and record.get("status") == "error":
+                    self.loans.reproducer.write(self.refs, call, "backward", record)
             except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
-                self.results[name] = {"status": "skip", "message": f"backward isolation failed: "
-                                                                   f"{type(exc).__name__}: {exc}"[:200]}
+                self.records.skip(name, f"backward isolation failed: {type(exc).__name__}: {exc}"[:200])
             finally:
                 call.oracle_out = call.oracle_in = call.bench_out = call.bench_in = None
                 call.inputs = call.raw = None
                 if self.budget is not None:
-                    self.budget.add(time.perf_counter() - self._clock.get(name, time.perf_counter()))
+                    self.budget.add(time.perf_counter() - start)
             return new
-        return self.quiet(prehook)
+        return self.loans.quiet(prehook)
 
     def _judge_backward(self, call: _Call, name: str, targets: list) -> None:
         """Judge the gradients an API hands to its inputs (``targets``, by tap position) against the oracle's and
@@ -84,7 +101,7 @@ class BackwardIsolation:
 
         stem = f"{name}.output"
         if not call.grad_out:
-            self.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
+            self.records.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
             return
         def off():
             return amp.disabled(call.inputs) if call.autocast is not None else contextlib.nullcontext()
@@ -93,24 +110,24 @@ class BackwardIsolation:
                 return
         args, kw = call.inputs
         f64 = bool(call.oracle_in) and call.oracle_in[0].dtype == torch.float64
-        shared = self._bench_is_oracle(call, args, kw)
+        shared = self.refs.bench_is_oracle(call, args, kw)
         # one graph at a time: the oracle's is spent by its product and freed before the bench's is built (on
         # GPT-2's 50257-wide float64 loss the two graphs together were the whole check's peak memory)
         # a shared upcast/rounded bench is the oracle's product rounded once, unless the backward's kernels hold
         # intermediates (a broadcast operand's gradient summed over its copies): then the same graph's product
         # again, each kernel rounded (kernels.Materialized)
-        probe = self._probe(args, kw) if shared else None
+        probe = self.refs.probe(args, kw) if shared else None
         oracle = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, None if probe is None else lambda: probe,
                              retain=probe is not None)
         bench = oracle
         if probe is not None and probe.read:
-            bench = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, self._materialized(args, kw),
+            bench = kernels.vjp(call.oracle_out, call.oracle_in, call.grad_out, self.refs.materialized(args, kw),
                                 retain=False)
         call.oracle_out = call.oracle_in = None
         if not shared:
             with off():
                 bench = self._bench_vjp(call, oracle)
-        oracle = [self._judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
+        oracle = [self.refs.judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs = [], {}
         for i, t in enumerate(targets):
@@ -121,7 +138,7 @@ class BackwardIsolation:
             if o is None and b is None:
                 continue
             if o is None:
-                o = torch.zeros(t.shape, dtype=torch.float64, device=self.judge_device)
+                o = torch.zeros(t.shape, dtype=torch.float64, device=self.refs.judge_device)
             if i < len(call.grad_dtypes) and t.is_floating_point():
                 # under autocast a gradient is as precise as the narrower of the dtype its kernel computed in and
                 # the dtype the user's tensor holds (autocast's cast hands it back rounded to that): judged there,
@@ -133,25 +150,25 @@ class BackwardIsolation:
             region = call.unwritten.get("grad", {}).get(i) if call.unwritten else None
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
-            t, b = self._judged(t), self._judged(b)
-            results.append((f"{stem}.{i}", judge_pair(call.short, t, b, o, True, self.standards, self.thresholds,
+            t, b = self.refs.judged(t), self.refs.judged(b)
+            results.append((f"{stem}.{i}", judge_pair(call.short, t, b, o, True, self.refs.standards, self.refs.thresholds,
                                                       terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
-            self._store(name, results, refs)
+            self.records.store(name, results, refs)
             note = kernels.reference_note(call.func) if f64 else None
             if note:
-                self.results[name]["oracle"] = note
+                self.records.results[name]["oracle"] = note
 
     def _regraph(self, call: _Call, name: str) -> bool:
         """Run the call's oracle again on its inputs, with its graph, for the vector-Jacobian product; False (the
         gradient skipped, the reason said) where the inputs were written in place since the call or the oracle
         cannot run."""
         if call.inputs is None or call.oracle_how is None:
-            self.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
+            self.records.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
             return False
-        if not self._unchanged(call):
-            self.skip(name, "its inputs were written in place after the call: its gradient is not isolated")
+        if not call.unchanged():
+            self.records.skip(name, "its inputs were written in place after the call: its gradient is not isolated")
             return False
         args, kw = call.inputs
         dtype, cpu_only = call.oracle_how
@@ -159,7 +176,7 @@ class BackwardIsolation:
             if cpu_only:
                 call.oracle_in, call.oracle_out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
             else:
-                call.oracle_in, call.oracle_out, _ = self._oracle(call.func, args, kw, dtype, True)
+                call.oracle_in, call.oracle_out, _ = self.refs.oracle(call.func, args, kw, dtype, True)
         return True
 
     def _bench_vjp(self, call: _Call, oracle: list) -> list:
@@ -169,13 +186,12 @@ class BackwardIsolation:
         args, kw = call.inputs
         try:
             with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
-                self._bench(call, call.func, args, kw, True)
+                self.refs.bench(call, call.func, args, kw, True)
         except Exception:  # noqa: BLE001
-            if self.bench_kernel not in ("upcast", "rounded"):
+            if not self.refs.rounds_bench:
                 raise
             return oracle
-        context = kernels.decomposed if self.bench_kernel == "decomposed" else \
-            self._materialized(args, kw) if self.bench_kernel in ("upcast", "rounded") else None
+        context = self.refs.bench_context(args, kw)
         try:
             return kernels.vjp(call.bench_out, call.bench_in, call.grad_out, context, retain=False)
         finally:
@@ -184,6 +200,6 @@ class BackwardIsolation:
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
         (:meth:`_lazy_budget`; from the oracle's gradients where they are fp64)."""
-        return self._lazy_budget(call, n, lambda: kernels.backward_scale(
-            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.budget_draws,
+        return self.refs.lazy_budget(call, n, lambda: kernels.backward_scale(
+            call.func, call.inputs[0], call.inputs[1], call.grad_out, self.refs.budget_draws,
             base=[_cpu(g) for g in oracle]))

@@ -106,7 +106,16 @@ def references(op: str, red: str, gathered: torch.Tensor, world: int, rank: int,
 
 
 class CollectiveIsolation:
-    """The communication half of an :class:`~msprobe_ci.isolate.Isolator` (see the module docstring)."""
+    """The communication half of an :class:`~msprobe_ci.isolate.Isolator` (see the module docstring).
+
+    Args:
+        refs: the settings and the judge's device (:class:`~.references.References`).
+        records: where each verdict is kept (:class:`~.records.Records`).
+        loans: what the driving capture lends (:class:`~.records.Loans`: the reproducer).
+    """
+
+    def __init__(self, refs, records, loans):
+        self.refs, self.records, self.loans = refs, records, loans
 
     def judge_collective(self, name: str, op: str, args: tuple, kwargs: dict, before: torch.Tensor | None,
                          group) -> None:
@@ -120,7 +129,7 @@ class CollectiveIsolation:
         out = output_of(op, args, kwargs)
         inp = before if before is not None else input_of(op, args, kwargs)
         if out is None or inp is None or not out.is_floating_point():
-            self.skip(name, f"Distributed.{op}: no floating input and output tensor to judge")
+            self.records.skip(name, f"Distributed.{op}: no floating input and output tensor to judge")
             return
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
@@ -132,19 +141,20 @@ class CollectiveIsolation:
         try:
             oracle, bench, scale = references(op, red, gathered, world, rank, out.dtype)
         except ValueError:
-            self.skip(name, f"Distributed.{op}: reduce op {red} has no reference")
+            self.records.skip(name, f"Distributed.{op}: reduce op {red} has no reference")
             return
         t = out.detach().reshape(-1)
         if t.shape != oracle.shape:
-            self.skip(name, f"Distributed.{op}: output of {t.numel()} elements, its inputs reduce to "
+            self.records.skip(name, f"Distributed.{op}: output of {t.numel()} elements, its inputs reduce to "
                             f"{oracle.numel()}")
             return
-        oracle, bench, t = (self._judged(x) for x in (oracle, bench, t))
-        res = judge_pair(op, t, bench, oracle, True, self.standards, self.thresholds,
+        oracle, bench, t = (self.refs.judged(x) for x in (oracle, bench, t))
+        res = judge_pair(op, t, bench, oracle, True, self.refs.standards, self.refs.thresholds,
                          terms=lambda: scale.reshape(t.shape))
         row = f"{name}.output.0"
-        self._store(name, [(row, res)], {row: oracle})
-        self.results[name]["collective"] = {"op": red, "world_size": world, "rank_in_group": rank}
-        if self.reproducer is not None and self.results[name].get("status") == "error":
+        self.records.store(name, [(row, res)], {row: oracle})
+        self.records.results[name]["collective"] = {"op": red, "world_size": world, "rank_in_group": rank}
+        record = self.records.results[name]
+        if self.loans.reproducer is not None and record.get("status") == "error":
             coll = {"op": op, "reduce_op": red, "world_size": world, "rank_in_group": rank}
-            self.reproducer.write_collective(self, name, coll, gathered, list(inp.shape), out, self.results[name])
+            self.loans.reproducer.write_collective(self.refs, name, coll, gathered, list(inp.shape), out, record)

@@ -3,7 +3,6 @@ its state and the target's own inputs, forward and backward."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +58,16 @@ class _EagerForward(torch.nn.Module):
 
 
 class ModuleIsolation:
-    """``module_before`` / ``module_after`` / ``module_backward`` of a module isolated whole."""
+    """``module_before`` / ``module_after`` / ``module_backward`` of a module isolated whole.
+
+    Args:
+        refs: the settings and the judge's device (:class:`~.references.References`).
+        records: where each verdict is kept (:class:`~.records.Records`).
+        provenance: which inputs and parameters are sources (:class:`~.provenance.Provenance`).
+    """
+
+    def __init__(self, refs, records, provenance):
+        self.refs, self.records, self.provenance = refs, records, provenance
 
     def module_before(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
                       input_sources: bool = True):
@@ -77,47 +85,47 @@ class ModuleIsolation:
             the pending call for :meth:`module_after`, or ``None`` when the module cannot be isolated (the reason
             is recorded).
         """
-        self._clock[name] = time.perf_counter()
+        self.records.start(name)
         state = dict(module.named_parameters())
         # buffers as they are now: the call may update them in place (BatchNorm's running statistics), and the
         # budget's runs after it need the state the call saw (parameters only move at the optimizer step)
         state.update({k: b.detach().clone() for k, b in module.named_buffers()})
-        sources = self._source_rows(name, "module", args, kwargs) if input_sources else {}
+        sources = self.provenance.source_rows(name, "module", args, kwargs) if input_sources else {}
         for pname, p in module.named_parameters(recurse=False):
-            if not self.is_produced(p):
-                sources[f"{name}.parameters.{pname}"] = {"id": self._source_id(p), "kind": "parameter"}
-        self.results[name] = {"status": "skip", "message": "no output judged", "sources": sources}
+            if not self.provenance.is_produced(p):
+                sources[f"{name}.parameters.{pname}"] = {"id": self.provenance.source_id(p), "kind": "parameter"}
+        self.records.results[name] = {"status": "skip", "message": "no output judged", "sources": sources}
         random = [m for m in module.modules() if m.training and isinstance(m, _DROPOUT_MODULES) and m.p > 0]
         if random:
-            self.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
+            self.records.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
                                               "mode inside)")
             return None
         sharded = next((k for k, v in state.items() if _is_dtensor(v)), None)
         if sharded is not None:
             # its re-runs would gather that state (FSDP's and DTensor's collectives) as many times as this rank's
             # judgement asks, a number that differs between ranks: the ranks would wait on each other for ever
-            self.results[name].update(message=f"module not isolated: its state is sharded across ranks "
+            self.records.results[name].update(message=f"module not isolated: its state is sharded across ranks "
                                               f"({sharded} is a DTensor); its submodules are judged")
             return None
         wrapper = _EagerForward(module)
         dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))
-        grad = self.backward and torch.is_grad_enabled() and any(
+        grad = self.refs.backward and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point() for a in args)
         # the inputs' structure is snapshot (tensors by reference, the containers and objects that hold them
         # copied): a KV cache the target's own forward appends to stays as this call saw it, for the budget's runs
         call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same))
         try:
             call.oracle = self._module_run(call, dtype, "cpu", grad)
-            kernel = self.bench_kernel
+            kernel = self.refs.bench_kernel
             if kernel in ("upcast", "rounded"):
                 call.bench_round = True
                 up = dtype if kernel == "upcast" else torch.float64
                 call.bench = call.oracle if up == dtype else self._module_run(call, up, "cpu", grad)
             else:
-                call.bench = self._module_run(call, None, self.bench_device, grad,
+                call.bench = self._module_run(call, None, self.refs.bench_device, grad,
                                               kernels.decomposed if kernel == "decomposed" else None)
         except Exception as exc:  # noqa: BLE001 - unjudgeable module, the user's run goes on
-            self.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
+            self.records.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
                                               f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
             return None
         call.versions = tuple(t._version for t in _tensors(call.args) + list(state.values()) + _tensors(call.kwargs))
@@ -163,7 +171,7 @@ class ModuleIsolation:
         extreme of thousands of elements judged against their estimates, whose lower tail 4 draws leave wide (T5's
         first block backward failed max_rel_err 10.6 > 10 against the correctly rounded bench with 4, passes with
         8; faults named as often as with 4, `gate_quality.py --level L0 --bench-kernel all`)."""
-        if not self.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
+        if not self.refs.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
                                           _tensors(call.kwargs)) != call.versions:
             return []
         perturb = kernels.perturbation(torch.float64, _tensors(call.args) + list(call.state.values()) +
@@ -178,7 +186,7 @@ class ModuleIsolation:
             return _tensors(out)
         try:
             base = one(None)
-            draws = [one(perturb) for _ in range(kernels._draws(2 * self.budget_draws,
+            draws = [one(perturb) for _ in range(kernels._draws(2 * self.refs.budget_draws,
                                                                    [b for b in base if b is not None]))]
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
@@ -196,7 +204,7 @@ class ModuleIsolation:
         stem = f"{name}.output"
         t_list, b_list, o_list = _tensors(output), _tensors(call.bench[1]), _tensors(call.oracle[1])
         if not (len(t_list) == len(b_list) == len(o_list)):
-            self.results[name].update(message=f"module output structure differs on re-run ({len(t_list)} vs "
+            self.records.results[name].update(message=f"module output structure differs on re-run ({len(t_list)} vs "
                                               f"{len(o_list)} tensors)")
             return
         scales: list = []
@@ -209,10 +217,10 @@ class ModuleIsolation:
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
             if call.bench_round:
                 b = kernels.round_to(b, t)
-            t, b, o = (self._judged(x) for x in (t, b, o))
-            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.standards, self.thresholds,
+            t, b, o = (self.refs.judged(x) for x in (t, b, o))
+            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards, self.refs.thresholds,
                                                       terms=lambda i=i: budget(i))))
-        self._store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
+        self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
         """Judge the gradients a whole-isolated module hands to its inputs (``grad_input``) against the
@@ -222,12 +230,12 @@ class ModuleIsolation:
         from ..judge import judge_pair
 
         (o_leaves, o_out), (b_leaves, b_out) = call.oracle, call.bench
-        self._clock[name] = time.perf_counter()
+        self.records.start(name)
         try:
             gout = [g for g in grad_output]
             results = []
             oracle = self._module_vjp(o_out, o_leaves, gout)
-            context = kernels.decomposed if self.bench_kernel == "decomposed" else None
+            context = kernels.decomposed if self.refs.bench_kernel == "decomposed" else None
             bench = oracle if b_leaves is o_leaves else self._module_vjp(b_out, b_leaves, gout, context=context)
             scales: list = []
 
@@ -244,17 +252,17 @@ class ModuleIsolation:
                 if call.bench_round:
                     b = kernels.round_to(b, t)
                 if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
-                    t, b, o = (self._judged(x) for x in (t, b, o))
+                    t, b, o = (self.refs.judged(x) for x in (t, b, o))
                     results.append((f"{name}.output.{k}", judge_pair("module", t, b, o, True,
-                                                                     self.standards, self.thresholds,
+                                                                     self.refs.standards, self.refs.thresholds,
                                                                      terms=lambda i=i: budget(i))))
                 k += 1
             if results:
-                self._store(name, results)
+                self.records.store(name, results)
             else:
-                self.skip(name, "no input gradient to judge")
+                self.records.skip(name, "no input gradient to judge")
         except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
-            self.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
+            self.records.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
         finally:
             call.oracle = call.bench = None
 

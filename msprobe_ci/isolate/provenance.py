@@ -13,7 +13,16 @@ from ..kernels import tensors_of as _tensors
 
 class Provenance:
     """Tracks the tensors torch calls produced (by id, weakly) and names every other tensor input a *source*,
-    judged against the bench dump at compare time (:mod:`msprobe_ci.compare.isolated`)."""
+    judged against the bench dump at compare time (:mod:`msprobe_ci.compare.isolated`). One step's worth: the
+    isolator resets it with each step."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no tensor produced yet, no source named."""
+        self._produced: dict[int, weakref.ref] = {}
+        self._sources: dict[int, tuple[weakref.ref, str]] = {}
 
     def _seen(self, table: dict, t: torch.Tensor):
         hit = table.get(id(t))
@@ -40,7 +49,7 @@ class Provenance:
             self.mark_produced(new)
             return
         try:
-            self._sources[id(new)] = (weakref.ref(new), self._source_id(old))
+            self._sources[id(new)] = (weakref.ref(new), self.source_id(old))
         except TypeError:
             pass
 
@@ -50,7 +59,8 @@ class Provenance:
         if isinstance(out, (torch.Tensor, list, tuple)):
             self.mark_produced(out)
 
-    def _source_id(self, t: torch.Tensor) -> str:
+    def source_id(self, t: torch.Tensor) -> str:
+        """The source id (``S<n>``) of ``t``, named on first sight."""
         hit = self._seen(self._sources, t)
         if hit is not None:
             return hit[1]
@@ -58,14 +68,16 @@ class Provenance:
         self._sources[id(t)] = (weakref.ref(t), sid)
         return sid
 
-    def _source_rows(self, name: str, short: str, args: tuple, kwargs: dict) -> dict[str, dict]:
+    def source_rows(self, name: str, short: str, args: tuple, kwargs: dict) -> dict[str, dict]:
+        """``{row: {"id", "kind"}}`` of node ``name``'s inputs that are sources (``kind`` ``parameter``,
+        ``tensor``) or scalars (``kind`` ``scalar``, the value in the id), by msprobe's input row names."""
         rows: dict[str, dict] = {}
 
         def visit(v: Any, row: str, key: str) -> None:
             if isinstance(v, torch.Tensor):
                 if not self.is_produced(v):
                     kind = "parameter" if isinstance(v, torch.nn.Parameter) else "tensor"
-                    rows[row] = {"id": self._source_id(v), "kind": kind}
+                    rows[row] = {"id": self.source_id(v), "kind": kind}
             elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
                 for j, x in enumerate(v):
                     visit(x, f"{row}.{j}", f"{key}.{j}")

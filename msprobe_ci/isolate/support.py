@@ -71,8 +71,6 @@ def headline(result) -> tuple[str, float, float]:
 
 
 @dataclass
-
-
 class _Call:
     name: str
     short: str
@@ -105,6 +103,13 @@ class _Call:
     raw: tuple | None = None
     grad_enabled: bool = True
     autocast_state: dict | None = None
+
+    def unchanged(self) -> bool:
+        """Whether the call's kept inputs still hold the values it was called with (no in-place write since)."""
+        from ..kernels import tensors_of
+
+        return self.inputs is not None and \
+            tuple(t._version for t in tensors_of(self.inputs[0]) + tensors_of(self.inputs[1])) == self.versions
 
 
 
