@@ -310,3 +310,32 @@ def test_the_budgets_figures_and_rules_exactly():
     budget.share, budget.spent, budget._t0 = 0.9, 0.1, clock.now - 2.1
     budget.start(2)
     assert budget.share == 1.0  # doubled at most, and never above 1
+
+
+def test_a_calls_backward_judgement_is_charged_to_the_budget(tmp_path):
+    """The gradient a tap judges costs isolation time too: each backward judgement adds at least the seconds its
+    record states (it added ~0 once, the clock read after the record had taken it)."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    budget = IsolationBudget(1e9, seed="t")  # every call judged
+    charged: list[float] = []
+    add = budget.add
+    budget.add = lambda s: (charged.append(s), add(s))[1]
+    iso = Isolator(backward=True, budget=budget)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    cap = CaptureSession(DumpConfig(dump_path=str(tmp_path), level="mix"), isolator=iso)
+    cap.start(model)
+    loss = model(torch.randn(32, 64)).square().mean()
+    forward = len(charged)
+    loss.backward()
+    cap.stop()
+    during = charged[forward:]  # what the backward pass charged: one charge per tapped call
+    backward = {n: r for n, r in iso.results.items() if n.endswith(".backward") and "seconds" in r}
+    assert {"Functional.linear.0.backward", "Functional.gelu.0.backward", "Functional.linear.1.backward"} <= \
+        set(backward)
+    assert len(during) == len(backward)
+    assert sum(during) >= sum(r["seconds"] for r in backward.values()) > 0
+    cap.close()

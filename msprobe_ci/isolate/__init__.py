@@ -191,7 +191,8 @@ class Isolator:
         Args:
             quiet: wraps the isolation's own autograd hooks (their ops are the machinery's, not the model's).
             on_fault_applied: ``(fault, before, after)``, called when a fault is applied at a tap.
-            reproducer: writes each failing call's standalone reproduction (:class:`msprobe_ci.capture.repro.Reproducer`).
+            reproducer: writes each failing call's standalone reproduction
+                (:class:`msprobe_ci.capture.repro.Reproducer`).
         """
         if quiet is not None:
             self.loans.quiet = quiet

@@ -151,8 +151,8 @@ class BackwardIsolation:
             if region is not None:
                 t, b, o = (kernels.zero_past(x, region) for x in (t, b, o))
             t, b = self.refs.judged(t), self.refs.judged(b)
-            results.append((f"{stem}.{i}", judge_pair(call.short, t, b, o, True, self.refs.standards, self.refs.thresholds,
-                                                      terms=lambda i=i: budget(i))))
+            results.append((f"{stem}.{i}", judge_pair(call.short, t, b, o, True, self.refs.standards,
+                                                      self.refs.thresholds, terms=lambda i=i: budget(i))))
             refs[f"{stem}.{i}"] = o
         if results:
             self.records.store(name, results, refs)

@@ -146,7 +146,7 @@ class CollectiveIsolation:
         t = out.detach().reshape(-1)
         if t.shape != oracle.shape:
             self.records.skip(name, f"Distributed.{op}: output of {t.numel()} elements, its inputs reduce to "
-                            f"{oracle.numel()}")
+                                    f"{oracle.numel()}")
             return
         oracle, bench, t = (self.refs.judged(x) for x in (oracle, bench, t))
         res = judge_pair(op, t, bench, oracle, True, self.refs.standards, self.refs.thresholds,

@@ -97,15 +97,15 @@ class ModuleIsolation:
         self.records.results[name] = {"status": "skip", "message": "no output judged", "sources": sources}
         random = [m for m in module.modules() if m.training and isinstance(m, _DROPOUT_MODULES) and m.p > 0]
         if random:
-            self.records.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in training "
-                                              "mode inside)")
+            self.records.results[name].update(message=f"module not isolated: random (dropout p={random[0].p} in "
+                                                      "training mode inside)")
             return None
         sharded = next((k for k, v in state.items() if _is_dtensor(v)), None)
         if sharded is not None:
             # its re-runs would gather that state (FSDP's and DTensor's collectives) as many times as this rank's
             # judgement asks, a number that differs between ranks: the ranks would wait on each other for ever
             self.records.results[name].update(message=f"module not isolated: its state is sharded across ranks "
-                                              f"({sharded} is a DTensor); its submodules are judged")
+                                                      f"({sharded} is a DTensor); its submodules are judged")
             return None
         wrapper = _EagerForward(module)
         dtype = kernels.oracle_dtype(_tensors(tuple(args)) + list(state.values()) + _tensors(kwargs))
@@ -126,7 +126,7 @@ class ModuleIsolation:
                                               kernels.decomposed if kernel == "decomposed" else None)
         except Exception as exc:  # noqa: BLE001 - unjudgeable module, the user's run goes on
             self.records.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
-                                              f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                                                      f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
             return None
         call.versions = tuple(t._version for t in _tensors(call.args) + list(state.values()) + _tensors(call.kwargs))
         return call
@@ -205,7 +205,7 @@ class ModuleIsolation:
         t_list, b_list, o_list = _tensors(output), _tensors(call.bench[1]), _tensors(call.oracle[1])
         if not (len(t_list) == len(b_list) == len(o_list)):
             self.records.results[name].update(message=f"module output structure differs on re-run ({len(t_list)} vs "
-                                              f"{len(o_list)} tensors)")
+                                                      f"{len(o_list)} tensors)")
             return
         scales: list = []
 
@@ -218,8 +218,8 @@ class ModuleIsolation:
             if call.bench_round:
                 b = kernels.round_to(b, t)
             t, b, o = (self.refs.judged(x) for x in (t, b, o))
-            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards, self.refs.thresholds,
-                                                      terms=lambda i=i: budget(i))))
+            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
+                                                      self.refs.thresholds, terms=lambda i=i: budget(i))))
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
