@@ -72,8 +72,8 @@ def test_benign_half_precision_target_passes(tmp_path, llama, dtype, kernel):
     from msprobe_ci.compare.isolation_file import load_isolation
 
     records = load_isolation(tdump.folder)
-    bench_judged = [r for r in records.values() if r.get("standard") == "benchmark"]
-    identical = [r for r in bench_judged if "bit-identical" in r.get("message", "")]
+    bench_judged = [r for r in records.values() if r.standard == "benchmark"]
+    identical = [r for r in bench_judged if "bit-identical" in r.message]
     if kernel == "device":  # the CPU target's own kernel, recomputed: bit-identical, proven by the data
         assert len(identical) > 0.9 * len(bench_judged)
     else:  # a foreign bench: calls whose bits differ from it are judged on their numbers, against their budget
@@ -113,7 +113,7 @@ def test_a_fault_that_never_fires_changes_no_verdict(tmp_path, llama, kernel):
     assert a.keys() == b.keys() and len(a) > 50
 
     def verdict(r):
-        return tuple(r.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row"))
+        return tuple(getattr(r, k) for k in ("status", "standard", "metric", "value", "threshold", "row"))
     assert {k: verdict(v) for k, v in a.items()} == {k: verdict(v) for k, v in b.items()}
 
 
@@ -144,7 +144,7 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
         assert _api_errors(report) == ([node] if node else [])
         from msprobe_ci.compare.isolation_file import load_isolation
 
-        records[where] = {k: (r["status"], r.get("standard")) for k, r in load_isolation(tdump.folder).items()}
+        records[where] = {k: (r.status, r.standard) for k, r in load_isolation(tdump.folder).items()}
     assert len(records["target"]) > 50 and records["target"] == records["cpu"]
 
 
@@ -272,9 +272,9 @@ def test_training_mode_with_dropout_passes(tmp_path, level):
 
     records = load_isolation(tdump.folder)
     if level == "mix":
-        assert records["Functional.dropout.0.forward"]["standard"] == "dropout"
+        assert records["Functional.dropout.0.forward"].standard == "dropout"
     else:
-        assert "random" in records["Module.transformer.drop.Dropout.forward.0"]["message"]
+        assert "random" in records["Module.transformer.drop.Dropout.forward.0"].message
 
 
 def _tiny_cnn(scale):

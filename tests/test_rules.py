@@ -878,10 +878,11 @@ def test_sources_differ_beyond_the_conversion_of_their_dtype():
 
 def test_seconds_roll_up_the_construct_tree():
     from msprobe_ci.compare.isolated import _seconds
+    from msprobe_ci.compare.isolation_file import IsolationRecord
 
     construct = {"a": "m", "b": "m", "m": "top", "top": None, "c": 7}
-    assert _seconds({"a": {"seconds": 0.5}, "b": {"seconds": "0.25"}, "m": {"seconds": 1}, "x": "not a record",
-                     "y": {"seconds": "inf"}, "z": {"seconds": None}, "c": {"seconds": 2.0}}, construct) == \
+    recs = {"a": 0.5, "b": 0.25, "m": 1, "y": "inf", "z": None, "c": 2.0, "n": "nan", "zero": 0.0}
+    assert _seconds({k: IsolationRecord("pass", seconds=v) for k, v in recs.items()}, construct) == \
         {"a": 0.5, "b": 0.25, "m": 1.75, "top": 1.75, "c": 2.0}
 
 
@@ -988,18 +989,40 @@ def test_isolation_files_and_replayed_records(tmp_path):
 
     from msprobe_ci.checkers import CheckResult
     from msprobe_ci.compare.isolated import _float, _fmt, is_tensor_dump, replay_isolation
-    from msprobe_ci.compare.isolation_file import ISOLATION_FILE, load_isolation
+    from msprobe_ci.compare.isolation_file import ISOLATION_FILE, IsolationRecord, load_isolation
     from msprobe_ci.replay.result import ApiResult
 
     assert ISOLATION_FILE == "isolation.json" and load_isolation(str(tmp_path)) is None
     path = tmp_path / "isolation.json"
     path.write_text(json.dumps({"nodes": {"a": {"status": "pass"}}}))
-    assert load_isolation(str(tmp_path)) == {"a": {"status": "pass"}}
+    assert load_isolation(str(tmp_path)) == {"a": IsolationRecord("pass")}
     for bad, why in [("{", "not readable JSON"), ("[]", "expected {'nodes': {name: record}}"),
                      ('{"nodes": []}', "expected"), ('{"nodes": {"a": 1}}', "expected")]:
         path.write_text(bad)
         with pytest.raises(MsprobeError, match=rf"^{path}: {why}"):
             load_isolation(str(tmp_path))
+    # each record is typed, field by field: a file from another runner never reaches the compare malformed
+    for rec, why in [({"status": "bogus"}, "status 'bogus', expected one of pass"),
+                     ({"message": "x"}, "missing field 'status'"),
+                     ({"status": "error", "value": "abc"}, "field 'value': expected a number"),
+                     ({"status": "pass", "threshold": True}, "field 'threshold': expected a number"),
+                     ({"status": "pass", "message": 3}, "field 'message': expected a string"),
+                     ({"status": "pass", "sources": [1]}, "field 'sources': expected"),
+                     ({"status": "pass", "sources": {"r": {"kind": "tensor"}}}, "field 'sources': expected"),
+                     ({"status": "skip", "budget": "yes"}, "field 'budget': expected true or false"),
+                     ({"status": "pass", "rank": "1"}, "field 'rank': expected an integer"),
+                     ({"status": "pass", "metrics": [1]}, "field 'metrics': expected an object")]:
+        path.write_text(json.dumps({"nodes": {"Functional.f.0.forward": rec}}))
+        with pytest.raises(MsprobeError, match=rf"^{path}: node Functional.f.0.forward: {why}") as info:
+            load_isolation(str(tmp_path))
+        assert "\n" not in str(info.value)
+    path.write_text(json.dumps({"nodes": {"Functional.f.0.forward": {
+        "status": "error", "standard": "benchmark", "value": "inf", "threshold": 2, "seconds": 0.5, "rank": 1,
+        "sources": {"Functional.f.0.forward.input.0": {"id": "S0", "kind": "parameter"}}, "oracle": "note"}}}))
+    rec = load_isolation(str(tmp_path))["Functional.f.0.forward"]
+    assert not rec and rec.value == "inf" and rec.threshold == 2 and rec.rank == 1 and rec.seconds == 0.5
+    assert rec.sources["Functional.f.0.forward.input.0"]["id"] == "S0" and rec.extra == {"oracle": "note"}
+    assert IsolationRecord("pass") and IsolationRecord("warning") and IsolationRecord("skip")
     ok = CheckResult("benchmark", "pass", {"rmse_ratio": 0.5}, {"rmse": 2.0}, {"rmse": 0.5}, "fine")
     bad = CheckResult("benchmark", "error", {"rmse_ratio": math.inf}, {"rmse": 2.0}, {"rmse": math.inf}, "ratio inf")
     recs = replay_isolation([ApiResult("A.f.0.forward", "error", [("A.f.0.forward.output.0", ok),
@@ -1007,10 +1030,11 @@ def test_isolation_files_and_replayed_records(tmp_path):
                              ApiResult("A.g.0.forward", "skip", reason="no such API"),
                              ApiResult("A.h.0.forward", "pass", [])])
     f = recs["A.f.0.forward"]
-    assert f["status"] == "error" and f["replayed"] is True and f["row"] == "A.f.0.forward.output.1"
-    assert f["message"] == "benchmark error: ratio inf (replayed from the tensor dump)"
-    assert recs["A.g.0.forward"] == {"status": "skip", "replayed": True, "message": "no such API"}
-    assert recs["A.h.0.forward"] == {"status": "pass", "replayed": True, "message": "0 output(s) pass"}
+    assert f.status == "error" and not f and f.replayed is True and f.row == "A.f.0.forward.output.1"
+    assert f.message == "benchmark error: ratio inf (replayed from the tensor dump)"
+    assert f.value == "inf" and f.metrics == {"rmse_ratio": "inf"}  # JSON's non-finite numbers, as written
+    assert recs["A.g.0.forward"] == IsolationRecord("skip", replayed=True, message="no such API")
+    assert recs["A.h.0.forward"] == IsolationRecord("pass", replayed=True, message="0 output(s) pass")
     assert replay_isolation([ApiResult("A.g.0.forward", "skip", reason="x")]) is None
     assert replay_isolation([]) is None
     assert _float("2.5") == 2.5 and math.isnan(_float(None)) and math.isnan(_float("x"))
@@ -1096,7 +1120,9 @@ def test_apply_isolation_keeps_each_nodes_numbers():
              _cnode("Module.m.forward.0", "warning"), _cnode("Module.top.forward.0", "pass"),
              _cnode("Module.n.forward.0", "error"), _cnode("Module.u.forward.0", "unmatched"),
              _cnode("Module.m.parameters_grad", "warning"), _cnode("Module.iso.forward.0", "error")]
-    isolation = {"Functional.nostatus.0.forward": {},
+    with pytest.raises(MsprobeError, match=r"^isolation record Functional.nostatus.0.forward: missing field 'status'$"):
+        apply_isolation(_report(nodes), {"Functional.nostatus.0.forward": {}}, construct)
+    isolation = {"Functional.nostatus.0.forward": {"status": "skip"},
                  "Functional.f.0.forward": {"status": "error", "standard": "ulp", "value": "inf", "threshold": 1.0,
                                    "seconds": 0.25},
                  "Functional.g.0.forward": {"status": "warning", "standard": "benchmark", "metric": "rmse", "value": 1.1,
@@ -1109,7 +1135,7 @@ def test_apply_isolation_keeps_each_nodes_numbers():
     w = out["Functional.w.0.forward"]  # a drift warning without a record: passes, saying so
     assert w.status == "pass" and w.message == "Functional.w.0.forward: not isolated; drift warning (Functional.w.0.forward: drift msg)"
     assert w.metrics == {"Cosine": 0.99, "drift_status": "warning", "drift_RelativeErr": 0.01, "drift_threshold": 0.02}
-    ns = out["Functional.nostatus.0.forward"]  # a record without a status is a skip
+    ns = out["Functional.nostatus.0.forward"]  # a skip record without a message
     assert (ns.status, ns.metric, ns.input_error, ns.worst_row, ns.passing_threshold) == \
         ("pass", "isolation", 0.004, "Functional.nostatus.0.forward.output.0", 0.0)
     assert ns.message == "Functional.nostatus.0.forward: not isolated (); drift error" and ns.metrics["Cosine"] == 0.99
@@ -1228,6 +1254,7 @@ def test_isolation_roll_up_and_helper_edges():
     from types import SimpleNamespace
 
     from msprobe_ci.compare.isolated import _record_at, _same_call, _seconds, _site_twin, apply_isolation
+    from msprobe_ci.compare.isolation_file import IsolationRecord
 
     err = {"status": "error", "standard": "ulp", "value": 2, "threshold": 1}
     construct = {"Functional.f.0.forward": "Module.m.forward.0", "Module.m.forward.0": "Module.top.forward.0",
@@ -1256,7 +1283,7 @@ def test_isolation_roll_up_and_helper_edges():
     assert set(drift[lin.name].metrics) <= set(lin.metrics)
     assert nodes["Module.m.Block.forward.0"].metrics["rollup"] == "Functional.linear.0.forward"
     # seconds on a construct cycle: bounded
-    secs = _seconds({"a": {"seconds": 1.0}}, {"a": "b", "b": "a"})
+    secs = _seconds({"a": IsolationRecord("pass", seconds=1.0)}, {"a": "b", "b": "a"})
     assert set(secs) == {"a", "b"} and secs["a"] + secs["b"] == 10_000
     # the bench call of the same name where nothing pairs them
     here = _frames("m.py", 5, "f")

@@ -15,29 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import MsprobeError
-from ..status import ERROR, STATUSES
-
-
-def _from(cls, d: Any, where: str):
-    """``cls`` from a JSON object: its fields by name, the rest kept in ``extra`` where ``cls`` has one.
-
-    Raises:
-        MsprobeError: ``d`` is not an object, lacks a required field or carries an unknown status.
-    """
-    if not isinstance(d, Mapping):
-        raise MsprobeError(f"{where}: expected an object, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and
-               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise MsprobeError(f"{where}: missing field {missing[0]!r}")
-    kw = {k: v for k, v in d.items() if k in names and k != "extra"}
-    if "extra" in names:
-        kw["extra"] = {k: v for k, v in d.items() if k not in names or k == "extra"}
-    status = kw.get("status")
-    if status is not None and status not in STATUSES:
-        raise MsprobeError(f"{where}: status {status!r}, expected one of {', '.join(STATUSES)}")
-    return cls(**kw)
+from ..status import ERROR
+from ..typed import from_json as _from
 
 
 @dataclass(frozen=True)

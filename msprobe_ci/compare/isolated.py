@@ -28,10 +28,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, Mapping
 
 from ..dtypes import finite_max
 from ..dump import names
+from .isolation_file import IsolationRecord
 from .verdict import CompareResult, unit_roundoff
 
 _STAT_U = 2.0 ** -24  # capture takes the statistics of fp32, fp16 and bf16 tensors in fp32 (fp64's in fp64)
@@ -60,7 +61,7 @@ def replay(target, bench_kernel: str = "device", standards: dict | None = None,
     return [replayer.check(n) for n in replayer.api_names()]
 
 
-def replay_isolation(results: list) -> dict[str, dict] | None:
+def replay_isolation(results: list) -> dict[str, IsolationRecord] | None:
     """Isolation records for a tensor dump made without them (msprobe's own, another runner's) from its calls
     replayed (:func:`replay`): the verdict of each is its record, as a live capture's would be.
 
@@ -70,7 +71,7 @@ def replay_isolation(results: list) -> dict[str, dict] | None:
     """
     from ..isolate import verdict_fields
 
-    records: dict[str, dict] = {}
+    records: dict[str, IsolationRecord] = {}
     for res in results:
         rec: dict[str, Any] = {"status": res.status, "replayed": True}
         bad = next(((row, r) for row, r in res.outputs if r.status == res.status), None)
@@ -78,8 +79,8 @@ def replay_isolation(results: list) -> dict[str, dict] | None:
             rec["message"] = res.reason or res.message
         else:
             rec.update(verdict_fields(*bad, note=" (replayed from the tensor dump)"))
-        records[res.name] = rec
-    return records if any(r["status"] != "skip" for r in records.values()) else None
+        records[res.name] = IsolationRecord.from_json(rec, f"replayed {res.name}")
+    return records if any(r.status != "skip" for r in records.values()) else None
 
 
 def is_tensor_dump(dump) -> bool:
@@ -147,14 +148,15 @@ def _call_site(frames: list | None) -> str | None:
     return f"{os.path.basename(parts[0][5:])}:{parts[1]}:{parts[2]}"
 
 
-def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any] | None = None,
+def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], construct: dict[str, Any] | None = None,
                     source_factor: float = 4.0, cast_roundoff: float = 0.0, bench_stack: dict | None = None,
                     bench_data: dict | None = None):
     """Replace the report's node verdicts by the isolated ones (see the module docstring); in place.
 
     Args:
         report: the :class:`~msprobe_ci.compare.CompareReport` of the target against the bench.
-        isolation: the target's isolation records (:func:`~msprobe_ci.compare.isolation_file.load_isolation`).
+        isolation: the target's isolation records (:func:`~msprobe_ci.compare.isolation_file.load_isolation`;
+            a JSON object is read as an :class:`~msprobe_ci.compare.isolation_file.IsolationRecord`).
         construct: the target's construct.json (``{node: parent}``) for the module roll-up.
         source_factor: sources may differ by ``source_factor × u`` (default 4).
         cast_roundoff: unit roundoff of the dtypes the sides' models and inputs were cast to (a bf16 target's
@@ -171,6 +173,7 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
         The same report, ``report.isolated`` set to ``True``.
     """
     construct = construct or {}
+    isolation = {name: IsolationRecord.of(rec, f"isolation record {name}") for name, rec in isolation.items()}
     rows_by_name = {rr.target.name: rr for rr in report.rows}
     t_max = min((finite_max(rr.target.dtype) or math.inf for rr in report.rows if rr.target.is_tensor),
                 default=math.inf)
@@ -190,25 +193,25 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
             new_nodes.append(node)
             continue
         src = None
-        if rec.get("sources") and _same_call(node.name, report, bench_stack):
-            src = _judge_sources(node.name, rec["sources"], rows_by_name, seen_sources, source_factor,
+        if rec.sources and _same_call(node.name, report, bench_stack):
+            src = _judge_sources(node.name, rec.sources, rows_by_name, seen_sources, source_factor,
                                  cast_roundoff, t_max)
-        elif rec.get("sources") and bench_data:
+        elif rec.sources and bench_data:
             if sites is None:  # built once, on the first call a branch shifted
                 t_stack = getattr(report, "target_stack", None) or {}
                 sites = (_by_site(t_stack), _by_site(bench_stack or {}), t_stack)
             twin = _site_twin(node.name, *sites)
             if twin is not None and isinstance(bench_data.get(twin), dict):
-                src = _judge_twin_scalars(node.name, twin, rec["sources"], rows_by_name, bench_data[twin],
+                src = _judge_twin_scalars(node.name, twin, rec.sources, rows_by_name, bench_data[twin],
                                           source_factor * max(cast_roundoff, 2.0 ** -24) + 1e-7, t_max)
         if src is not None:
             new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source",
-                                                       **({"rank": rec["rank"]} if "rank" in rec else {}))))
+                                                       **({"rank": rec.rank} if rec.rank is not None else {}))))
             failing_api[node.name] = node.name
             continue
-        status = rec.get("status", "skip")
-        value, threshold = _float(rec.get("value")), _float(rec.get("threshold"))
-        if status == "skip" and rec.get("budget"):
+        status = rec.status
+        value, threshold = _float(rec.value), _float(rec.threshold)
+        if status == "skip" and rec.budget:
             # left out by budgeted isolation this step: the drift rule's verdict is the node's, as without
             # isolation, where that rule was calibrated (a step's forward and backward from the bench's weights);
             # an optimizer's in-place update, or any call after a loop's first step (weights trained apart),
@@ -218,29 +221,29 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
                 held, why = "warning", " (a warning: the drift rule is not calibrated on an optimizer's update or " \
                                        "after a loop's first step)"
             new_nodes.append(replace(node, status=held, metrics=dict(node.metrics, **drift, budget=True),
-                                     message=f"{node.name}: {rec.get('message', '')}; drift {node.status}{why}"
+                                     message=f"{node.name}: {rec.message}; drift {node.status}{why}"
                                              + (f" ({node.message})" if node.message else "")))
             if held == "error":
                 failing_api[node.name] = node.name
             continue
         if status == "skip":
-            msg = f"{node.name}: not isolated ({rec.get('message', '')}); drift {node.status}"
+            msg = f"{node.name}: not isolated ({rec.message}); drift {node.status}"
             new_nodes.append(CompareResult(name=node.name, status="pass", metric="isolation", value=0.0,
                                            threshold=math.inf, budget=math.inf, input_error=node.input_error,
                                            worst_row=node.worst_row, passing_threshold=0.0,
                                            metrics=dict(node.metrics, **drift), message=msg))
             continue
-        metric, row = str(rec.get("metric") or rec.get("standard")), str(rec.get("row") or node.worst_row)
-        msg = (f"{node.name}: {rec.get('standard')} standard on its own inputs: {metric} "
+        metric, row = str(rec.metric or rec.standard), str(rec.row or node.worst_row)
+        msg = (f"{node.name}: {rec.standard} standard on its own inputs: {metric} "
                f"{_fmt(value)} {'>' if status == 'error' else '<='} {_fmt(threshold)} at {row} "
-               f"({rec.get('message', '')})")
+               f"({rec.message})")
         new_nodes.append(CompareResult(
             name=node.name, status=status, metric=metric,
             value=value, threshold=threshold, budget=threshold, input_error=node.input_error,
             worst_row=row,
             passing_threshold=value,
-            metrics=dict(node.metrics, **drift, standard=rec.get("standard"), isolated=True,
-                         **({"rank": rec["rank"]} if "rank" in rec else {}), **_errors_of(rec)), message=msg))
+            metrics=dict(node.metrics, **drift, standard=rec.standard, isolated=True,
+                         **({"rank": rec.rank} if rec.rank is not None else {}), **_errors_of(rec)), message=msg))
         if status == "error":
             failing_api[node.name] = node.name
     # module roll-up
@@ -292,12 +295,12 @@ def apply_isolation(report, isolation: dict[str, dict], construct: dict[str, Any
     return report
 
 
-def _seconds(isolation: dict[str, dict], construct: dict[str, Any]) -> dict[str, float]:
+def _seconds(isolation: Mapping[str, IsolationRecord], construct: dict[str, Any]) -> dict[str, float]:
     """Seconds each node's isolated verdict took: an API's own (running it, its oracle and bench, judging); a
     module's own when isolated whole, plus those of the calls inside it."""
     out: dict[str, float] = {}
     for name, rec in isolation.items():
-        sec = _float(rec.get("seconds")) if isinstance(rec, dict) else 0.0
+        sec = _float(rec.seconds)
         if not sec or not math.isfinite(sec):
             continue
         node, hops = name, 0
@@ -437,10 +440,10 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}"  # inf, -inf and nan print as such (-inf printed "inf")
 
 
-def _errors_of(rec: dict) -> dict:
+def _errors_of(rec: IsolationRecord) -> dict:
     """The target's and the bench's own relative errors from an isolation record's metrics (benchmark standard:
     ``target_max_rel_err``, ``bench_max_rel_err``, the means), so a lead can set each call's error beside its
     bench's; empty for the other standards."""
-    m = rec.get("metrics") or {}
+    m = rec.metrics
     return {k: m[k] for k in ("target_max_rel_err", "bench_max_rel_err", "target_mean_rel_err", "bench_mean_rel_err")
             if isinstance(m.get(k), (int, float))}

@@ -38,9 +38,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from ..dump.reader import Dump
 from ..errors import MsprobeError
+from ..status import SEVERITY, SKIP
+from .isolation_file import IsolationRecord
 from .merge_pp import merge_pp
 from .merge_tp import is_tensor_record, merge_tp, record_at, row_label, stat_number, tensor_records
 
@@ -231,12 +234,14 @@ def align_shapes(target: Merged, bench: Merged) -> int:
     return changed
 
 
-def merge_isolation(records: dict[int, dict[str, dict] | None], renames: dict[int, dict[str, str]]) -> dict | None:
+def merge_isolation(records: dict[int, Mapping[str, IsolationRecord] | None],
+                    renames: dict[int, dict[str, str]]) -> dict[str, IsolationRecord] | None:
     """The isolation records of a merged group: every rank's records under their merged names; where several
-    ranks judged the same node, the worst (error > warning > pass > skip, then the largest value) with its rank
-    in the message. ``None`` when no rank has records."""
-    rank_order = {"error": 3, "warning": 2, "pass": 1, "skip": 0}
-    out: dict[str, dict] = {}
+    ranks judged the same node, the worst (by :data:`msprobe_ci.status.SEVERITY`, a skip below a pass, then the
+    largest value) with its rank in the message. ``None`` when no rank has records."""
+    def key(rec: IsolationRecord) -> tuple:
+        return (SEVERITY[rec.status], rec.status != SKIP, stat_number(rec.value) or 0.0)
+    out: dict[str, IsolationRecord] = {}
     any_records = False
     for rank, recs in records.items():
         if recs is None:
@@ -244,10 +249,9 @@ def merge_isolation(records: dict[int, dict[str, dict] | None], renames: dict[in
         any_records = True
         for old, rec in recs.items():
             new = renames.get(rank, {}).get(old, old)
-            rec = dict(rec, rank=rank, message=f"rank{rank}: {rec.get('message', '')}".rstrip(": "))
+            rec = replace(rec, rank=rank, message=f"rank{rank}: {rec.message}".rstrip(": "))
             cur = out.get(new)
-            key = (rank_order.get(str(rec.get("status")), 0), stat_number(rec.get("value")) or 0.0)
-            if cur is None or key > (rank_order.get(str(cur.get("status")), 0), stat_number(cur.get("value")) or 0.0):
+            if cur is None or key(rec) > key(cur):
                 out[new] = rec
     return out if any_records else None
 
