@@ -197,6 +197,7 @@ def test_the_judged_share_is_stated_in_every_artifact(pytester, monkeypatch):
 
 def test_a_left_out_call_keeps_the_drift_verdict_and_rolls_up():
     from msprobe_ci.compare.isolated import apply_isolation
+    from msprobe_ci.compare.isolation_file import IsolationRecord
     from msprobe_ci.compare.verdict import CompareResult
     from types import SimpleNamespace
 
@@ -212,18 +213,34 @@ def test_a_left_out_call_keeps_the_drift_verdict_and_rolls_up():
                      "Functional.linear.2.forward": "Module.block.forward.0"})
     out = {n.name: n for n in report.nodes}
     bad, ok = out["Functional.linear.1.forward"], out["Functional.linear.2.forward"]
-    assert bad.status == "error" and bad.metrics["budget"] and "budgeted isolation" in bad.message
-    assert "drift error" in bad.message and bad.value == 0.05
-    assert ok.status == "pass" and "budgeted isolation" in ok.message
-    assert out["Module.block.forward.0"].status == "error"  # the enclosing module names it
+    assert bad.status == "error" and bad.value == 0.05
+    assert bad.message == ("Functional.linear.1.forward: budgeted isolation (factor 1.5, step 0, share 10%): not "
+                           "judged; drift error (Functional.linear.1.forward: drift error)")
+    assert bad.metrics == {"drift_status": "error", "drift_RelativeErr": 0.05, "drift_threshold": 0.02, "budget": True}
+    assert ok.status == "pass" and ok.message == ("Functional.linear.2.forward: budgeted isolation (factor 1.5, step "
+                                                  "0, share 10%): not judged; drift pass (Functional.linear.2.forward: "
+                                                  "drift pass)")
+    block = out["Module.block.forward.0"]  # the enclosing module names it
+    assert block.status == "error" and block.message == "Module.block.forward.0: contains failing API " \
+        "Functional.linear.1.forward"
+    quiet = [CompareResult("Functional.linear.1.forward", "warning", value=0.05, threshold=0.02, budget=0.02,
+                           input_error=0.0, worst_row="r", metrics={"Cosine": 0.9}, message="")]
+    report = SimpleNamespace(nodes=quiet, rows=[], target_stack={}, entry_pairs={})
+    apply_isolation(report, {"Functional.linear.1.forward": IsolationRecord.from_json(left, "x")}, {})
+    w = report.nodes[0]  # a drift warning stays a warning; a node without a message adds none
+    assert w.status == "warning" and w.metrics["Cosine"] == 0.9 and w.metrics["budget"] is True
+    assert w.message == ("Functional.linear.1.forward: budgeted isolation (factor 1.5, step 0, share 10%): not "
+                         "judged; drift warning")
     # where the drift rule is not calibrated its error is a warning: an optimizer's in-place update, and every
     # call after a loop's first step (sources are context there: source_factor inf)
     update = [node("Tensor.addcdiv_.2.forward", "error"), node("Tensor.__add__.1.forward", "error")]
     report = SimpleNamespace(nodes=update, rows=[], target_stack={}, entry_pairs={})
     apply_isolation(report, {n.name: dict(left) for n in update}, {})
     out = {n.name: n for n in report.nodes}
-    assert out["Tensor.addcdiv_.2.forward"].status == "warning" and "not calibrated" in \
-        out["Tensor.addcdiv_.2.forward"].message
+    assert out["Tensor.addcdiv_.2.forward"].status == "warning" and out["Tensor.addcdiv_.2.forward"].message == (
+        "Tensor.addcdiv_.2.forward: budgeted isolation (factor 1.5, step 0, share 10%): not judged; drift error (a "
+        "warning: the drift rule is not calibrated on an optimizer's update or after a loop's first step) "
+        "(Tensor.addcdiv_.2.forward: drift error)")
     assert out["Tensor.__add__.1.forward"].status == "error"
     later = [node("Functional.linear.1.forward", "error")]
     report = SimpleNamespace(nodes=later, rows=[], target_stack={}, entry_pairs={})
@@ -247,6 +264,16 @@ def test_isolation_json_holds_the_budget_and_the_compare_reads_it(tmp_path):
     over = dict(budget, judged=3, measured_factor=3.7)  # the kinds alone cost more than the factor
     assert describe_budget(over).endswith("isolation cost 3.70x the capture alone (above the factor asked: judging "
                                           "every API kind once a step costs that much here)")
+    rotating = dict(budget, judged=4, measured_factor=1.6)  # more than the kinds judged: the share adapts
+    assert describe_budget(rotating).endswith("; the other 6 judged by the drift rule; isolation cost 1.60x the "
+                                              "capture alone (above the factor asked: the step's time is measured "
+                                              "as it goes; the next step's share adapts)")
+    assert describe_budget(dict(budget, judged=3, measured_factor=1.5)).endswith("1.50x the capture alone")
+    assert describe_budget({"factor": 2}) == (  # no calls yet, no measurement: nothing judged by the drift rule
+        "budgeted isolation (factor 2): 0 of 0 API calls judged on their own inputs (100%: the first of each of None "
+        "API kinds, the rest rotating over steps, seed None); the other 0 judged by the drift rule")
+    assert describe_budget({"factor": 2, "calls": 3}).startswith("budgeted isolation (factor 2): 0 of 3 API calls "
+                                                                 "judged on their own inputs (0%:")
     (tmp_path / "isolation.json").write_text("{not json")
     assert load_budget(str(tmp_path)) is None
     assert os.path.isfile(tmp_path / "isolation.json")  # read, never rewritten

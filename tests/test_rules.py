@@ -787,6 +787,11 @@ def test_isolation_replaces_drift_for_api_nodes():
     assert lin.metrics["drift_threshold"] == drift[lin.name].threshold
     relu = nodes["Functional.relu.0.forward"]
     assert relu.status == "warning" and " 1.1 <= 1.2 at " in relu.message
+    errors = {"target_max_rel_err": 0.02, "bench_max_rel_err": 0.004, "target_mean_rel_err": 0.01,
+              "bench_mean_rel_err": 0.002}  # each call's error beside its bench's, for the lead
+    again, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(_ERR, metrics=dict(errors, rmse_ratio="inf"))})
+    assert {k: again["Functional.linear.0.forward"].metrics[k] for k in errors} == errors
+    assert "rmse_ratio" not in again["Functional.linear.0.forward"].metrics
     clamp = nodes["Torch.clamp.0.forward"]
     assert (clamp.status, clamp.metric, clamp.value, clamp.threshold, clamp.budget) == \
         ("pass", "isolation", 0.0, math.inf, math.inf)
@@ -856,6 +861,9 @@ def test_sources_differ_beyond_the_conversion_of_their_dtype():
     # a source is judged once, at its first consumer; sources are context where the factor is infinite
     nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, source_factor=math.inf)
     assert nodes["Functional.linear.0.forward"].status == "pass"
+    nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)})
+    assert nodes["Functional.linear.0.forward"].metric == "source" and "rank" not in \
+        nodes["Functional.linear.0.forward"].metrics  # a record of one rank's capture names no rank
     nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, source_factor=12)
     assert nodes["Functional.linear.0.forward"].status == "pass"  # 12 u covers 2%
     nodes, _ = _isolated(t, b, {"Functional.linear.0.forward": dict(rec, sources=weight)}, cast_roundoff=2.0 ** -4)
@@ -1006,7 +1014,7 @@ def test_isolation_files_and_replayed_records(tmp_path):
                      ({"message": "x"}, "missing field 'status'"),
                      ({"status": "error", "value": "abc"}, "field 'value': expected a number"),
                      ({"status": "pass", "threshold": True}, "field 'threshold': expected a number"),
-                     ({"status": "pass", "message": 3}, "field 'message': expected a string"),
+                     ({"status": "pass", "message": 3}, "field 'message': expected a string, got int$"),
                      ({"status": "pass", "sources": [1]}, "field 'sources': expected"),
                      ({"status": "pass", "sources": {"r": {"kind": "tensor"}}}, "field 'sources': expected"),
                      ({"status": "skip", "budget": "yes"}, "field 'budget': expected true or false"),
@@ -1034,6 +1042,10 @@ def test_isolation_files_and_replayed_records(tmp_path):
     assert f.message == "benchmark error: ratio inf (replayed from the tensor dump)"
     assert f.value == "inf" and f.metrics == {"rmse_ratio": "inf"}  # JSON's non-finite numbers, as written
     assert recs["A.g.0.forward"] == IsolationRecord("skip", replayed=True, message="no such API")
+    skipped = CheckResult("benchmark", "skip", {}, {}, {}, "nothing to compare")  # a skip with rows: its reason
+    assert replay_isolation([ApiResult("A.k.0.forward", "skip", [("A.k.0.forward.output.0", skipped)], reason="why"),
+                             ApiResult("A.h.0.forward", "pass", [])])["A.k.0.forward"] == \
+        IsolationRecord("skip", replayed=True, message="why")
     assert recs["A.h.0.forward"] == IsolationRecord("pass", replayed=True, message="0 output(s) pass")
     assert replay_isolation([ApiResult("A.g.0.forward", "skip", reason="x")]) is None
     assert replay_isolation([]) is None
@@ -1110,6 +1122,26 @@ def _report(nodes, rows=(), **kw):
     return SimpleNamespace(nodes=list(nodes), rows=list(rows), target_stack={}, entry_pairs={}, **kw)
 
 
+def test_a_module_isolation_skipped_rolls_up_what_is_inside_it():
+    """A module isolation could not judge whole (dropout inside, sharded state) is judged by what is inside it."""
+    from msprobe_ci.compare.isolated import apply_isolation
+
+    construct = {"Functional.f.0.forward": "Module.m.forward.0", "Functional.g.0.forward": "Module.n.forward.0"}
+    skipped = {"status": "skip", "message": "module not isolated: random (dropout p=0.1 in training mode inside)"}
+    report = _report([_cnode("Functional.f.0.forward", "error"), _cnode("Module.m.forward.0", "error"),
+                      _cnode("Functional.g.0.forward", "pass"), _cnode("Module.n.forward.0", "error")])
+    apply_isolation(report, {"Functional.f.0.forward": dict(_ERR, row="Functional.f.0.forward.output.0"),
+                             "Module.m.forward.0": skipped, "Functional.g.0.forward": dict(_ERR, status="pass"),
+                             "Module.n.forward.0": dict(skipped)}, construct)
+    out = {n.name: n for n in report.nodes}
+    m, n = out["Module.m.forward.0"], out["Module.n.forward.0"]
+    assert (m.status, m.metric, m.message) == ("error", "contains", "Module.m.forward.0: contains failing API "
+                                                                    "Functional.f.0.forward")
+    assert (n.status, n.message) == ("pass", "Module.n.forward.0: every isolated API inside passes; drift error")
+    assert (n.metrics["drift_status"], n.metrics["drift_RelativeErr"], n.metrics["drift_threshold"]) == \
+        ("error", 0.01, 0.02)  # the module's own drift, not the skip's placeholder numbers
+
+
 def test_apply_isolation_keeps_each_nodes_numbers():
     from msprobe_ci.compare.isolated import apply_isolation
 
@@ -1119,7 +1151,8 @@ def test_apply_isolation_keeps_each_nodes_numbers():
              _cnode("Functional.f.0.forward", "error"), _cnode("Functional.g.0.forward", "warning"),
              _cnode("Module.m.forward.0", "warning"), _cnode("Module.top.forward.0", "pass"),
              _cnode("Module.n.forward.0", "error"), _cnode("Module.u.forward.0", "unmatched"),
-             _cnode("Module.m.parameters_grad", "warning"), _cnode("Module.iso.forward.0", "error")]
+             _cnode("Module.m.parameters_grad", "warning"), _cnode("Module.iso.forward.0", "error"),
+             _cnode("Module.n.parameters_grad", "error")]
     with pytest.raises(MsprobeError, match=r"^isolation record Functional.nostatus.0.forward: missing field 'status'$"):
         apply_isolation(_report(nodes), {"Functional.nostatus.0.forward": {}}, construct)
     isolation = {"Functional.nostatus.0.forward": {"status": "skip"},
@@ -1162,6 +1195,8 @@ def test_apply_isolation_keeps_each_nodes_numbers():
     assert out["Module.u.forward.0"].status == "unmatched" and out["Module.u.forward.0"].message.endswith("drift msg")
     pg = out["Module.m.parameters_grad"]
     assert pg.status == "pass" and pg.metrics == {"Cosine": 0.99, "drift_status": "warning"}
+    assert (out["Module.n.parameters_grad"].status, out["Module.n.parameters_grad"].message) == (
+        "pass", "Module.n.parameters_grad: accumulated from isolated backward calls; drift error")  # at its calls
     iso = out["Module.iso.forward.0"]  # isolated whole and failing on its own: its own message stays
     assert iso.status == "error" and iso.message.startswith("Module.iso.forward.0: benchmark standard on its own")
     assert report.seconds == {"Functional.f.0.forward": 0.25, "Module.m.forward.0": 0.25, "Module.top.forward.0": 0.25}

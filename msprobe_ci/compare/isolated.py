@@ -180,7 +180,7 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
     seen_sources: set[str] = set()
     sites = None  # (target index, bench index, target stack) by call site, for calls a branch shifted
     new_nodes: list[CompareResult] = []
-    failing_api: dict[str, str] = {}
+    failing_api: list[str] = []  # in report order: the first one names its modules
     for node in report.nodes:
         rec = isolation.get(node.name)
         drift = {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
@@ -207,7 +207,7 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
         if src is not None:
             new_nodes.append(replace(src, metrics=dict(node.metrics, **drift, isolated=True, standard="source",
                                                        **({"rank": rec.rank} if rec.rank is not None else {}))))
-            failing_api[node.name] = node.name
+            failing_api.append(node.name)
             continue
         status = rec.status
         value, threshold = _float(rec.value), _float(rec.threshold)
@@ -224,7 +224,7 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
                                      message=f"{node.name}: {rec.message}; drift {node.status}{why}"
                                              + (f" ({node.message})" if node.message else "")))
             if held == "error":
-                failing_api[node.name] = node.name
+                failing_api.append(node.name)
             continue
         if status == "skip":
             msg = f"{node.name}: not isolated ({rec.message}); drift {node.status}"
@@ -245,7 +245,7 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
             metrics=dict(node.metrics, **drift, standard=rec.standard, isolated=True,
                          **({"rank": rec.rank} if rec.rank is not None else {}), **_errors_of(rec)), message=msg))
         if status == "error":
-            failing_api[node.name] = node.name
+            failing_api.append(node.name)
     # module roll-up
     module_fail: dict[str, str] = {}
     for api in failing_api:
@@ -274,8 +274,9 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
             node = replace(node, status="pass", metrics=dict(node.metrics, drift_status=node.status),
                            message=f"{node.name}: accumulated from isolated backward calls; drift {node.status}")
         elif node.name.startswith("Module.") and node.status != "unmatched":
-            drift = {"drift_status": node.status, "drift_RelativeErr": node.value,
-                     "drift_threshold": node.threshold}
+            # a module whose whole isolation was skipped has its drift in its metrics already
+            drift = {k: node.metrics[k] for k in _DRIFT} if "drift_status" in node.metrics else \
+                {"drift_status": node.status, "drift_RelativeErr": node.value, "drift_threshold": node.threshold}
             if node.name in module_fail:
                 api = module_fail[node.name]
                 node = CompareResult(name=node.name, status="error", metric="contains", value=node.value,
@@ -293,6 +294,9 @@ def apply_isolation(report, isolation: Mapping[str, IsolationRecord | Mapping], 
     report.isolated = True
     report.seconds = _seconds(isolation, construct)
     return report
+
+
+_DRIFT = ("drift_status", "drift_RelativeErr", "drift_threshold")
 
 
 def _seconds(isolation: Mapping[str, IsolationRecord], construct: dict[str, Any]) -> dict[str, float]:
