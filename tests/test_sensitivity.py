@@ -224,3 +224,49 @@ def test_an_fp32_fused_update_rounds_inside_and_a_tenth_of_a_percent_fault_still
     (unfused,) = kernels.forward_scale(torch.Tensor.lerp_, (a.clone(), b, 0.1), {}, _rows)
     was = judge_pair("lerp_", target, bench, oracle, terms=unfused)
     assert was.status == "error" and "small_value_err" in was.message, was.message  # the case the rule is for
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cpu_half_batch_norm_is_charged_its_rounded_statistics(dtype):
+    """The CPU half batch norm in training mode rounds its saved mean and invstd to the dtype and folds them in fp32
+    (``kernels.STATS_ROUNDED``): its benign output, whose error grows with the channels' mean over their spread,
+    passes against every bench, and a fault of 1%, or of three times the kernel's own RMS error where that is
+    larger (a channel mean 5 or 50 times its spread: the kernel itself errs by 1-3% there), fails, forward and
+    backward. Charged as a fully held kernel, a 1% fault passed at mean 0: its budget was three times the error it
+    makes."""
+    g = torch.Generator().manual_seed(11)
+    for shift in (0.0, 5.0, 50.0):
+        x = (shift + torch.randn(8, 16, 6, 6, generator=g)).to(dtype)
+        w = (1 + 0.1 * torch.randn(16, generator=g)).to(dtype)
+        b = (0.1 * torch.randn(16, generator=g)).to(dtype)
+
+        def bn(x, w, b):
+            return F.batch_norm(x, None, None, w, b, training=True)
+        oracle = bn(x.double(), w.double(), b.double())
+        (scale,) = kernels.forward_scale(bn, (x, w, b), {}, _rows)
+        target = bn(x, w, b)
+        own = float((target.double() - oracle).square().mean().sqrt() / oracle.square().mean().sqrt())
+        size = max(0.01, 3 * own)
+        if shift == 0.0:
+            assert size == 0.01  # the anchor's 1% wherever the kernel errs less than a third of it
+        faulty = (target.double() * (1 + size)).to(dtype)
+        for kernel, bench in _benches(bn, (x, w, b), {}, dtype).items():
+            ok = judge_pair("batch_norm", target, bench, oracle, terms=scale)
+            bad = judge_pair("batch_norm", faulty, bench, oracle, terms=scale)
+            assert ok.status == "pass", (dtype, shift, kernel, ok.message)
+            assert bad.status == "error", (dtype, shift, kernel, bad.message)
+        # backward: the gradient it hands its input, from the statistics its forward saved
+        up = torch.randn(x.shape, generator=g).to(dtype)
+        xs = x.detach().requires_grad_(True)
+        bn(xs, w, b).backward(up)
+        xo = x.detach().double().requires_grad_(True)
+        bn(xo, w.double(), b.double()).backward(up.double())
+        scales = kernels.backward_scale(bn, (x.detach().requires_grad_(True), w, b), {}, {0: up})
+        xf = x.detach().float().requires_grad_(True)
+        bn(xf, w.float(), b.float()).backward(up.float())
+        bench = xf.grad.to(dtype)
+        ok = judge_pair("batch_norm", xs.grad, bench, xo.grad, True, terms=scales[0])
+        bad = judge_pair("batch_norm", (xs.grad.double() * (1 + size)).to(dtype), bench, xo.grad, True,
+                         terms=scales[0])
+        assert ok.status == "pass", (dtype, shift, "backward", ok.message)
+        assert bad.status == "error", (dtype, shift, "backward", bad.message)
