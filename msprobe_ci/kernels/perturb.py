@@ -32,8 +32,8 @@ _CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "
 #: backward keeps its weight- and bias-gradient sums in ``T`` (``aten/src/ATen/native/cpu/layer_norm_kernel.cpp``);
 #: the mean ``nll_loss`` its cascade of partial sums (``LossNLL.cpp``); the embedding backward adds a repeated
 #: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
-#: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43, and the half batch norm folds the mean into
-#: its bias, ``x * a + (b - mean * a)`` in ``T``: its error is that of its terms where ``x`` is near the mean.
+#: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43; the half batch norm rounds its statistics to
+#: ``T`` (charged as :data:`STATS_ROUNDED` says, not as a fully held kernel).
 #: The pooling backwards and ``col2im`` (``F.fold``, ``F.unfold``'s backward) add the gradients of overlapping
 #: windows into the input gradient in ``T`` (an element that is the max of several windows: 1.2-1.5 roundings off
 #: on average in bf16/fp16 where one rounding is 0.31; avg_pool2d backward 2.3 and col2im 1.9 against 0.36 and
