@@ -291,7 +291,8 @@ class ApiIsolation:
 
     def _forward_budget(self, call: _Call, stem: str, n: int):
         """The error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), lazily
-        (:meth:`_lazy_budget`): only a benchmark-standard row that is not bit-identical to its bench asks."""
+        (:meth:`.references.References.lazy_budget`): only a benchmark-standard row that is not bit-identical to
+        its bench asks."""
         return self.refs.lazy_budget(call, n, lambda: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
             self.refs.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))

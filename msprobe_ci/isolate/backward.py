@@ -199,7 +199,7 @@ class BackwardIsolation:
 
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
-        (:meth:`_lazy_budget`; from the oracle's gradients where they are fp64)."""
+        (:meth:`.references.References.lazy_budget`; from the oracle's gradients where they are fp64)."""
         return self.refs.lazy_budget(call, n, lambda: kernels.backward_scale(
             call.func, call.inputs[0], call.inputs[1], call.grad_out, self.refs.budget_draws,
             base=[_cpu(g) for g in oracle]))
