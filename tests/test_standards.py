@@ -134,6 +134,42 @@ def test_dropout():
     assert make_standard("dropout", torch.float32)(torch.ones(100)).status == "error"  # 100 elements are judged
 
 
+def test_dropout_counts_the_draws_the_mask_made():
+    """An input element that is zero is zero whatever the mask (MobileNetV2's classifier dropout, p=0.8 after
+    ReLU6 and pooling, showed a zero share of 0.90 and failed a benign run); a channel dropout draws once per
+    channel."""
+    import torch.nn.functional as F
+
+    from msprobe_ci.judge.support import dropout_block
+
+    g = torch.Generator().manual_seed(3)
+    x = F.relu(torch.randn(64, 256, generator=g))  # about half the elements are zero before dropout
+    keep = torch.rand(x.shape, generator=g) >= 0.8
+    y = torch.where(keep, x / 0.2, torch.zeros_like(x))
+    std = make_standard("dropout", torch.float32, p=0.8)
+    assert std(y).status == "error"  # every zero counted as dropped: 0.9 against 0.8
+    r = std(y, source=x)
+    live = int((x != 0).sum())
+    assert r.status == "pass" and r.metrics["zero_share"] == pytest.approx(float((~keep & (x != 0)).sum()) / live)
+    assert r.thresholds["tolerance"] == pytest.approx(5 * math.sqrt(0.8 * 0.2 / live))
+    assert f"over {live} draws vs p=0.8" in r.message
+    wrong = torch.where(torch.rand(x.shape, generator=g) >= 0.5, x * 2, torch.zeros_like(x))
+    assert std(wrong, source=x).status == "error"  # a dropout at p=0.5 where 0.8 was asked
+    # dropout2d: one draw per channel (8 x 16 of 6 x 6), judged against p with that many draws
+    x2 = torch.randn(8, 16, 6, 6, generator=g)
+    assert dropout_block("dropout2d", x2.shape) == 36 and dropout_block("dropout", x2.shape) == 1
+    assert dropout_block("dropout1d", (4, 5)) == 5 and dropout_block("dropout3d", (2, 3, 4, 5, 6)) == 120
+    chan = torch.rand(8, 16, 1, 1, generator=g) >= 0.5
+    y2 = torch.where(chan, x2 * 2, torch.zeros_like(x2))
+    half = make_standard("dropout", torch.float32, p=0.5)
+    r2 = half(y2, source=x2, block=36)
+    assert r2.metrics["zero_share"] == pytest.approx(float((~chan).sum()) / 128) and r2.status == "pass"
+    assert r2.thresholds["tolerance"] == pytest.approx(5 * math.sqrt(0.25 / 128))
+    assert half(y2, source=x2, block=7).thresholds["tolerance"] == pytest.approx(5 * math.sqrt(0.25 / 4608))
+    few = half(torch.zeros(200), source=torch.cat([torch.ones(1), torch.zeros(199)]))
+    assert (few.status, few.message) == ("pass", "200 elements, 1 draws: too few to judge")
+
+
 # ------------------------------------------------------------------------------------------------- thousandth
 def test_thousandth():
     std = make_standard("thousandth", torch.float32)

@@ -11,7 +11,7 @@ from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
 from ..judge import judged_as, unjudgeable
 from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
-from ..judge.support import DROPOUT
+from ..judge.support import DROPOUT, dropout_block
 from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local
 
 
@@ -63,7 +63,13 @@ class ApiIsolation:
             p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
             call.dropout = (float(p), bool(training))
-            call.inputs = (tuple(args), dict(kwargs))
+            kept = tuple(args)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 and isinstance(args[3], bool) else False)
+            if inplace is True and kept and isinstance(kept[0], torch.Tensor):
+                # ``nn.Dropout(inplace=True)`` writes its mask into its input: the input's own zeros (the
+                # standard's ``source``) are read from a copy taken before
+                kept = (kept[0].detach().clone(), *kept[1:])
+            call.inputs = (kept, dict(kwargs))
             return call, args, kwargs
         kw = {k: v for k, v in kwargs.items() if k != "out"}
         # an in-place call (``relu_``, or ``F.relu(x, inplace=True)``) is judged forward only: tapping its input
@@ -200,7 +206,9 @@ class ApiIsolation:
             results = []
             for row, t in targets:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
-                    results.append((row, make_standard("dropout", t.dtype, p=p)(t)))
+                    source = x if isinstance(x, torch.Tensor) and x.shape == t.shape else None
+                    results.append((row, make_standard("dropout", t.dtype, p=p)(
+                        t, source=source, block=dropout_block(call.short, t.shape))))
                 elif isinstance(t, torch.Tensor):  # dropout off: the output is its input
                     results.append((row, judge_pair("identity", t, x, None, False, self.refs.standards,
                                                     self.refs.thresholds)))

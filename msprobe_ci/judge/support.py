@@ -9,6 +9,8 @@ of uninitialised memory, a random output. Dropout is the one random API judged a
 
 from __future__ import annotations
 
+import math
+
 #: API prefixes with no CPU reference, and what each is
 UNSUPPORTED_PREFIX = {"Distributed": "communication op", "MindSpeed": "MindSpeed fused op",
                       "NPU": "torch_npu op with no CPU kernel", "Aten": "aten op", "VF": "torch._VF op"}
@@ -21,6 +23,16 @@ NOT_COMPARABLE = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                             "empty_with_format"})
 #: dropout: random, but judged by the dropout standard (its zero share) where the caller knows ``p``
 DROPOUT = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d"})
+#: channel dropouts: the trailing dimensions one draw zeroes together (a channel's length, area, volume)
+_CHANNEL_DIMS = {"dropout1d": 1, "dropout2d": 2, "dropout3d": 3}
+
+
+def dropout_block(short: str, shape) -> int:
+    """Elements per random draw of dropout API ``short`` on an output of ``shape``: 1 for ``dropout``, the product
+    of the trailing 1/2/3 dimensions for ``dropout1d``/``2d``/``3d`` (PyTorch zeroes whole channels)."""
+    k = _CHANNEL_DIMS.get(short, 0)
+    dims = list(shape)[-k:] if k and len(shape) > k else []
+    return int(math.prod(dims)) if dims else 1
 
 
 def unjudgeable(prefix: str, api: str, kwargs: dict | None = None, *, short: str | None = None,
