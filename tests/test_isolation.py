@@ -432,3 +432,27 @@ def test_a_gradient_whose_inputs_were_written_in_place_since_is_skipped_saying_s
     assert add["status"] == "skip" and "written in place after the call" in add["message"]
     assert nodes["Tensor.__add__.0.forward"]["status"] == "pass"
     assert nodes["Functional.linear.1.backward"]["status"] == "pass"
+
+
+def test_an_in_place_dropout_is_judged_on_the_draws_its_mask_made(tmp_path):
+    """``nn.Dropout(inplace=True)`` after a ReLU (MobileNetV2's classifier): its input's zeros are zero whatever
+    the mask, and the call overwrites that input; the isolation keeps a copy, so the zero share counts the draws
+    (it was 0.90 against p=0.8, an error, on a benign run)."""
+    import torch.nn.functional as F
+
+    from msprobe_ci.capture import CaptureSession
+
+    iso = Isolator(backward=False)
+    cap = CaptureSession(DumpConfig(dump_path=str(tmp_path), level="mix"), isolator=iso)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=g)
+    cap.start(torch.nn.Identity())
+    torch.manual_seed(0)
+    F.dropout(F.relu(x), 0.8, True, True)
+    F.dropout(input=F.relu(x), p=0.8, training=True, inplace=True)
+    F.dropout(F.relu(x), p=0.5, training=True)
+    cap.stop()
+    first, second, third = (iso.results[f"Functional.dropout.{i}.forward"] for i in range(3))
+    assert first["status"] == second["status"] == third["status"] == "pass", (first, second, third)
+    assert " draws vs p=0.8" in first["message"] and " draws vs p=0.8" in second["message"]
+    cap.close()

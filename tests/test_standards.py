@@ -168,6 +168,13 @@ def test_dropout_counts_the_draws_the_mask_made():
     assert half(y2, source=x2, block=7).thresholds["tolerance"] == pytest.approx(5 * math.sqrt(0.25 / 4608))
     few = half(torch.zeros(200), source=torch.cat([torch.ones(1), torch.zeros(199)]))
     assert (few.status, few.message) == ("pass", "200 elements, 1 draws: too few to judge")
+    # the judge's entry, as isolation and the offline replay call it
+    from msprobe_ci.judge import judge_dropout
+
+    assert judge_dropout("dropout", y, x, 0.8).message == r.message
+    assert judge_dropout("dropout2d", y2, x2, 0.5).message == r2.message
+    assert judge_dropout("dropout", y, x[:, :8], 0.8).status == "error"  # a source of another shape: not used
+    assert judge_dropout("dropout", y, x, 0.8, {"dropout": {"sigmas": 0.01}}).status == "error"  # overrides apply
 
 
 # ------------------------------------------------------------------------------------------------- thousandth

@@ -9,9 +9,9 @@ import torch
 
 from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
-from ..judge import judged_as, unjudgeable
+from ..judge import judge_dropout, judged_as, unjudgeable
 from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
-from ..judge.support import DROPOUT, dropout_block
+from ..judge.support import DROPOUT
 from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local
 
 
@@ -63,7 +63,7 @@ class ApiIsolation:
             p = kwargs.get("p", args[1] if len(args) > 1 and isinstance(args[1], (int, float)) else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 and isinstance(args[2], bool) else True)
             call.dropout = (float(p), bool(training))
-            kept = tuple(args)
+            kept = tuple(args)  # the torch-function protocol passes F.dropout's input positionally, even as input=
             inplace = kwargs.get("inplace", args[3] if len(args) > 3 and isinstance(args[3], bool) else False)
             if inplace is True and kept and isinstance(kept[0], torch.Tensor):
                 # ``nn.Dropout(inplace=True)`` writes its mask into its input: the input's own zeros (the
@@ -193,7 +193,6 @@ class ApiIsolation:
         self.provenance.mark_produced(out)
         if call is None:
             return
-        from ..checkers import make_standard
         from ..judge import judge_pair, judge_rows
 
         stem = f"{call.name}.output"
@@ -206,9 +205,7 @@ class ApiIsolation:
             results = []
             for row, t in targets:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and training and p > 0:
-                    source = x if isinstance(x, torch.Tensor) and x.shape == t.shape else None
-                    results.append((row, make_standard("dropout", t.dtype, p=p)(
-                        t, source=source, block=dropout_block(call.short, t.shape))))
+                    results.append((row, judge_dropout(call.short, t, x, p, self.refs.thresholds)))
                 elif isinstance(t, torch.Tensor):  # dropout off: the output is its input
                     results.append((row, judge_pair("identity", t, x, None, False, self.refs.standards,
                                                     self.refs.thresholds)))

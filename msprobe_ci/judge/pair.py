@@ -238,3 +238,17 @@ def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     rounded = oracle.detach().to(dtype)
     over = torch.isinf(rounded) & torch.isfinite(oracle)
     return torch.where(over, rounded.to(oracle.dtype), oracle) if bool(over.any()) else oracle
+
+
+def judge_dropout(short: str, target: Any, source: Any, p: float, thresholds: dict | None = None) -> CheckResult:
+    """A dropout's output row judged by its share of zeros against ``p`` (the dropout standard), counting only the
+    draws its mask made: ``source`` (the dropout's input, taken before an in-place call) leaves out the elements
+    that were zero already, and a channel dropout (``short`` ``dropout1d``/``2d``/``3d``) draws once per channel
+    (:func:`~.support.dropout_block`). ``source`` of another shape, or not a tensor, is not used."""
+    from .support import dropout_block
+
+    shape = tuple(getattr(target, "shape", ()))
+    src = source if isinstance(source, torch.Tensor) and tuple(source.shape) == shape else None
+    std = make_standard("dropout", getattr(target, "dtype", "fp32"), p=float(p),
+                        **(thresholds or {}).get("dropout", {}))
+    return std(target, source=src, block=dropout_block(short, shape))

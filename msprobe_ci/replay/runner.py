@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 
-from ..checkers import CheckResult, make_standard, worst
+from ..checkers import CheckResult, worst
 from ..dump import names
 from ..dump.reader import Dump
 from ..errors import MsprobeError
-from ..judge import judge_rows, judged_as, unjudgeable
+from ..judge import judge_dropout, judge_rows, judged_as, unjudgeable
 from ..judge.rows import outputs as _outputs
-from ..judge.support import dropout_block
 from ..kernels import cast as _cast
 from .args import Rebuilder, api_generator, mindspore_order, record_rows
 from .apis import _short, parse_name, resolve
@@ -269,9 +268,7 @@ class ApiReplayer:
                                _outputs(bench, f"{name}.output"))
         x = args[0] if args else kwargs.get("input")
         short = name.split(".")[1] if name.count(".") >= 3 else "dropout"
-        results = [(row, make_standard("dropout", getattr(t, "dtype", "fp32"), p=float(p))(
-            t, source=x if isinstance(x, torch.Tensor) and x.shape == getattr(t, "shape", None) else None,
-            block=dropout_block(short, getattr(t, "shape", ())))) for row, t in targets]
+        results = [(row, judge_dropout(short, t, x, p, self.thresholds)) for row, t in targets]
         return ApiResult(name, worst([r for _, r in results]), results)
 
     def _backward(self, name, prefix, api, n, func) -> ApiResult:
