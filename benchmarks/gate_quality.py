@@ -392,7 +392,7 @@ def _measure(args, failures: list, kernel: str) -> dict:
                     label = (f"{kernel}: fault {dname} {mname} seed {seed} {fault.api}.{fault.call} {fault.direction} "
                              f"{fault.perturb} {fault.value}")
                     inspect = (lambda r, folder: check_repro(r, folder, s, failures, label)) \
-                        if args.repro and ISOLATE and LEVEL != "L0" else None
+                        if args.repro and ISOLATE else None
                     rep, _, _, _, unapplied = _one(model, inputs, loss_fn, bench_dtype, target_dtype, (fault,),
                                                    inspect=inspect)
                     if unapplied:

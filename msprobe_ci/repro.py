@@ -20,46 +20,8 @@ from typing import Any
 
 import torch
 
-from .replay.repro_files import CUDA_MATMUL, VERSION
+from .replay.repro_files import CUDA_MATMUL, VERSION, _DTYPES, _decode, _placed
 from .errors import MsprobeError
-
-_DTYPES = {str(d).replace("torch.", ""): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_FORMATS = {str(f).replace("torch.", ""): f for f in vars(torch).values() if isinstance(f, torch.memory_format)}
-_LAYOUTS = {str(f).replace("torch.", ""): f for f in vars(torch).values() if isinstance(f, torch.layout)}
-
-
-def _decode(v: Any, tensors: dict, where: str) -> Any:
-    """The inverse of :func:`_encode`, with every tag checked against a closed list (the spec is data)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, list):
-        return [_decode(x, tensors, where) for x in v]
-    if isinstance(v, dict) and len(v) == 1:
-        (tag, x), = v.items()
-        if tag == "tensor" and isinstance(x, str) and x in tensors:
-            return tensors[x]
-        if tag == "float" and x in ("inf", "-inf", "nan"):
-            return float(x)
-        if tag == "dtype" and x in _DTYPES:
-            return _DTYPES[x]
-        if tag == "memory_format" and x in _FORMATS:
-            return _FORMATS[x]
-        if tag == "layout" and x in _LAYOUTS:
-            return _LAYOUTS[x]
-        if tag == "device" and isinstance(x, str):
-            return torch.device(x)
-        if tag == "size" and isinstance(x, list) and all(isinstance(i, int) for i in x):
-            return torch.Size(x)
-        if tag == "slice" and isinstance(x, list) and len(x) == 3:
-            return slice(*(_decode(i, tensors, where) for i in x))
-        if tag == "ellipsis" and x is True:
-            return Ellipsis
-        if tag == "tuple" and isinstance(x, list):
-            return tuple(_decode(i, tensors, where) for i in x)
-        if tag == "dict" and isinstance(x, dict):
-            return {str(k): _decode(i, tensors, where) for k, i in x.items()}
-    raise MsprobeError(f"{where}: unexpected argument encoding {json.dumps(v)[:80]}")
-
 
 # ------------------------------------------------------------------------------------------------ running
 _BASE = (("node", str), ("prefix", str), ("api", str), ("call", int), ("direction", str), ("faults", list))
@@ -70,7 +32,8 @@ _FIELDS = {"capture": _COMMON + (("forward", str), ("function", dict), ("require
                                  ("grad_outputs", dict), ("isolator", dict)),
            "replay": _COMMON + (("replayer", dict),),
            "collective": _BASE + (("collective", dict), ("isolator", dict)),
-           "free": _COMMON + (("function", dict), ("free", dict))}
+           "free": _COMMON + (("function", dict), ("free", dict)),
+           "module": _COMMON + (("module", dict), ("requires_grad", dict), ("isolator", dict))}
 #: the most ranks a collective's reproduction starts (one process each)
 MAX_WORLD = 64
 
@@ -126,7 +89,6 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         MsprobeError: unreadable files, an API not on the replay allowlist, a bad field.
     """
     from .capture.inject import parse_faults
-    from .isolate import Isolator
     from .replay import allowlist
     from .judge.rows import outputs as _outputs
 
@@ -141,6 +103,8 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
         return _collective(spec, tensors, where, fault), spec
     if spec.get("kind") == "free":
         return _free(spec, tensors, where, fault, target_device), spec
+    if spec.get("kind") == "module":
+        return _module(spec, tensors, where, fault, target_device), spec
     matmul = spec.get("cuda_matmul") or {}
     if not isinstance(matmul, dict):
         raise MsprobeError(f"{where}: field 'cuda_matmul': expected a mapping")
@@ -150,14 +114,8 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
     func = allowlist.lookup(str(spec["function"].get("prefix")), str(spec["function"].get("api")))
     if func is None:
         raise MsprobeError(f"{where}: field 'function': not on the replay allowlist")
-    s = spec["isolator"]
-    device = target_device or str(s.get("target_device") or "cpu")
-    oracle_max = _DTYPES.get(str(s.get("oracle_max")), torch.float64)
-    iso = Isolator(standards=s.get("standards") or {}, thresholds=s.get("thresholds") or {},
-                   target_device=device, bench_device=str(s.get("bench_device") or "cpu"),
-                   backward=bool(s.get("backward", True)), bench_kernel=str(s.get("bench_kernel") or "device"),
-                   budget_draws=int(s.get("budget_draws", 3)), oracle_device=str(s.get("oracle_device") or "cpu"),
-                   oracle_max=oracle_max, oracle_label=s.get("oracle_label"))
+    device = target_device or str(spec["isolator"].get("target_device") or "cpu")
+    iso = _isolator(spec["isolator"], device)
     faults = parse_faults({"faults": spec["faults"]}, where) if fault else ()
     for key, want in spec["requires_grad"].items():
         t = tensors.get(key)
@@ -199,6 +157,33 @@ def run(path: str, fault: bool = True, target_device: str | None = None) -> tupl
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
     record = iso.results.get(spec["node"]) or {"status": "skip", "message": "nothing judged"}
     return record, spec
+
+
+def _isolator(s: dict, device: str):
+    """The :class:`~msprobe_ci.isolate.Isolator` a spec's ``isolator`` settings describe, its target on
+    ``device``."""
+    from .isolate import Isolator
+
+    return Isolator(standards=s.get("standards") or {}, thresholds=s.get("thresholds") or {},
+                    target_device=device, bench_device=str(s.get("bench_device") or "cpu"),
+                    backward=bool(s.get("backward", True)), bench_kernel=str(s.get("bench_kernel") or "device"),
+                    budget_draws=int(s.get("budget_draws", 3)), oracle_device=str(s.get("oracle_device") or "cpu"),
+                    oracle_max=_DTYPES.get(str(s.get("oracle_max")), torch.float64), oracle_label=s.get("oracle_label"))
+
+
+def _module(spec: dict, tensors: dict, where: str, fault: bool, target_device: str | None) -> dict:
+    """Judge a module isolated whole again (``"kind": "module"``, :mod:`msprobe_ci.isolate.reproduce`): rebuilt
+    from its tapes, on the gate's devices, in the gate's precisions."""
+    from .capture.inject import parse_faults
+    from .isolate.reproduce import run_module
+
+    device = str(spec["isolator"].get("target_device") or "cpu")
+    if target_device is not None and torch.device(target_device) != torch.device(device):
+        raise MsprobeError(f"{where}: a module's reproduction runs on the gate's target device ({device}): its "
+                           "tapes were recorded there")
+    faults = parse_faults({"faults": spec["faults"]}, where)
+    return run_module(_isolator(spec["isolator"], device), spec, _placed(tensors, spec, device, where), where,
+                      fault, faults)
 
 
 def _replayed(spec: dict, tensors: dict, where: str, fault: bool, target_device: str | None) -> dict:
@@ -402,32 +387,6 @@ def _collective_rank(rank: int, job: dict, inputs: torch.Tensor, faults: list, s
         dist.destroy_process_group()
 
 
-def _placed(tensors: dict, spec: dict, device: str | None, where: str) -> dict:
-    """The saved tensors on ``device`` (``None``: where they are), each argument that was not contiguous viewed
-    again with its layout (the spec's ``layouts``)."""
-    moved = {k: t.to(device) for k, t in tensors.items()} if device is not None else dict(tensors)
-    layouts = spec.get("layouts") or {}
-    if not isinstance(layouts, dict):
-        raise MsprobeError(f"{where}: field 'layouts': expected a mapping")
-    for key, layout in layouts.items():
-        moved[key] = _viewed(moved.get(key), layout, f"{where}: field 'layouts.{key}'")
-    return moved
-
-
-def _viewed(base: torch.Tensor | None, layout: Any, where: str) -> torch.Tensor:
-    """The saved flat range ``base`` viewed with the layout the argument had (:func:`_saved`), after checking that
-    the layout stays inside it."""
-    size, stride = (layout.get("size"), layout.get("stride")) if isinstance(layout, dict) else (None, None)
-    if base is None or base.dim() != 1 or not isinstance(size, list) or not isinstance(stride, list) or \
-            len(size) != len(stride) or not all(isinstance(x, int) and x >= 0 for x in size + stride):
-        raise MsprobeError(f"{where}: expected sizes and strides of a saved flat tensor")
-    if any(n == 0 for n in size):
-        return base[:0].reshape(size)
-    if 1 + sum((n - 1) * st for n, st in zip(size, stride)) > base.numel():
-        raise MsprobeError(f"{where}: the layout reaches past the saved tensor ({base.numel()} elements)")
-    return base.as_strided(size, stride, 0).detach()
-
-
 def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
@@ -472,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         s = spec["isolator"]
         ac = spec.get("autocast")
+        m = spec.get("module")
+        if isinstance(m, dict):  # a module isolated whole: its code is its tapes
+            tapes = m.get("tapes") or [{}]
+            print(f"module rebuilt from its tapes ({len(tapes[-1].get('calls') or [])} torch calls in the target's); "
+                  + ("target replayed" if m.get("target") == "replayed" else
+                     f"target values as the gate recorded them ({m.get('why')}): --no-fault cannot remove a fault"))
         print(f"ran as the gate: target {opts.target_device or s.get('target_device')}, bench kernel "
               f"{s.get('bench_kernel')} on {s.get('bench_device')}, oracle {s.get('oracle_label') or 'cpu'}"
               + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "")

@@ -14,6 +14,7 @@ from msprobe_ci.backends import Backend
 from msprobe_ci.capture.inject import Fault
 from msprobe_ci.check.outcome import judge
 from msprobe_ci.check.sides import run_side
+from msprobe_ci.replay import repro_files
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.errors import MsprobeError
@@ -136,10 +137,10 @@ def test_arguments_round_trip_and_a_hostile_spec_is_refused(tmp_path):
     assert back[1:-1] == value[1:-1]
     for arg in (t.t(), t[:, ::2], torch.arange(3.0).expand(4, 3), t[1:]):  # its layout kept: the same kernel path
         flat, layout = writer._saved(arg)
-        back = repro._viewed(flat, json.loads(json.dumps(layout)), "spec") if layout else flat.reshape(arg.shape)
+        back = repro_files._viewed(flat, json.loads(json.dumps(layout)), "spec") if layout else flat.reshape(arg.shape)
         assert torch.equal(back, arg) and back.stride() == arg.stride()
     with pytest.raises(MsprobeError, match="reaches past the saved tensor"):
-        repro._viewed(torch.zeros(4), {"size": [3, 3], "stride": [3, 1]}, "spec")
+        repro_files._viewed(torch.zeros(4), {"size": [3, 3], "stride": [3, 1]}, "spec")
     with pytest.raises(writer._Unsaved, match="object"):
         writer._encode(object(), {}, {}, {})
     for bad in ({"call": "os.system"}, {"dtype": "__class__"}, {"tensor": "missing"}):

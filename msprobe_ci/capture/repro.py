@@ -46,7 +46,8 @@ import os
 import torch
 
 from ..outputs import file_stem
-from ..replay.repro_files import CUDA_MATMUL, MAX_BYTES, MAX_FILES, VERSION, _SCRIPT, _encode, _saved, _Unsaved
+from ..replay.repro_files import CUDA_MATMUL, MAX_BYTES, MAX_FILES, VERSION, _SCRIPT, _encode, _saved, _Unsaved, \
+    _Unwritten
 
 class Reproducer:
     """Writes the reproduction of each failing call of a capture (set as an isolator's ``reproducer`` by
@@ -106,13 +107,38 @@ class Reproducer:
             "grad_enabled": call.grad_enabled, "autocast": call.autocast_state,
             # whether a CUDA half GEMM may add split-K partial sums in its dtype (the bench allows it where it may)
             "cuda_matmul": {k: bool(getattr(torch.backends.cuda.matmul, k, False)) for k in CUDA_MATMUL},
-            "isolator": {"standards": iso.standards, "thresholds": iso.thresholds,
-                         "target_device": iso.target_device, "bench_device": iso.bench_device,
-                         "backward": iso.backward, "bench_kernel": iso.bench_kernel,
-                         "budget_draws": iso.budget_draws, "oracle_device": iso.oracle_device,
-                         "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label},
+            "isolator": _isolator(iso),
         }
         return self._files(node, f"{prefix}.{api}", n, direction, spec, tensors, record)
+
+    def first_calls(self) -> dict[str, int]:
+        """``{API name: its next call index}`` of each API a fault names, now: where a module's calls begin
+        counting (its tape's calls are numbered from there, :mod:`msprobe_ci.replay.tape`)."""
+        counts = self.session.state.api_counts
+        return {api: counts.get(f"{api}.", 0) for api in self.session.fault_apis}
+
+    def faults_now(self) -> list:
+        """The faults due on this rank at this step (any API, call and direction)."""
+        s = self.session
+        return [f for f in s.faults if f.on_rank(s.fault_rank) and (f.step is None or f.step == s.current_step)]
+
+    def write_module(self, iso, node: str, direction: str, record: dict, build) -> None:
+        """Write the reproduction of failing module node ``node`` (``Module.<path>.<Class>.<direction>.<n>``):
+        ``build()`` gives its spec fields, tensors and the faults injected into its calls
+        (:func:`msprobe_ci.isolate.reproduce.module_reproduction`), run only within this step's limits. The script's
+        path (or why none was written) goes into ``record["repro"]``. Never raises."""
+        _into(record, self._write_module, iso, node, direction, record, build)
+
+    def _write_module(self, iso, node: str, direction: str, record: dict, build) -> str:
+        files, _ = self._written.get(self.folder(), (0, 0))
+        if files >= MAX_FILES:
+            return f"not written: {MAX_FILES} reproductions in this step already"
+        fields, tensors, faults = build()
+        path_class, d, n = node.rsplit(".", 2)
+        spec = {"kind": "module", "node": node, "forward": f"{path_class}.forward.{n}", "prefix": "Module",
+                "api": path_class.split(".", 1)[1], "call": int(n), "direction": direction, **fields,
+                "isolator": _isolator(iso)}
+        return self._files(node, path_class, int(n), direction, spec, tensors, record, faults)
 
     def write_free(self, fb, name: str, raw: tuple, record: dict) -> None:
         """Write the reproduction of call ``name`` that the free benchmark ``fb`` judged at risk: ``raw`` is
@@ -168,7 +194,7 @@ class Reproducer:
         return self._files(name, f"{prefix}.{api}", int(n), "forward", spec, {"inputs": inputs}, record)
 
     def _files(self, node: str, api_id: str, n: int, direction: str, spec: dict, tensors: dict,
-               record: dict) -> str:
+               record: dict, faults: list | None = None) -> str:
         """Write ``<node>.safetensors``, ``.json`` and ``.py`` for ``spec`` (completed here with what every kind
         holds: the step, rank, thread count, the faults injected into this call and the gate's verdict) within
         the step folder's limits; the script's path, or why nothing was written."""
@@ -183,13 +209,13 @@ class Reproducer:
             return f"not written: its inputs ({nbytes / 2**20:.0f} MiB) pass this step's {MAX_BYTES >> 20} MiB"
         session = self.session
         rank = session.fault_rank
-        faults = [f for f in session.faults if f.matches(api_id, n, direction, session.current_step)
-                  and f.on_rank(rank)]
+        if faults is None:
+            faults = [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
+                      for f in session.faults if f.matches(api_id, n, direction, session.current_step)
+                      and f.on_rank(rank)]
         spec = {"version": VERSION, **spec, "step": session.current_step, "rank": rank,
                 # a CPU kernel's reduction order follows its thread count (LayerNorm's weight gradient in bf16)
-                "threads": torch.get_num_threads(),
-                "faults": [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb,
-                            "value": f.value} for f in faults],
+                "threads": torch.get_num_threads(), "faults": faults,
                 "gate": {k: record.get(k) for k in ("status", "standard", "metric", "value", "threshold", "row",
                                                     "message")}}
         os.makedirs(folder, exist_ok=True)
@@ -206,6 +232,15 @@ class Reproducer:
         return stem + ".py"
 
 
+def _isolator(iso) -> dict:
+    """The isolator's settings a reproduction rebuilds it from (``iso``:
+    :class:`msprobe_ci.isolate.references.References`)."""
+    return {"standards": iso.standards, "thresholds": iso.thresholds, "target_device": iso.target_device,
+            "bench_device": iso.bench_device, "backward": iso.backward, "bench_kernel": iso.bench_kernel,
+            "budget_draws": iso.budget_draws, "oracle_device": iso.oracle_device,
+            "oracle_max": str(iso.oracle_max).replace("torch.", ""), "oracle_label": iso.oracle_label}
+
+
 def _into(record: dict, write, *args) -> None:
     """``record["repro"] = write(*args)``: the script's path, or why none was written (an argument the spec
     cannot hold, anything else that went wrong): a reproduction is a by-product, never the run's failure."""
@@ -213,5 +248,7 @@ def _into(record: dict, write, *args) -> None:
         record["repro"] = write(*args)
     except _Unsaved as exc:
         record["repro"] = f"not written: {exc} cannot be saved"
+    except _Unwritten as exc:
+        record["repro"] = f"not written: {exc}"
     except Exception as exc:  # noqa: BLE001 - the user's run goes on
         record["repro"] = f"not written: {type(exc).__name__}: {str(exc)[:120]}"

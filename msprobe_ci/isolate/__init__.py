@@ -127,7 +127,7 @@ class Isolator:
         self.loans = Loans()
         self.gradients = BackwardIsolation(self.refs, self.records, self.loans, budget)
         self.api = ApiIsolation(self.refs, self.records, self.provenance, self.gradients, self.loans)
-        self.modules = ModuleIsolation(self.refs, self.records, self.provenance)
+        self.modules = ModuleIsolation(self.refs, self.records, self.provenance, self.loans)
         self.collectives = CollectiveIsolation(self.refs, self.records, self.loans)
         self.reset()
 

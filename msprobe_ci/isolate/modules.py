@@ -43,6 +43,10 @@ class _ModuleCall:
     bench: Any = None
     bench_round: bool = False
     versions: tuple = ()
+    dtype: Any = None  # the oracle's
+    grad: bool = False
+    autocast: dict | None = None  # {device_type, dtype} where the call ran under autocast
+    first: dict | None = None  # the capture's next call index per faulted API when the call began
 
 
 class _EagerForward(torch.nn.Module):
@@ -64,10 +68,14 @@ class ModuleIsolation:
         refs: the settings and the judge's device (:class:`~.references.References`).
         records: where each verdict is kept (:class:`~.records.Records`).
         provenance: which inputs and parameters are sources (:class:`~.provenance.Provenance`).
+        loans: what the driving capture lends (:class:`~.records.Loans`: the reproducer of a failing module).
     """
 
-    def __init__(self, refs, records, provenance):
+    def __init__(self, refs, records, provenance, loans=None):
+        from .records import Loans
+
         self.refs, self.records, self.provenance = refs, records, provenance
+        self.loans = loans if loans is not None else Loans()
 
     def module_before(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
                       input_sources: bool = True):
@@ -113,7 +121,10 @@ class ModuleIsolation:
             isinstance(a, torch.Tensor) and a.requires_grad and a.is_floating_point() for a in args)
         # the inputs' structure is snapshot (tensors by reference, the containers and objects that hold them
         # copied): a KV cache the target's own forward appends to stays as this call saw it, for the budget's runs
-        call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same))
+        call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same),
+                           dtype=dtype, grad=grad, autocast=_autocast_of(list(state.values()) + _tensors(tuple(args))))
+        if self.loans.reproducer is not None:
+            call.first = self.loans.reproducer.first_calls()
         try:
             call.oracle = self._module_run(call, dtype, "cpu", grad)
             kernel = self.refs.bench_kernel
@@ -136,10 +147,15 @@ class ModuleIsolation:
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
         inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
         ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
-        import contextlib
+        st, leaves, a, k = ModuleIsolation._module_copies(call, dtype, device, grad)
+        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb)
 
+    @staticmethod
+    def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False) -> tuple:
+        """``(state, leaves, args, kwargs)``: copies of the call's state (by name) and inputs, floating ones in
+        ``dtype`` (``None``: their own) on ``device``; ``leaves`` as for :meth:`_module_run`."""
         conv = kernels.copier(dtype, device)
-        st = {f"module.{k}": conv(v) for k, v in call.state.items()}
+        st = {k: conv(v) for k, v in call.state.items()}
         leaves: list = []
         a = []
         for v in call.args:
@@ -151,7 +167,13 @@ class ModuleIsolation:
                 else:
                     leaves.append(None)
             a.append(c)
-        k = {key: _copy_obj(v, conv) for key, v in call.kwargs.items()}
+        return st, leaves, a, {key: _copy_obj(v, conv) for key, v in call.kwargs.items()}
+
+    @staticmethod
+    def _module_call(call: "_ModuleCall", st: dict, a: list, k: dict, grad: bool, context=None, perturb=None):
+        """The module's eager forward on the copies of :meth:`_module_copies`."""
+        import contextlib
+
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
             stack.enter_context(torch.set_grad_enabled(grad))
@@ -159,8 +181,8 @@ class ModuleIsolation:
                 stack.enter_context(context())
             if perturb is not None:
                 kernels.budget_modes(stack, perturb)
-            out = torch.func.functional_call(call.wrapper, st, tuple(a), k, strict=False)
-        return leaves, out
+            return torch.func.functional_call(call.wrapper, {f"module.{n}": v for n, v in st.items()}, tuple(a), k,
+                                              strict=False)
 
     def _module_scale(self, call: "_ModuleCall", grad_output: list | None = None) -> list:
         """The error scale (:mod:`msprobe_ci.kernels`) of a module's output tensors, or with ``grad_output`` of the
@@ -221,6 +243,7 @@ class ModuleIsolation:
             results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
                                                       self.refs.thresholds, terms=lambda i=i: budget(i))))
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
+        self._reproduce(call, name, "forward", output)
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
         """Judge the gradients a whole-isolated module hands to its inputs (``grad_input``) against the
@@ -259,6 +282,7 @@ class ModuleIsolation:
                 k += 1
             if results:
                 self.records.store(name, results)
+                self._reproduce(call, name, "backward", (grad_input, gout))
             else:
                 self.records.skip(name, "no input gradient to judge")
         except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
@@ -286,3 +310,50 @@ class ModuleIsolation:
         for j, g in zip(pos, got):
             res[j] = g
         return res
+
+    def _reproduce(self, call: "_ModuleCall", node: str, direction: str, observed: Any) -> None:
+        """Write the standalone reproduction of a failing module node (the capture's reproducer, when one is lent):
+        its tapes (:mod:`msprobe_ci.replay.tape`) and the gate's view of its target, into ``record["repro"]``."""
+        record = self.records.results.get(node) or {}
+        reproducer = self.loans.reproducer
+        if reproducer is None or record.get("status") != "error":
+            return
+        from .reproduce import module_reproduction
+
+        inner = _failing_inside(self.records.results, node)
+        if inner is not None:
+            record["repro"] = f"not written: {inner} inside it fails too (its reproduction is the one to run)"
+            return
+        reproducer.write_module(self.refs, node, direction, record,
+                                lambda: module_reproduction(self, call, direction, observed,
+                                                            reproducer.faults_now()))
+
+
+def _failing_inside(results: dict, node: str) -> str | None:
+    """A failing module node of the same direction (``forward``/``backward``) whose module lies inside ``node``'s,
+    or ``None``: node names are ``Module.<path>.<Class>.<direction>.<n>``."""
+    parts = node.rsplit(".", 3)
+    if len(parts) != 4:
+        return None
+    path, direction = parts[0], parts[2]
+    for other, rec in results.items():
+        if other.startswith(path + ".") and rec.get("status") == "error":
+            o = other.rsplit(".", 3)
+            if len(o) == 4 and o[2] == direction and o[0] != path:
+                return other
+    return None
+
+
+def _autocast_of(tensors: list) -> dict | None:
+    """``{device_type, dtype}`` of the autocast region the call runs in (on its first floating tensor's device
+    type), ``None`` outside one."""
+    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floating:
+        return None
+    dev = floating[0].device.type
+    try:
+        if not torch.is_autocast_enabled(dev):
+            return None
+        return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).replace("torch.", "")}
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None

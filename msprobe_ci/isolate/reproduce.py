@@ -1,0 +1,232 @@
+"""The standalone reproduction of a module isolated whole (L0 capture, a ``torch.compile`` region): what the gate
+writes for a failing one (:func:`module_reproduction`) and how a reproduction runs it again
+(:func:`run_module`), through the same :class:`~.modules.ModuleIsolation` the gate judged it with.
+
+The module's code is not in the files: its forward is kept as tapes (:mod:`msprobe_ci.replay.tape`), one per
+precision and device the gate ran it in (its oracle and error budget in fp64 on the CPU, its bench, its target),
+recorded by running it again on copies of its state and inputs as they were at the call. The target's tape is
+replayed once more, with the faults injected into its calls, and must give the gate's target values bit for bit
+(its output, or for a backward node the gradients it handed its inputs): then the reproduction re-runs the target
+(``"target": "replayed"``, ``--no-fault`` leaves the faults out). Where it does not (a ``torch.compile`` region,
+whose kernels are not the eager ones; an operation outside torch's API), the gate's own target values are saved
+and judged (``"target": "recorded"``, with why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ..kernels import tensors_of
+from ..replay.repro_files import _DTYPES, _decode, _encode, _saved, _Unwritten
+from ..replay.tape import Recorder, TapeModule, bind, replay, signature
+
+
+def module_reproduction(part, call, direction: str, observed: Any, faults: list) -> tuple[dict, dict, list]:
+    """The spec fields, tensors and injected faults of the reproduction of a failing module node.
+
+    Args:
+        part: the :class:`~.modules.ModuleIsolation` that judged it (its settings and runs).
+        call: its pending call (state, inputs, oracle dtype, autocast state, first call indices).
+        direction: ``forward`` or ``backward``.
+        observed: the gate's target: the module's output (forward), or ``(grad_input, grad_output)``.
+        faults: the faults due on this rank at this step (:class:`~msprobe_ci.capture.inject.Fault`).
+
+    Raises:
+        _Unwritten: the module cannot be kept as a tape (a call off the allowlist, inputs written since the call).
+        _Unsaved: an argument the spec cannot hold.
+    """
+    refs = part.refs
+    if tuple(t._version for t in tensors_of(call.args) + list(call.state.values()) + tensors_of(call.kwargs)) != \
+            call.versions:
+        raise _Unwritten(f"{call.name}: its inputs or state were written since the call")
+    tensors: dict = {}
+    keys: dict = {}
+    grads: dict = {}
+    layouts: dict = {}
+    # an object among the inputs (a KV cache) is not kept: the tape holds the calls the module made on its tensors
+    args = _encode(list(call.args), tensors, keys, grads, layouts, opaque=True)
+    kwargs = _encode(dict(call.kwargs), tensors, keys, grads, layouts, opaque=True)
+    state = []
+    for name, v in call.state.items():
+        key = f"state.{name}"
+        tensors[key], layout = _saved(v)
+        if layout is not None:
+            layouts[key] = layout
+        state.append({"name": name, "key": key, "parameter": isinstance(v, torch.nn.Parameter),
+                      "requires_grad": bool(v.requires_grad)})
+    kernel = refs.bench_kernel
+    runs = [(call.dtype, "cpu")] + ([(torch.float64, "cpu")] if refs.budget_draws else [])
+    runs.append((call.dtype if kernel == "upcast" else torch.float64, "cpu") if kernel in ("upcast", "rounded")
+                else (None, refs.bench_device))
+    runs.append((None, refs.target_device))
+    tapes: list = []
+    for dtype, device in runs:
+        tape = _record(part, call, dtype, device, tensors, len(tapes), args, kwargs)
+        if all(t["signature"] != tape["signature"] for t in tapes):
+            tapes.append(tape)
+    target = next(t for t in tapes if t["signature"] == tape["signature"])  # the last run is the target's
+    first = {k: int(v) for k, v in (call.first or {}).items()}
+    mine = [f for f in faults if f.api in first]
+    due = []
+    for entry in target["calls"]:
+        name = entry.get("name")
+        if name in first:
+            n = first[name] + entry["index"]
+            due += [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
+                    for f in mine if f.matches(name, n, f.direction)]
+    module = {"state": state, "tapes": tapes, "first": first}
+    gout = None
+    if direction == "backward":
+        grad_input, gout = observed
+        module["grad_outputs"] = _keep(tensors, "grad_output", gout)
+    same = _replays(part, call, target, tensors, args, kwargs, first, mine, direction, observed)
+    if same is True:
+        module["target"] = "replayed"
+    else:
+        module.update(target="recorded", why=same)
+        if direction == "forward":
+            module["target_outputs"] = _keep(tensors, "target", tensors_of(observed))
+        else:
+            module["target_grads"] = _keep(tensors, "target_grad", list(observed[0]))
+    fields = {"args": args, "kwargs": kwargs, "requires_grad": grads, "layouts": layouts, "module": module,
+              "grad_enabled": bool(call.grad), "autocast": call.autocast}
+    return fields, tensors, due
+
+
+def _keep(tensors: dict, stem: str, values: list) -> list:
+    """Save ``values`` (``None`` kept as ``None``) as ``<stem>.<i>``; their keys."""
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            tensors[f"{stem}.{i}"] = v.detach().to("cpu", copy=True).contiguous()
+            out.append(f"{stem}.{i}")
+        else:
+            out.append(None)
+    return out
+
+
+def _autocast(state: dict | None):
+    if isinstance(state, dict) and str(state.get("dtype")) in _DTYPES:
+        return torch.autocast(str(state["device_type"]), dtype=_DTYPES[str(state["dtype"])])
+    return contextlib.nullcontext()
+
+
+def _record(part, call, dtype, device: str, tensors: dict, index: int, args: list, kwargs: dict) -> dict:
+    """One tape: the module run again on copies of its state and inputs in ``dtype`` on ``device``."""
+    st, _, a, k = part._module_copies(call, dtype, device, call.grad)
+    env = {f"state.{n}": v for n, v in st.items()}
+    bind(args, a, env)
+    bind(kwargs, k, env)
+    rec = Recorder({id(t): key for key, t in env.items()}, tensors, index)
+    with _autocast(call.autocast):
+        out = part._module_call(call, st, a, k, call.grad, context=lambda: rec)
+    if rec.broken is not None:
+        raise _Unwritten(f"{call.name}: {rec.broken}")
+    return {"signature": signature(list(st.values()), a, k), "calls": rec.calls,
+            "output": _encode(out, tensors, rec.keys, {}, None, rec.prefix)}
+
+
+def _replays(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, first: dict, faults: list,
+             direction: str, observed: Any):
+    """``True`` when the target's tape, replayed with the faults, gives the gate's target values bit for bit;
+    else why not."""
+    device = part.refs.target_device
+    st, leaves, a, k = part._module_copies(call, None, device, call.grad)
+    env = {key: t.to(device) for key, t in tensors.items() if key.startswith("c")}
+    env.update({f"state.{n}": v for n, v in st.items()})
+    bind(args, a, env)
+    bind(kwargs, k, env)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(call.grad), _autocast(call.autocast):
+            out = replay(tape, env, first, faults)
+            if direction == "forward":
+                return _bitwise(tensors_of(out), tensors_of(observed), "output")
+            grad_input, gout = observed
+            return _bitwise([g for g in _vjp(out, leaves, gout) if g is not None],
+                            [g for g in grad_input if g is not None], "input gradients")
+    except Exception as exc:  # noqa: BLE001 - then the gate's values are the target
+        return f"its tape does not replay: {type(exc).__name__}: {str(exc)[:120]}"
+
+
+def _bitwise(mine: list, gate: list, what: str):
+    if len(mine) != len(gate):
+        return f"its tape gives {len(mine)} {what}, the gate's module {len(gate)}"
+    for i, (x, y) in enumerate(zip(mine, gate)):
+        if x.shape != y.shape or x.dtype != y.dtype or not bool(((x == y) | (x.isnan() & y.isnan())).all()
+                                                                if x.is_floating_point() else torch.equal(x, y)):
+            return (f"its tape's {what} {i} is not the gate's bit for bit (a compiled region's kernels, an operation "
+                    "outside torch's API)")
+    return True
+
+
+def _vjp(out: Any, leaves: list, grad_output: list) -> list:
+    """The gradients w.r.t. ``leaves`` (``None`` where a leaf is ``None``) of the module's output tensors that
+    ``grad_output`` reaches, as the gate's backward hook saw them."""
+    outs = tensors_of(out)
+    pairs = [(t, g) for t, g in zip(outs, grad_output) if g is not None and t.requires_grad]
+    pos = [j for j, x in enumerate(leaves) if x is not None]
+    res: list = [None] * len(leaves)
+    if not pairs or not pos:
+        return res
+    got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos],
+                              [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs], allow_unused=True)
+    for j, g in zip(pos, got):
+        res[j] = g
+    return res
+
+
+def run_module(iso, spec: dict, tensors: dict, where: str, fault: bool, faults: list) -> dict:
+    """Judge a module reproduction (``"kind": "module"``) again: the module rebuilt from its tapes
+    (:class:`~msprobe_ci.replay.tape.TapeModule`) isolated by ``iso`` as the gate isolated it, its target replayed
+    with ``faults`` (or the gate's recorded target values); the node's isolation record.
+
+    Raises:
+        MsprobeError: a malformed field, naming it.
+    """
+    from ..errors import MsprobeError
+
+    m = spec["module"]
+    module = TapeModule(m, spec["args"], spec["kwargs"], tensors, where)
+    for key, want in spec["requires_grad"].items():
+        if want and key in tensors and tensors[key].is_floating_point():
+            tensors[key].requires_grad_(True)
+    args, kwargs = _decode(spec["args"], tensors, where), _decode(spec["kwargs"], tensors, where)
+    fwd, node = spec["forward"], spec["node"]
+    grad = bool(spec.get("grad_enabled", True))
+    with torch.set_grad_enabled(grad), _autocast(spec.get("autocast")):
+        call = iso.module_before(fwd, module, tuple(args), dict(kwargs), input_sources=False)
+        if call is None:
+            return iso.results.get(fwd) or {"status": "skip", "message": "nothing judged"}
+        replayed = m.get("target") == "replayed"
+        if replayed:
+            module.faults = tuple(faults) if fault else ()
+            out = module(*args, **kwargs)
+            module.faults = ()
+        if spec["direction"] == "forward":
+            if not replayed:
+                out = [_saved_value(tensors, key, where) for key in m.get("target_outputs") or []]
+            iso.module_after(call, out)
+            return iso.results.get(node) or {"status": "skip", "message": "nothing judged"}
+    gout = [None if key is None else _saved_value(tensors, key, where) for key in m.get("grad_outputs") or []]
+    if replayed:
+        # one entry per positional argument, as the gate's backward hook hands them (None: no gradient)
+        grad_input = tuple(_vjp(out, [a if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args],
+                                gout))
+    else:
+        keys = m.get("target_grads")
+        if not isinstance(keys, list):
+            raise MsprobeError(f"{where}: field 'module.target_grads': expected a list of keys")
+        grad_input = tuple(None if key is None else _saved_value(tensors, key, where) for key in keys)
+    iso.module_backward(call, node, grad_input, gout)
+    return iso.results.get(node) or {"status": "skip", "message": "nothing judged"}
+
+
+def _saved_value(tensors: dict, key: Any, where: str) -> torch.Tensor:
+    from ..errors import MsprobeError
+
+    if not isinstance(key, str) or key not in tensors:
+        raise MsprobeError(f"{where}: field 'module': no saved tensor {key!r}")
+    return tensors[key]
