@@ -61,14 +61,21 @@ def module_reproduction(part, call, direction: str, observed: Any, faults: list)
     runs = [(call.dtype, "cpu")] + ([(torch.float64, "cpu")] if refs.budget_draws else [])
     runs.append((call.dtype if kernel == "upcast" else torch.float64, "cpu") if kernel in ("upcast", "rounded")
                 else (None, refs.bench_device))
-    runs.append((None, refs.target_device))
-    tapes: list = []
+    runs.append((None, refs.target_device))  # the target's last
+    module: dict = {"state": state, "tapes": [], "first": {k: int(v) for k, v in (call.first or {}).items()}}
+    gout = observed[1] if direction == "backward" else None
     for dtype, device in runs:
-        tape = _record(part, call, dtype, device, tensors, len(tapes), args, kwargs)
-        if all(t["signature"] != tape["signature"] for t in tapes):
-            tapes.append(tape)
-    target = next(t for t in tapes if t["signature"] == tape["signature"])  # the last run is the target's
-    first = {k: int(v) for k, v in (call.first or {}).items()}
+        tape, real = _record(part, call, dtype, device, tensors, len(module["tapes"]), args, kwargs, gout)
+        target = next((t for t in module["tapes"] if t["signature"] == tape["signature"]), None)
+        if target is None:  # a run in a precision or on a device not taped yet: its tape must replay it exactly
+            same = _bitwise(_replayed(part, call, tape, tensors, args, kwargs, dtype, device, gout), real,
+                            "output" if gout is None else "input gradients")
+            if same is not True:
+                raise _Unwritten(f"{call.name}: in {str(dtype or 'its own dtype').replace('torch.', '')} on "
+                                 f"{device}, {same}")
+            module["tapes"].append(tape)
+            target = tape
+    first = module["first"]
     mine = [f for f in faults if f.api in first]
     due = []
     for entry in target["calls"]:
@@ -77,18 +84,20 @@ def module_reproduction(part, call, direction: str, observed: Any, faults: list)
             n = first[name] + entry["index"]
             due += [{"api": f.api, "call": n, "direction": f.direction, "perturb": f.perturb, "value": f.value}
                     for f in mine if f.matches(name, n, f.direction)]
-    module = {"state": state, "tapes": tapes, "first": first}
-    gout = None
-    if direction == "backward":
-        grad_input, gout = observed
+    gate = tensors_of(observed) if gout is None else [g for g in observed[0] if g is not None]
+    if gout is not None:
         module["grad_outputs"] = _keep(tensors, "grad_output", gout)
-    same = _replays(part, call, target, tensors, args, kwargs, first, mine, direction, observed)
+    try:
+        same = _bitwise(_replayed(part, call, target, tensors, args, kwargs, None, refs.target_device, gout, first,
+                                  mine), gate, "output" if gout is None else "input gradients")
+    except Exception as exc:  # noqa: BLE001 - then the gate's values are the target
+        same = f"its tape does not replay: {type(exc).__name__}: {str(exc)[:120]}"
     if same is True:
         module["target"] = "replayed"
-    else:
-        module.update(target="recorded", why=same)
-        if direction == "forward":
-            module["target_outputs"] = _keep(tensors, "target", tensors_of(observed))
+    else:  # a compiled region's kernels are not the eager ones its tape replays
+        module.update(target="recorded", why=f"{same} (a compiled region's kernels, a non-deterministic one)")
+        if gout is None:
+            module["target_outputs"] = _keep(tensors, "target", gate)
         else:
             module["target_grads"] = _keep(tensors, "target_grad", list(observed[0]))
     fields = {"args": args, "kwargs": kwargs, "requires_grad": grads, "layouts": layouts, "module": module,
@@ -114,9 +123,11 @@ def _autocast(state: dict | None):
     return contextlib.nullcontext()
 
 
-def _record(part, call, dtype, device: str, tensors: dict, index: int, args: list, kwargs: dict) -> dict:
-    """One tape: the module run again on copies of its state and inputs in ``dtype`` on ``device``."""
-    st, _, a, k = part._module_copies(call, dtype, device, call.grad)
+def _record(part, call, dtype, device: str, tensors: dict, index: int, args: list, kwargs: dict,
+            gout: list | None) -> tuple[dict, list]:
+    """One tape: the module run again on copies of its state and inputs in ``dtype`` on ``device``; and what
+    that run gave (its output tensors, or with ``gout`` the gradients it hands its positional inputs)."""
+    st, leaves, a, k = part._module_copies(call, dtype, device, call.grad)
     env = {f"state.{n}": v for n, v in st.items()}
     bind(args, a, env)
     bind(kwargs, k, env)
@@ -125,40 +136,39 @@ def _record(part, call, dtype, device: str, tensors: dict, index: int, args: lis
         out = part._module_call(call, st, a, k, call.grad, context=lambda: rec)
     if rec.broken is not None:
         raise _Unwritten(f"{call.name}: {rec.broken}")
-    return {"signature": signature(list(st.values()), a, k), "calls": rec.calls,
+    tape = {"signature": signature(list(st.values()), a, k), "calls": rec.calls,
             "output": _encode(out, tensors, rec.keys, {}, None, rec.prefix)}
+    return tape, _values(out, leaves, gout)
 
 
-def _replays(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, first: dict, faults: list,
-             direction: str, observed: Any):
-    """``True`` when the target's tape, replayed with the faults, gives the gate's target values bit for bit;
-    else why not."""
-    device = part.refs.target_device
-    st, leaves, a, k = part._module_copies(call, None, device, call.grad)
+def _values(out: Any, leaves: list, gout: list | None) -> list:
+    """A run's output tensors, or with ``gout`` the gradients it hands its positional inputs (``None`` left out)."""
+    if gout is None:
+        return tensors_of(out)
+    return [g for g in _vjp(out, leaves, gout) if g is not None]
+
+
+def _replayed(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, dtype, device: str,
+              gout: list | None, first: dict | None = None, faults=()) -> list:
+    """What ``tape`` gives, replayed on copies of the call's state and inputs in ``dtype`` on ``device`` (its
+    constants placed there, as a reproduction places them), ``faults`` applied: as :func:`_values`."""
+    st, leaves, a, k = part._module_copies(call, dtype, device, call.grad)
     env = {key: t.to(device) for key, t in tensors.items() if key.startswith("c")}
     env.update({f"state.{n}": v for n, v in st.items()})
     bind(args, a, env)
     bind(kwargs, k, env)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(call.grad), _autocast(call.autocast):
-            out = replay(tape, env, first, faults)
-            if direction == "forward":
-                return _bitwise(tensors_of(out), tensors_of(observed), "output")
-            grad_input, gout = observed
-            return _bitwise([g for g in _vjp(out, leaves, gout) if g is not None],
-                            [g for g in grad_input if g is not None], "input gradients")
-    except Exception as exc:  # noqa: BLE001 - then the gate's values are the target
-        return f"its tape does not replay: {type(exc).__name__}: {str(exc)[:120]}"
+    with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(call.grad), _autocast(call.autocast):
+        return _values(replay(tape, env, first, faults), leaves, gout)
 
 
 def _bitwise(mine: list, gate: list, what: str):
+    """``True`` when ``mine`` are ``gate`` bit for bit (NaN where NaN), else why not."""
     if len(mine) != len(gate):
-        return f"its tape gives {len(mine)} {what}, the gate's module {len(gate)}"
+        return f"its tape gives {len(mine)} {what}, the module {len(gate)}"
     for i, (x, y) in enumerate(zip(mine, gate)):
         if x.shape != y.shape or x.dtype != y.dtype or not bool(((x == y) | (x.isnan() & y.isnan())).all()
                                                                 if x.is_floating_point() else torch.equal(x, y)):
-            return (f"its tape's {what} {i} is not the gate's bit for bit (a compiled region's kernels, an operation "
-                    "outside torch's API)")
+            return f"its tape's {what} {i} differs from the module's"
     return True
 
 
