@@ -14,6 +14,7 @@ from msprobe_ci import repro
 from msprobe_ci.backends import Backend
 from msprobe_ci.capture import CaptureSession
 from msprobe_ci.capture.inject import Fault
+from msprobe_ci.capture.naming import counted
 from msprobe_ci.capture.repro import Reproducer
 from msprobe_ci.check.outcome import judge
 from msprobe_ci.check.sides import run_side
@@ -105,7 +106,7 @@ def _taped(module, args, kwargs):
     env = {f"state.{n}": v for n, v in state.items()}
     tape.bind(enc_args, list(args), env)
     tape.bind(enc_kwargs, kwargs, env)
-    rec = tape.Recorder({id(t): k for k, t in env.items()}, tensors, 0)
+    rec = tape.Recorder({id(t): k for k, t in env.items()}, tensors, 0, counted)
     with rec:
         out = module(*args, **kwargs)
     assert rec.broken is None, rec.broken
@@ -142,7 +143,7 @@ def test_a_run_the_tape_cannot_follow_is_refused():
             return torch.ops.aten.mul.Tensor(x, 1.5)  # an ATen op: not a torch API the allowlist names
 
     x = torch.randn(3)
-    rec = tape.Recorder({id(x): "t0"}, {}, 0)
+    rec = tape.Recorder({id(x): "t0"}, {}, 0, counted)
     with rec:
         Raw()(x)
     assert rec.broken is not None and "not a torch API" in rec.broken
@@ -153,7 +154,7 @@ def test_a_run_the_tape_cannot_follow_is_refused():
 
     x = torch.randn(3, requires_grad=True)
     x.grad = torch.ones(3)
-    rec = tape.Recorder({id(x): "t0"}, {}, 0)
+    rec = tape.Recorder({id(x): "t0"}, {}, 0, counted)
     with rec:
         Sneaky()(x)
     assert rec.broken is not None and "property grad" in rec.broken

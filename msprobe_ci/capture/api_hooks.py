@@ -4,7 +4,6 @@ backward."""
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -13,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from . import naming
 from .coverage import quiet
 from .observers import ApiCall
+from ..kernels.choice import first_grad_fn as _first_grad_fn, is_input_node as _is_input_node
 
 
 class _ApiMode(TorchFunctionMode):
@@ -188,29 +188,3 @@ def _fp8_cast(args: tuple, kwargs: dict) -> bool:
     from ..kernels import FP8_DTYPES
 
     return any(a in FP8_DTYPES for a in args if isinstance(a, torch.dtype)) or kwargs.get("dtype") in FP8_DTYPES
-
-
-def _first_grad_fn(value: Any):
-    if isinstance(value, torch.Tensor):
-        return value.grad_fn if value.requires_grad else None
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            node = _first_grad_fn(v)
-            if node is not None:
-                return node
-    if isinstance(value, dict):
-        for v in value.values():
-            node = _first_grad_fn(v)
-            if node is not None:
-                return node
-    return None
-
-
-def _is_input_node(node, args, kwargs) -> bool:
-    for v in list(args) + list(kwargs.values()):
-        if isinstance(v, torch.Tensor) and v.grad_fn is node:
-            return True
-        if isinstance(v, (list, tuple)):
-            if any(isinstance(x, torch.Tensor) and x.grad_fn is node for x in v):
-                return True
-    return False

@@ -217,3 +217,21 @@ def lookup(func: Any) -> tuple[str, str, int] | None:
         if getattr(owner, name, None) is not func and getattr(owner, own, None) is func:
             return prefix, own, _classify(own)
     return info
+
+
+def counted(func: Any, args: tuple = ()) -> tuple[str, str, str | None] | None:
+    """``(prefix, api, the name capture counts the call under)`` of a torch function called with ``args``, the
+    name ``None`` for a call capture does not count (:data:`SKIP`), ``None`` for no torch API. An operator is
+    counted under its dunder name (``Tensor.__add__``, :func:`operator_name`), as API capture counts it.
+
+    Raises:
+        TypeError: an unhashable callable.
+    """
+    info = lookup(func)
+    if info is None:
+        return None
+    prefix, api, kind = info
+    if kind == SKIP:
+        return prefix, api, None
+    op = operator_name(api, args) if prefix != "Functional" else None
+    return prefix, api, f"Tensor.{op}" if op is not None else f"{prefix}.{api}"

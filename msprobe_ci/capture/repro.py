@@ -117,6 +117,13 @@ class Reproducer:
         counts = self.session.state.api_counts
         return {api: counts.get(f"{api}.", 0) for api in self.session.fault_apis}
 
+    @staticmethod
+    def name_of(func, args: tuple):
+        """How this capture names and counts a call: :func:`msprobe_ci.capture.naming.counted`."""
+        from .naming import counted
+
+        return counted(func, args)
+
     def faults_now(self) -> list:
         """The faults due on this rank at this step (any API, call and direction)."""
         s = self.session

@@ -55,7 +55,8 @@ from .modules import ModuleIsolation
 from .provenance import Provenance
 from .records import Loans, Records
 from .references import References
-from .support import headline, is_inplace, _SCHEMA_VERSION, verdict_fields
+from ..judge.fields import headline, verdict_fields
+from .support import is_inplace, _SCHEMA_VERSION
 
 
 __all__ = ["Isolator", "headline", "is_inplace", "verdict_fields"]

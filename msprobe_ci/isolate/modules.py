@@ -326,7 +326,7 @@ class ModuleIsolation:
             return
         reproducer.write_module(self.refs, node, direction, record,
                                 lambda: module_reproduction(self, call, direction, observed,
-                                                            reproducer.faults_now()))
+                                                            reproducer.faults_now(), reproducer.name_of))
 
 
 def _failing_inside(results: dict, node: str) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .support import verdict_fields
+from ..judge.fields import verdict_fields
 
 
 def _as_is(fn):

@@ -24,7 +24,8 @@ from ..replay.repro_files import _DTYPES, _decode, _encode, _saved, _Unwritten
 from ..replay.tape import Recorder, TapeModule, bind, replay, signature
 
 
-def module_reproduction(part, call, direction: str, observed: Any, faults: list) -> tuple[dict, dict, list]:
+def module_reproduction(part, call, direction: str, observed: Any, faults: list,
+                        name_of) -> tuple[dict, dict, list]:
     """The spec fields, tensors and injected faults of the reproduction of a failing module node.
 
     Args:
@@ -33,6 +34,7 @@ def module_reproduction(part, call, direction: str, observed: Any, faults: list)
         direction: ``forward`` or ``backward``.
         observed: the gate's target: the module's output (forward), or ``(grad_input, grad_output)``.
         faults: the faults due on this rank at this step (:class:`~msprobe_ci.capture.inject.Fault`).
+        name_of: how the capture names and counts a call (:class:`~msprobe_ci.replay.tape.Recorder`).
 
     Raises:
         _Unwritten: the module cannot be kept as a tape (a call off the allowlist, inputs written since the call).
@@ -65,7 +67,7 @@ def module_reproduction(part, call, direction: str, observed: Any, faults: list)
     module: dict = {"state": state, "tapes": [], "first": {k: int(v) for k, v in (call.first or {}).items()}}
     gout = observed[1] if direction == "backward" else None
     for dtype, device in runs:
-        tape, real = _record(part, call, dtype, device, tensors, len(module["tapes"]), args, kwargs, gout)
+        tape, real = _record(part, call, dtype, device, tensors, len(module["tapes"]), args, kwargs, gout, name_of)
         target = next((t for t in module["tapes"] if t["signature"] == tape["signature"]), None)
         if target is None:  # a run in a precision or on a device not taped yet: its tape must replay it exactly
             same = _bitwise(_replayed(part, call, tape, tensors, args, kwargs, dtype, device, gout), real,
@@ -124,14 +126,14 @@ def _autocast(state: dict | None):
 
 
 def _record(part, call, dtype, device: str, tensors: dict, index: int, args: list, kwargs: dict,
-            gout: list | None) -> tuple[dict, list]:
+            gout: list | None, name_of) -> tuple[dict, list]:
     """One tape: the module run again on copies of its state and inputs in ``dtype`` on ``device``; and what
     that run gave (its output tensors, or with ``gout`` the gradients it hands its positional inputs)."""
     st, leaves, a, k = part._module_copies(call, dtype, device, call.grad)
     env = {f"state.{n}": v for n, v in st.items()}
     bind(args, a, env)
     bind(kwargs, k, env)
-    rec = Recorder({id(t): key for key, t in env.items()}, tensors, index)
+    rec = Recorder({id(t): key for key, t in env.items()}, tensors, index, name_of)
     with _autocast(call.autocast):
         out = part._module_call(call, st, a, k, call.grad, context=lambda: rec)
     if rec.broken is not None:

@@ -4,11 +4,11 @@ record fields a verdict becomes (what cannot be judged at all: :mod:`msprobe_ci.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 
 
 _SCHEMA_VERSION = 1
@@ -54,20 +54,6 @@ def _copy_obj(value: Any, conv, depth: int = 0) -> Any:
         except Exception:  # noqa: BLE001 - an object that cannot be copied is passed as it is
             return value
     return value
-
-
-def headline(result) -> tuple[str, float, float]:
-    """``(metric, value, threshold)`` of a :class:`~msprobe_ci.checkers.CheckResult`: the thresholded metric
-    closest to (or furthest past) its threshold; ``(standard, 0, 0)`` when nothing is thresholded."""
-    best = (result.standard, 0.0, 0.0, -math.inf)
-    for k, v in (result.passing or {}).items():
-        th = (result.thresholds or {}).get(k)
-        if th is None or not isinstance(v, (int, float)):
-            continue
-        r = v / th if th > 0 else (math.inf if v > 0 else 0.0)
-        if r > best[3]:
-            best = (k, float(v), float(th), r)
-    return best[0], best[1], best[2]
 
 
 @dataclass
@@ -117,21 +103,6 @@ def _cpu(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.detach().cpu() if v.device.type != "cpu" else v.detach()
     return v
-
-
-def verdict_fields(row: str, result, note: str = "") -> dict[str, Any]:
-    """The fields of an isolation record that say a row's verdict: standard, headline metric, value, threshold,
-    row, message (``note`` appended) and every metric (non-finite numbers as strings, for JSON)."""
-    metric, value, threshold = headline(result)
-    return {"standard": result.standard, "metric": metric, "value": _num(value), "threshold": _num(threshold),
-            "row": row, "message": f"{result.standard} {result.status}: {result.message}{note}",
-            "metrics": {k: _num(v) for k, v in (result.metrics or {}).items()}}
-
-
-def _num(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
 
 
 def _has_dtensor(value: Any, depth: int = 0) -> bool:

@@ -277,3 +277,31 @@ _UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.
 #: ``u / sqrt(3)`` (0.42 u averaged over log-uniform mantissas; PyTorch's CPU flash attention in bf16 measured 0.43-0.53
 #: u of the random walk of its held probabilities). Each jitter draws an error of this RMS (:func:`jitter`).
 ROUNDING_RMS = 3.0 ** -0.5
+
+
+def first_grad_fn(value: Any):
+    """The autograd node of the first tensor in ``value`` that requires grad (lists, tuples, dicts), or ``None``."""
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            node = first_grad_fn(v)
+            if node is not None:
+                return node
+    if isinstance(value, dict):
+        for v in value.values():
+            node = first_grad_fn(v)
+            if node is not None:
+                return node
+    return None
+
+
+def is_input_node(node, args, kwargs) -> bool:
+    """Whether ``node`` is the autograd node of one of the call's inputs (an identity or alias output)."""
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.grad_fn is node:
+            return True
+        if isinstance(v, (list, tuple)):
+            if any(isinstance(x, torch.Tensor) and x.grad_fn is node for x in v):
+                return True
+    return False

@@ -37,8 +37,8 @@ KIND = "replay"
 def record_of(result) -> dict:
     """An :class:`~msprobe_ci.replay.result.ApiResult` as an isolation record: ``status``, ``message`` and, unless
     it passed, the verdict fields of its first row with that status (standard, metric, value, threshold, row,
-    metrics: :func:`~msprobe_ci.isolate.support.verdict_fields`). The spec's ``gate`` and a re-run's record alike."""
-    from ..isolate.support import verdict_fields
+    metrics: :func:`~msprobe_ci.judge.fields.verdict_fields`). The spec's ``gate`` and a re-run's record alike."""
+    from ..judge.fields import verdict_fields
 
     bad = next(((row, c) for row, c in result.outputs if c.status == result.status), None)
     record = dict(verdict_fields(*bad)) if bad is not None and result.status != "pass" else {}

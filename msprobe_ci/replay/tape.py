@@ -67,6 +67,8 @@ class Recorder(TorchFunctionMode):
         keys: ``{id(tensor): key}`` of the run's inputs and state (held alive by the caller for the run).
         tensors: where a constant is saved (shared by a module's tapes; ``c<tape>_<n>`` keys).
         tape: this tape's number (its constants' key prefix).
+        name_of: ``(func, args) -> (prefix, api, counted name or None) | None``: how the capture names and counts
+            a call (:func:`msprobe_ci.capture.naming.counted`, lent by the capture's reproducer).
 
     Attributes:
         calls: the kept calls: ``{"function": {"prefix", "api"}}`` or ``{"property": name}``, ``"name"`` (the dump
@@ -76,8 +78,9 @@ class Recorder(TorchFunctionMode):
             ``None``.
     """
 
-    def __init__(self, keys: dict, tensors: dict, tape: int):
+    def __init__(self, keys: dict, tensors: dict, tape: int, name_of=None):
         super().__init__()
+        self.name_of = name_of
         self.keys, self.tensors, self.prefix = dict(keys), tensors, f"c{tape}_"
         self.calls: list[dict] = []
         self.broken: str | None = None
@@ -113,7 +116,6 @@ class Recorder(TorchFunctionMode):
         """The call as the tape keeps it (arguments encoded before it runs: an in-place call's input as it was),
         ``{"why": ...}`` when it cannot be kept, ``None`` when it cannot be named and will show as unkeepable only
         if it returns a tensor."""
-        from ..capture import naming
         from . import allowlist
 
         try:
@@ -135,18 +137,17 @@ class Recorder(TorchFunctionMode):
             entry["property"] = prop
             return entry
         try:
-            info = naming.lookup(func)
-        except TypeError:
+            info = self.name_of(func, args) if self.name_of is not None else None
+        except TypeError:  # an unhashable callable
             info = None
         if info is None:
             return {"why": f"calls {getattr(func, '__qualname__', None) or func!r}, which is not a torch API"}
-        prefix, api, kind = info
+        prefix, api, name = info
         if (prefix, api) != _SETITEM and allowlist.lookup(prefix, api) is not func:
             return {"why": f"calls {prefix}.{api}, which is not on the replay allowlist"}
         entry["function"] = {"prefix": prefix, "api": api}
-        if kind != naming.SKIP:  # counted as API capture counts it: an operator by its dunder name
-            op = naming.operator_name(api, args) if prefix != "Functional" else None
-            entry["counted"] = f"Tensor.{op}" if op is not None else f"{prefix}.{api}"
+        if name is not None:
+            entry["counted"] = name
         return entry
 
 
@@ -210,11 +211,11 @@ def replay(tape: dict, env: dict, first: dict | None = None, faults=(), where: s
 def _faulted(out: Any, forward: list, backward: list, n: int, args: tuple, kwargs: dict) -> Any:
     """``out`` with its forward faults applied, its kernel's node hooked to apply the backward ones (as the
     capture's fault observer does: :class:`msprobe_ci.capture.observers.FaultObserver`)."""
-    from ..capture.api_hooks import _first_grad_fn, _is_input_node
+    from ..kernels.choice import first_grad_fn, is_input_node
 
     if backward and torch.is_grad_enabled():
-        node = _first_grad_fn(out)
-        if node is not None and not _is_input_node(node, args, kwargs):
+        node = first_grad_fn(out)
+        if node is not None and not is_input_node(node, args, kwargs):
             def hook(grad_inputs, _grad_outputs):
                 new = tuple(grad_inputs)
                 for f in backward:
