@@ -34,7 +34,7 @@ def _gate_l0(tmp_path, fault, dtype, kernel):
     cfg = DumpConfig(task="statistics", level="L0")
     b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
-                 faults=(fault,), isolator=Isolator(backward=True, bench_kernel=kernel))
+                 faults=(fault,) if fault is not None else (), isolator=Isolator(backward=True, bench_kernel=kernel))
     report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
         str(target.dtype), "torch.float32")))
     return report.first_divergence, t.folder

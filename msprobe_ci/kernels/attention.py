@@ -44,7 +44,7 @@ class _FusedAttention(torch.autograd.Function):
         grads = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves]
         grads = [g if g is None or d is None else g + d
                  for g, d in zip(grads, _stored_output_terms(leaves, ctx.kwargs, grad, out.detach(), probs.detach(),
-                                                             *ctx.eta_gen))]
+                                                             *ctx.eta_gen[:2]))]
         return (None, None, *[_round_out(g, *ctx.eta_gen) if g is not None else None for g in grads])
 
 
@@ -102,11 +102,11 @@ def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, 
     return res if weights else res[0]
 
 
-def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator) -> torch.Tensor:
+def _round_out(t: torch.Tensor, eta: float, generator: torch.Generator, floor: float = 0.0) -> torch.Tensor:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():  # the kernel's output rounding, once: not again as an op of the mode
-        return jitter(t, eta, generator)
+        return jitter(t, eta, generator, floor)
 
 
 #: the attention API itself (``F.scaled_dot_product_attention``), not whatever a capture's hook put in its place
@@ -115,11 +115,11 @@ _SDPA = torch._C._nn.scaled_dot_product_attention
 
 class FusedAttention(torch.overrides.TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` (without dropout) through :class:`_FusedAttention` in the
-    budget's runs (``perturb``: ``(eta, generator)`` of the kernel's output rounding)."""
+    budget's runs (``(eta, generator, floor)`` of the kernel's output rounding, :func:`~.perturb.jitter`)."""
 
-    def __init__(self, eta: float, generator: torch.Generator):
+    def __init__(self, eta: float, generator: torch.Generator, floor: float = 0.0):
         super().__init__()
-        self.eta_gen = (eta, generator)
+        self.eta_gen = (eta, generator, floor)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -40,18 +40,21 @@ ACCUMULATION = 2.0 ** -24
 
 
 def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generator) -> tuple:
-    """``(eta, generator, inner, held, tiny)`` of a budget's runs (:class:`Perturb`) in ``run_dtype`` for a call
-    on ``tensors``: ``eta`` the RMS of one rounding to the target dtype (:data:`ROUNDING_RMS` times its roundoff,
-    :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
+    """``(eta, generator, inner, held, tiny, floor)`` of a budget's runs (:class:`Perturb`) in ``run_dtype`` for a
+    call on ``tensors``: ``eta`` the RMS of one rounding to the target dtype (:data:`ROUNDING_RMS` times its
+    roundoff, :func:`target_roundoff`, :func:`_eta`), ``inner`` of one rounding in the accumulation dtype
     (:data:`ACCUMULATION`, or the target's own where that is finer), the kernels known to hold their terms in
     the target dtype (:data:`CPU_HALF_HELD` for a bf16/fp16 call on the CPU; none elsewhere) and, with them, the
-    target dtype's smallest normal number (below it a held sum rounds by half a subnormal step, absolute). The
-    scales are measured in units of the target's roundoff (:func:`unit_of`)."""
+    target dtype's smallest normal number (``tiny``: below it a held sum rounds by half a subnormal step,
+    absolute); ``floor``, that number for every rounding to a half-precision target on any device
+    (:func:`~.perturb.jitter`). The scales are measured in units of the target's roundoff (:func:`unit_of`)."""
     unit = target_roundoff(tensors)
-    cpu_half = unit > ACCUMULATION and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
-    tiny = torch.finfo(target_dtype(tensors)).smallest_normal if cpu_half else 0.0
+    half = unit > ACCUMULATION
+    cpu_half = half and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
+    smallest = torch.finfo(target_dtype(tensors)).smallest_normal
     return (_eta(run_dtype, unit) * ROUNDING_RMS, generator,
-            _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset(), tiny)
+            _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset(),
+            smallest if cpu_half else 0.0, smallest if half else 0.0)
 
 
 def unit_of(perturb: tuple) -> float:

@@ -139,11 +139,11 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
 def budget_modes(stack: contextlib.ExitStack, perturb: tuple, func: Any = None, forward: bool = True) -> None:
     """Enter the modes of a budget's run on ``stack``: :class:`Perturb`, and for a forward that may call
     ``F.scaled_dot_product_attention`` (``func`` that API, or ``None``: a module's code) :class:`FusedAttention`
-    (``perturb``: ``(eta, generator[, inner[, held]])``, :func:`perturbation`)."""
+    (``perturb``: ``(eta, generator[, inner[, held[, tiny[, floor]]]])``, :func:`perturbation`)."""
     eta, gen = perturb[0], perturb[1]
     stack.enter_context(Perturb(eta, gen, *perturb[2:]))
     if forward and (func is None or func is _SDPA):
-        stack.enter_context(FusedAttention(eta, gen))
+        stack.enter_context(FusedAttention(eta, gen, perturb[5] if len(perturb) > 5 else 0.0))
 
 
 def round_to(ref: Any, like: Any) -> Any:
