@@ -216,3 +216,34 @@ def test_a_target_the_tape_does_not_give_is_judged_as_the_gate_saw_it(tmp_path):
     for k, v in record["metrics"].items():
         assert out[k] == repro._fmt(v), (k, out[k], v)
     assert "--no-fault cannot remove a fault" in text
+
+
+def test_an_l0_check_prints_the_modules_reproduction(pytester):
+    """Through ``msprobe.check`` at L0, as a user gates a model: the failure names the innermost failing module
+    and prints its reproduction's command, which fails alone with the gate's message and passes without the
+    fault."""
+    pytest.importorskip("transformers")
+    pytester.makepyfile(test_l0_repro="""
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+def test_l0_fault(msprobe):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0, embd_pdrop=0,
+                     attn_pdrop=0)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    msprobe.check(GPT2LMHeadModel(cfg).eval(), {"input_ids": ids, "labels": ids}, loss_fn=lambda o: o.loss,
+                  level="L0", inject="faults.yaml")
+""")
+    pytester.makefile(".yaml", faults="faults:\n  - {api: Torch.addmm, call: 2, direction: forward, perturb: scale, "
+                                      "value: 1.02}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16")
+    result.assert_outcomes(failed=1)
+    line = next(ln for ln in result.outlines if "reproduce this call alone" in ln)
+    script = line.rsplit("python ", 1)[1].strip()
+    assert os.path.basename(script) == "Module.transformer.h.0.mlp.c_fc.Conv1D.forward.0.py", script
+    rc, out, text = _run(script)
+    assert rc == 1 and "module rebuilt from its tapes" in text, text
+    record = _json(os.path.join(os.path.dirname(os.path.dirname(script)), "isolation.json"))
+    assert out["message"] == record["nodes"][os.path.basename(script)[:-3]]["message"]
+    assert _run(script, "--no-fault")[0] == 0
