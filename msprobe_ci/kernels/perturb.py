@@ -419,8 +419,8 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     ``floor``, absolute, not relative to itself (IEEE 754-2008 §3.4; Higham, *Accuracy and Stability of Numerical
     Algorithms*, 2nd ed., §2.1: ``fl(x) = x(1 + d) + e``, ``|e|`` up to half the subnormal step). A Llama decoder
     layer's fp16 backward on the CPU, whose gradients reach 1e-6 (9% of its output gradient is subnormal), failed
-    its max relative error at 18.9 times the budget without it (``tests/test_sensitivity.py``). Tensors with no
-    element below ``floor`` draw exactly as without it.
+    its max relative error at 18.9 times the budget without it (``tests/test_sensitivity.py``). A CPU tensor with
+    no element below ``floor`` draws exactly as without it.
 
     The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
     jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
@@ -437,7 +437,7 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
         xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
     if floor > 0.0:
         small = t.abs() < floor
-        if bool(small.any()):
+        if t.device.type != "cpu" or bool(small.any()):  # on a device, never a sync per op
             xi = xi.mul_(eta).to(t.device)
             return t + xi * torch.where(small, torch.copysign(torch.full_like(t, floor), t), t)
     factor = xi.mul_(eta).add_(1.0)
