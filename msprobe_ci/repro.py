@@ -436,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             tapes = m.get("tapes") or [{}]
             print(f"module rebuilt from its tapes ({len(tapes[-1].get('calls') or [])} torch calls in the target's); "
                   + ("target replayed" if m.get("target") == "replayed" else
-                     f"target values as the gate recorded them ({m.get('why')}): --no-fault cannot remove a fault"))
+                     "target replayed without its fault (with it, its tape gives the gate's values to a few units "
+                     "of roundoff)" if opts.no_fault and m.get("clean") == "replayed" else
+                     f"target values as the gate recorded them ({m.get('why')})"
+                     + ("" if m.get("clean") == "replayed" else ": --no-fault cannot remove a fault")))
         print(f"ran as the gate: target {opts.target_device or s.get('target_device')}, bench kernel "
               f"{s.get('bench_kernel')} on {s.get('bench_device')}, oracle {s.get('oracle_label') or 'cpu'}"
               + (f", autocast {ac['dtype']} on {ac['device_type']}" if isinstance(ac, dict) else "")
