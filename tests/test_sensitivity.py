@@ -291,3 +291,21 @@ def test_fp16_subnormal_roundings_are_budgeted_at_their_absolute_step(tmp_path, 
     first, _ = _gate_l0(os.path.join(tmp_path, "fault"), fault, "fp16", kernel)
     assert first is not None and first.name.startswith("Module.model.layers.1.") and \
         ".backward." in first.name, first
+
+
+def test_the_subnormal_floor_leaves_zeros_infinities_and_normal_values_as_they_were():
+    """``jitter``'s floor draws an absolute error only for nonzero values under it: an exact zero (a mask, a
+    ReLU) is no rounding, an infinity stays one (an additive draw made ``-inf + inf``: NaN, and a whole Llama's
+    error budget came out zero at L0), and every other element draws exactly as without the floor."""
+    from msprobe_ci.kernels.perturb import jitter
+
+    t = torch.tensor([-float("inf"), float("inf"), 0.0, 1e-7, -3e-6, 0.5, -1.7976931348623157e308] * 64,
+                     dtype=torch.float64)
+    with_floor = jitter(t, 1e-3, torch.Generator().manual_seed(3), 6.103515625e-05)
+    without = jitter(t, 1e-3, torch.Generator().manual_seed(3))
+    small = (t.abs() < 6.103515625e-05) & (t != 0)
+    assert not bool(with_floor.isnan().any())
+    assert torch.equal(with_floor[~small], without[~small]) and bool((with_floor[t == 0] == 0).all())
+    # under the floor the error is eta times the floor (up to the draw's magnitude, 1.5 / RMS), not eta times |x|
+    err = (with_floor - t)[small].abs()
+    assert bool((err > 1e-3 * 6.103515625e-05 * 0.4).all()) and bool((err < 1e-3 * 6.103515625e-05 * 2.7).all())

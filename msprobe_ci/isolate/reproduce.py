@@ -144,7 +144,7 @@ def _record(part, call, dtype, device: str, tensors: dict, index: int, args: lis
     if rec.broken is not None:
         raise _Unwritten(f"{call.name}: {rec.broken}")
     tape = {"signature": signature(list(st.values()), a, k), "calls": rec.calls,
-            "output": _encode(out, tensors, rec.keys, {}, None, rec.prefix)}
+            "output": _encode(out, tensors, rec.keys, {}, None, rec.prefix, opaque=True)}
     return tape, _values(out, leaves, gout)
 
 

@@ -435,10 +435,11 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
             _DRAWN.append(_draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32))
         start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
         xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
+    xi = xi.mul_(eta)
+    out = t * (xi + 1.0 if t.device.type == "cpu" else (xi + 1.0).to(t.device))
     if floor > 0.0:
-        small = t.abs() < floor
+        small = (t.abs() < floor) & (t != 0)  # an exact zero (a mask, a ReLU) is no rounding
         if t.device.type != "cpu" or bool(small.any()):  # on a device, never a sync per op
-            xi = xi.mul_(eta).to(t.device)
-            return t + xi * torch.where(small, torch.copysign(torch.full_like(t, floor), t), t)
-    factor = xi.mul_(eta).add_(1.0)
-    return t * (factor if t.device.type == "cpu" else factor.to(t.device))
+            # only there: infinities and the rest keep their relative draw (an additive one made inf + -inf)
+            out = torch.where(small, t + xi.to(t.device) * torch.copysign(torch.full_like(t, floor), t), out)
+    return out
