@@ -145,14 +145,14 @@ def _record(part, call, dtype, device: str, tensors: dict, index: int, args: lis
         raise _Unwritten(f"{call.name}: {rec.broken}")
     tape = {"signature": signature(list(st.values()), a, k), "calls": rec.calls,
             "output": _encode(out, tensors, rec.keys, {}, None, rec.prefix, opaque=True)}
-    return tape, _values(out, leaves, gout)
+    return tape, _values(part, out, leaves, gout)
 
 
-def _values(out: Any, leaves: list, gout: list | None) -> list:
+def _values(part, out: Any, leaves: list, gout: list | None) -> list:
     """A run's output tensors, or with ``gout`` the gradients it hands its positional inputs (``None`` left out)."""
     if gout is None:
         return tensors_of(out)
-    return [g for g in _vjp(out, leaves, gout) if g is not None]
+    return [g for g in part._module_vjp(out, leaves, gout) if g is not None]
 
 
 def _replayed(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, dtype, device: str,
@@ -165,7 +165,7 @@ def _replayed(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, d
     bind(args, a, env)
     bind(kwargs, k, env)
     with torch.random.fork_rng(devices=[]), torch.set_grad_enabled(call.grad), _autocast(call.autocast):
-        return _values(replay(tape, env, first, faults), leaves, gout)
+        return _values(part, replay(tape, env, first, faults), leaves, gout)
 
 
 def _bitwise(mine: list, gate: list, what: str, whose: str = "the module's"):
@@ -198,22 +198,6 @@ def _near(mine: list, gate: list, units: float = 4.0) -> bool:
         if float((x[finite] - y[finite]).abs().max()) > units * torch.finfo(mine[0].dtype).eps * peak:
             return False
     return True
-
-
-def _vjp(out: Any, leaves: list, grad_output: list) -> list:
-    """The gradients w.r.t. ``leaves`` (``None`` where a leaf is ``None``) of the module's output tensors that
-    ``grad_output`` reaches, as the gate's backward hook saw them."""
-    outs = tensors_of(out)
-    pairs = [(t, g) for t, g in zip(outs, grad_output) if g is not None and t.requires_grad]
-    pos = [j for j, x in enumerate(leaves) if x is not None]
-    res: list = [None] * len(leaves)
-    if not pairs or not pos:
-        return res
-    got = torch.autograd.grad([t for t, _ in pairs], [leaves[j] for j in pos],
-                              [g.detach().to(device=t.device, dtype=t.dtype) for t, g in pairs], allow_unused=True)
-    for j, g in zip(pos, got):
-        res[j] = g
-    return res
 
 
 def run_module(iso, spec: dict, tensors: dict, where: str, fault: bool, faults: list) -> dict:
@@ -252,8 +236,8 @@ def run_module(iso, spec: dict, tensors: dict, where: str, fault: bool, faults: 
     gout = [None if key is None else _saved_value(tensors, key, where) for key in m.get("grad_outputs") or []]
     if replayed:
         # one entry per positional argument, as the gate's backward hook hands them (None: no gradient)
-        grad_input = tuple(_vjp(out, [a if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args],
-                                gout))
+        leaves = [a if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args]
+        grad_input = tuple(iso.modules._module_vjp(out, leaves, gout))
     else:
         keys = m.get("target_grads")
         if not isinstance(keys, list):
