@@ -3,7 +3,8 @@
 Runs the same pipeline as ``msprobe.check`` (:mod:`msprobe_ci.check`: bench and target under capture, target
 isolated, compare, isolated verdicts, model-level outputs) on models built from stock ``transformers`` configs
 (random weights, no downloads) and a small CNN with BatchNorm (training mode) and max-pool, forward+backward,
-several seeds, targets bf16 / fp16 against an fp32 bench and fp32 against an fp64 bench.
+several seeds, targets bf16 / fp16 against an fp32 bench and fp32 against an fp64 bench, and AMP targets (``amp-bf16``,
+``amp-fp16``: fp32 weights, the forward under ``torch.autocast``) against the fp32 bench.
 
 Faults: for each run, forward and backward APIs picked early, mid and late in the target's own dump, scaled by
 1.02/1.05 (bf16, fp16) or 1.01/1.02 (fp32), plus a 2% noise fault. The bench kernel (``--bench-kernel``,
@@ -159,8 +160,10 @@ def case(name, seed):
 
 
 DTYPES = {"bf16": ("fp32", "bf16", (1.02, 1.05)), "fp16": ("fp32", "fp16", (1.02, 1.05)),
-          "fp32": ("fp64", "fp32", (1.01, 1.02))}
-NOISE = {"bf16": 0.02, "fp16": 0.02, "fp32": 0.02}  # the noise fault's relative size
+          "fp32": ("fp64", "fp32", (1.01, 1.02)),
+          # an AMP target: fp32 weights, its forward under torch.autocast in bf16/fp16, against the fp32 bench
+          "amp-bf16": ("fp32", "amp-bf16", (1.02, 1.05)), "amp-fp16": ("fp32", "amp-fp16", (1.02, 1.05))}
+NOISE = {"bf16": 0.02, "fp16": 0.02, "fp32": 0.02, "amp-bf16": 0.02, "amp-fp16": 0.02}  # the noise fault's size
 _JUDGED = ("linear", "layer_norm", "softmax", "gelu", "silu", "matmul", "__mul__", "__add__", "conv2d",
            "batch_norm", "scaled_dot_product_attention", "embedding", "mean", "rsqrt", "tanh", "relu", "__matmul__",
            "cross_entropy", "pow", "sum", "bmm", "max_pool2d", "dropout")
@@ -184,7 +187,8 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
     compiled = COMPILE and level is None
     try:
         bench = Backend.from_options(DEVICE, bench_dtype)
-        target = Backend.from_options(DEVICE, target_dtype, compiled)
+        amp = target_dtype[4:] if target_dtype.startswith("amp-") else None
+        target = Backend.from_options(DEVICE, "fp32" if amp else target_dtype, compiled, autocast=amp)
         regions = compile_regions(model) if compiled else []
         cfg = DumpConfig(task=TASK, level=level or LEVEL)
         if bench_folder is None:
@@ -199,7 +203,7 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
         t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp, "target")),
                      faults=faults, isolator=iso, regions=regions)
         elapsed = time.perf_counter() - t0
-        cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+        cast_u = unit_roundoff(str(target.autocast if amp else target.dtype), str(bench.dtype))
         report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
         cases = model_cases(b.outputs, t.outputs, None, cast_u)
         if inspect is not None:  # before the folders go
@@ -217,7 +221,7 @@ def _floating(entry):
 def anchor_faults() -> None:
     """Faults at the anchor's level from here on (issue 53; what msprobe's benchmark standard flags): scale 1.01
     and 1% noise at bf16/fp16, scale 1.001 and 0.1% noise at fp32."""
-    for name, size in (("bf16", 0.01), ("fp16", 0.01), ("fp32", 0.001)):
+    for name, size in (("bf16", 0.01), ("fp16", 0.01), ("fp32", 0.001), ("amp-bf16", 0.01), ("amp-fp16", 0.01)):
         DTYPES[name] = (*DTYPES[name][:2], (1 + size,))
         NOISE[name] = size
 

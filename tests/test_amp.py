@@ -422,3 +422,93 @@ def test_the_free_benchmark_reruns_a_call_under_autocast_as_its_kernel_saw_it(py
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*msprobe: free benchmark: 1 API call(s) at risk on cpu/model-dtype+autocast(bf16); "
                                  "first: Torch.matmul.0.forward.output.0*"])
+
+
+def _gpt2_l0_amp(tmp_path, autocast, fault):
+    """GPT-2 (2 layers) at L0 with its target under ``torch.autocast`` (fp32 weights), the ``upcast`` bench: the
+    isolated check's first divergence."""
+    import transformers
+
+    from msprobe_ci.check.outcome import judge
+    from msprobe_ci.check.sides import run_side
+    from msprobe_ci.compare.verdict import unit_roundoff
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    torch.manual_seed(7)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0,
+                                  embd_pdrop=0, attn_pdrop=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(8))
+    inputs = ({"input_ids": ids, "labels": ids},)
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "fp32", autocast=autocast)
+    cfg = DumpConfig(task="statistics", level="L0")
+    b = run_side(model, inputs, lambda o: o.loss, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
+    t = run_side(model, inputs, lambda o: o.loss, target, cfg.with_overrides(dump_path=str(tmp_path / "t")),
+                 faults=(fault,) if fault else (), isolator=Isolator(backward=True, bench_kernel="upcast"))
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
+        str(target.autocast), "torch.float32")))
+    return report
+
+
+@pytest.mark.parametrize("autocast", ["bf16", "fp16"])
+def test_a_whole_module_under_autocast_is_budgeted_as_its_calls_computed(tmp_path, autocast):
+    """L0 under autocast: a GPT-2 block is no kernel of one dtype (its GEMMs in bf16/fp16, its norms, softmax and
+    residual adds in fp32). Budgeted as fp32 throughout, the benign block failed against the upcast bench (max
+    relative error ratio 102 in bf16, 11.9 in fp16); budgeted per call (kernels.amp_sites) it passes, and a 2%
+    fault on one of its GEMMs, forward or backward, is named at the innermost module around it."""
+    from msprobe_ci.capture.inject import Fault
+
+    report = _gpt2_l0_amp(tmp_path / "benign", autocast, None)
+    assert report.first_divergence is None, report.first_divergence.message
+    for direction in ("forward", "backward"):
+        report = _gpt2_l0_amp(tmp_path / direction, autocast, Fault("Torch.addmm", 5, direction, "scale", 1.02))
+        first = report.first_divergence
+        assert first is not None and first.name == f"Module.transformer.h.1.attn.c_proj.Conv1D.{direction}.0", \
+            first and first.message
+
+
+def test_autocast_sites_pair_the_budgets_calls_with_the_targets_and_round_each_in_its_dtype():
+    """kernels.amp_sites: the target's run notes the dtype each call computed in; the float64 budget run's calls
+    are paired with them by name, also where code branches on a dtype (an extra cast in one run only), and only
+    the paired GEMMs (and the unpaired calls whose name always computed in bf16) round at bf16's roundoff."""
+    from msprobe_ci import kernels
+    from msprobe_ci.kernels import amp_sites
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, 16, dtype=torch.float64)
+    x = torch.randn(4, 16, dtype=torch.float64)
+
+    def block(x, w1, w2):
+        h = F.linear(x, w1)
+        if h.dtype != w2.dtype:  # T5's feed-forward casts back where autocast left it in bf16
+            h = h.to(w2.dtype)
+        return x + F.linear(torch.tanh(h), w2)
+    fp32 = (x.float(), w1.float(), w2.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        target = amp_sites.record_sites(lambda: block(*fp32))
+    assert [(s.name.split(".")[-1], s.kernel) for s in target] == [
+        ("linear", torch.bfloat16), ("to", torch.float32), ("tanh", torch.float32), ("linear", torch.bfloat16),
+        ("add", torch.float32)]
+    gen = torch.Generator().manual_seed(0)
+    perturb = kernels.perturbation(torch.float64, [x.float()], gen)
+    sites = amp_sites.Sites(target, torch.float32, lambda d: kernels.precision_of(torch.float64, d, True), gen)
+    with sites:
+        base = block(x, w1, w2)
+    assert sites.plan() == {"paired": 4, "unpaired": 0, "low": 2}
+    assert [s.name.split(".")[-1] for s in sites.kernels] == ["linear", "tanh", "linear", "add"]
+
+    def spread(sites):
+        import contextlib
+
+        diffs = []
+        for _ in range(8):
+            with contextlib.ExitStack() as stack:
+                kernels.budget_modes(stack, perturb)
+                if sites is not None:
+                    stack.enter_context(sites)
+                diffs.append((block(x, w1, w2) - base).norm() / base.norm())
+        return float(torch.stack(diffs).mean())
+    as_fp32, as_amp = spread(None), spread(sites)
+    # the bf16 GEMMs' roundings (2^-8) against fp32's (2^-24): the spread grows by about 2^16
+    assert 2.0 ** -12 < as_amp < 2.0 ** -6 and as_amp > 1e4 * as_fp32, (as_fp32, as_amp)

@@ -47,6 +47,7 @@ class _ModuleCall:
     grad: bool = False
     autocast: dict | None = None  # {device_type, dtype} where the call ran under autocast
     first: dict | None = None  # the capture's next call index per faulted API when the call began
+    sites: list | None = None  # under autocast: the dtype each of its calls computed in (kernels.amp_sites)
 
 
 class _EagerForward(torch.nn.Module):
@@ -143,12 +144,14 @@ class ModuleIsolation:
         return call
 
     @staticmethod
-    def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None):
+    def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None,
+                    sites=None):
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
         inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
-        ``perturb`` as for :func:`msprobe_ci.kernels.reference`."""
+        ``perturb`` as for :func:`msprobe_ci.kernels.reference`; ``sites``: a budget's
+        :class:`~msprobe_ci.kernels.amp_sites.Sites` (a module run under autocast)."""
         st, leaves, a, k = ModuleIsolation._module_copies(call, dtype, device, grad)
-        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb)
+        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites)
 
     @staticmethod
     def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False) -> tuple:
@@ -170,7 +173,8 @@ class ModuleIsolation:
         return st, leaves, a, {key: _copy_obj(v, conv) for key, v in call.kwargs.items()}
 
     @staticmethod
-    def _module_call(call: "_ModuleCall", st: dict, a: list, k: dict, grad: bool, context=None, perturb=None):
+    def _module_call(call: "_ModuleCall", st: dict, a: list, k: dict, grad: bool, context=None, perturb=None,
+                     sites=None):
         """The module's eager forward on the copies of :meth:`_module_copies`."""
         import contextlib
 
@@ -181,13 +185,21 @@ class ModuleIsolation:
                 stack.enter_context(context())
             if perturb is not None:
                 kernels.budget_modes(stack, perturb)
+            if sites is not None:  # above the budget's modes: it sets the precision they round in per call
+                stack.enter_context(sites)
             return torch.func.functional_call(call.wrapper, {f"module.{n}": v for n, v in st.items()}, tuple(a), k,
                                               strict=False)
 
-    def _module_scale(self, call: "_ModuleCall", grad_output: list | None = None) -> list:
+    def _module_scale(self, call: "_ModuleCall", grad_output: list | None = None, judged: list | None = None) -> list:
         """The error scale (:mod:`msprobe_ci.kernels`) of a module's output tensors, or with ``grad_output`` of the
         gradients it hands to its positional inputs: the module re-run in fp64 with its inputs, state and every
         intermediate jittered. Empty when the inputs were written since the call or the runs fail.
+
+        Under autocast (``call.autocast``) each of its calls is rounded in the dtype it computed in
+        (:mod:`msprobe_ci.kernels.amp_sites`: the GEMMs in bf16/fp16, the rest in fp32), and each scale is measured
+        in units of the roundoff of the dtype its tensor is judged in (``judged``: the target's dtypes, one per
+        output or input gradient; ``None`` where there is none): a bf16 output of a Linear under autocast and the
+        fp32 output of a block whose GEMMs ran in bf16 are judged in their own dtypes.
 
         Twice the API budget's draws: a whole block sums many rounding sites, and its max relative error is the
         extreme of thousands of elements judged against their estimates, whose lower tail 4 draws leave wide (T5's
@@ -196,25 +208,60 @@ class ModuleIsolation:
         if not self.refs.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
                                           _tensors(call.kwargs)) != call.versions:
             return []
-        perturb = kernels.perturbation(torch.float64, _tensors(call.args) + list(call.state.values()) +
-                                       _tensors(call.kwargs), torch.Generator().manual_seed(0x30D))
+        from ..kernels import amp_sites
+
+        tensors = _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
+        perturb = kernels.perturbation(torch.float64, tensors, torch.Generator().manual_seed(0x30D))
         eta = kernels.unit_of(perturb)
         grad = grad_output is not None
+        try:
+            sites = self._autocast_sites(call, tensors, perturb)
+        except Exception:  # noqa: BLE001 - the target's calls could not be run again: every call its dtype's
+            return []
 
         def one(perturb):
-            leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb)
-            if grad:
-                return self._module_vjp(out, leaves, grad_output, perturb)
-            return _tensors(out)
+            try:
+                leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb, sites=sites)
+                if grad:
+                    return self._module_vjp(out, leaves, grad_output, perturb)
+                return _tensors(out)
+            finally:
+                amp_sites.settle()
         try:
             base = one(None)
+            if sites is not None:
+                sites.plan()
             draws = [one(perturb) for _ in range(kernels._draws(2 * self.refs.budget_draws,
                                                                    [b for b in base if b is not None]))]
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
         diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
                   b.detach().to(torch.float64) for x, b in zip(d, base)] for d in draws]
-        return kernels._rms(diffs, eta)
+        scales = kernels._rms(diffs, eta)
+        if sites is not None and judged:
+            units = [kernels._UNIT.get(d, eta) if d is not None else eta for d in judged]
+            scales = [s if s is None or i >= len(units) else s * (eta / units[i]) for i, s in enumerate(scales)]
+        return scales
+
+    def _autocast_sites(self, call: "_ModuleCall", tensors: list, perturb: tuple):
+        """For a module that ran under autocast: a :class:`~msprobe_ci.kernels.amp_sites.Sites` for its budget's
+        runs, from one run of it as the target ran it (its dtypes and device, the autocast state; noted once per
+        call); ``None`` outside autocast."""
+        from ..kernels import amp_sites
+
+        if not call.autocast:
+            return None
+        floating = [t for t in tensors if t.is_floating_point()]
+        device = floating[0].device if floating else torch.device("cpu")
+        if call.sites is None:
+            dtype = getattr(torch, str(call.autocast["dtype"]))
+
+            def autocast():
+                return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
+            call.sites = amp_sites.record_sites(lambda: self._module_run(call, None, device, False, autocast))
+        cpu = device.type == "cpu"
+        return amp_sites.Sites(call.sites, kernels.target_dtype(tensors),
+                               lambda d: kernels.precision_of(torch.float64, d, cpu), perturb[1])
 
     def module_after(self, call, output: Any) -> None:
         """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""
@@ -233,7 +280,7 @@ class ModuleIsolation:
 
         def budget(i: int):
             if not scales:
-                scales.extend(self._module_scale(call) or [None] * len(t_list))
+                scales.extend(self._module_scale(call, judged=[t.dtype for t in t_list]) or [None] * len(t_list))
             return scales[i] if i < len(scales) else None
         results = []
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
@@ -264,7 +311,8 @@ class ModuleIsolation:
 
             def budget(i: int):
                 if not scales:
-                    scales.extend(self._module_scale(call, gout) or [None] * len(grad_input))
+                    scales.extend(self._module_scale(call, gout, [None if g is None else g.dtype for g in grad_input])
+                                  or [None] * len(grad_input))
                 return scales[i] if i < len(scales) else None
             k = 0
             for i, t in enumerate(grad_input):

@@ -67,4 +67,4 @@ from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, Fuse
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401
-    _draws, _eta, _fp64_or_fp32, _rms, ACCUMULATION, backward_scale, DRAWS, forward_scale, perturbation, target_roundoff, unit_of)
+    _draws, _eta, _fp64_or_fp32, _rms, ACCUMULATION, backward_scale, DRAWS, forward_scale, perturbation, precision_of, target_roundoff, unit_of)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .perturb import ATTENTION_HELD, _inside, jitter
+from .perturb import ATTENTION_HELD, _inside, _precision, jitter
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -132,5 +132,7 @@ class FusedAttention(torch.overrides.TorchFunctionMode):
             mask = kw.pop("attn_mask", None)
             if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in args[:3]) and \
                     (mask is None or isinstance(mask, torch.Tensor)):
-                return _FusedAttention.apply(self.eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
+                now = _precision()  # a call autocast ran in another dtype than the module around it
+                eta_gen = self.eta_gen if now is None else (now[0], self.eta_gen[1], now[3])
+                return _FusedAttention.apply(eta_gen, kw, *args[:3], *([mask] if mask is not None else []))
         return func(*args, **kwargs)

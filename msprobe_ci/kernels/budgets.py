@@ -48,12 +48,21 @@ def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generat
     target dtype's smallest normal number (``tiny``: below it a held sum rounds by half a subnormal step,
     absolute); ``floor``, that number for every rounding to a half-precision target on any device
     (:func:`~.perturb.jitter`). The scales are measured in units of the target's roundoff (:func:`unit_of`)."""
+    cpu = any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
+    eta, held, tiny, floor = precision_of(run_dtype, target_dtype(tensors), cpu)
     unit = target_roundoff(tensors)
+    return (eta, generator, _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, held, tiny, floor)
+
+
+def precision_of(run_dtype: torch.dtype, dtype: torch.dtype, cpu: bool) -> tuple:
+    """``(eta, held, tiny, floor)`` of a kernel computing in ``dtype`` for a budget's runs in ``run_dtype``
+    (:func:`perturbation`'s fields; ``cpu``: on the CPU, where half-precision kernels hold what
+    :data:`CPU_HALF_HELD` lists). What :func:`~.perturb.computed_in` takes for a call autocast ran in ``dtype``."""
+    unit = _UNIT.get(dtype, 2.0 ** -24)
     half = unit > ACCUMULATION
-    cpu_half = half and any(t.device.type == "cpu" for t in tensors if t.is_floating_point())
-    smallest = torch.finfo(target_dtype(tensors)).smallest_normal
-    return (_eta(run_dtype, unit) * ROUNDING_RMS, generator,
-            _eta(run_dtype, min(unit, ACCUMULATION)) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset(),
+    smallest = torch.finfo(dtype).smallest_normal if dtype.is_floating_point else 0.0
+    cpu_half = half and cpu
+    return (_eta(run_dtype, unit) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset(),
             smallest if cpu_half else 0.0, smallest if half else 0.0)
 
 

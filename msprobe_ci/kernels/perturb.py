@@ -4,8 +4,9 @@ result jittered as a kernel of the target dtype would round it (the error budget
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -104,6 +105,26 @@ def _inside() -> list:
     return _KERNEL.stack
 
 
+def _precision() -> tuple | None:
+    """``(eta, held, tiny, floor)`` of the dtype the running kernel computes in where :func:`computed_in` set one,
+    else ``None`` (every :class:`Perturb` rounds as it was made)."""
+    return getattr(_KERNEL, "precision", None)
+
+
+@contextlib.contextmanager
+def computed_in(precision: tuple | None) -> Iterator[None]:
+    """Every :class:`Perturb` (and :class:`~.attention.FusedAttention`) of this thread rounds as a kernel of
+    another dtype while inside: ``precision`` is ``(eta, held, tiny, floor)`` of that dtype (:func:`~.budgets.
+    precision_of`), ``None`` their own. What a module's budget needs where ``torch.autocast`` ran some of its calls
+    in bf16/fp16 and the rest in fp32 (:mod:`.amp_sites`); the accumulation roundoff (``inner``) stays fp32's."""
+    before = getattr(_KERNEL, "precision", None)
+    _KERNEL.precision = precision
+    try:
+        yield
+    finally:
+        _KERNEL.precision = before
+
+
 class Perturb(TorchDispatchMode):
     """The rounding a typical kernel of the target dtype commits, as random relative jitter of an fp64 run.
 
@@ -127,11 +148,33 @@ class Perturb(TorchDispatchMode):
     def __init__(self, eta: float, generator: torch.Generator, inner: float | None = None,
                  held: frozenset = frozenset(), tiny: float = 0.0, floor: float = 0.0):
         super().__init__()
-        self.eta, self.generator, self.tiny, self.floor = eta, generator, tiny, floor
+        self.generator = generator
+        self._own = (eta, held, tiny, floor)
         self.inner = eta if inner is None else inner
-        self.held, self.unit = held, eta / ROUNDING_RMS
         self._all_at: float | None = None  # inside a held kernel: every result and term at the full ``unit``
         self._rows_summed = False  # inside a held kernel that sums its rows one by one (:data:`ROWS_SUMMED`)
+
+    # the rounding of the kernel running now: the target dtype's, or under a precision of :func:`computed_in` (a
+    # call autocast ran in another dtype than the module around it) that dtype's
+    @property
+    def eta(self) -> float:
+        return (_precision() or self._own)[0]
+
+    @property
+    def held(self) -> frozenset:
+        return (_precision() or self._own)[1]
+
+    @property
+    def tiny(self) -> float:
+        return (_precision() or self._own)[2]
+
+    @property
+    def floor(self) -> float:
+        return (_precision() or self._own)[3]
+
+    @property
+    def unit(self) -> float:
+        return self.eta / ROUNDING_RMS
 
     def _at(self, eta: float, value: Any) -> Any:
         floor = self.floor if eta >= self.eta else 0.0  # a rounding to the target dtype, subnormals and all

@@ -1,0 +1,231 @@
+"""The budget of a whole module run under ``torch.autocast``: which of its calls computed in the autocast dtype.
+
+Under autocast a module is no kernel of one dtype. Its GEMMs, convolutions and attention compute in bf16/fp16 on
+inputs autocast rounded to that dtype, and the norms, softmaxes and residual adds in fp32 (the op's cast policy,
+:mod:`msprobe_ci.amp`). A budget that rounds every call as fp32 allows a GPT-2 block under bf16 autocast a
+hundredth of the error its bf16 GEMMs make: the block false-failed at L0 with no fault (max relative error ratio
+102 against the ``upcast`` bench, 11.9 in fp16). One that rounds every call in bf16 would hide a fault in the fp32
+ones.
+
+So the module is run once as the target ran it (its dtypes, its device, the autocast state), and each outermost
+torch call that returns a floating tensor is noted with the dtype it computed in, read off its output as
+:func:`msprobe_ci.amp.kernel_inputs` reads it, and the dtypes of its floating inputs (:func:`record_sites`). The
+budget's float64 runs, where autocast casts nothing (float64 is never eligible), meet the same calls in the same
+order: :class:`Sites` lines the two lists up by name (:class:`difflib.SequenceMatcher`: code that branches on a
+dtype, ``T5``'s ``hidden_states.to(self.wo.weight.dtype)``, adds or drops calls) and runs each call that computed
+in another dtype than the module's as a kernel of that dtype (:func:`~.perturb.computed_in`): the inputs autocast
+cast down rounded to it, its result rounded to it, its accumulation fp32's, and in the backward every autograd node
+the call made as well (the gradient a low-precision output receives is rounded to its dtype first). A call the two
+lists do not pair is rounded as every call of that name was in the target's run, or as the module's where they
+differ.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .choice import tensors_of
+from .perturb import _KERNEL, _precision, computed_in, jitter
+
+
+@dataclass(frozen=True)
+class Site:
+    """One outermost torch call of a module's target run that returned a floating tensor: its ``name``
+    (``torch.nn.functional.linear``), the dtype its first floating output has (``kernel``: the dtype it computed
+    in under autocast) and its floating inputs' dtypes in the order :func:`~.choice.tensors_of` gives them."""
+
+    name: str
+    kernel: torch.dtype
+    inputs: tuple
+
+
+def _name(func: Any) -> str:
+    try:
+        return torch.overrides.resolve_name(func) or repr(func)
+    except Exception:  # noqa: BLE001 - a callable torch cannot name
+        return getattr(func, "__qualname__", repr(func))
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [t for t in tensors_of(value) if t.is_floating_point()]
+
+
+class _Record(torch.overrides.TorchFunctionMode):
+    """Notes a :class:`Site` for each outermost call (this mode is off while the call runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[Site] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        found = _floating(out)
+        if found:
+            self.sites.append(Site(_name(func), found[0].dtype,
+                                   tuple(t.dtype for t in _floating(args) + _floating(kwargs))))
+        return out
+
+
+def record_sites(run: Callable[[], Any]) -> list[Site]:
+    """The :class:`Site` of every outermost floating call ``run()`` makes (``run``: the module as the target ran
+    it, under its autocast). Raises whatever ``run`` raises."""
+    mode = _Record()
+    with mode:
+        run()
+    return mode.sites
+
+
+class Sites(torch.overrides.TorchFunctionMode):
+    """The budget's float64 runs of a module whose target ran under autocast (see the module docstring).
+
+    Args:
+        target: the target run's sites (:func:`record_sites`).
+        own: the dtype the module's budget rounds as (its :func:`~.budgets.perturbation`'s target dtype).
+        precision: ``dtype -> (eta, held, tiny, floor)`` of a kernel computing in ``dtype``
+            (:func:`~.budgets.precision_of` for the budget's run dtype and device).
+        generator: the draws of the casts' roundings.
+
+    The first run through this mode (the unperturbed one) only notes the calls' names; :meth:`plan` then pairs
+    them with ``target``, and every later run rounds as the plan says. Entered around the module's forward, with
+    :class:`~.perturb.Perturb` (and :class:`~.attention.FusedAttention`) already active.
+    """
+
+    def __init__(self, target: list[Site], own: torch.dtype, precision: Callable[[torch.dtype], tuple],
+                 generator: torch.Generator):
+        super().__init__()
+        self.target, self.own, self.precision, self.generator = target, own, precision, generator
+        self.names: list[str] = []
+        self.kernels: list[Site | None] | None = None  # per call of the float64 runs, its target site
+        self.index = 0
+
+    # ------------------------------------------------------------------------------------------------- pairing
+    def plan(self) -> dict:
+        """Pair the noted float64 calls with the target's sites; returns ``{"paired", "unpaired", "low"}`` counts
+        (``low``: calls that computed in another dtype than the module's)."""
+        theirs = [s.name for s in self.target]
+        matcher = difflib.SequenceMatcher(a=self.names, b=theirs, autojunk=False)
+        kernels: list[Site | None] = [None] * len(self.names)
+        for block in matcher.get_matching_blocks():
+            for k in range(block.size):
+                kernels[block.a + k] = self.target[block.b + k]
+        by_name: dict[str, set] = {}
+        for s in self.target:
+            by_name.setdefault(s.name, set()).add(s)
+        unpaired = 0
+        for i, (name, site) in enumerate(zip(self.names, kernels)):
+            if site is None:
+                unpaired += 1
+                same = {s.kernel for s in by_name.get(name, ())}
+                if len(same) == 1:  # every call of that name computed in one dtype
+                    kernels[i] = next(iter(by_name[name]))
+        self.kernels = kernels
+        low = sum(1 for s in kernels if s is not None and s.kernel != self.own)
+        return {"paired": len(self.names) - unpaired, "unpaired": unpaired, "low": low}
+
+    def __enter__(self):
+        self.index = 0
+        return super().__enter__()
+
+    # --------------------------------------------------------------------------------------------------- calls
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.kernels is None:  # the unperturbed run: names only
+            out = func(*args, **kwargs)
+            if _floating(out):
+                self.names.append(_name(func))
+            return out
+        site = self.kernels[self.index] if self.index < len(self.kernels) else None
+        if site is not None and self.names[self.index] != _name(func):  # this draw took another path
+            site = None
+        if site is None or site.kernel == self.own or not site.kernel.is_floating_point:
+            out = func(*args, **kwargs)
+            if _floating(out):
+                self.index += 1
+            return out
+        precision = self.precision(site.kernel)
+        wider = iter(site.inputs)
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            # autocast's cast of an input held wider than the kernel's dtype: one rounding to that dtype
+            was = next(wider, None)
+            if was is None or torch.finfo(was).eps >= torch.finfo(site.kernel).eps:
+                return t
+            # the cast's backward hands the gradient back exactly: the rounding is the value's alone
+            return t + (jitter(t.detach(), precision[0], self.generator, precision[3]) - t.detach())
+        from .choice import cast as cast_all
+
+        before = {id(t.grad_fn) for t in tensors_of((args, kwargs)) if t.grad_fn is not None}
+        leaf_args = cast_all(tuple(args), lambda t: cast(t) if t.is_floating_point() else t)
+        leaf_kwargs = {k: cast_all(v, lambda t: cast(t) if t.is_floating_point() else t) for k, v in kwargs.items()}
+        with computed_in(precision):
+            out = func(*leaf_args, **leaf_kwargs)
+        if _floating(out):
+            self.index += 1
+        if torch.is_grad_enabled():
+            _round_backward(out, before | {id(t.grad_fn) for t in tensors_of((leaf_args, leaf_kwargs))
+                                           if t.grad_fn is not None}, precision, self.generator)
+        return out
+
+
+def _round_backward(out: Any, before: set, precision: tuple, generator: torch.Generator) -> None:
+    """Every autograd node a low-precision call made (from its outputs back to the nodes its inputs came with)
+    runs as a kernel of that dtype, and the gradients its outputs receive are rounded to it first."""
+    outs = [t for t in _floating(out) if t.grad_fn is not None]
+    if not outs:
+        return
+    heads = {id(t.grad_fn) for t in outs}
+    seen: dict[int, Any] = {}
+    todo = [t.grad_fn for t in outs]
+    while todo and len(seen) < 10_000:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in before or type(node).__name__ == "AccumulateGrad":
+            continue
+        seen[id(node)] = node
+        todo.extend(n for n, _ in node.next_functions)
+
+    def pre(node):
+        def hook(grad_outputs):
+            _entered().append(_set(precision))
+            if id(node) in heads:
+                return tuple(jitter(g, precision[0], generator, precision[3]) if isinstance(g, torch.Tensor)
+                             else g for g in grad_outputs)
+            return None
+        return hook
+
+    def post(grad_inputs, grad_outputs):
+        if _entered():
+            _set(_entered().pop())
+    for node in seen.values():
+        node.register_prehook(pre(node))
+        node.register_hook(post)
+
+
+_STATE = threading.local()  # the precisions the running backward nodes replaced, innermost last
+
+
+def _entered() -> list:
+    if not hasattr(_STATE, "entered"):
+        _STATE.entered = []
+    return _STATE.entered
+
+
+def _set(precision: tuple | None) -> tuple | None:
+    """Make ``precision`` the running kernel's (:func:`~.perturb.computed_in`); returns the one it replaced."""
+    before = _precision()
+    _KERNEL.precision = precision
+    return before
+
+
+def settle() -> None:
+    """Every precision a backward node set is undone (after a budget's run, whether its backward finished or
+    raised)."""
+    entered = _entered()
+    if entered:
+        _KERNEL.precision = entered[0]
+        entered.clear()
