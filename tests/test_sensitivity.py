@@ -309,3 +309,65 @@ def test_the_subnormal_floor_leaves_zeros_infinities_and_normal_values_as_they_w
     # under the floor the error is eta times the floor (up to the draw's magnitude, 1.5 / RMS), not eta times |x|
     err = (with_floor - t)[small].abs()
     assert bool((err > 1e-3 * 6.103515625e-05 * 0.4).all()) and bool((err < 1e-3 * 6.103515625e-05 * 2.7).all())
+
+
+def test_a_draw_that_jumps_across_a_kink_is_credited_whole_and_a_spread_of_roundings_is_not():
+    """``kernels._rms``: where one or two of the budget's draws moved an element far past the others (rounding
+    carried a ReLU's input across 0 and what follows changed discretely), the element's scale is that move, not
+    its share of the RMS; elements whose draws are a spread of roundings keep their RMS."""
+    from msprobe_ci.kernels.budgets import JUMP, _rms
+
+    gen = torch.Generator().manual_seed(0)
+    n, eta = 200_000, 2.0 ** -11
+    draws = [torch.randn(n, generator=gen, dtype=torch.float64) * eta for _ in range(8)]
+    plain = (sum((d / eta) ** 2 for d in draws) / 8).sqrt()
+    got = _rms([[d] for d in draws], eta)[0]
+    # Gaussian sums of roundings: almost no element reads as a jump (1.7e-4 expected), none raised past 4x
+    assert (got != plain).double().mean() < 5e-4 and bool((got <= 4 * plain).all())
+    for jumps in (1, 2):
+        moved = [d.clone() for d in draws]
+        for k in range(jumps):
+            moved[3 + k][:10] += 90 * eta  # the jump T5's fp16 decoder block made in 1 draw of 8
+        got = _rms([[d] for d in moved], eta)[0]
+        assert bool((got[:10] > 85).all()) and bool((got[:10] < 95).all()), got[:10]
+    # four draws (an API's budget): a spread cannot be told from a jump there, the RMS stays
+    four = [d[:1000].clone() for d in draws[:4]]
+    four[1][:5] += 40 * eta
+    got = _rms([[d] for d in four], eta)[0]
+    assert torch.equal(got, (sum((d / eta) ** 2 for d in four) / 4).sqrt()) and JUMP == 16.0
+
+
+@pytest.mark.parametrize("kernel", ["upcast", "rounded"])
+def test_a_t5_block_whose_relu_flips_within_a_rounding_passes_at_l0_in_fp16(tmp_path, kernel):
+    """T5's first decoder block at L0 in fp16: for one token a ReLU of its feed-forward lies within a rounding of
+    0, and the fp16 target lands on the other side of it than the float64 oracle (its input gradient off by 88
+    units of roundoff, which one of the budget's 8 draws also shows). The benign block failed its RMSE against
+    the correctly rounded bench (ratio 2.25 > 2) while the budget credited that jump with its RMS over the draws;
+    credited whole, it passes."""
+    import os
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from msprobe_ci.backends import Backend
+    from msprobe_ci.check.outcome import judge
+    from msprobe_ci.check.sides import run_side
+    from msprobe_ci.compare.verdict import unit_roundoff
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+    from msprobe_ci.judge import JudgeSettings
+
+    torch.manual_seed(100)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                pad_token_id=0)).eval()
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(100))
+    labels = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(101))
+    inputs = ({"input_ids": ids, "labels": labels},)
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "fp16")
+    cfg = DumpConfig(task="statistics", level="L0")
+    b = run_side(model, inputs, lambda o: o.loss, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "b")))
+    t = run_side(model, inputs, lambda o: o.loss, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "t")),
+                 isolator=Isolator(backward=True, bench_kernel=kernel))
+    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
+        "torch.float16", "torch.float32")))
+    assert report.first_divergence is None, report.first_divergence.message
