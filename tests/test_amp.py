@@ -512,3 +512,9 @@ def test_autocast_sites_pair_the_budgets_calls_with_the_targets_and_round_each_i
     as_fp32, as_amp = spread(None), spread(sites)
     # the bf16 GEMMs' roundings (2^-8) against fp32's (2^-24): the spread grows by about 2^16
     assert 2.0 ** -12 < as_amp < 2.0 ** -6 and as_amp > 1e4 * as_fp32, (as_fp32, as_amp)
+    # where the target's calls cannot be run again: every call rounded in the autocast dtype, wider still
+    everywhere = amp_sites.Sites.everywhere(torch.bfloat16, torch.float32,
+                                            lambda d: kernels.precision_of(torch.float64, d, True), gen)
+    with everywhere:
+        block(x, w1, w2)
+    assert everywhere.plan()["low"] == 4 and spread(everywhere) > as_amp

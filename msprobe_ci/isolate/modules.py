@@ -214,10 +214,7 @@ class ModuleIsolation:
         perturb = kernels.perturbation(torch.float64, tensors, torch.Generator().manual_seed(0x30D))
         eta = kernels.unit_of(perturb)
         grad = grad_output is not None
-        try:
-            sites = self._autocast_sites(call, tensors, perturb)
-        except Exception:  # noqa: BLE001 - the target's calls could not be run again: every call its dtype's
-            return []
+        sites = self._autocast_sites(call, tensors, perturb)
 
         def one(perturb):
             try:
@@ -253,15 +250,21 @@ class ModuleIsolation:
             return None
         floating = [t for t in tensors if t.is_floating_point()]
         device = floating[0].device if floating else torch.device("cpu")
-        if call.sites is None:
-            dtype = getattr(torch, str(call.autocast["dtype"]))
+        dtype = getattr(torch, str(call.autocast["dtype"]))
+        own, cpu = kernels.target_dtype(tensors), device.type == "cpu"
 
+        def precision(d):
+            return kernels.precision_of(torch.float64, d, cpu)
+        if call.sites is None:
             def autocast():
                 return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
-            call.sites = amp_sites.record_sites(lambda: self._module_run(call, None, device, False, autocast))
-        cpu = device.type == "cpu"
-        return amp_sites.Sites(call.sites, kernels.target_dtype(tensors),
-                               lambda d: kernels.precision_of(torch.float64, d, cpu), perturb[1])
+            try:
+                call.sites = amp_sites.record_sites(lambda: self._module_run(call, None, device, False, autocast))
+            except Exception:  # noqa: BLE001 - not run again: every call as the autocast dtype's kernel
+                call.sites = []
+        if not call.sites:
+            return amp_sites.Sites.everywhere(dtype, own, precision, perturb[1])
+        return amp_sites.Sites(call.sites, own, precision, perturb[1])
 
     def module_after(self, call, output: Any) -> None:
         """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""

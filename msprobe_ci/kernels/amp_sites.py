@@ -37,7 +37,8 @@ from .perturb import _KERNEL, _precision, computed_in, jitter
 class Site:
     """One outermost torch call of a module's target run that returned a floating tensor: its ``name``
     (``torch.nn.functional.linear``), the dtype its first floating output has (``kernel``: the dtype it computed
-    in under autocast) and its floating inputs' dtypes in the order :func:`~.choice.tensors_of` gives them."""
+    in under autocast) and its floating inputs' dtypes in the order :func:`~.choice.tensors_of` gives them
+    (``None``: unknown, every input taken as cast)."""
 
     name: str
     kernel: torch.dtype
@@ -103,11 +104,25 @@ class Sites(torch.overrides.TorchFunctionMode):
         self.names: list[str] = []
         self.kernels: list[Site | None] | None = None  # per call of the float64 runs, its target site
         self.index = 0
+        self.fallback: torch.dtype | None = None  # every call in this dtype (:meth:`everywhere`)
 
     # ------------------------------------------------------------------------------------------------- pairing
+    @classmethod
+    def everywhere(cls, dtype: torch.dtype, own: torch.dtype, precision: Callable[[torch.dtype], tuple],
+                   generator: torch.Generator) -> "Sites":
+        """Every call rounded as a kernel of ``dtype`` (the autocast dtype), every input charged autocast's cast:
+        where the target's calls could not be run again to note theirs, a budget no tighter than any the target's
+        sites would give."""
+        sites = cls([], own, precision, generator)
+        sites.fallback = dtype
+        return sites
+
     def plan(self) -> dict:
         """Pair the noted float64 calls with the target's sites; returns ``{"paired", "unpaired", "low"}`` counts
         (``low``: calls that computed in another dtype than the module's)."""
+        if self.fallback is not None:
+            self.kernels = [Site(n, self.fallback, None) for n in self.names]
+            return {"paired": 0, "unpaired": len(self.names), "low": len(self.names)}
         theirs = [s.name for s in self.target]
         matcher = difflib.SequenceMatcher(a=self.names, b=theirs, autojunk=False)
         kernels: list[Site | None] = [None] * len(self.names)
@@ -149,11 +164,12 @@ class Sites(torch.overrides.TorchFunctionMode):
                 self.index += 1
             return out
         precision = self.precision(site.kernel)
-        wider = iter(site.inputs)
+        wider = iter(site.inputs if site.inputs is not None else ())
 
         def cast(t: torch.Tensor) -> torch.Tensor:
-            # autocast's cast of an input held wider than the kernel's dtype: one rounding to that dtype
-            was = next(wider, None)
+            # autocast's cast of an input held wider than the kernel's dtype: one rounding to that dtype (every
+            # input where the target's dtypes are unknown, :meth:`everywhere`)
+            was = next(wider, None) if site.inputs is not None else torch.float64
             if was is None or torch.finfo(was).eps >= torch.finfo(site.kernel).eps:
                 return t
             # the cast's backward hands the gradient back exactly: the rounding is the value's alone
