@@ -248,23 +248,51 @@ class ModuleIsolation:
 
         if not call.autocast:
             return None
-        floating = [t for t in tensors if t.is_floating_point()]
-        device = floating[0].device if floating else torch.device("cpu")
+        device = self._record_sites(call, tensors)
         dtype = getattr(torch, str(call.autocast["dtype"]))
         own, cpu = kernels.target_dtype(tensors), device.type == "cpu"
 
         def precision(d):
             return kernels.precision_of(torch.float64, d, cpu)
-        if call.sites is None:
-            def autocast():
-                return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
-            try:
-                call.sites = amp_sites.record_sites(lambda: self._module_run(call, None, device, False, autocast))
-            except Exception:  # noqa: BLE001 - not run again: every call as the autocast dtype's kernel
-                call.sites = []
         if not call.sites:
             return amp_sites.Sites.everywhere(dtype, own, precision, perturb[1])
         return amp_sites.Sites(call.sites, own, precision, perturb[1])
+
+    def _record_sites(self, call: "_ModuleCall", tensors: list) -> torch.device:
+        """Note ``call.sites`` once (:func:`~msprobe_ci.kernels.amp_sites.record_sites`: the module run again as
+        the target ran it, under its autocast; ``[]`` where that run fails). Returns the target's device."""
+        from ..kernels import amp_sites
+
+        floating = [t for t in tensors if t.is_floating_point()]
+        device = floating[0].device if floating else torch.device("cpu")
+        if call.sites is None:
+            dtype = getattr(torch, str(call.autocast["dtype"]))
+
+            def autocast():
+                return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
+            st, _, a, k = self._module_copies(call, None, device)
+            try:
+                call.sites = amp_sites.record_sites(lambda: self._module_call(call, st, a, k, False, autocast))
+            except Exception:  # noqa: BLE001 - not run again: every call as the autocast dtype's kernel
+                call.sites = []
+        return device
+
+    def computed_in(self, call: "_ModuleCall") -> torch.dtype | None:
+        """The dtype a module that ran under autocast is as precise as: the coarsest its calls computed in (the
+        autocast dtype where one of them is a GEMM, a convolution or an attention; fp32 where none is) or its own
+        tensors hold; ``None`` outside autocast. Its outputs and input gradients are judged as results of that
+        dtype (``judge_pair``'s ``as_dtype``): a GPT-2 block under bf16 autocast returns fp32 tensors whose errors
+        are its bf16 GEMMs', and judged against fp32's floors (msprobe's ``min_err`` 2^-14) a 2% fault inside it
+        read as a ratio of 0.005; a LayerNorm under autocast computes in fp32 and is judged so."""
+        if not call.autocast:
+            return None
+        tensors = _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
+        self._record_sites(call, tensors)
+        dtypes = [s.kernel for s in call.sites or () if s.kernel.is_floating_point]
+        if not call.sites:
+            dtypes.append(getattr(torch, str(call.autocast["dtype"])))
+        dtypes.append(kernels.target_dtype(tensors))
+        return max(dtypes, key=lambda d: kernels._UNIT.get(d, 0.0))
 
     def module_after(self, call, output: Any) -> None:
         """Judge a module isolated by :meth:`module_before` (``call`` ``None``: nothing to do)."""
@@ -280,10 +308,12 @@ class ModuleIsolation:
                                                       f"{len(o_list)} tensors)")
             return
         scales: list = []
+        within = self.computed_in(call)
+        judged = [_coarser(t.dtype, within) for t in t_list]
 
         def budget(i: int):
             if not scales:
-                scales.extend(self._module_scale(call, judged=[t.dtype for t in t_list]) or [None] * len(t_list))
+                scales.extend(self._module_scale(call, judged=judged) or [None] * len(t_list))
             return scales[i] if i < len(scales) else None
         results = []
         for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
@@ -291,7 +321,8 @@ class ModuleIsolation:
                 b = kernels.round_to(b, t)
             t, b, o = (self.refs.judged(x) for x in (t, b, o))
             results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
-                                                      self.refs.thresholds, terms=lambda i=i: budget(i))))
+                                                      self.refs.thresholds, terms=lambda i=i: budget(i),
+                                                      as_dtype=judged[i] if within is not None else None)))
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
         self._reproduce(call, name, "forward", output)
 
@@ -311,11 +342,12 @@ class ModuleIsolation:
             context = kernels.decomposed if self.refs.bench_kernel == "decomposed" else None
             bench = oracle if b_leaves is o_leaves else self._module_vjp(b_out, b_leaves, gout, context=context)
             scales: list = []
+            within = self.computed_in(call)
+            judged = [None if g is None else _coarser(g.dtype, within) for g in grad_input]
 
             def budget(i: int):
                 if not scales:
-                    scales.extend(self._module_scale(call, gout, [None if g is None else g.dtype for g in grad_input])
-                                  or [None] * len(grad_input))
+                    scales.extend(self._module_scale(call, gout, judged) or [None] * len(grad_input))
                 return scales[i] if i < len(scales) else None
             k = 0
             for i, t in enumerate(grad_input):
@@ -327,9 +359,9 @@ class ModuleIsolation:
                     b = kernels.round_to(b, t)
                 if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
                     t, b, o = (self.refs.judged(x) for x in (t, b, o))
-                    results.append((f"{name}.output.{k}", judge_pair("module", t, b, o, True,
-                                                                     self.refs.standards, self.refs.thresholds,
-                                                                     terms=lambda i=i: budget(i))))
+                    results.append((f"{name}.output.{k}", judge_pair(
+                        "module", t, b, o, True, self.refs.standards, self.refs.thresholds,
+                        terms=lambda i=i: budget(i), as_dtype=judged[i] if within is not None else None)))
                 k += 1
             if results:
                 self.records.store(name, results)
@@ -393,6 +425,13 @@ def _failing_inside(results: dict, node: str) -> str | None:
             if len(o) == 4 and o[2] == direction and o[0] != path:
                 return other
     return None
+
+
+def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
+    """The coarser of two floating dtypes (``dtype`` where ``other`` is ``None`` or either is not floating)."""
+    if other is None or not dtype.is_floating_point:
+        return dtype
+    return max((dtype, other), key=lambda d: kernels._UNIT.get(d, 0.0))
 
 
 def _autocast_of(tensors: list) -> dict | None:

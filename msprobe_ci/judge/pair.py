@@ -29,7 +29,8 @@ FMA = "fused multiply-add"  # what an alpha op is judged as: no API entry, so th
 
 
 def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, standards: dict | None = None,
-               thresholds: dict | None = None, floor: Any = None, scale: Any = None, terms: Any = None) -> CheckResult:
+               thresholds: dict | None = None, floor: Any = None, scale: Any = None, terms: Any = None,
+               as_dtype: Any = None) -> CheckResult:
     """Judge one output (or gradient) of API ``short`` by its per-API standard.
 
     Args:
@@ -45,6 +46,10 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
             :func:`~msprobe_ci.kernels.backward_scale`), or a callable returning it (asked only when the standard
             is the benchmark and the target is not bit-identical to the bench): relative errors are measured
             against ``max(|oracle|, terms)``, so cancelling arithmetic is judged at the size of its terms.
+        as_dtype: judge ``t`` as a result computed in this dtype (its standard, thresholds and floors; ``terms``
+            in units of its roundoff), its values compared as they are: a module whose GEMMs autocast ran in bf16
+            returns fp32 tensors as precise as bf16 (:meth:`msprobe_ci.isolate.modules.ModuleIsolation.
+            computed_in`). ``None``: ``t``'s own dtype.
 
     Returns:
         The standard's :class:`~msprobe_ci.checkers.CheckResult` (``structure``/``scalar``/``empty``/``none``
@@ -65,7 +70,8 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         return CheckResult("structure", "error", message=f"shape {list(t.shape)} vs bench {list(b.shape)}")
     if t.numel() == 0:
         return CheckResult("empty", "pass", message="empty tensor: shapes agree, nothing to compare")
-    std_name = standard_for(short, t.dtype, standards)
+    judged = as_dtype if as_dtype is not None and t.is_floating_point() else t.dtype
+    std_name = standard_for(short, judged, standards)
     level_api = short
     if backward and t.is_floating_point() and not any(fnmatch.fnmatchcase(short, p) for p in standards):
         # a gradient is not the forward's computation: an elementwise op's is not one rounding (div: -g*a/b^2,
@@ -76,7 +82,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # backward pass legitimately differ in order and in the precision of their partial sums (torch's own CPU
         # bf16 LayerNorm backward accumulates its weight gradient in bf16)
         std_name, level_api = "benchmark", ""
-    std = make_standard(std_name, t.dtype, level_api, **(thresholds or {}).get(std_name, {}))
+    std = make_standard(std_name, judged, level_api, **(thresholds or {}).get(std_name, {}))
     oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
     if oracle is not None and t.is_floating_point():
         oracle = saturate(oracle, t.dtype)
@@ -105,7 +111,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # and pass a 5% fault. Below scale 1 the rule is applied in units of the tensor's own scale (the largest
         # finite |oracle|, rounded down to a power of two so every value keeps its mantissa), never finer than the
         # dtype's smallest normal number: fp16 subnormals are still judged by absolute error
-        down = _own_scale(oracle, t.dtype)
+        down = _own_scale(oracle, judged)
         if down < 1.0:
             t, b, oracle = (x.detach().to(torch.float64) / down for x in (t, b, oracle))
             terms = terms / down if terms is not None else None

@@ -51,6 +51,11 @@ of (perturbed - unperturbed) / u``. An elementwise op's scale is then its output
 GEMM's the same, an fp32 GEMM's the random walk of its terms. A fault of 1% in bf16 (2.56 u) is a fault at every
 element where the arithmetic does not cancel; the benchmark standard judges the max relative error against the
 bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE against the RMS.
+
+A module isolated whole (L0, a compiled region) that ran under ``torch.autocast`` is no kernel of one dtype: each
+of its calls is rounded in the dtype autocast ran it in (:mod:`.amp_sites`). Where rounding carried a kink's input
+across it in some draws (a ReLU within a rounding of 0), the draws jump rather than spread, and the jump is credited
+whole (:func:`~.budgets._rms`).
 """
 
 # one package, six rooms: which kernel (choice), the dispatch modes, the kernels' rounding (perturb), the fused

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .choice import tensors_of
 from .perturb import _KERNEL, _precision, computed_in, jitter
@@ -158,11 +159,13 @@ class Sites(torch.overrides.TorchFunctionMode):
         site = self.kernels[self.index] if self.index < len(self.kernels) else None
         if site is not None and self.names[self.index] != _name(func):  # this draw took another path
             site = None
-        if site is None or site.kernel == self.own or not site.kernel.is_floating_point:
+        if site is None or not site.kernel.is_floating_point or \
+                (site.kernel == self.own and not _casts(site)):
             out = func(*args, **kwargs)
             if _floating(out):
                 self.index += 1
             return out
+        low = site.kernel != self.own
         precision = self.precision(site.kernel)
         wider = iter(site.inputs if site.inputs is not None else ())
 
@@ -172,8 +175,12 @@ class Sites(torch.overrides.TorchFunctionMode):
             was = next(wider, None) if site.inputs is not None else torch.float64
             if was is None or torch.finfo(was).eps >= torch.finfo(site.kernel).eps:
                 return t
-            # the cast's backward hands the gradient back exactly: the rounding is the value's alone
-            return t + (jitter(t.detach(), precision[0], self.generator, precision[3]) - t.detach())
+            # the cast's backward hands the gradient back exactly: the rounding is the value's alone (an
+            # infinity, a mask's -inf, stays itself: -inf - -inf would be NaN)
+            with _disable_current_modes():  # its arithmetic is no kernel of the budget's modes
+                d = t.detach()
+                moved = jitter(d, precision[0], self.generator, precision[3]) - d
+                return t + torch.where(torch.isfinite(d), moved, torch.zeros_like(d))
         from .choice import cast as cast_all
 
         before = {id(t.grad_fn) for t in tensors_of((args, kwargs)) if t.grad_fn is not None}
@@ -183,10 +190,19 @@ class Sites(torch.overrides.TorchFunctionMode):
             out = func(*leaf_args, **leaf_kwargs)
         if _floating(out):
             self.index += 1
-        if torch.is_grad_enabled():
+        if low and torch.is_grad_enabled():
             _round_backward(out, before | {id(t.grad_fn) for t in tensors_of((leaf_args, leaf_kwargs))
                                            if t.grad_fn is not None}, precision, self.generator)
         return out
+
+
+def _casts(site: Site) -> bool:
+    """Whether autocast cast an input of the call down to the dtype it computed in (an fp32 weight of a GEMM whose
+    other input already was bf16: the module rounds as bf16, the weight's cast is a rounding all the same)."""
+    if site.inputs is None:
+        return True
+    narrow = torch.finfo(site.kernel).eps
+    return any(torch.finfo(d).eps < narrow for d in site.inputs)
 
 
 def _round_backward(out: Any, before: set, precision: tuple, generator: torch.Generator) -> None:
@@ -209,8 +225,9 @@ def _round_backward(out: Any, before: set, precision: tuple, generator: torch.Ge
         def hook(grad_outputs):
             _entered().append(_set(precision))
             if id(node) in heads:
-                return tuple(jitter(g, precision[0], generator, precision[3]) if isinstance(g, torch.Tensor)
-                             else g for g in grad_outputs)
+                with _disable_current_modes():
+                    return tuple(jitter(g, precision[0], generator, precision[3]) if isinstance(g, torch.Tensor)
+                                 else g for g in grad_outputs)
             return None
         return hook
 
