@@ -528,29 +528,10 @@ def test_t5_under_fp16_autocast_at_l0_passes_its_decoder_blocks(tmp_path):
     block's budget 0 (max relative error ratio 311 with no fault). (bf16 autocast, same seed: one ReLU of the
     encoder's feed-forward flips within its rounding in the target where none of the 8 draws flips it; left open,
     docs/verdicts.md.)"""
-    from transformers import T5Config, T5ForConditionalGeneration
+    from test_sensitivity import t5_l0
 
-    from msprobe_ci.check.outcome import judge
-    from msprobe_ci.check.sides import run_side
-    from msprobe_ci.compare.verdict import unit_roundoff
-    from msprobe_ci.config import DumpConfig
-    from msprobe_ci.isolate import Isolator
-
-    torch.manual_seed(100)
-    model = T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
-                                                pad_token_id=0)).eval()
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(100))
-    labels = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(101))
-    inputs = ({"input_ids": ids, "labels": labels},)
-    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "fp32", autocast="fp16")
-    cfg = DumpConfig(task="statistics", level="L0")
-    b = run_side(model, inputs, lambda o: o.loss, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
-    t = run_side(model, inputs, lambda o: o.loss, target, cfg.with_overrides(dump_path=str(tmp_path / "t")),
-                 isolator=Isolator(backward=True, bench_kernel="upcast"))
-    report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
-        "torch.float16", "torch.float32")))
+    report, folder = t5_l0(tmp_path, Backend.from_options("cpu", "fp32", autocast="fp16"), "upcast")
     assert report.first_divergence is None, report.first_divergence.message
-    with open(os.path.join(t.folder, "isolation.json"), encoding="utf-8") as fh:
+    with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
         nodes = json.load(fh)["nodes"]
     assert nodes["Module.decoder.block.1.T5Block.forward.0"]["status"] == "pass"
