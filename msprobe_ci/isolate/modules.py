@@ -249,7 +249,7 @@ class ModuleIsolation:
         if not call.autocast:
             return None
         device = self._record_sites(call, tensors)
-        dtype = getattr(torch, str(call.autocast["dtype"]))
+        dtype = _autocast_dtype(call.autocast)
         own, cpu = kernels.target_dtype(tensors), device.type == "cpu"
 
         def precision(d):
@@ -266,7 +266,7 @@ class ModuleIsolation:
         floating = [t for t in tensors if t.is_floating_point()]
         device = floating[0].device if floating else torch.device("cpu")
         if call.sites is None:
-            dtype = getattr(torch, str(call.autocast["dtype"]))
+            dtype = _autocast_dtype(call.autocast)
 
             def autocast():
                 return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
@@ -290,7 +290,7 @@ class ModuleIsolation:
         self._record_sites(call, tensors)
         dtypes = [s.kernel for s in call.sites or () if s.kernel.is_floating_point]
         if not call.sites:
-            dtypes.append(getattr(torch, str(call.autocast["dtype"])))
+            dtypes.append(_autocast_dtype(call.autocast))
         dtypes.append(kernels.target_dtype(tensors))
         return max(dtypes, key=lambda d: kernels._UNIT.get(d, 0.0))
 
@@ -425,6 +425,16 @@ def _failing_inside(results: dict, node: str) -> str | None:
             if len(o) == 4 and o[2] == direction and o[0] != path:
                 return other
     return None
+
+
+#: the dtypes autocast computes in, by the names ``_autocast_of`` (and a reproduction's spec) give them: a name is
+#: looked up here, never on ``torch`` (a spec is data)
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _autocast_dtype(state: dict) -> torch.dtype:
+    """The dtype of an autocast state ``{device_type, dtype}``; bf16 for a name not in :data:`_AUTOCAST_DTYPES`."""
+    return _AUTOCAST_DTYPES.get(str(state.get("dtype")), torch.bfloat16)
 
 
 def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
