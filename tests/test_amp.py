@@ -425,7 +425,7 @@ def test_the_free_benchmark_reruns_a_call_under_autocast_as_its_kernel_saw_it(py
                                  "first: Torch.matmul.0.forward.output.0*"])
 
 
-def _gpt2_l0_amp(tmp_path, autocast, fault):
+def _gpt2_l0_amp(tmp_path, autocast, fault, kernel="upcast"):
     """GPT-2 (2 layers) at L0 with its target under ``torch.autocast`` (fp32 weights), the ``upcast`` bench: the
     isolated check's first divergence."""
     import transformers
@@ -446,24 +446,25 @@ def _gpt2_l0_amp(tmp_path, autocast, fault):
     cfg = DumpConfig(task="statistics", level="L0")
     b = run_side(model, inputs, lambda o: o.loss, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
     t = run_side(model, inputs, lambda o: o.loss, target, cfg.with_overrides(dump_path=str(tmp_path / "t")),
-                 faults=(fault,) if fault else (), isolator=Isolator(backward=True, bench_kernel="upcast"))
+                 faults=(fault,) if fault else (), isolator=Isolator(backward=True, bench_kernel=kernel))
     report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
         str(target.autocast), "torch.float32")))
     return report
 
 
-@pytest.mark.parametrize("autocast", ["bf16", "fp16"])
-def test_a_whole_module_under_autocast_is_budgeted_as_its_calls_computed(tmp_path, autocast):
+@pytest.mark.parametrize("autocast, kernel", [("bf16", "upcast"), ("fp16", "upcast")])
+def test_a_whole_module_under_autocast_is_budgeted_as_its_calls_computed(tmp_path, autocast, kernel):
     """L0 under autocast: a GPT-2 block is no kernel of one dtype (its GEMMs in bf16/fp16, its norms, softmax and
     residual adds in fp32). Budgeted as fp32 throughout, the benign block failed against the upcast bench (max
     relative error ratio 102 in bf16, 11.9 in fp16); budgeted per call (kernels.amp_sites) it passes, and a 2%
     fault on one of its GEMMs, forward or backward, is named at the innermost module around it."""
     from msprobe_ci.capture.inject import Fault
 
-    report = _gpt2_l0_amp(tmp_path / "benign", autocast, None)
+    report = _gpt2_l0_amp(tmp_path / "benign", autocast, None, kernel)
     assert report.first_divergence is None, report.first_divergence.message
     for direction in ("forward", "backward"):
-        report = _gpt2_l0_amp(tmp_path / direction, autocast, Fault("Torch.addmm", 5, direction, "scale", 1.02))
+        report = _gpt2_l0_amp(tmp_path / direction, autocast, Fault("Torch.addmm", 5, direction, "scale", 1.02),
+                              kernel)
         first = report.first_divergence
         assert first is not None and first.name == f"Module.transformer.h.1.attn.c_proj.Conv1D.{direction}.0", \
             first and first.message
@@ -535,3 +536,15 @@ def test_t5_under_fp16_autocast_at_l0_passes_its_decoder_blocks(tmp_path):
     with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
         nodes = json.load(fh)["nodes"]
     assert nodes["Module.decoder.block.1.T5Block.forward.0"]["status"] == "pass"
+
+
+def test_a_fault_on_a_blocks_fp32_residual_under_autocast_is_named_at_l0(tmp_path):
+    """A GPT-2 block under bf16 autocast returns fp32 tensors whose errors are its bf16 GEMMs': judged against
+    fp32's floors (msprobe's ``min_err`` 2^-14) with a budget of bf16 roundings, a 2% fault on its fp32 residual
+    add read a ratio of 0.005 and nothing failed; judged as a bf16 result (``ModuleIsolation.computed_in``) the block
+    fails and is named, here against the ``device`` bench."""
+    from msprobe_ci.capture.inject import Fault
+
+    report = _gpt2_l0_amp(tmp_path, "bf16", Fault("Tensor.__add__", 2, "forward", "scale", 1.02), "device")
+    first = report.first_divergence
+    assert first is not None and first.name == "Module.transformer.h.0.GPT2Block.forward.0", first

@@ -134,8 +134,18 @@ class ModuleIsolation:
                 up = dtype if kernel == "upcast" else torch.float64
                 call.bench = call.oracle if up == dtype else self._module_run(call, up, "cpu", grad)
             else:
-                call.bench = self._module_run(call, None, self.refs.bench_device, grad,
-                                              kernels.decomposed if kernel == "decomposed" else None)
+                context = kernels.decomposed if kernel == "decomposed" else None
+                if self._same_autocast(call):
+                    # the bench runs as the target ran, autocast and all: its calls are the target's sites, noted
+                    # here for free (computed_in, the budget) instead of by a run of their own
+                    from ..kernels import amp_sites
+
+                    st, leaves, a, k = self._module_copies(call, None, self.refs.bench_device, grad)
+                    call.sites, out = amp_sites.record_sites(
+                        lambda: self._module_call(call, st, a, k, grad, context), keep=True)
+                    call.bench = (leaves, out)
+                else:
+                    call.bench = self._module_run(call, None, self.refs.bench_device, grad, context)
         except Exception as exc:  # noqa: BLE001 - unjudgeable module, the user's run goes on
             self.records.results[name].update(message=f"module not isolated: {type(exc).__name__}: "
                                                       f"{str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -257,6 +267,11 @@ class ModuleIsolation:
         if not call.sites:
             return amp_sites.Sites.everywhere(dtype, own, precision, perturb[1])
         return amp_sites.Sites(call.sites, own, precision, perturb[1])
+
+    def _same_autocast(self, call: "_ModuleCall") -> bool:
+        """Whether the call ran under autocast and the bench device is of the autocast's device type (the same
+        autocast state covers it: the bench's calls compute in the target's dtypes)."""
+        return bool(call.autocast) and torch.device(self.refs.bench_device).type == call.autocast.get("device_type")
 
     def _record_sites(self, call: "_ModuleCall", tensors: list) -> torch.device:
         """Note ``call.sites`` once (:func:`~msprobe_ci.kernels.amp_sites.record_sites`: the module run again as

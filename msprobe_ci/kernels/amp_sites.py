@@ -74,13 +74,13 @@ class _Record(torch.overrides.TorchFunctionMode):
         return out
 
 
-def record_sites(run: Callable[[], Any]) -> list[Site]:
+def record_sites(run: Callable[[], Any], keep: bool = False) -> Any:
     """The :class:`Site` of every outermost floating call ``run()`` makes (``run``: the module as the target ran
-    it, under its autocast). Raises whatever ``run`` raises."""
+    it, under its autocast); with ``keep``, ``(sites, run()'s result)``. Raises whatever ``run`` raises."""
     mode = _Record()
     with mode:
-        run()
-    return mode.sites
+        out = run()
+    return (mode.sites, out) if keep else mode.sites
 
 
 class Sites(torch.overrides.TorchFunctionMode):
