@@ -187,7 +187,7 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
     compiled = COMPILE and level is None
     try:
         bench = Backend.from_options(DEVICE, bench_dtype)
-        amp = target_dtype[4:] if target_dtype.startswith("amp-") else None
+        amp = target_dtype[4:] if isinstance(target_dtype, str) and target_dtype.startswith("amp-") else None
         target = Backend.from_options(DEVICE, "fp32" if amp else target_dtype, compiled, autocast=amp)
         regions = compile_regions(model) if compiled else []
         cfg = DumpConfig(task=TASK, level=level or LEVEL)
