@@ -7,10 +7,10 @@ hundredth of the error its bf16 GEMMs make: the block false-failed at L0 with no
 102 against the ``upcast`` bench, 11.9 in fp16). One that rounds every call in bf16 would hide a fault in the fp32
 ones.
 
-So the module is run once as the target ran it (its dtypes, its device, the autocast state), and each outermost
-torch call that returns a floating tensor is noted with the dtype it computed in, read off its output as
-:func:`msprobe_ci.amp.kernel_inputs` reads it, and the dtypes of its floating inputs (:func:`record_sites`). The
-budget's float64 runs, where autocast casts nothing (float64 is never eligible), meet the same calls in the same
+So the module is run as the target ran it (its dtypes, its device, the autocast state: the ``device`` bench's own
+run, or one run more), and each outermost torch call that returns a floating tensor is noted with the dtype it
+computed in, read off its output as :func:`msprobe_ci.amp.kernel_inputs` reads it, and the dtypes of its floating
+inputs (:func:`record_sites`). The budget's float64 runs, where autocast casts nothing (float64 is never eligible), meet the same calls in the same
 order: :class:`Sites` lines the two lists up by name (:class:`difflib.SequenceMatcher`: code that branches on a
 dtype, ``T5``'s ``hidden_states.to(self.wo.weight.dtype)``, adds or drops calls) and runs each call that computed
 in another dtype than the module's as a kernel of that dtype (:func:`~.perturb.computed_in`): the inputs autocast
