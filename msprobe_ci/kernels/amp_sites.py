@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .choice import tensors_of
+from .choice import cast as cast_all, tensors_of
 from .perturb import _KERNEL, _precision, computed_in, jitter
 
 
@@ -181,8 +181,6 @@ class Sites(torch.overrides.TorchFunctionMode):
                 d = t.detach()
                 moved = jitter(d, precision[0], self.generator, precision[3]) - d
                 return t + torch.where(torch.isfinite(d), moved, torch.zeros_like(d))
-        from .choice import cast as cast_all
-
         before = {id(t.grad_fn) for t in tensors_of((args, kwargs)) if t.grad_fn is not None}
         leaf_args = cast_all(tuple(args), lambda t: cast(t) if t.is_floating_point() else t)
         leaf_kwargs = {k: cast_all(v, lambda t: cast(t) if t.is_floating_point() else t) for k, v in kwargs.items()}

@@ -99,18 +99,20 @@ def _rms(diffs: list[list], eta: float) -> list:
         if any(d is None for d in col):
             out.append(None)
             continue
-        acc = top = second = None
-        for d in col:
-            m = (d / eta).abs()
-            acc = m * m if acc is None else acc + m * m
-            if top is None:
-                top, second = m, torch.zeros_like(m)
-            else:
-                second = torch.maximum(second, torch.minimum(top, m))
-                top = torch.maximum(top, m)
         n = len(col)
-        rms = (acc / n).sqrt()
-        if n >= JUMP_DRAWS:
+        if n < JUMP_DRAWS:  # an API's budget: the RMS alone, no jump looked for (and nothing more computed)
+            rms = (sum((d / eta) ** 2 for d in col) / n).sqrt()
+        else:
+            acc = top = second = None
+            for d in col:
+                m = (d / eta).abs()
+                acc = m * m if acc is None else acc + m * m
+                if top is None:
+                    top, second = m, torch.zeros_like(m)
+                else:
+                    second = torch.maximum(second, torch.minimum(top, m))
+                    top = torch.maximum(top, m)
+            rms = (acc / n).sqrt()
             # the others: every draw but the two largest (two draws may have jumped)
             rest = ((acc - top * top - second * second).clamp(min=0.0) / (n - 2)).sqrt()
             rms = torch.where(top > JUMP * rest, torch.maximum(top, rms), rms)
