@@ -390,3 +390,37 @@ def test_a_held_scatter_sum_charges_the_elements_that_summed_and_leaves_the_copi
         diff = (got - exact).abs()
         assert (diff[count == 1] == 0).all()
         assert (diff[count > 1] > 0).float().mean() > 0.9
+
+
+def test_the_oracle_takes_the_targets_side_of_a_kink_only_within_its_spread():
+    """kernels.kinks: a ReLU input is mirrored across 0 where the target's value lies on the other side *and* the
+    oracle's lies within SPREADS of the draws' spread of it; one farther out, or on the same side, stays. The value
+    moves, the gradient passes as through the ReLU on that side; an in-place ReLU writes into its own input."""
+    from msprobe_ci.kernels import kinks
+
+    oracle = torch.tensor([0.01, -0.01, 0.5, -0.02, 0.03], dtype=torch.float64)
+    target = torch.tensor([-0.001, 0.002, -0.4, -0.03, -0.001])  # units 0, 1, 2 and 4 on the other side
+    spread = kinks.Spread()
+    with spread.record():
+        F.relu(oracle)
+    for move in (0.02, -0.02):  # two draws: a spread of 0.02 everywhere
+        with spread.record():
+            F.relu(oracle + move)
+    assert torch.allclose(spread.sigma(0), torch.full((5,), 0.02, dtype=torch.float64))
+
+    def run(inplace):
+        x = oracle.clone().requires_grad_(True)
+        force = kinks.Force([("torch.nn.functional.relu", [0.0], target.double())], spread, spreads=1.0)
+        with force:
+            y = F.relu(x * 1.0, inplace=inplace)
+        y.sum().backward()
+        return force.moved, y.detach(), x.grad
+    for inplace in (False, True):
+        moved, y, grad = run(inplace)
+        # unit 0 (0.01 < 0.02) and 1 (0.01) flip; unit 2 is 25 spreads out; unit 3 is on the target's side; unit 4
+        # (0.03) is 1.5 spreads out with spreads=1
+        assert moved == 2
+        assert torch.equal(y, torch.tensor([0.0, 0.01, 0.5, 0.0, 0.03], dtype=torch.float64))
+        assert torch.equal(grad, torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64))
+    assert kinks._kink_of(torch.clamp, (oracle,), {"min": torch.zeros(5)}) is None  # a tensor bound: no kink here
+    assert kinks._kink_of(F.hardtanh, (oracle,), {})[2] == [-1.0, 1.0]

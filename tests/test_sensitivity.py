@@ -337,9 +337,9 @@ def test_a_draw_that_jumps_across_a_kink_is_credited_whole_and_a_spread_of_round
     assert torch.equal(got, (sum((d / eta) ** 2 for d in four) / 4).sqrt()) and JUMP == 16.0
 
 
-def t5_l0(tmp_path, target, kernel):
-    """A small stock T5 (seed 100) at L0, the fp32 bench against ``target`` (a :class:`Backend`), isolated with
-    ``kernel``: ``(report, the target's step folder)``."""
+def t5_l0(tmp_path, target, kernel, faults=()):
+    """A small stock T5 (seed 100) at L0, the fp32 bench against ``target`` (a :class:`Backend`, with ``faults``),
+    isolated with ``kernel``: ``(report, the target's step folder)``."""
     import os
 
     from transformers import T5Config, T5ForConditionalGeneration
@@ -363,7 +363,7 @@ def t5_l0(tmp_path, target, kernel):
     cfg = DumpConfig(task="statistics", level="L0")
     b = run_side(model, inputs, lambda o: o.loss, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "b")))
     t = run_side(model, inputs, lambda o: o.loss, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "t")),
-                 isolator=Isolator(backward=True, bench_kernel=kernel))
+                 faults=tuple(faults), isolator=Isolator(backward=True, bench_kernel=kernel))
     computed = target.autocast if target.autocast is not None else target.dtype
     report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
         str(computed), "torch.float32")))

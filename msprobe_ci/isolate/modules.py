@@ -48,6 +48,8 @@ class _ModuleCall:
     autocast: dict | None = None  # {device_type, dtype} where the call ran under autocast
     first: dict | None = None  # the capture's next call index per faulted API when the call began
     sites: list | None = None  # under autocast: the dtype each of its calls computed in (kernels.amp_sites)
+    kink_spread: Any = None  # the budget's draws at its kinks' inputs (kernels.kinks.Spread)
+    kink_target: list | None = None  # the target's kink inputs (kernels.kinks.Record.sites)
 
 
 class _EagerForward(torch.nn.Module):
@@ -155,13 +157,14 @@ class ModuleIsolation:
 
     @staticmethod
     def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None,
-                    sites=None):
+                    sites=None, kinks=None):
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
         inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
         ``perturb`` as for :func:`msprobe_ci.kernels.reference`; ``sites``: a budget's
-        :class:`~msprobe_ci.kernels.amp_sites.Sites` (a module run under autocast)."""
+        :class:`~msprobe_ci.kernels.amp_sites.Sites` (a module run under autocast); ``kinks``: a
+        :class:`~msprobe_ci.kernels.kinks.Record` or :class:`~msprobe_ci.kernels.kinks.Force` mode."""
         st, leaves, a, k = ModuleIsolation._module_copies(call, dtype, device, grad)
-        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites)
+        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites, kinks)
 
     @staticmethod
     def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False) -> tuple:
@@ -184,7 +187,7 @@ class ModuleIsolation:
 
     @staticmethod
     def _module_call(call: "_ModuleCall", st: dict, a: list, k: dict, grad: bool, context=None, perturb=None,
-                     sites=None):
+                     sites=None, kinks=None):
         """The module's eager forward on the copies of :meth:`_module_copies`."""
         import contextlib
 
@@ -197,6 +200,8 @@ class ModuleIsolation:
                 kernels.budget_modes(stack, perturb)
             if sites is not None:  # above the budget's modes: it sets the precision they round in per call
                 stack.enter_context(sites)
+            if kinks is not None:
+                stack.enter_context(kinks)
             return torch.func.functional_call(call.wrapper, {f"module.{n}": v for n, v in st.items()}, tuple(a), k,
                                               strict=False)
 
@@ -218,17 +223,19 @@ class ModuleIsolation:
         if not self.refs.budget_draws or tuple(t._version for t in _tensors(call.args) + list(call.state.values()) +
                                           _tensors(call.kwargs)) != call.versions:
             return []
-        from ..kernels import amp_sites
+        from ..kernels import amp_sites, kinks
 
         tensors = _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
         perturb = kernels.perturbation(torch.float64, tensors, torch.Generator().manual_seed(0x30D))
         eta = kernels.unit_of(perturb)
         grad = grad_output is not None
         sites = self._autocast_sites(call, tensors, perturb)
+        spread = kinks.Spread()
 
         def one(perturb):
             try:
-                leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb, sites=sites)
+                leaves, out = self._module_run(call, torch.float64, "cpu", grad, perturb=perturb, sites=sites,
+                                               kinks=spread.record())
                 if grad:
                     return self._module_vjp(out, leaves, grad_output, perturb)
                 return _tensors(out)
@@ -242,6 +249,8 @@ class ModuleIsolation:
                                                                    [b for b in base if b is not None]))]
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
+        if len(spread) and call.kink_spread is None:
+            call.kink_spread = spread
         diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
                   b.detach().to(torch.float64) for x, b in zip(d, base)] for d in draws]
         scales = kernels._rms(diffs, eta)
@@ -330,14 +339,23 @@ class ModuleIsolation:
             if not scales:
                 scales.extend(self._module_scale(call, judged=judged) or [None] * len(t_list))
             return scales[i] if i < len(scales) else None
-        results = []
-        for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
-            if call.bench_round:
-                b = kernels.round_to(b, t)
-            t, b, o = (self.refs.judged(x) for x in (t, b, o))
-            results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
-                                                      self.refs.thresholds, terms=lambda i=i: budget(i),
-                                                      as_dtype=judged[i] if within is not None else None)))
+        def judge(b_list, o_list):
+            results = []
+            for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
+                if call.bench_round:
+                    b = kernels.round_to(b, t)
+                t, b, o = (self.refs.judged(x) for x in (t, b, o))
+                results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
+                                                          self.refs.thresholds, terms=lambda i=i: budget(i),
+                                                          as_dtype=judged[i] if within is not None else None)))
+            return results
+        results = judge(b_list, o_list)
+        if any(r.status == "error" for _, r in results):
+            forced = self._on_target_side(call, False)
+            if forced is not None:
+                (_, o_out), (_, b_out), moved = forced
+                o_list, b_list = _tensors(o_out), (_tensors(b_out) if b_out is not None else b_list)
+                results = _noted(judge(b_list, o_list), moved)
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
         self._reproduce(call, name, "forward", output)
 
@@ -364,20 +382,31 @@ class ModuleIsolation:
                 if not scales:
                     scales.extend(self._module_scale(call, gout, judged) or [None] * len(grad_input))
                 return scales[i] if i < len(scales) else None
-            k = 0
-            for i, t in enumerate(grad_input):
-                if t is None:
-                    continue
-                o = oracle[i] if i < len(oracle) else None
-                b = bench[i] if i < len(bench) else None
-                if call.bench_round:
-                    b = kernels.round_to(b, t)
-                if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
-                    t, b, o = (self.refs.judged(x) for x in (t, b, o))
-                    results.append((f"{name}.output.{k}", judge_pair(
-                        "module", t, b, o, True, self.refs.standards, self.refs.thresholds,
-                        terms=lambda i=i: budget(i), as_dtype=judged[i] if within is not None else None)))
-                k += 1
+            def judge(oracle, bench):
+                results, k = [], 0
+                for i, t in enumerate(grad_input):
+                    if t is None:
+                        continue
+                    o = oracle[i] if i < len(oracle) else None
+                    b = bench[i] if i < len(bench) else None
+                    if call.bench_round:
+                        b = kernels.round_to(b, t)
+                    if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
+                        t, b, o = (self.refs.judged(x) for x in (t, b, o))
+                        results.append((f"{name}.output.{k}", judge_pair(
+                            "module", t, b, o, True, self.refs.standards, self.refs.thresholds,
+                            terms=lambda i=i: budget(i), as_dtype=judged[i] if within is not None else None)))
+                    k += 1
+                return results
+            results = judge(oracle, bench)
+            if any(r.status == "error" for _, r in results):
+                forced = self._on_target_side(call, True)
+                if forced is not None:
+                    (f_leaves, f_out), b_run, moved = forced
+                    oracle = self._module_vjp(f_out, f_leaves, gout)
+                    if b_run is not None:
+                        bench = oracle if b_run[0] is f_leaves else self._module_vjp(b_run[1], b_run[0], gout)
+                    results = _noted(judge(oracle, bench), moved)
             if results:
                 self.records.store(name, results)
                 self._reproduce(call, name, "backward", (grad_input, gout))
@@ -387,6 +416,50 @@ class ModuleIsolation:
             self.records.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
         finally:
             call.oracle = call.bench = None
+
+    def _on_target_side(self, call: "_ModuleCall", grad: bool):
+        """The oracle of a failing module run again on the target's side of every kink within
+        :data:`~msprobe_ci.kernels.kinks.SPREADS` spreads of the budget's draws (:mod:`msprobe_ci.kernels.kinks`):
+        ``((leaves, output), bench, moved)``, the bench the same run where it is the oracle rounded (``upcast``,
+        ``rounded``) and ``None`` where it is a kernel's own run; ``None`` where no kink input was moved (no kink,
+        no budget drawn, or the target's run cannot be made)."""
+        from ..kernels import kinks
+
+        spread = call.kink_spread
+        if spread is None or not len(spread):
+            return None
+        if call.kink_target is None:
+            tensors = [t for t in _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
+                       if t.is_floating_point()]
+            device = tensors[0].device if tensors else torch.device("cpu")
+            autocast = None
+            if call.autocast:
+                dtype = _autocast_dtype(call.autocast)
+
+                def autocast():
+                    return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
+            record = kinks.Record()
+            try:
+                st, _, a, k = self._module_copies(call, None, device)
+                self._module_call(call, st, a, k, False, autocast, kinks=record)
+                call.kink_target = record.sites
+            except Exception:  # noqa: BLE001 - the target's sides unknown: judged as it is
+                call.kink_target = []
+        if not call.kink_target:
+            return None
+        force = kinks.Force(call.kink_target, spread)
+        try:
+            run = self._module_run(call, call.dtype, "cpu", grad, kinks=force)
+        except Exception:  # noqa: BLE001 - judged as it is
+            return None
+        if not force.moved:
+            return None
+        bench = None
+        if call.bench_round:
+            up = call.dtype if self.refs.bench_kernel == "upcast" else torch.float64
+            bench = run if up == call.dtype else self._module_run(call, up, "cpu", grad,
+                                                                  kinks=kinks.Force(call.kink_target, spread))
+        return run, bench, force.moved
 
     @staticmethod
     def _module_vjp(out: Any, leaves: list, grad_output: list, perturb=None, context=None) -> list:
@@ -425,6 +498,18 @@ class ModuleIsolation:
         reproducer.write_module(self.refs, node, direction, record,
                                 lambda: module_reproduction(self, call, direction, observed,
                                                             reproducer.faults_now(), reproducer.name_of))
+
+
+def _noted(results: list, moved: int) -> list:
+    """``results`` with each message saying the oracle took the target's side of ``moved`` kink inputs."""
+    from ..kernels.kinks import SPREADS
+
+    note = (f"oracle on the target's side of {moved} kink input{'s' if moved != 1 else ''} (ReLU and the like) "
+            f"within {SPREADS:g} spreads of the budget's draws")
+    import dataclasses
+
+    return [(row, dataclasses.replace(r, message=f"{r.message}; {note}" if r.message else note))
+            for row, r in results]
 
 
 def _failing_inside(results: dict, node: str) -> str | None:

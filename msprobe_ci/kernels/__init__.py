@@ -55,7 +55,8 @@ bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE agains
 A module isolated whole (L0, a compiled region) that ran under ``torch.autocast`` is no kernel of one dtype: each
 of its calls is rounded in the dtype autocast ran it in (:mod:`.amp_sites`). Where rounding carried a kink's input
 across it in some draws (a ReLU within a rounding of 0), the draws jump rather than spread, and the jump is credited
-whole (:func:`~.budgets._rms`).
+whole (:func:`~.budgets._rms`); where the target's rounding carried one across and no draw did, a failing module is
+judged once more against the oracle on the target's side of it (:mod:`.kinks`).
 """
 
 # one package, six rooms: which kernel (choice), the dispatch modes, the kernels' rounding (perturb), the fused

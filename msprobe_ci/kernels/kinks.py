@@ -1,0 +1,250 @@
+"""Kinks: where a module's result changes by a step for a move of its input within a rounding (a ReLU whose input
+lies within a rounding of 0), and the oracle that lands on the target's side of them.
+
+A whole module (L0, a compiled region) is judged against a float64 run of it from the target's own inputs. Inside
+it, the input of a ReLU is an intermediate: the target computed it in its own dtype, and where it lies within a
+rounding of the kink, a correct kernel lands on either side. The forward moves by that tiny value only, but the
+backward's mask flips, and every gradient the unit feeds moves by a whole term: T5's encoder feed-forward under bf16
+autocast (its GEMMs' inputs cast to bf16, which moves a pre-activation by about a rounding of its terms) handed back
+an input gradient whose row for one token was 45.9 times the max relative error allowed, with no fault. The budget's
+draws (:func:`~.budgets._rms`) credit a flip that one of them shows; one that none of 8 shows is a rare event a
+correct kernel still has among thousands of units.
+
+So a failing module is judged once more against the oracle run again with every kink input that lies within
+:data:`SPREADS` of its spread (the RMS of the budget's draws there, :class:`Spread`) of a kink, and on the other side
+of it than the target's own value (a run of the module as the target ran it, :class:`Record`), mirrored across the
+kink (:class:`Force`): the oracle takes the side the target took, its distance from the kink its own. A fault that
+moves a value by more than that is judged as before; a fault's flips within a rounding are not what it is judged by.
+
+The kinks known (:data:`KINKS`): ReLU, ReLU6 and hardtanh, leaky ReLU, threshold, clamp with number bounds, abs;
+each read from its ``torch`` call (a :class:`torch.overrides.TorchFunctionMode`), whichever of its names the code
+calls (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu``, their in-place forms). Ties of a max-pool, a
+``max``/``topk`` (an MoE router) are not kinks of this kind and are not modelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+#: how far from a kink, in units of the spread of the budget's draws at that element, the target's side is taken as
+#: a correct kernel's outcome. A Gaussian error reaches 6 of its RMS in 2e-9 of the elements; a spread from 8 draws
+#: is under half the true one in about 1% of the elements (chi with 8 degrees of freedom), which still leaves 2.7 true
+#: spreads
+SPREADS = 6.0
+
+
+def _relu(args, kwargs):
+    return [0.0]
+
+
+def _hardtanh(args, kwargs):
+    lo = kwargs.get("min_val", args[1] if len(args) > 1 else -1.0)
+    hi = kwargs.get("max_val", args[2] if len(args) > 2 else 1.0)
+    return [lo, hi]
+
+
+def _relu6(args, kwargs):
+    return [0.0, 6.0]
+
+
+def _threshold(args, kwargs):
+    return [kwargs.get("threshold", args[1] if len(args) > 1 else None)]
+
+
+def _clamp(args, kwargs):
+    lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+    hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+    return [lo, hi]
+
+
+def _clamp_min(args, kwargs):
+    return [kwargs.get("min", args[1] if len(args) > 1 else None)]
+
+
+def _clamp_max(args, kwargs):
+    return [kwargs.get("max", args[1] if len(args) > 1 else None)]
+
+
+#: ``torch`` call name (:func:`torch.overrides.resolve_name`) -> ``(kink points of (args, kwargs), in place)``.
+#: A point that is not a number (a tensor bound of clamp, ``None``) is no kink here
+KINKS: dict[str, tuple[Callable[[tuple, dict], list], bool]] = {}
+for _names, _points in (
+        (("torch.nn.functional.relu", "torch.relu", "torch.Tensor.relu"), _relu),
+        (("torch.nn.functional.leaky_relu",), _relu),
+        (("torch.nn.functional.relu6",), _relu6),
+        (("torch.nn.functional.hardtanh",), _hardtanh),
+        (("torch.nn.functional.threshold",), _threshold),
+        (("torch.clamp", "torch.Tensor.clamp", "torch.clip", "torch.Tensor.clip"), _clamp),
+        (("torch.clamp_min", "torch.Tensor.clamp_min"), _clamp_min),
+        (("torch.clamp_max", "torch.Tensor.clamp_max"), _clamp_max),
+        (("torch.abs", "torch.Tensor.abs", "torch.Tensor.__abs__", "torch.absolute"), _relu)):
+    for _n in _names:
+        KINKS[_n] = (_points, False)
+        if not _n.endswith("__"):
+            KINKS[_n + "_"] = (_points, True)
+KINKS["torch.nn.functional.relu_"] = (_relu, True)
+KINKS["torch.nn.functional.leaky_relu_"] = (_relu, True)
+KINKS["torch.nn.functional.hardtanh_"] = (_hardtanh, True)
+KINKS["torch.nn.functional.threshold_"] = (_threshold, True)
+
+
+def _name(func: Any) -> str:
+    try:
+        return torch.overrides.resolve_name(func) or ""
+    except Exception:  # noqa: BLE001 - a callable torch cannot name
+        return ""
+
+
+def _kink_of(func, args: tuple, kwargs: dict) -> tuple[str, torch.Tensor, list[float], bool] | None:
+    """``(name, input, kink points, in place by name)`` of a kink call, ``None`` for any other call (or a kink call whose
+    input is no floating tensor, or that has no number as a kink point)."""
+    name = _name(func)
+    entry = KINKS.get(name)
+    if entry is None or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+        return None
+    points_of, in_place = entry
+    in_place = in_place or bool(kwargs.get("inplace", False))
+    try:
+        points = [float(p) for p in points_of(args, kwargs) if isinstance(p, (int, float)) and not isinstance(p, bool)]
+    except (IndexError, TypeError, ValueError):
+        return None
+    if not points:
+        return None
+    return name, args[0], points, in_place
+
+
+def _nearest(x: torch.Tensor, points: list[float]) -> torch.Tensor:
+    """Per element of ``x`` (float64), the kink point nearest to it."""
+    best = torch.full_like(x, points[0])
+    for p in points[1:]:
+        best = torch.where((x - p).abs() < (x - best).abs(), torch.full_like(x, p), best)
+    return best
+
+
+class Record(torch.overrides.TorchFunctionMode):
+    """Notes the input of every outermost kink call a run makes, as float64 ``(name, points, values)`` in call
+    order (:attr:`sites`); with ``spread``, adds each run's to it instead (:meth:`Spread.add`)."""
+
+    def __init__(self, spread: "Spread | None" = None):
+        super().__init__()
+        self.sites: list[tuple[str, list[float], torch.Tensor]] = []
+        self.spread = spread
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kink = _kink_of(func, args, kwargs)
+        if kink is not None:
+            name, x, points, _ = kink
+            with _disable_current_modes():  # no kernel of a budget's modes: its draws stay as they were
+                self.sites.append((name, points, x.detach().to(torch.float64, copy=True)))
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self.spread is not None and exc[0] is None:
+            self.spread.add(self.sites)
+            self.sites = []
+        return out
+
+
+class Spread:
+    """The spread of a module's kink inputs over a budget's runs: the first run (unperturbed) gives each kink's
+    values, every later one (a draw) adds its squared move; :meth:`sigma` is their RMS. A draw whose kink calls
+    differ in name or shape from the first run's adds nothing at that kink."""
+
+    def __init__(self):
+        self.base: list[tuple[str, list[float], torch.Tensor]] | None = None
+        self.squares: list[torch.Tensor | None] = []
+        self.counts: list[int] = []
+        self.draws = 0
+
+    def record(self) -> Record:
+        """A :class:`Record` for one run of the budget, whose sites are added here when the run ends."""
+        return Record(self)
+
+    def add(self, sites: list) -> None:
+        if self.base is None:
+            self.base = sites
+            self.squares = [None] * len(sites)
+            self.counts = [0] * len(sites)
+            return
+        self.draws += 1
+        with _disable_current_modes():  # the budget's modes may still be active around the run that ended
+            for i, (name, _, x) in enumerate(sites[:len(self.base)]):
+                b_name, _, b = self.base[i]
+                if name != b_name or x.shape != b.shape:
+                    continue
+                sq = (x - b) ** 2
+                self.squares[i] = sq if self.squares[i] is None else self.squares[i] + sq
+                self.counts[i] += 1
+
+    def sigma(self, i: int) -> torch.Tensor | None:
+        """The RMS move of kink ``i``'s input over the draws that met it (float64, its shape), ``None`` where no
+        draw met it as the first run did (same name, same shape at its place in the order)."""
+        if i >= len(self.squares) or self.squares[i] is None:
+            return None
+        with _disable_current_modes():
+            return (self.squares[i] / self.counts[i]).sqrt()
+
+    def __len__(self) -> int:
+        return len(self.base or ())
+
+
+class Force(torch.overrides.TorchFunctionMode):
+    """The oracle's run on the target's side of its kinks (see the module docstring).
+
+    Args:
+        target: the target run's kink inputs (:attr:`Record.sites`, in its call order).
+        spread: the budget's draws at the oracle's kinks (:class:`Spread`, in the same order).
+        spreads: how many spreads from a kink the target's side is taken (:data:`SPREADS`).
+
+    :attr:`moved` counts the elements put on the other side. A kink call whose name or shape differs from the
+    target's or the spread's at its place in the order is run as it is.
+    """
+
+    def __init__(self, target: list, spread: Spread, spreads: float = SPREADS):
+        super().__init__()
+        self.target, self.spread, self.spreads = target, spread, spreads
+        self.index = 0
+        self.moved = 0
+
+    def __enter__(self):
+        self.index, self.moved = 0, 0
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kink = _kink_of(func, args, kwargs)
+        if kink is None:
+            return func(*args, **kwargs)
+        i = self.index
+        self.index += 1
+        name, x, points, in_place = kink
+        sigma = self.spread.sigma(i)
+        if i >= len(self.target) or sigma is None or self.target[i][0] != name or \
+                self.target[i][2].shape != x.shape or sigma.shape != x.shape:
+            return func(*args, **kwargs)
+        theirs = self.target[i][2].to(x.device)
+        with torch.no_grad(), _disable_current_modes():
+            ours = x.detach().to(torch.float64)
+            kink_at = _nearest(ours, points)
+            distance = (ours - kink_at).abs()
+            side_t, side_o = theirs > kink_at, ours > kink_at
+            flip = (side_t != side_o) & (distance <= self.spreads * sigma.to(x.device))
+            n = int(flip.sum())
+            if n == 0:
+                return func(*args, **kwargs)
+            self.moved += n
+            # the target's side, the oracle's distance (the target's own where the oracle sits on the kink)
+            away = torch.where(distance > 0, distance, (theirs - kink_at).abs())
+            mirrored = torch.where(side_t, kink_at + away, kink_at - away)
+            step = torch.where(flip, mirrored - ours, torch.zeros_like(ours)).to(x.dtype)
+        with _disable_current_modes():
+            forced = x + step  # the value moves, the gradient passes as it would through x
+        result = func(forced, *args[1:], **kwargs)
+        if in_place or result is forced:  # an in-place form wrote into the copy: the caller's tensor holds it
+            return x.copy_(result)
+        return result
