@@ -290,11 +290,8 @@ class ModuleIsolation:
         floating = [t for t in tensors if t.is_floating_point()]
         device = floating[0].device if floating else torch.device("cpu")
         if call.sites is None:
-            dtype = _autocast_dtype(call.autocast)
-
-            def autocast():
-                return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
             st, _, a, k = self._module_copies(call, None, device)
+            autocast = _autocast_context(call.autocast)
             try:
                 call.sites = amp_sites.record_sites(lambda: self._module_call(call, st, a, k, False, autocast))
             except Exception:  # noqa: BLE001 - not run again: every call as the autocast dtype's kernel
@@ -432,16 +429,10 @@ class ModuleIsolation:
             tensors = [t for t in _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
                        if t.is_floating_point()]
             device = tensors[0].device if tensors else torch.device("cpu")
-            autocast = None
-            if call.autocast:
-                dtype = _autocast_dtype(call.autocast)
-
-                def autocast():
-                    return torch.autocast(str(call.autocast["device_type"]), dtype=dtype)
             record = kinks.Record()
             try:
                 st, _, a, k = self._module_copies(call, None, device)
-                self._module_call(call, st, a, k, False, autocast, kinks=record)
+                self._module_call(call, st, a, k, False, _autocast_context(call.autocast), kinks=record)
                 call.kink_target = record.sites
             except Exception:  # noqa: BLE001 - the target's sides unknown: judged as it is
                 call.kink_target = []
@@ -535,6 +526,18 @@ _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float
 def _autocast_dtype(state: dict) -> torch.dtype:
     """The dtype of an autocast state ``{device_type, dtype}``; bf16 for a name not in :data:`_AUTOCAST_DTYPES`."""
     return _AUTOCAST_DTYPES.get(str(state.get("dtype")), torch.bfloat16)
+
+
+def _autocast_context(state: dict | None):
+    """A context factory entering the autocast state ``{device_type, dtype}`` a call ran under (``None`` for
+    none): the module run again as the target ran it."""
+    if not state:
+        return None
+    dtype = _autocast_dtype(state)
+
+    def autocast():
+        return torch.autocast(str(state["device_type"]), dtype=dtype)
+    return autocast
 
 
 def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
