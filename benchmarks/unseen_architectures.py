@@ -3,7 +3,11 @@ DistilBERT, ViT, Granite: its multipliers leave most unscaled fp16 gradients in 
 faults ``gate_quality.py`` would pick for each run, each expected to be named exactly.
 
     python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
-                                              [--dtypes bf16,fp16] [--anchor]
+                                              [--dtypes bf16,fp16,amp-bf16,amp-fp16] [--anchor]
+                                              [--level mix|L0] [--faults 4]
+
+At ``--level L0`` every module is isolated whole and a fault is expected at the innermost module around its call
+(as ``gate_quality.py --level L0``).
 
 Prints one line per kernel, model, dtype and seed (7, 8): the API and module testcases failing in the benign run
 (the first two), failing model-level testcases, and how many faults were named exactly.
@@ -80,7 +84,10 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--anchor", action="store_true",
                     help="faults at the anchor's level (gate_quality.py --anchor: 1%% at bf16/fp16, 0.1%% at fp32)")
+    ap.add_argument("--level", default="mix", choices=("mix", "L0"))
+    ap.add_argument("--faults", type=int, default=4, help="faults per run (0: benign runs only)")
     args = ap.parse_args()
+    gq.LEVEL = args.level
     if args.anchor:
         gq.anchor_faults()
     torch.set_num_threads(1)
@@ -96,7 +103,15 @@ def main() -> None:
                     bad = [c["name"] for c in cases if c["status"] == "error"]
                     exact = total = 0
                     misses = []
-                    for node, fault in gq._pick_faults(tdump.data, scales, seed, gq.NOISE[dname])[:4]:
+                    ref = tdump
+                    if args.level == "L0" and args.faults:  # faults are picked from an API-level dump
+                        ref = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype, (), level="mix")[2]
+                    picked = gq._pick_faults(ref.data, scales, seed, gq.NOISE[dname]) if args.faults else []
+                    for node, fault in picked[:args.faults]:
+                        if args.level == "L0":  # the innermost module around the faulty call
+                            node = ref.construct.get(node)
+                            if node is None:
+                                continue
                         rep, _, _, _, unapplied = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype,
                                                           (fault,))
                         if unapplied:

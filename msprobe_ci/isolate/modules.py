@@ -194,6 +194,8 @@ class ModuleIsolation:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
             stack.enter_context(torch.set_grad_enabled(grad))
+            # under every other mode: a call without a float64 kernel, as the modes above it pass it on
+            stack.enter_context(kernels.Float64References())
             if context is not None:
                 stack.enter_context(context())
             if perturb is not None:
@@ -304,10 +306,16 @@ class ModuleIsolation:
         tensors hold; ``None`` outside autocast. Its outputs and input gradients are judged as results of that
         dtype (``judge_pair``'s ``as_dtype``): a GPT-2 block under bf16 autocast returns fp32 tensors whose errors
         are its bf16 GEMMs', and judged against fp32's floors (msprobe's ``min_err`` 2^-14) a 2% fault inside it
-        read as a ratio of 0.005; a LayerNorm under autocast computes in fp32 and is judged so."""
-        if not call.autocast:
-            return None
+        read as a ratio of 0.005; a LayerNorm under autocast computes in fp32 and is judged so.
+
+        Outside autocast, the coarsest dtype of its inputs and state where that is bf16 or fp16 (``None`` for
+        fp32 and wider): an fp32 output of a bf16 module (Mixtral's router scores, ``softmax(logits.float())``
+        of bf16 logits; a loss of bf16 logits) is as precise as bf16, and its budget is in bf16's units (judged as
+        fp32, the benign router failed its RMSE, ratio 3.37 > 2)."""
         tensors = _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
+        if not call.autocast:
+            own = kernels.target_dtype(tensors)
+            return own if kernels._UNIT.get(own, 0.0) > kernels.ACCUMULATION else None
         self._record_sites(call, tensors)
         dtypes = [s.kernel for s in call.sites or () if s.kernel.is_floating_point]
         if not call.sites:
@@ -340,7 +348,7 @@ class ModuleIsolation:
             results = []
             for i, (t, b, o) in enumerate(zip(t_list, b_list, o_list)):
                 if call.bench_round:
-                    b = kernels.round_to(b, t)
+                    b = _rounded_as(b, t, judged[i] if within is not None else None)
                 t, b, o = (self.refs.judged(x) for x in (t, b, o))
                 results.append((f"{stem}.{i}", judge_pair("module", t, b, o, False, self.refs.standards,
                                                           self.refs.thresholds, terms=lambda i=i: budget(i),
@@ -387,7 +395,7 @@ class ModuleIsolation:
                     o = oracle[i] if i < len(oracle) else None
                     b = bench[i] if i < len(bench) else None
                     if call.bench_round:
-                        b = kernels.round_to(b, t)
+                        b = _rounded_as(b, t, judged[i] if within is not None else None)
                     if o is not None and b is not None and o.shape == t.shape and b.shape == t.shape:
                         t, b, o = (self.refs.judged(x) for x in (t, b, o))
                         results.append((f"{name}.output.{k}", judge_pair(
@@ -526,6 +534,20 @@ _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float
 def _autocast_dtype(state: dict) -> torch.dtype:
     """The dtype of an autocast state ``{device_type, dtype}``; bf16 for a name not in :data:`_AUTOCAST_DTYPES`."""
     return _AUTOCAST_DTYPES.get(str(state.get("dtype")), torch.bfloat16)
+
+
+def _rounded_as(bench: Any, target: Any, computed: torch.dtype | None) -> Any:
+    """The ``upcast``/``rounded`` bench of a module's output rounded once to the target's dtype, or, where the
+    module computed in a coarser dtype under autocast (``computed``, :meth:`ModuleIsolation.computed_in`), to that
+    dtype first: a result of bf16 GEMMs is judged as a bf16 result, and its bench is one too. Rounded to fp32 only,
+    the bench held every small element of a ViT's input gradient (the tokens other than the classifier's, 250 times
+    under its peak) exactly, and the target's bf16 casts put all 157 of them in error (small-value error ratio 157
+    with no fault); the relative metrics are floored at the computed dtype's rounding either way."""
+    bench = kernels.round_to(bench, target)
+    if computed is not None and isinstance(bench, torch.Tensor) and bench.is_floating_point() and \
+            _coarser(bench.dtype, computed) != bench.dtype:
+        bench = bench.to(computed).to(target.dtype)
+    return bench
 
 
 def _autocast_context(state: dict | None):

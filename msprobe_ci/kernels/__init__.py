@@ -64,7 +64,7 @@ judged once more against the oracle on the target's side of it (:mod:`.kinks`).
 # every name is importable from here as it was from the single module
 from ..config import BENCH_KERNELS  # noqa: F401 (the vocabulary lives where the torch-free option parsers read it)
 from .choice import (  # noqa: F401
-    _group_bounds, _HALF, _qualified, _references, _UNIT, call_best_precision, cast, check_bench_kernel, default_bench_kernel, float32_fallback, FP8_DTYPES, grouped_mm_reference, in_float64, needs_grad, oracle_dtype, reference_note, REFERENCES, ROUNDING_RMS, scaled_mm_reference, tensors_of, unwritten, upcast_dtype, zero_past)
+    _group_bounds, _HALF, _qualified, _references, _UNIT, call_best_precision, Float64References, cast, check_bench_kernel, default_bench_kernel, float32_fallback, FP8_DTYPES, grouped_mm_reference, in_float64, needs_grad, oracle_dtype, reference_note, REFERENCES, ROUNDING_RMS, scaled_mm_reference, tensors_of, unwritten, upcast_dtype, zero_past)
 from .modes import (  # noqa: F401
     _NO_ROUNDING, _NO_ROUNDING_INPLACE, _same_meta, Decomposed, decomposed, Materialized, materialized, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
 from .perturb import (  # noqa: F401

@@ -68,6 +68,31 @@ def _clamp_max(args, kwargs):
     return [kwargs.get("max", args[1] if len(args) > 1 else None)]
 
 
+def _arg(args, kwargs, i, key, default):
+    return kwargs.get(key, args[i] if len(args) > i else default)
+
+
+def _topk(args, kwargs):
+    return _Select(int(_arg(args, kwargs, 1, "k", 1)), int(_arg(args, kwargs, 2, "dim", -1)),
+                   bool(_arg(args, kwargs, 3, "largest", True)))
+
+
+def _arg_select(largest):
+    def points(args, kwargs):
+        dim = _arg(args, kwargs, 1, "dim", None)
+        if not isinstance(dim, int) or isinstance(dim, bool):  # over the whole tensor: one element, no row
+            return None
+        return _Select(1, dim, largest)
+    return points
+
+
+class _Select(tuple):
+    """A selection's kink: ``(k, dim, largest)`` of a ``topk`` (``max``/``argmax`` along a dim: k = 1)."""
+
+    def __new__(cls, k: int, dim: int, largest: bool):
+        return super().__new__(cls, (k, dim, largest))
+
+
 #: ``torch`` call name (:func:`torch.overrides.resolve_name`) -> ``(kink points of (args, kwargs), in place)``.
 #: A point that is not a number (a tensor bound of clamp, ``None``) is no kink here
 KINKS: dict[str, tuple[Callable[[tuple, dict], list], bool]] = {}
@@ -85,6 +110,12 @@ for _names, _points in (
         KINKS[_n] = (_points, False)
         if not _n.endswith("__"):
             KINKS[_n + "_"] = (_points, True)
+for _n, _points in (("torch.topk", _topk), ("torch.Tensor.topk", _topk),
+                   ("torch.max", _arg_select(True)), ("torch.Tensor.max", _arg_select(True)),
+                   ("torch.argmax", _arg_select(True)), ("torch.Tensor.argmax", _arg_select(True)),
+                   ("torch.min", _arg_select(False)), ("torch.Tensor.min", _arg_select(False)),
+                   ("torch.argmin", _arg_select(False)), ("torch.Tensor.argmin", _arg_select(False))):
+    KINKS[_n] = (_points, False)
 KINKS["torch.nn.functional.relu_"] = (_relu, True)
 KINKS["torch.nn.functional.leaky_relu_"] = (_relu, True)
 KINKS["torch.nn.functional.hardtanh_"] = (_hardtanh, True)
@@ -108,7 +139,10 @@ def _kink_of(func, args: tuple, kwargs: dict) -> tuple[str, torch.Tensor, list[f
     points_of, in_place = entry
     in_place = in_place or bool(kwargs.get("inplace", False))
     try:
-        points = [float(p) for p in points_of(args, kwargs) if isinstance(p, (int, float)) and not isinstance(p, bool)]
+        points = points_of(args, kwargs)
+        if isinstance(points, _Select):
+            return name, args[0], points, False
+        points = [float(p) for p in points or () if isinstance(p, (int, float)) and not isinstance(p, bool)]
     except (IndexError, TypeError, ValueError):
         return None
     if not points:
@@ -228,6 +262,16 @@ class Force(torch.overrides.TorchFunctionMode):
                 self.target[i][2].shape != x.shape or sigma.shape != x.shape:
             return func(*args, **kwargs)
         theirs = self.target[i][2].to(x.device)
+        if isinstance(points, _Select):
+            with torch.no_grad(), _disable_current_modes():
+                step, n = _selection_step(x.detach().to(torch.float64), theirs, sigma.to(x.device), points,
+                                          self.spreads)
+            if n == 0:
+                return func(*args, **kwargs)
+            self.moved += n
+            with _disable_current_modes():
+                forced = x + step.to(x.dtype)
+            return func(forced, *args[1:], **kwargs)
         with torch.no_grad(), _disable_current_modes():
             ours = x.detach().to(torch.float64)
             kink_at = _nearest(ours, points)
@@ -248,3 +292,42 @@ class Force(torch.overrides.TorchFunctionMode):
         if in_place or result is forced:  # an in-place form wrote into the copy: the caller's tensor holds it
             return x.copy_(result)
         return result
+
+
+#: rows of a selection looked at one by one at most (a fault that reorders every row is judged as it is)
+SELECT_ROWS = 4096
+
+
+def _selection_step(ours: torch.Tensor, theirs: torch.Tensor, sigma: torch.Tensor, select: _Select,
+                    spreads: float) -> tuple[torch.Tensor, int]:
+    """``(step, moved)``: the move of a selection's input (float64, its shape) that makes the oracle select what the
+    target selected, in each row where every element the two selections differ by lies within ``spreads`` of the
+    combined spread of its partner (the oracle's values of each pair swapped: the oracle's set of values, the
+    target's choice), and the number of elements moved."""
+    k, dim, largest = select
+    sign = 1.0 if largest else -1.0
+    o, t, sg = (v.movedim(dim, -1) for v in (ours, theirs, sigma))
+    n = o.shape[-1]
+    if not 0 < k <= n:
+        return torch.zeros_like(ours), 0
+    o2, t2, s2 = o.reshape(-1, n), t.reshape(-1, n), sg.reshape(-1, n)
+    chosen_o = torch.zeros_like(o2, dtype=torch.bool).scatter_(1, (sign * o2).topk(k, dim=1).indices, True)
+    chosen_t = torch.zeros_like(t2, dtype=torch.bool).scatter_(1, (sign * t2).topk(k, dim=1).indices, True)
+    rows = torch.nonzero((chosen_o != chosen_t).any(dim=1)).flatten()[:SELECT_ROWS]
+    new = o2.clone()
+    moved = 0
+    for r in rows.tolist():
+        ins = torch.nonzero(chosen_t[r] & ~chosen_o[r]).flatten()  # the target's, not the oracle's
+        outs = torch.nonzero(chosen_o[r] & ~chosen_t[r]).flatten()
+        if len(ins) != len(outs):
+            continue
+        # nearest the boundary first on both sides: the oracle's best left-out against its worst chosen
+        ins = ins[torch.argsort(sign * o2[r, ins], descending=True)]
+        outs = outs[torch.argsort(sign * o2[r, outs])]
+        gap = (o2[r, outs] - o2[r, ins]).abs()
+        if not bool((gap <= spreads * torch.sqrt(s2[r, ins] ** 2 + s2[r, outs] ** 2)).all()):
+            continue
+        new[r, ins], new[r, outs] = o2[r, outs], o2[r, ins]
+        moved += 2 * len(ins)
+    step = (new - o2).reshape(o.shape).movedim(-1, dim)
+    return step, moved
