@@ -424,3 +424,24 @@ def test_the_oracle_takes_the_targets_side_of_a_kink_only_within_its_spread():
         assert torch.equal(grad, torch.tensor([0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64))
     assert kinks._kink_of(torch.clamp, (oracle,), {"min": torch.zeros(5)}) is None  # a tensor bound: no kink here
     assert kinks._kink_of(F.hardtanh, (oracle,), {})[2] == [-1.0, 1.0]
+
+
+def test_the_oracle_takes_the_targets_choice_of_a_near_tie_in_a_top_k_only():
+    """kernels.kinks: a router's top-2 of 4 where the target chose another expert than the oracle. In row 0 the
+    swapped pair lies within the spread (the oracle's values are swapped: its set of values, the target's choice);
+    in row 1 the target's choice is 50 spreads away and is left; in row 2 both chose alike."""
+    from msprobe_ci.kernels import kinks
+
+    oracle = torch.tensor([[0.40, 0.301, 0.299, 0.0], [0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]],
+                          dtype=torch.float64)
+    target = torch.tensor([[0.40, 0.299, 0.301, 0.0], [0.5, 0.2, 0.3, 0.0], [0.1, 0.2, 0.3, 0.4]],
+                          dtype=torch.float64)
+    sigma = torch.full_like(oracle, 0.001)
+    step, moved = kinks._selection_step(oracle, target, sigma, kinks._Select(2, -1, True), kinks.SPREADS)
+    assert moved == 2
+    forced = oracle + step
+    assert torch.equal(forced[0], torch.tensor([0.40, 0.299, 0.301, 0.0], dtype=torch.float64))
+    assert torch.equal(forced[1:], oracle[1:])
+    assert set(forced[0].topk(2).indices.tolist()) == set(target[0].topk(2).indices.tolist())
+    assert kinks._kink_of(torch.topk, (oracle, 2), {"dim": 0})[2] == (2, 0, True)
+    assert kinks._kink_of(torch.argmin, (oracle,), {}) is None  # over the whole tensor: no row to choose in

@@ -53,16 +53,16 @@ def _vision(kind, seed):
     return model, ({"pixel_values": x, "labels": torch.tensor([0, 1])},), lambda o: o.loss
 
 
-def _check(tmp_path, case, target_dtype, faults=(), isolate=True, kernel="device"):
-    """The ``msprobe.check`` pipeline (fp32 bench, target isolated or not, forward+backward): (report, model
-    cases)."""
+def _check(tmp_path, case, target_dtype, faults=(), isolate=True, kernel="device", level="mix", autocast=None):
+    """The ``msprobe.check`` pipeline (fp32 bench, target isolated or not, forward+backward, at ``level``, the
+    target under ``autocast`` when given): (report, model cases)."""
     model, inputs, loss_fn = case
-    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", target_dtype)
-    cfg = DumpConfig(task="statistics", level="mix")
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", target_dtype, autocast=autocast)
+    cfg = DumpConfig(task="statistics", level=level)
     b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=os.path.join(tmp_path, "bench")))
     t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "target")),
                  faults=tuple(faults), isolator=Isolator(backward=True, bench_kernel=kernel) if isolate else None)
-    cast_u = unit_roundoff(str(target.dtype), str(bench.dtype))
+    cast_u = unit_roundoff(str(target.autocast if target.autocast is not None else target.dtype), str(bench.dtype))
     report, _, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
     return report, model_cases(b.outputs, t.outputs, None, cast_u)
 
@@ -302,3 +302,59 @@ def test_a_cross_entropy_sums_its_tokens_as_a_cascade_of_half_partial_sums(tmp_p
     _clean(tmp_path / "benign", _deberta(0), "fp16", kernel="upcast")
     _named(tmp_path / "fault", _deberta(0), "bf16",
            Fault("Functional.cross_entropy", 0, "forward", "scale", 1.02), kernel="upcast")
+
+
+def _mixtral(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(seed)
+    return model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_an_moe_block_at_l0_is_budgeted_and_its_router_judged_in_its_dtype(tmp_path, dtype):
+    """Mixtral at L0 (every module isolated whole), a bf16/fp16 target against the upcast bench. Its MoE block's
+    float64 runs met ``torch._grouped_mm``, which has no float64 kernel: the budget's draws raised and the block
+    was judged relative to its values alone (max relative error ratio 527 with no fault); they run its reference
+    decomposition now (``kernels.Float64References``). Its router returns fp32 scores, ``softmax(logits.float())``
+    of bf16 logits, judged as fp32 with a budget in bf16's units (RMSE ratio 3.37); a module of bf16 tensors is
+    judged as bf16 now. Benign runs pass; a 2% fault on an expert GEMM is named at the experts module."""
+    for seed in (7, 8):
+        report, cases = _check(tmp_path / f"benign{seed}", _mixtral(seed), dtype, kernel="upcast", level="L0")
+        assert not _errors(report, cases), (seed, _errors(report, cases)[:3])
+    report, _ = _check(tmp_path / "fault", _mixtral(7), dtype, kernel="upcast", level="L0",
+                       faults=[Fault("Torch._grouped_mm", 0, "forward", "scale", 1.02)])
+    first = report.first_divergence
+    assert first is not None and first.name == "Module.model.layers.0.mlp.experts.MixtralExperts.forward.0", \
+        first and first.message
+
+
+def _vit(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 image_size=32, patch_size=8, num_labels=3)
+    px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    return (transformers.ViTForImageClassification(cfg).eval(),
+            ({"pixel_values": px, "labels": torch.tensor([0, 2])},), lambda o: o.loss)
+
+
+def test_small_gradients_of_a_module_under_autocast_are_judged_against_a_bench_of_its_dtype(tmp_path):
+    """ViT at L0 under bf16 autocast against the upcast bench: the loss reads the classifier token only, so the
+    input gradients of every other token are 250 times under their peak, small values judged by absolute error.
+    The bench, the oracle rounded to fp32 (the gradients' dtype), held them exactly, and the target's bf16 casts
+    put all 157 of the first layer's ``fc1`` in error (small-value error ratio 157 with no fault); rounded to the
+    bf16 the module computed in, the bench errs there as any bf16 result does. Benign runs pass; a 2% fault on
+    that GEMM's backward is named there."""
+    for seed in (7, 8):
+        report, cases = _check(tmp_path / f"benign{seed}", _vit(seed), "fp32", kernel="upcast", level="L0",
+                               autocast="bf16")
+        assert not _errors(report, cases), (seed, _errors(report, cases)[:3])
+    report, _ = _check(tmp_path / "fault", _vit(7), "fp32", kernel="upcast", level="L0", autocast="bf16",
+                       faults=[Fault("Functional.linear", 4, "backward", "scale", 1.02)])
+    first = report.first_divergence
+    assert first is not None and first.name == "Module.vit.layers.0.mlp.fc1.Linear.backward.0", \
+        first and first.message
