@@ -18,8 +18,14 @@ moves a value by more than that is judged as before; a fault's flips within a ro
 
 The kinks known (:data:`KINKS`): ReLU, ReLU6 and hardtanh, leaky ReLU, threshold, clamp with number bounds, abs;
 each read from its ``torch`` call (a :class:`torch.overrides.TorchFunctionMode`), whichever of its names the code
-calls (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu``, their in-place forms). Ties of a max-pool, a
-``max``/``topk`` (an MoE router) are not kinks of this kind and are not modelled.
+calls (``torch.nn.functional.relu``, ``torch.relu``, ``Tensor.relu``, their in-place forms). And selections: a
+``topk`` (an MoE router), a ``max``/``min``/``argmax``/``argmin`` along a dim, where the target chose other elements
+of a row than the oracle and every pair the two choices differ by lies within :data:`SPREADS` of their combined
+spread: the oracle's values of each pair are swapped (:func:`_selection_step`). Ties of a max-pool's windows are
+not modelled.
+
+The target's side is read off a run of the module made for it: in the target's dtypes, on its device, under its
+autocast, and without the faults a test injects (as the budget's autocast sites are).
 """
 
 from __future__ import annotations
