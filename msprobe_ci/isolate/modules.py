@@ -362,6 +362,8 @@ class ModuleIsolation:
                 o_list, b_list = _tensors(o_out), (_tensors(b_out) if b_out is not None else b_list)
                 results = _noted(judge(b_list, o_list), moved)
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
+        if not call.grad:  # no backward to judge: the kinks' draws are not needed again
+            call.kink_spread = call.kink_target = None
         self._reproduce(call, name, "forward", output)
 
     def module_backward(self, call, name: str, grad_input: tuple, grad_output: tuple) -> None:
@@ -420,7 +422,7 @@ class ModuleIsolation:
         except Exception as exc:  # noqa: BLE001 - never break the user's backward pass
             self.records.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
         finally:
-            call.oracle = call.bench = None
+            call.oracle = call.bench = call.kink_spread = call.kink_target = None
 
     def _on_target_side(self, call: "_ModuleCall", grad: bool):
         """The oracle of a failing module run again on the target's side of every kink within
