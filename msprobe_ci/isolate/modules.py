@@ -301,9 +301,9 @@ class ModuleIsolation:
         return device
 
     def computed_in(self, call: "_ModuleCall") -> torch.dtype | None:
-        """The dtype a module that ran under autocast is as precise as: the coarsest its calls computed in (the
+        """The dtype a module is as precise as. Under autocast: the coarsest its calls computed in (the
         autocast dtype where one of them is a GEMM, a convolution or an attention; fp32 where none is) or its own
-        tensors hold; ``None`` outside autocast. Its outputs and input gradients are judged as results of that
+        tensors hold. Its outputs and input gradients are judged as results of that
         dtype (``judge_pair``'s ``as_dtype``): a GPT-2 block under bf16 autocast returns fp32 tensors whose errors
         are its bf16 GEMMs', and judged against fp32's floors (msprobe's ``min_err`` 2^-14) a 2% fault inside it
         read as a ratio of 0.005; a LayerNorm under autocast computes in fp32 and is judged so.
@@ -358,8 +358,10 @@ class ModuleIsolation:
         if any(r.status == "error" for _, r in results):
             forced = self._on_target_side(call, False)
             if forced is not None:
-                (_, o_out), (_, b_out), moved = forced
-                o_list, b_list = _tensors(o_out), (_tensors(b_out) if b_out is not None else b_list)
+                run, b_run, moved = forced
+                o_list = _tensors(run[1])
+                if b_run is not None:  # the oracle rounded; a kernel's own run stays as it ran
+                    b_list = _tensors(b_run[1])
                 results = _noted(judge(b_list, o_list), moved)
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
         if not call.grad:  # no backward to judge: the kinks' draws are not needed again
