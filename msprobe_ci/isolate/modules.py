@@ -194,8 +194,10 @@ class ModuleIsolation:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
             stack.enter_context(torch.set_grad_enabled(grad))
-            # under every other mode: a call without a float64 kernel, as the modes above it pass it on
-            stack.enter_context(kernels.Float64References())
+            if any(t.dtype == torch.float64 for t in list(st.values()) + _tensors((a, k))):
+                # under every other mode: a call without a float64 kernel, as the modes above it pass it on (a
+                # float64 run only: no mode on the target's and the bench's own runs)
+                stack.enter_context(kernels.Float64References())
             if context is not None:
                 stack.enter_context(context())
             if perturb is not None:
@@ -289,8 +291,7 @@ class ModuleIsolation:
         the target ran it, under its autocast; ``[]`` where that run fails). Returns the target's device."""
         from ..kernels import amp_sites
 
-        floating = [t for t in tensors if t.is_floating_point()]
-        device = floating[0].device if floating else torch.device("cpu")
+        device = _device_of(tensors)
         if call.sites is None:
             st, _, a, k = self._module_copies(call, None, device)
             autocast = _autocast_context(call.autocast)
@@ -438,9 +439,7 @@ class ModuleIsolation:
         if spread is None or not len(spread):
             return None
         if call.kink_target is None:
-            tensors = [t for t in _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
-                       if t.is_floating_point()]
-            device = tensors[0].device if tensors else torch.device("cpu")
+            device = _device_of(_tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs))
             record = kinks.Record()
             try:
                 st, _, a, k = self._module_copies(call, None, device)
@@ -538,6 +537,12 @@ _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float
 def _autocast_dtype(state: dict) -> torch.dtype:
     """The dtype of an autocast state ``{device_type, dtype}``; bf16 for a name not in :data:`_AUTOCAST_DTYPES`."""
     return _AUTOCAST_DTYPES.get(str(state.get("dtype")), torch.bfloat16)
+
+
+def _device_of(tensors: list) -> torch.device:
+    """The target's device: its first floating tensor's (the CPU where there is none)."""
+    floating = [t for t in tensors if t.is_floating_point()]
+    return floating[0].device if floating else torch.device("cpu")
 
 
 def _rounded_as(bench: Any, target: Any, computed: torch.dtype | None) -> Any:

@@ -30,10 +30,12 @@ autocast, and without the faults a test injects (as the budget's autocast sites 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from .amp_sites import _name
 
 #: how far from a kink, in units of the spread of the budget's draws at that element, the target's side is taken as
 #: a correct kernel's outcome. A Gaussian error reaches 6 of its RMS in 2e-9 of the elements; a spread from 8 draws
@@ -126,13 +128,6 @@ KINKS["torch.nn.functional.relu_"] = (_relu, True)
 KINKS["torch.nn.functional.leaky_relu_"] = (_relu, True)
 KINKS["torch.nn.functional.hardtanh_"] = (_hardtanh, True)
 KINKS["torch.nn.functional.threshold_"] = (_threshold, True)
-
-
-def _name(func: Any) -> str:
-    try:
-        return torch.overrides.resolve_name(func) or ""
-    except Exception:  # noqa: BLE001 - a callable torch cannot name
-        return ""
 
 
 def _kink_of(func, args: tuple, kwargs: dict) -> tuple[str, torch.Tensor, list[float], bool] | None:
