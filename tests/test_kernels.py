@@ -443,5 +443,13 @@ def test_the_oracle_takes_the_targets_choice_of_a_near_tie_in_a_top_k_only():
     assert torch.equal(forced[0], torch.tensor([0.40, 0.299, 0.301, 0.0], dtype=torch.float64))
     assert torch.equal(forced[1:], oracle[1:])
     assert set(forced[0].topk(2).indices.tolist()) == set(target[0].topk(2).indices.tolist())
+    # the same two chosen in another order (a router's indices are compared as they are): the order is taken
+    # where the two lie within the spread, left where they do not
+    oracle = torch.tensor([[0.3005, 0.2995, 0.1, 0.0], [0.5, 0.3, 0.1, 0.0]], dtype=torch.float64)
+    target = torch.tensor([[0.2995, 0.3005, 0.1, 0.0], [0.3, 0.5, 0.1, 0.0]], dtype=torch.float64)
+    step, moved = kinks._selection_step(oracle, target, torch.full_like(oracle, 0.001), kinks._Select(2, -1, True),
+                                        kinks.SPREADS)
+    assert moved == 2 and torch.equal((oracle + step)[0].topk(2).indices, target[0].topk(2).indices)
+    assert torch.equal(step[1], torch.zeros(4, dtype=torch.float64))
     assert kinks._kink_of(torch.topk, (oracle, 2), {"dim": 0})[2] == (2, 0, True)
     assert kinks._kink_of(torch.argmin, (oracle,), {}) is None  # over the whole tensor: no row to choose in

@@ -302,9 +302,10 @@ SELECT_ROWS = 4096
 def _selection_step(ours: torch.Tensor, theirs: torch.Tensor, sigma: torch.Tensor, select: _Select,
                     spreads: float) -> tuple[torch.Tensor, int]:
     """``(step, moved)``: the move of a selection's input (float64, its shape) that makes the oracle select what the
-    target selected, in each row where every element the two selections differ by lies within ``spreads`` of the
-    combined spread of its partner (the oracle's values of each pair swapped: the oracle's set of values, the
-    target's choice), and the number of elements moved."""
+    target selected, in the target's order, in each row where that is a permutation of the oracle's own values
+    among the elements involved, each element taking the value of one within ``spreads`` of their combined spread
+    (the oracle's set of values, the target's choice and order: a router's indices are compared as they are), and
+    the number of elements moved."""
     k, dim, largest = select
     sign = 1.0 if largest else -1.0
     o, t, sg = (v.movedim(dim, -1) for v in (ours, theirs, sigma))
@@ -312,23 +313,24 @@ def _selection_step(ours: torch.Tensor, theirs: torch.Tensor, sigma: torch.Tenso
     if not 0 < k <= n:
         return torch.zeros_like(ours), 0
     o2, t2, s2 = o.reshape(-1, n), t.reshape(-1, n), sg.reshape(-1, n)
-    chosen_o = torch.zeros_like(o2, dtype=torch.bool).scatter_(1, (sign * o2).topk(k, dim=1).indices, True)
-    chosen_t = torch.zeros_like(t2, dtype=torch.bool).scatter_(1, (sign * t2).topk(k, dim=1).indices, True)
-    rows = torch.nonzero((chosen_o != chosen_t).any(dim=1)).flatten()[:SELECT_ROWS]
+    order_o = (sign * o2).topk(k, dim=1).indices
+    order_t = (sign * t2).topk(k, dim=1).indices
+    rows = torch.nonzero((order_o != order_t).any(dim=1)).flatten()[:SELECT_ROWS]
     new = o2.clone()
     moved = 0
     for r in rows.tolist():
-        ins = torch.nonzero(chosen_t[r] & ~chosen_o[r]).flatten()  # the target's, not the oracle's
-        outs = torch.nonzero(chosen_o[r] & ~chosen_t[r]).flatten()
-        if len(ins) != len(outs):
+        mine, theirs_r = order_o[r].tolist(), order_t[r].tolist()
+        # rank by rank, the target's element takes the oracle's value of that rank; an element the oracle chose
+        # and the target did not takes the value of one the target chose and the oracle did not
+        source = dict(zip(theirs_r, mine))
+        source.update(zip([x for x in mine if x not in theirs_r], [x for x in theirs_r if x not in mine]))
+        pairs = [(e, src) for e, src in source.items() if e != src]
+        dst = torch.tensor([e for e, _ in pairs])
+        src = torch.tensor([x for _, x in pairs])
+        gap = (o2[r, dst] - o2[r, src]).abs()
+        if not bool((gap <= spreads * torch.sqrt(s2[r, dst] ** 2 + s2[r, src] ** 2)).all()):
             continue
-        # nearest the boundary first on both sides: the oracle's best left-out against its worst chosen
-        ins = ins[torch.argsort(sign * o2[r, ins], descending=True)]
-        outs = outs[torch.argsort(sign * o2[r, outs])]
-        gap = (o2[r, outs] - o2[r, ins]).abs()
-        if not bool((gap <= spreads * torch.sqrt(s2[r, ins] ** 2 + s2[r, outs] ** 2)).all()):
-            continue
-        new[r, ins], new[r, outs] = o2[r, outs], o2[r, ins]
-        moved += 2 * len(ins)
+        new[r, dst] = o2[r, src]
+        moved += len(pairs)
     step = (new - o2).reshape(o.shape).movedim(-1, dim)
     return step, moved
