@@ -50,7 +50,6 @@ class _ModuleCall:
     sites: list | None = None  # under autocast: the dtype each of its calls computed in (kernels.amp_sites)
     kink_spread: Any = None  # the budget's draws at its kinks' inputs (kernels.kinks.Spread)
     kink_target: list | None = None  # the target's kink inputs (kernels.kinks.Record.sites)
-    drawn: bool = False  # whether a budget's draws ran (and noted the kinks' spread, if it has kinks)
 
 
 class _EagerForward(torch.nn.Module):
@@ -230,7 +229,6 @@ class ModuleIsolation:
             return []
         from ..kernels import amp_sites, kinks
 
-        call.drawn = True
         tensors = _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs)
         perturb = kernels.perturbation(torch.float64, tensors, torch.Generator().manual_seed(0x30D))
         eta = kernels.unit_of(perturb)
@@ -359,7 +357,7 @@ class ModuleIsolation:
             return results
         results = judge(b_list, o_list)
         if any(r.status == "error" for _, r in results):
-            forced = self._on_target_side(call)
+            forced = self._on_target_side(call, False)
             if forced is not None:
                 run, b_run, moved = forced
                 o_list = _tensors(run[1])
@@ -412,7 +410,7 @@ class ModuleIsolation:
                 return results
             results = judge(oracle, bench)
             if any(r.status == "error" for _, r in results):
-                forced = self._on_target_side(call, gout)
+                forced = self._on_target_side(call, True)
                 if forced is not None:
                     (f_leaves, f_out), b_run, moved = forced
                     oracle = self._module_vjp(f_out, f_leaves, gout)
@@ -429,19 +427,14 @@ class ModuleIsolation:
         finally:
             call.oracle = call.bench = call.kink_spread = call.kink_target = None
 
-    def _on_target_side(self, call: "_ModuleCall", grad_output: list | None = None):
+    def _on_target_side(self, call: "_ModuleCall", grad: bool):
         """The oracle of a failing module run again on the target's side of every kink within
         :data:`~msprobe_ci.kernels.kinks.SPREADS` spreads of the budget's draws (:mod:`msprobe_ci.kernels.kinks`):
         ``((leaves, output), bench, moved)``, the bench the same run where it is the oracle rounded (``upcast``,
         ``rounded``) and ``None`` where it is a kernel's own run; ``None`` where no kink input was moved (no kink,
-        no budget drawn, or the target's run cannot be made). ``grad_output``: the backward's incoming gradients
-        (its draws, where none ran yet: a failure the benchmark standard's budget was not asked for, an index
-        output judged by the binary standard)."""
+        no budget drawn, or the target's run cannot be made)."""
         from ..kernels import kinks
 
-        grad = grad_output is not None
-        if call.kink_spread is None and not call.drawn:
-            self._module_scale(call, grad_output)
         spread = call.kink_spread
         if spread is None or not len(spread):
             return None
