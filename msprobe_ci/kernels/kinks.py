@@ -124,10 +124,6 @@ for _n, _points in (("torch.topk", _topk), ("torch.Tensor.topk", _topk),
                    ("torch.min", _arg_select(False)), ("torch.Tensor.min", _arg_select(False)),
                    ("torch.argmin", _arg_select(False)), ("torch.Tensor.argmin", _arg_select(False))):
     KINKS[_n] = (_points, False)
-KINKS["torch.nn.functional.relu_"] = (_relu, True)
-KINKS["torch.nn.functional.leaky_relu_"] = (_relu, True)
-KINKS["torch.nn.functional.hardtanh_"] = (_hardtanh, True)
-KINKS["torch.nn.functional.threshold_"] = (_threshold, True)
 
 
 def _kink_of(func, args: tuple, kwargs: dict) -> tuple[str, torch.Tensor, list[float], bool] | None:
