@@ -365,12 +365,7 @@ def _mixtral_loop(folder, autocast):
     with the upcast bench kernel."""
     from msprobe_ci import PrecisionDebugger
 
-    torch.manual_seed(3)
-    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, num_key_value_heads=2, max_position_embeddings=64,
-                                     num_local_experts=4, num_experts_per_tok=2)
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).train()
+    model = _mixtral(3)[0].train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     debugger = PrecisionDebugger(dump_path=str(folder), level="L0", bench_kernel="upcast")
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(11))
