@@ -576,3 +576,49 @@ def test_a_fault_on_a_blocks_fp32_residual_under_autocast_is_named_at_l0(tmp_pat
     report = _gpt2_l0_amp(tmp_path, "bf16", Fault("Tensor.__add__", 2, "forward", "scale", 1.02), "device")
     first = report.first_divergence
     assert first is not None and first.name == "Module.transformer.h.0.GPT2Block.forward.0", first
+
+
+def _t5_loop(folder, autocast, seed=6, steps=3):
+    """A user's own T5 training loop (AdamW, ``steps`` steps, fresh batches each), under bf16 autocast or none,
+    its last step dumped at L0 by PrecisionDebugger with the upcast bench kernel."""
+    import transformers
+
+    from msprobe_ci import PrecisionDebugger
+
+    torch.manual_seed(seed)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0)).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    debugger = PrecisionDebugger(dump_path=str(folder), level="L0", bench_kernel="upcast", step=[steps - 1])
+    g = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        ids, labels = torch.randint(3, 256, (2, 24), generator=g), torch.randint(3, 256, (2, 12), generator=g)
+        debugger.start(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        debugger.stop()
+        debugger.step()
+    return os.path.join(folder, f"step{steps - 1}", "rank")
+
+
+def test_the_targets_side_of_a_kink_is_read_off_a_run_that_requires_grad_as_the_target_did(tmp_path):
+    """A user's own T5 loop under bf16 autocast, dumped at L0, step 2: the target's side of each ReLU was read off
+    a run of the block without gradients, whose attention took another CPU kernel path than the target's (whose
+    parameters require grad) and moved the feed-forward's pre-activations by a bf16 rounding: one unit at 0.00081 in
+    the target sat at -0.00007 there. The oracle was not put on the target's side of it, and that token's input
+    gradient row of the encoder's first block missed by a whole term (max relative error ratio 18.8 > 10, no
+    fault). The side is read off a run that requires grad where the target's tensors did."""
+    from msprobe_ci.check import judge
+    from msprobe_ci.compare.verdict import unit_roundoff
+
+    bench, target = _t5_loop(tmp_path / "bench", False), _t5_loop(tmp_path / "target", True)
+    report, _, _ = judge(bench, target, JudgeSettings(isolate=True, cast_roundoff=unit_roundoff(
+        "torch.bfloat16", "torch.float32")).for_step(2))
+    assert not [n.message for n in report.nodes if n.status == "error"]
+    with open(os.path.join(target, "isolation.json"), encoding="utf-8") as fh:
+        node = json.load(fh)["nodes"]["Module.encoder.block.0.T5Block.backward.0"]
+    assert node["status"] == "pass" and "oracle on the target's side of" in node["message"], node

@@ -167,11 +167,18 @@ class ModuleIsolation:
         return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites, kinks)
 
     @staticmethod
-    def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False) -> tuple:
+    def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False, as_target: bool = False) -> tuple:
         """``(state, leaves, args, kwargs)``: copies of the call's state (by name) and inputs, floating ones in
-        ``dtype`` (``None``: their own) on ``device``; ``leaves`` as for :meth:`_module_run`."""
+        ``dtype`` (``None``: their own) on ``device``; ``leaves`` as for :meth:`_module_run`. ``as_target`` (with
+        ``grad``): each copy of a parameter requires grad where the target's does, as the target ran it; a kernel
+        may take another path for a tensor that requires grad (T5's attention under CPU bf16 autocast moved its
+        output by a bf16 rounding, and a ReLU input 0.00081 landed at -0.00007)."""
         conv = kernels.copier(dtype, device)
         st = {k: conv(v) for k, v in call.state.items()}
+        if as_target and grad:
+            for key, v in call.state.items():
+                if v.requires_grad and st[key].is_floating_point():
+                    st[key].requires_grad_(True)
         leaves: list = []
         a = []
         for v in call.args:
@@ -442,8 +449,8 @@ class ModuleIsolation:
             device = _device_of(_tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs))
             record = kinks.Record()
             try:
-                st, _, a, k = self._module_copies(call, None, device)
-                self._module_call(call, st, a, k, False, _autocast_context(call.autocast), kinks=record)
+                st, _, a, k = self._module_copies(call, None, device, call.grad, as_target=True)
+                self._module_call(call, st, a, k, call.grad, _autocast_context(call.autocast), kinks=record)
                 call.kink_target = record.sites
             except Exception:  # noqa: BLE001 - the target's sides unknown: judged as it is
                 call.kink_target = []
