@@ -218,6 +218,31 @@ def test_a_target_the_tape_does_not_give_is_judged_as_the_gate_saw_it(tmp_path):
     assert "--no-fault cannot remove a fault" in text
 
 
+
+def test_no_fault_refuses_a_target_recorded_with_its_fault(tmp_path):
+    """A faulted module whose tape, replayed with the fault, does not give the gate's target values (here the gate
+    is handed an output 3% off, not the fault's 50%): the reproduction judges the gate's recorded values, which
+    hold the fault. Without it there is no target to judge, so ``--no-fault`` exits 2 saying so; judging the
+    recorded values reported the fault's own failure as the module's without it (T5 under bf16 autocast, a backward
+    fault on a residual add: mean_rel_err ratio 2.58 "without the fault")."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).bfloat16()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    iso = Isolator(backward=False)
+    session = CaptureSession(DumpConfig(task="statistics", level="L0", dump_path=str(tmp_path)), isolator=iso,
+                             faults=[Fault("Functional.linear", 0, "forward", "scale", 1.5)])
+    iso.attach(reproducer=Reproducer(session))
+    call = iso.module_before("Module.block.Sequential.forward.0", module, (x,), {}, input_sources=False)
+    iso.module_after(call, module(x) * 1.03)
+    record = iso.results["Module.block.Sequential.forward.0"]
+    spec = _json(record["repro"][:-3] + ".json")
+    assert spec["faults"] and spec["module"]["target"] == "recorded" and "clean" not in spec["module"], spec
+    rc, out, text = _run(record["repro"])
+    assert rc == 1 and out["message"] == record["message"], text
+    rc, _, text = _run(record["repro"], "--no-fault")
+    assert rc == 2 and "recorded with the fault" in text and "--no-fault cannot leave it out" in text, text
+
+
 def test_an_l0_check_prints_the_modules_reproduction(pytester):
     """Through ``msprobe.check`` at L0, as a user gates a model: the failure names the innermost failing module
     and prints its reproduction's command, which fails alone with the gate's message and passes without the

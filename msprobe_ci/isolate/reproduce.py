@@ -91,7 +91,8 @@ def module_reproduction(part, call, direction: str, observed: Any, faults: list,
         module["grad_outputs"] = _keep(tensors, "grad_output", gout)
     replayed = None
     try:
-        replayed = _replayed(part, call, target, tensors, args, kwargs, None, refs.target_device, gout, first, mine)
+        replayed = _replayed(part, call, target, tensors, args, kwargs, None, refs.target_device, gout, first, mine,
+                             as_target=True)
         same = _bitwise(replayed, gate, "output" if gout is None else "input gradients", "the gate's target")
     except Exception as exc:  # noqa: BLE001 - then the gate's values are the target
         same = f"its tape does not replay: {type(exc).__name__}: {str(exc)[:120]}"
@@ -156,10 +157,12 @@ def _values(part, out: Any, leaves: list, gout: list | None) -> list:
 
 
 def _replayed(part, call, tape: dict, tensors: dict, args: list, kwargs: dict, dtype, device: str,
-              gout: list | None, first: dict | None = None, faults=()) -> list:
+              gout: list | None, first: dict | None = None, faults=(), as_target: bool = False) -> list:
     """What ``tape`` gives, replayed on copies of the call's state and inputs in ``dtype`` on ``device`` (its
-    constants placed there, as a reproduction places them), ``faults`` applied: as :func:`_values`."""
-    st, leaves, a, k = part._module_copies(call, dtype, device, call.grad)
+    constants placed there, as a reproduction places them), ``faults`` applied: as :func:`_values`.
+    ``as_target``: its parameters require grad where the target's did, as a reproduction's rebuilt module
+    (:class:`~msprobe_ci.replay.tape.TapeModule`) replays the target (a kernel may take another path for them)."""
+    st, leaves, a, k = part._module_copies(call, dtype, device, call.grad, as_target=as_target)
     env = {key: t.to(device) for key, t in tensors.items() if key.startswith("c")}
     env.update({f"state.{n}": v for n, v in st.items()})
     bind(args, a, env)
@@ -218,12 +221,15 @@ def run_module(iso, spec: dict, tensors: dict, where: str, fault: bool, faults: 
     args, kwargs = _decode(spec["args"], tensors, where), _decode(spec["kwargs"], tensors, where)
     fwd, node = spec["forward"], spec["node"]
     grad = bool(spec.get("grad_enabled", True))
+    # the target replayed: its tape gives the gate's values bit for bit, or, left without its faults, nearly
+    replayed = m.get("target") == "replayed" or (not fault and m.get("clean") == "replayed")
+    if not replayed and not fault and spec.get("faults"):
+        raise MsprobeError(f"{where}: the target's values were recorded with the fault ({m.get('why')}): "
+                           "--no-fault cannot leave it out")
     with torch.set_grad_enabled(grad), _autocast(spec.get("autocast")):
         call = iso.module_before(fwd, module, tuple(args), dict(kwargs), input_sources=False)
         if call is None:
             return iso.results.get(fwd) or {"status": "skip", "message": "nothing judged"}
-        # the target replayed: its tape gives the gate's values bit for bit, or, left without its faults, nearly
-        replayed = m.get("target") == "replayed" or (not fault and m.get("clean") == "replayed")
         if replayed:
             module.faults = tuple(faults) if fault else ()
             out = module(*args, **kwargs)
