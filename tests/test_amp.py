@@ -582,26 +582,16 @@ def _t5_loop(folder, autocast, seed=6, steps=3):
     """A user's own T5 training loop (AdamW, ``steps`` steps, fresh batches each), under bf16 autocast or none,
     its last step dumped at L0 by PrecisionDebugger with the upcast bench kernel."""
     import transformers
-
-    from msprobe_ci import PrecisionDebugger
+    from _loops import debugged_loop
 
     torch.manual_seed(seed)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=256, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
         decoder_start_token_id=0, pad_token_id=0)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    debugger = PrecisionDebugger(dump_path=str(folder), level="L0", bench_kernel="upcast", step=[steps - 1])
     g = torch.Generator().manual_seed(11)
-    for _ in range(steps):
-        ids, labels = torch.randint(3, 256, (2, 24), generator=g), torch.randint(3, 256, (2, 12), generator=g)
-        debugger.start(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        debugger.stop()
-        debugger.step()
+    batches = [{"input_ids": torch.randint(3, 256, (2, 24), generator=g),
+                "labels": torch.randint(3, 256, (2, 12), generator=g)} for _ in range(steps)]
+    debugged_loop(model, batches, folder, autocast, level="L0", bench_kernel="upcast", step=[steps - 1])
     return os.path.join(folder, f"step{steps - 1}", "rank")
 
 

@@ -363,20 +363,11 @@ def test_small_gradients_of_a_module_under_autocast_are_judged_against_a_bench_o
 def _mixtral_loop(folder, autocast):
     """A user's own Mixtral training step (AdamW) under ``autocast`` (or none), dumped at L0 by PrecisionDebugger
     with the upcast bench kernel."""
-    from msprobe_ci import PrecisionDebugger
+    from _loops import debugged_loop
 
-    model = _mixtral(3)[0].train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    debugger = PrecisionDebugger(dump_path=str(folder), level="L0", bench_kernel="upcast")
     ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(11))
-    debugger.start(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    debugger.stop()
-    debugger.step()
+    debugged_loop(_mixtral(3)[0].train(), [{"input_ids": ids, "labels": ids}], folder, autocast, level="L0",
+                  bench_kernel="upcast")
 
 
 def test_a_routers_near_tie_in_a_users_amp_loop_is_taken_on_the_targets_side(tmp_path):
