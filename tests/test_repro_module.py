@@ -218,7 +218,6 @@ def test_a_target_the_tape_does_not_give_is_judged_as_the_gate_saw_it(tmp_path):
     assert "--no-fault cannot remove a fault" in text
 
 
-
 def test_no_fault_refuses_a_target_recorded_with_its_fault(tmp_path):
     """A faulted module whose tape, replayed with the fault, does not give the gate's target values (here the gate
     is handed an output 3% off, not the fault's 50%): the reproduction judges the gate's recorded values, which
@@ -241,6 +240,31 @@ def test_no_fault_refuses_a_target_recorded_with_its_fault(tmp_path):
     assert rc == 1 and out["message"] == record["message"], text
     rc, _, text = _run(record["repro"], "--no-fault")
     assert rc == 2 and "recorded with the fault" in text and "--no-fault cannot leave it out" in text, text
+
+
+
+def test_the_target_is_replayed_with_its_parameters_requiring_grad_as_a_reproduction_replays_it(tmp_path):
+    """T5 at L0 under bf16 autocast, a 2% fault on the first attention's output: the reproduction's rebuilt module
+    replays the target on parameters that require grad (as the model's did), where a CPU kernel takes another
+    path than on detached copies. Checked against the gate on detached copies, the tape did not give the gate's
+    target ("its tape's output 0 differs") and the gate's values were saved instead; checked as the reproduction
+    replays it, the target is replayed bit for bit, fails alone with the gate's message and passes without the
+    fault."""
+    from test_sensitivity import t5_l0
+
+    node = "Module.encoder.block.0.layer.0.SelfAttention.T5Attention.forward.0"
+    report, folder = t5_l0(tmp_path, Backend.from_options("cpu", "fp32", autocast="bf16"), "upcast",
+                           faults=[Fault("Functional.scaled_dot_product_attention", 0, "forward", "scale", 1.02)])
+    assert report.first_divergence is not None and report.first_divergence.name == node
+    script = os.path.join(folder, "repro", f"{node}.py")
+    spec = _json(script[:-3] + ".json")
+    assert spec["module"]["target"] == "replayed", spec["module"].get("why")
+    with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
+        record = json.load(fh)["nodes"][node]
+    rc, out, text = _run(script)
+    assert rc == 1 and out["message"] == record["message"], text
+    rc, _, text = _run(script, "--no-fault")
+    assert rc == 0, text
 
 
 def test_an_l0_check_prints_the_modules_reproduction(pytester):
