@@ -40,7 +40,7 @@ import torch
 
 from msprobe_ci.backends import Backend, compile_regions
 from msprobe_ci.capture.inject import Fault
-from msprobe_ci.check import judge, model_cases, run_side
+from msprobe_ci.check import departure, judge, model_cases, run_side
 from msprobe_ci.compare.verdict import unit_roundoff
 from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
@@ -205,7 +205,7 @@ def _one(model, inputs, loss_fn, bench_dtype, target_dtype, faults, isolate=None
         elapsed = time.perf_counter() - t0
         cast_u = unit_roundoff(str(target.autocast if amp else target.dtype), str(bench.dtype))
         report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(isolate=isolate, cast_roundoff=cast_u))
-        cases = model_cases(b.outputs, t.outputs, None, cast_u)
+        cases = model_cases(b.outputs, t.outputs, None, cast_u, departure(report))
         if inspect is not None:  # before the folders go
             inspect(report, t.folder)
         return report, cases, tdump, elapsed, t.unapplied

@@ -27,6 +27,8 @@ import gate_quality as gq  # noqa: E402
 
 warnings.filterwarnings("ignore")
 MODELS = ("opt", "bloom", "falcon", "gpt_neo", "stablelm", "mixtral", "distilbert", "vit", "granite")
+MORE = ("gptj", "deberta_v2", "modernbert", "mamba", "deepseek_v3", "gpt_oss", "recurrent_gemma", "convnext",
+        "swin", "efficientnet", "wav2vec2")
 
 
 def ids(seed: int, n: int = 16) -> torch.Tensor:
@@ -69,12 +71,90 @@ def build(kind: str, seed: int):
         px = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
         return (transformers.ViTForImageClassification(cfg).eval(),
                 ({"pixel_values": px, "labels": torch.tensor([0, 2])},), lambda o: o.loss)
+    elif kind in MORE:
+        return _more(kind, seed)
     else:
-        raise SystemExit(f"unknown model {kind!r}; known: {', '.join(MODELS)}")
+        raise SystemExit(f"unknown model {kind!r}; known: {', '.join(MODELS + MORE)}")
     cfg._attn_implementation = "eager"
     x = ids(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval(), ({"input_ids": x, "labels": x},), \
         lambda o: o.loss
+
+
+def _images(seed: int, size: int = 32) -> torch.Tensor:
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _more(kind: str, seed: int):
+    """Architectures with kernels the first nine lack: partial rotary (GPT-J), disentangled attention (DeBERTa-v2),
+    unpadded global/local attention (ModernBERT), selective scan (Mamba), MLA + routed experts (DeepSeek-V3),
+    attention sinks + clamped SwiGLU experts (gpt-oss), RG-LRU recurrence (RecurrentGemma), depthwise conv +
+    channels-last LayerNorm (ConvNeXt), shifted windows (Swin), depthwise conv + BatchNorm + squeeze-excite
+    (EfficientNet), a conv feature encoder + GroupNorm + CTC loss (wav2vec 2.0)."""
+    import transformers as t
+
+    small = dict(vocab_size=256, max_position_embeddings=64)
+    decoder = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    x = ids(seed)
+    lm = ({"input_ids": x, "labels": x},)
+    if kind == "gptj":
+        cfg = t.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=256, n_positions=64)
+    elif kind == "deberta_v2":
+        cfg = t.DebertaV2Config(**decoder, **small, intermediate_size=128, relative_attention=True,
+                                pos_att_type=["p2c", "c2p"], position_buckets=8, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0)
+        torch.manual_seed(seed)
+        return t.DebertaV2ForMaskedLM(cfg).eval(), lm, lambda o: o.loss
+    elif kind == "modernbert":
+        cfg = t.ModernBertConfig(**decoder, **small, intermediate_size=128, global_attn_every_n_layers=2,
+                                 local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, sep_token_id=2,
+                                 cls_token_id=1)
+        torch.manual_seed(seed)
+        return t.ModernBertForMaskedLM(cfg).eval(), lm, lambda o: o.loss
+    elif kind == "mamba":
+        cfg = t.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=8, vocab_size=256, expand=2,
+                            use_mambapy=False)
+    elif kind == "deepseek_v3":
+        cfg = t.DeepseekV3Config(**decoder, **small, intermediate_size=128, moe_intermediate_size=32,
+                                 n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                 first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)
+    elif kind == "gpt_oss":
+        cfg = t.GptOssConfig(**decoder, **small, intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                             num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"])
+    elif kind == "recurrent_gemma":
+        cfg = t.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=1, intermediate_size=128, lru_width=64,
+                                     attention_window_size=8, vocab_size=256, conv1d_width=4,
+                                     block_types=["recurrent", "recurrent", "attention"])
+    elif kind in ("convnext", "swin", "efficientnet"):
+        torch.manual_seed(seed)
+        if kind == "convnext":
+            cfg = t.ConvNextConfig(num_channels=3, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2,
+                                   patch_size=4, image_size=32, num_labels=3)
+            model = t.ConvNextForImageClassification(cfg)
+        elif kind == "swin":
+            cfg = t.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
+                               window_size=4, num_labels=3)
+            model = t.SwinForImageClassification(cfg)
+        else:
+            cfg = t.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
+                                       hidden_dim=320, num_labels=3)
+            model = t.EfficientNetForImageClassification(cfg)
+        return model.eval(), ({"pixel_values": _images(seed), "labels": torch.tensor([0, 2])},), lambda o: o.loss
+    else:  # wav2vec2
+        torch.manual_seed(seed)
+        cfg = t.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                               num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, vocab_size=16,
+                               ctc_loss_reduction="mean", pad_token_id=0)
+        audio = torch.randn(2, 800, generator=torch.Generator().manual_seed(seed))
+        labels = torch.randint(1, 16, (2, 6), generator=torch.Generator().manual_seed(seed))
+        return t.Wav2Vec2ForCTC(cfg).eval(), ({"input_values": audio, "labels": labels},), lambda o: o.loss
+    torch.manual_seed(seed)
+    cfg._attn_implementation = "eager"
+    return t.AutoModelForCausalLM.from_config(cfg).eval(), lm, lambda o: o.loss
 
 
 def main() -> None:

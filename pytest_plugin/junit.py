@@ -91,6 +91,8 @@ def write_junit(path: str, results: list) -> None:
             case = TestCase(m.name, classname=suite_name)
             if m.status == "error":
                 case.add_failure_info(message=m.message, output=_body(m), failure_type="end-to-end drift")
+            elif m.status == "skip":  # not judged end to end (past a discrete choice): said, never a pass
+                case.add_skipped_info(message=m.message)
             cases.append(case)
             props[(suite_name, m.name)] = {"msprobe.metric": m.metric, "msprobe.value": str(m.value),
                                               "msprobe.threshold": str(m.threshold)}

@@ -58,7 +58,7 @@ backward); above the line fails; the first divergence is marked.</p>{% elif c.pl
 <td>{{ n.metric }}</td><td>{{ n.value }}</td><td>{{ n.threshold }}</td><td>{{ n.standard }}</td><td>{{ n.worst_row }}</td></tr>
 {% endfor %}</table>{% endif %}
 {% if c.model %}<table><tr><th>model-level</th><th>status</th><th>relative L2 error</th><th>tolerance</th></tr>
-{% for m in c.model %}<tr><td>{{ m.name }}</td><td class="{{ 'fail' if m.status == 'error' else 'pass' }}">{{ m.status }}</td>
+{% for m in c.model %}<tr><td>{{ m.name }}</td><td class="{{ {'error': 'fail', 'pass': 'pass'}.get(m.status, '') }}" title="{{ m.message }}">{{ m.status }}</td>
 <td>{{ m.value }}</td><td>{{ m.threshold }}</td></tr>{% endfor %}</table>{% endif %}
 {% for note in c.notes %}<p class="muted">note: {{ note }}</p>{% endfor %}
 <p>{% if c.csv %}<a href="{{ c.csv.href }}">compare CSV</a> &middot; {% endif %}artifacts <code>{{ c.dir }}</code>

@@ -292,7 +292,7 @@ class ProbeSession:
                               "judgeable (named in the CSV/JUnit); verdicts above are isolated, drift is context")
             for m in r.model:
                 tr.write_line(f"    {m.name}: {m.status} (relative L2 error {float(m.value):.3g}, "
-                              f"tolerance {m.threshold:.3g})")
+                              f"tolerance {m.threshold:.3g})" + (f": {m.message}" if m.status == "skip" else ""))
             if r.api_checks:
                 ac = r.api_checks
                 counts = {s: sum(a.status == s for a in ac) for s in ("pass", "warning", "error", "skip")}

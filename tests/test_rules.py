@@ -493,6 +493,36 @@ def test_model_cases_tolerance_and_error():
     assert case["value"] == 0.5 and case["status"] == "pass"  # err <= tol passes
     (case,) = model_cases([("o", b.to(torch.bfloat16))], [("o", b * 1.001)], None)
     assert case["threshold"] == 16 * 2.0 ** -8  # the bench's dtype counts too
+
+
+def test_a_model_output_past_a_departure_is_skipped_and_says_where_the_runs_parted():
+    """Past a node where the target's run left the bench's while computing correctly on its own inputs (an MoE
+    router's top-k within a rounding), the end-to-end distance is no rounding budget's: the case is ``skip`` with
+    the node named, never a pass; NaN/Inf on one side only stays an error, and a non-isolated report (the drift
+    rule alone, where that node is the failure) has no departure."""
+    import torch
+
+    from msprobe_ci.check import departure, model_cases
+    from msprobe_ci.compare.report import CompareReport
+    from msprobe_ci.compare.verdict import CompareResult
+
+    nodes = [CompareResult("Torch.topk.0.forward", "pass", metrics={"drift_status": "pass"}),
+             CompareResult("Torch.histc.0.forward", "pass", metrics={"drift_status": "error", "drift_RelativeErr":
+                                                                     0.0613, "drift_threshold": 0.0492}),
+             CompareResult("Torch.histc.1.forward", "pass", metrics={"drift_status": "error"})]
+    where = departure(CompareReport("statistics", [], nodes, isolated=True))
+    assert where is nodes[1]
+    assert departure(CompareReport("statistics", [], nodes, isolated=False)) is None
+    assert departure(CompareReport("statistics", [], [CompareResult("a", "error", metrics={"drift_status": "error"})],
+                                   isolated=True)) is None  # failing on its own inputs: no departure, a fault
+    b = torch.tensor([3.0, 4.0])
+    (case,) = model_cases([("o", b)], [("o", b * 1.1)], None, departure=where)
+    assert case["status"] == "skip" and case["value"] == pytest.approx(0.1)
+    assert "Torch.histc.0.forward (drift 0.0613 over 0.0492)" in case["message"]
+    (case,) = model_cases([("o", b)], [("o", b * (1 + 1e-6))], None, departure=where)
+    assert case["status"] == "pass"  # within the tolerance: judged as ever
+    (case,) = model_cases([("o", b)], [("o", torch.tensor([3.0, float("nan")]))], None, departure=where)
+    assert case["status"] == "error"
     big = torch.tensor([1e30, 1e30])  # its norm overflows fp32: computed in float64
     (case,) = model_cases([("o", big)], [("o", big * 1.001)], None)
     assert case["value"] == pytest.approx(1e-3, rel=1e-3) and case["status"] == "error"

@@ -381,3 +381,54 @@ def test_a_t5_block_whose_relu_flips_within_a_rounding_passes_at_l0_in_fp16(tmp_
 
     report, _ = t5_l0(tmp_path, Backend.from_options("cpu", "fp16"), kernel)
     assert report.first_divergence is None, report.first_divergence.message
+
+
+def _flushed_conv(x, w):
+    """A bf16 1x1 ``conv2d`` as x86's bf16 instructions compute it: every fp32 product and the result under
+    fp32's smallest normal number flushed to zero (denormals are zero, flush to zero), then rounded to bf16."""
+    tiny = torch.finfo(torch.float32).smallest_normal
+    prods = x.double()[:, None, :, 0, 0] * w.double()[None, :, :, 0, 0]  # (batch, out, in)
+    prods = torch.where(prods.abs() < tiny, torch.zeros_like(prods), prods)
+    out = prods.sum(-1)
+    return torch.where(out.abs() < tiny, torch.zeros_like(out), out)[..., None, None].to(torch.bfloat16)
+
+
+def test_a_bf16_kernel_that_flushes_fp32_subnormals_passes_and_a_fault_over_them_fails():
+    """bf16's smallest normal number is fp32's (2^-126), and x86's bf16 instructions (AVX512-BF16, AMX) flush
+    fp32 subnormal products and results to zero whatever the FPU's mode: a random-init EfficientNet in eval mode,
+    whose activations shrink to 1e-37 by its fourth block, failed its squeeze-excite ``conv2d`` at a max relative
+    error ratio of 256 (its outputs under 2^-126 came back 0). The budget allows a bf16 result an absolute error of
+    that number (``kernels.perturb.FLUSH``): the flushing kernel passes, while a 2% fault on outputs a hundred times
+    larger still fails."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(32, 16, 1, 1, generator=g) * 0.05).bfloat16()
+    for size in (2e-37, 2e-35):
+        x = (torch.randn(2, 16, 1, 1, generator=g) * size).bfloat16()
+        oracle = F.conv2d(x.double(), w.double())
+        (scale,) = kernels.forward_scale(F.conv2d, (x, w), {}, _rows)
+        target = _flushed_conv(x, w)
+        if size < 1e-36:  # the flush happened: some outputs are 0 where the exact result is not
+            assert bool(((target == 0) & (oracle.abs() > 0)).any())
+        bench = F.conv2d(x.float(), w.float()).bfloat16()
+        ok = judge_pair("conv2d", target, bench, oracle, terms=scale)
+        assert ok.status == "pass", (size, ok.message)
+        if size > 1e-36:  # a fault far over what a flush moves
+            bad = judge_pair("conv2d", (target.double() * 1.02).bfloat16(), bench, oracle, terms=scale)
+            assert bad.status == "error", (size, bad.message)
+
+
+def test_the_flush_allowance_leaves_fp16_roundings_at_their_subnormal_step():
+    """fp16's own subnormal step (2^-24) is far coarser than a flush of fp32's subnormals: its budget draws as
+    before; a bf16 rounding under ``FLUSH / eta`` draws an absolute error of about ``FLUSH``."""
+    from msprobe_ci.kernels.perturb import FLUSH, _below, jitter
+
+    eta = 2.0 ** -11 / 3 ** 0.5
+    assert _below(6.103515625e-05, eta) == 6.103515625e-05 and _below(0.0, eta) == 0.0
+    eta = 2.0 ** -8 / 3 ** 0.5
+    t = torch.tensor([3e-39, -2e-37, 1e-36, 1e-30, 0.0] * 64, dtype=torch.float64)
+    out = jitter(t, eta, torch.Generator().manual_seed(5), torch.finfo(torch.bfloat16).smallest_normal)
+    err = (out - t).abs()
+    small = (t.abs() < FLUSH / eta) & (t != 0)
+    assert bool((err[small] > 0.4 * FLUSH).all()) and bool((err[small] < 2.7 * FLUSH).all())
+    assert bool((err[~small & (t != 0)] < 2.7 * eta * t.abs()[~small & (t != 0)]).all()) and \
+        bool((out[t == 0] == 0).all())

@@ -29,8 +29,8 @@ from .context import CheckContext, DeviceAbsent
 from .generation import DecodeRun, check_generate, run_decode
 from .monitor import conclude_monitor, open_monitor
 from .offline import check_dumps
-from .outcome import (CheckOutcome, SideRun, evaluate, flatten_outputs, judge, merge_coverage, model_cases,
-                      read_coverage)
+from .outcome import (CheckOutcome, SideRun, departure, evaluate, flatten_outputs, judge, merge_coverage,
+                      model_cases, read_coverage)
 from .parallel import check_parallel
 from .settings import CHECK_OPTIONS, CheckSettings
 from .sides import precision_notes, run_side, unapplied_faults
@@ -39,6 +39,6 @@ from .training import TrainingRun, check_training, grad_similarity, run_training
 
 __all__ = ["CHECK_OPTIONS", "CheckContext", "CheckOutcome", "CheckRow", "CheckSettings", "Conclusion", "DecodeRun",
            "DeviceAbsent", "SideRun", "TrainingRun", "check_dumps", "check_generate", "check_parallel",
-           "check_training", "conclude_monitor", "evaluate", "failure_message", "flatten_outputs", "grad_similarity",
-           "judge", "merge_coverage", "model_cases", "open_monitor", "precision_notes", "read_coverage",
-           "run_check", "run_decode", "run_side", "run_training", "unapplied_faults"]
+           "check_training", "conclude_monitor", "departure", "evaluate", "failure_message", "flatten_outputs",
+           "grad_similarity", "judge", "merge_coverage", "model_cases", "open_monitor", "precision_notes",
+           "read_coverage", "run_check", "run_decode", "run_side", "run_training", "unapplied_faults"]

@@ -418,11 +418,12 @@ def _sequential_sum(func, args, kwargs, eta: float, generator: torch.Generator, 
     """``sum(x, dims)`` with the error of adding its rows one by one into a buffer of the target dtype: each
     partial sum ``s_k`` (row-major order over ``dims``) jittered by ``eta``, so the error is ``sum_k eta xi_k s_k``
     (:data:`ROWS_SUMMED`); a partial sum below ``tiny`` (the dtype's smallest normal) rounds by ``eta * tiny``,
-    absolute (fp16 weight gradients of 1e-5 are subnormal: a step of 6e-8 is 0.6% of them, 6 units)."""
+    absolute (fp16 weight gradients of 1e-5 are subnormal: a step of 6e-8 is 0.6% of them, 6 units), and by
+    :data:`FLUSH` at least (:func:`_below`)."""
     x, dims = args[0], [d % args[0].dim() for d in args[1]]
     keep = [d for d in range(x.dim()) if d not in dims]
     rows = x.permute(*keep, *sorted(dims)).reshape(*[x.shape[d] for d in keep], -1)
-    size = rows.cumsum(-1).abs().clamp(min=tiny)
+    size = rows.cumsum(-1).abs().clamp(min=_below(tiny, eta))
     out = func(*args, **kwargs)
     return out + (jitter(size, eta, generator) - size).sum(-1).reshape(out.shape)
 
@@ -438,7 +439,7 @@ def _cascade_error(terms: torch.Tensor, eta: float, generator: torch.Generator, 
         pad = (-level.numel()) % CASCADE_STEP
         runs = torch.cat([level, level.new_zeros(pad)]).view(-1, CASCADE_STEP).cumsum(-1)
         real = (torch.arange(runs.numel()) < level.numel()).view(runs.shape)  # the padding adds nothing
-        size = torch.where(real, runs.abs().clamp(min=tiny), torch.zeros_like(runs))
+        size = torch.where(real, runs.abs().clamp(min=_below(tiny, eta)), torch.zeros_like(runs))
         err = err + (jitter(size, eta, generator) - size).sum()
         level = runs[:, -1]
     return err
@@ -460,10 +461,12 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     ``floor``: the target dtype's smallest normal number, for a rounding to that dtype. Below it the format's step
     is fixed (fp16's subnormal step 2^-24 = 6e-8), so an element smaller than ``floor`` is off by ``eta`` times
     ``floor``, absolute, not relative to itself (IEEE 754-2008 §3.4; Higham, *Accuracy and Stability of Numerical
-    Algorithms*, 2nd ed., §2.1: ``fl(x) = x(1 + d) + e``, ``|e|`` up to half the subnormal step). A Llama decoder
-    layer's fp16 backward on the CPU, whose gradients reach 1e-6 (9% of its output gradient is subnormal), failed
-    its max relative error at 18.9 times the budget without it (``tests/test_sensitivity.py``). A CPU tensor with
-    no element below ``floor`` draws exactly as without it.
+    Algorithms*, 2nd ed., §2.1: ``fl(x) = x(1 + d) + e``, ``|e|`` up to half the subnormal step); and by
+    :data:`FLUSH` at least, for a kernel that flushes fp32's subnormals (elements under ``FLUSH / eta``,
+    :func:`_below`). A Llama decoder layer's fp16 backward on the CPU, whose gradients reach 1e-6 (9% of its
+    output gradient is subnormal), failed its max relative error at 18.9 times the budget without it
+    (``tests/test_sensitivity.py``). A CPU tensor with no element below ``_below(floor, eta)`` draws exactly as
+    without it.
 
     The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
     jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
@@ -481,8 +484,28 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     xi = xi.mul_(eta)
     out = t * (xi + 1.0 if t.device.type == "cpu" else (xi + 1.0).to(t.device))
     if floor > 0.0:
-        small = (t.abs() < floor) & (t != 0)  # an exact zero (a mask, a ReLU) is no rounding
+        below = _below(floor, eta)  # where the absolute error (eta * below) is larger than the relative one
+        small = (t.abs() < below) & (t != 0)  # an exact zero (a mask, a ReLU) is no rounding
         if t.device.type != "cpu" or bool(small.any()):  # on a device, never a sync per op
             # only there: infinities and the rest keep their relative draw (an additive one made inf + -inf)
-            out = torch.where(small, t + xi.to(t.device) * torch.copysign(torch.full_like(t, floor), t), out)
+            out = torch.where(small, t + xi.to(t.device) * torch.copysign(torch.full_like(t, below), t), out)
     return out
+
+
+#: fp32's smallest normal number, 2^-126. Kernels of a half-precision dtype that compute in fp32 may flush fp32
+#: intermediates and results under it to zero whatever the FPU's mode: x86's bf16 instructions (AVX512-BF16's
+#: ``VCVTNEPS2BF16`` and ``VDPBF16PS``, AMX's ``TDPBF16PS``) treat denormal inputs as zero and flush denormal
+#: results, as accelerators' flush-to-zero modes do. Measured on this project's CPU (``benchmarks/
+#: unseen_architectures.py --models efficientnet``): a bf16 ``conv2d`` whose exact outputs lie under 4e-38 returned
+#: 0 for 91 of 128 of them, and outputs of 1e-37 lost 2.5 times this number to flushed products. A bf16 result
+#: may so be off by about this much, absolute: one unit of ``eta`` at ``FLUSH / eta``. fp16's own subnormal step is
+#: far coarser (:func:`_below` keeps it).
+FLUSH = torch.finfo(torch.float32).smallest_normal
+
+
+def _below(floor: float, eta: float) -> float:
+    """The magnitude under which a rounding with relative RMS ``eta`` to a dtype of smallest normal number ``floor``
+    errs absolutely, by ``eta`` times it: ``floor`` itself (the format's fixed subnormal step), or ``FLUSH / eta``
+    where a flush of fp32's subnormals (:data:`FLUSH`) is the larger error (bf16, whose smallest normal is fp32's);
+    0 for no floor (no absolute error modelled)."""
+    return max(floor, FLUSH / eta) if floor > 0.0 and eta > 0.0 else floor
