@@ -353,7 +353,9 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
     model = [{"name": "model.output.0", "status": "error", "metric": "RelativeErr", "value": "inf",
               "threshold": 1e-3, "message": "output.0: 3 element(s) NaN/Inf on one side only"},
              {"name": "model.loss", "status": "pass", "metric": "RelativeErr", "value": 1e-6, "threshold": 1e-3,
-              "message": "loss ok"}]
+              "message": "loss ok"},
+             {"name": "model.output.1", "status": "skip", "metric": "RelativeErr", "value": 0.07, "threshold": 1e-3,
+              "message": "output.1: not judged end to end: the target's run left the bench's at A.j.0.forward"}]
     api = [{"name": "Functional.a.0.forward", "status": "error", "message": "api bad"},
            {"name": "Functional.b.0.forward", "status": "warning", "message": "api warn"},
            {"name": "Functional.c.0.forward", "status": "skip", "message": "api skip"},
@@ -394,6 +396,8 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
     assert _props(cases[(cls, "model.output.0")]) == {"msprobe.metric": "RelativeErr", "msprobe.value": "inf",
                                                       "msprobe.threshold": "0.001"}
     assert [c.tag for c in cases[(cls, "model.loss")]] == ["properties"]
+    assert cases[(cls, "model.output.1")].find("skipped").get("message") == model[2]["message"]  # never a pass
+    assert cases[(cls, "model.output.1")].find("failure") is None
     fault = cases[(cls, "injected-faults")].find("failure")
     assert (fault.get("message"), fault.get("type")) == ("Functional.x.0.forward: never fired; y", "fault never fired")
     ov = cases[(cls, "overflow")]
@@ -415,10 +419,10 @@ def test_junit_every_verdict_has_its_testcase(tmp_path):
         "msprobe.test": "tests/test_m.py::test_x[1.5]", "msprobe.bench": "cpu/float32",
         "msprobe.target": "cpu/bfloat16", "msprobe.mode": "statistics", "msprobe.first_divergence": "A.f.0.forward",
         "msprobe.artifacts": "out/t"}
-    assert (main.get("tests"), main.get("failures"), main.get("skipped")) == ("9", "4", "2")
+    assert (main.get("tests"), main.get("failures"), main.get("skipped")) == ("10", "4", "3")
     assert [c.get("name") for c in main.iter("testcase")] == [
         "A.f.0.forward", "A.g.0.forward", "A.h.0.forward", "A.i.0.forward", "A.j.0.forward", "model.output.0",
-        "model.loss", "injected-faults", "overflow"]
+        "model.loss", "model.output.1", "injected-faults", "overflow"]
     skipped = cases[("tests.test_m.test_x[1_5] check 2", "check")].find("skipped")
     assert skipped.get("message") == "no npu device"
 
