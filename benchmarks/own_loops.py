@@ -6,6 +6,7 @@ fp32 bench loop and on the target loop, then ``msprobe-ci compare -tp target -gp
     python benchmarks/own_loops.py [--models gpt2,llama,bert,qwen2,t5] [--setups bf16:device:L0,fp16:upcast:L0]
                                    [--seeds 1] [--steps 3] [--fault API:CALL:DIRECTION:SCALE]
 
+Any model of ``unseen_architectures.py`` runs too (``--models gpt_oss,mamba,swin``), on its own kind of inputs.
 A setup is ``target:bench kernel:level``; the target is ``bf16``/``fp16`` (the fp32 model under ``torch.autocast``;
 fp16 with a ``GradScaler``) or ``model-bf16``/``model-fp16`` (the model cast). ``--accumulate 2`` runs two
 micro-batches per step; ``--checkpointing`` turns on the model's non-reentrant activation checkpointing.
@@ -29,6 +30,7 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 256
 
 
@@ -54,10 +56,19 @@ def build(name: str, seed: int):
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
             decoder_start_token_id=0, pad_token_id=0))
-    raise SystemExit(f"unknown model {name!r}: gpt2, llama, qwen2, bert, t5")
+    import unseen_architectures as ua
+
+    if name in ua.MODELS + ua.MORE:
+        return ua.build(name, seed)[0]
+    raise SystemExit(f"unknown model {name!r}: gpt2, llama, qwen2, bert, t5, {', '.join(ua.MODELS + ua.MORE)}")
 
 
 def batch(name: str, g: torch.Generator) -> dict:
+    import unseen_architectures as ua
+
+    if name in ua.MODELS + ua.MORE:  # its own inputs at a fresh seed (images, audio, CTC labels as it builds them)
+        with torch.random.fork_rng():  # building re-seeds the global generator: the loop's dropout keeps its own
+            return ua.build(name, int(torch.randint(0, 2 ** 16, (1,), generator=g)))[1][0]
     ids = torch.randint(3, VOCAB, (2, 24), generator=g)
     if name == "t5":
         return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, 12), generator=g)}

@@ -500,25 +500,35 @@ def test_model_cases_tolerance_and_error():
 
 
 def test_a_model_output_past_a_departure_is_skipped_and_says_where_the_runs_parted():
-    """Past a node where the target's run left the bench's while computing correctly on its own inputs (an MoE
-    router's top-k within a rounding), the end-to-end distance is no rounding budget's: the case is ``skip`` with
-    the node named, never a pass; NaN/Inf on one side only stays an error, and a non-isolated report (the drift
+    """Past a decision the target made otherwise than the bench while computing correctly on its own inputs (an
+    MoE router's top-k within a rounding, counted by ``histc``), the end-to-end distance is no rounding budget's:
+    the case is ``skip`` with the node named, never a pass; NaN/Inf on one side only stays an error, and a non-isolated report (the drift
     rule alone, where that node is the failure) has no departure."""
     import torch
 
     from msprobe_ci.check import departure, model_cases
-    from msprobe_ci.compare.report import CompareReport
+    from msprobe_ci.compare.report import CompareReport, RowResult
+    from msprobe_ci.compare.rows import Row
     from msprobe_ci.compare.verdict import CompareResult
 
-    nodes = [CompareResult("Torch.topk.0.forward", "pass", metrics={"drift_status": "pass"}),
+    # a floating node passing its own standard while its drift fails is what a fault under its threshold looks
+    # like: no departure; a count (histc) or a node with an integer output is a decision
+    nodes = [CompareResult("Functional.layer_norm.3.forward", "pass", metrics={"drift_status": "error"}),
+             CompareResult("Torch.topk.0.forward", "pass", metrics={"drift_status": "pass"}),
              CompareResult("Torch.histc.0.forward", "pass", metrics={"drift_status": "error", "drift_RelativeErr":
                                                                      0.0613, "drift_threshold": 0.0492}),
              CompareResult("Torch.histc.1.forward", "pass", metrics={"drift_status": "error"})]
     where = departure(CompareReport("statistics", [], nodes, isolated=True))
-    assert where is nodes[1]
+    assert where is nodes[2]
+    assert departure(CompareReport("statistics", [], nodes[:2], isolated=True)) is None
     assert departure(CompareReport("statistics", [], nodes, isolated=False)) is None
-    assert departure(CompareReport("statistics", [], [CompareResult("a", "error", metrics={"drift_status": "error"})],
-                                   isolated=True)) is None  # failing on its own inputs: no departure, a fault
+    assert departure(CompareReport("statistics", [], [CompareResult("Torch.histc.0.forward", "error", metrics={
+        "drift_status": "error"})], isolated=True)) is None  # failing on its own inputs: no departure, a fault
+    counts = Row("Torch.cumsum.0.forward.output.0", "Torch.cumsum.0.forward", "output",
+                 {"type": "torch.Tensor", "dtype": "torch.int32", "shape": [4], "Max": 64, "Min": 17})
+    cumsum = CompareResult("Torch.cumsum.0.forward", "pass", metrics={"drift_status": "error"})
+    report = CompareReport("statistics", [RowResult(counts, counts, {}, 0.06)], [nodes[0], cumsum], isolated=True)
+    assert departure(report) is cumsum
     b = torch.tensor([3.0, 4.0])
     (case,) = model_cases([("o", b)], [("o", b * 1.1)], None, departure=where)
     assert case["status"] == "skip" and case["value"] == pytest.approx(0.1)

@@ -168,8 +168,8 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     below that dtype's normal range (a random-init MobileNetV2 whose fp32 logits are 1e-26, 0 in fp16) are
     judged by their absolute rounding, as :func:`msprobe_ci.compare.metrics.relative_error_arrays` does.
 
-    ``departure``: the node where the target's run left the bench's while computing correctly on its own inputs
-    (:func:`departure`), or ``None``. An output over the tolerance after one is ``skip``, not ``error``, and its
+    ``departure``: the first decision the target made otherwise than the bench while computing correctly on its
+    own inputs (:func:`departure`), or ``None``. An output over the tolerance after one is ``skip``, not ``error``, and its
     message names the node: past a discrete choice made within a rounding (an MoE router's top-k, a histogram's
     count) the two runs compute different, equally correct things, and no rounding budget bounds their distance.
     """
@@ -209,17 +209,33 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     return cases
 
 
+#: APIs whose floating outputs are counts: a decision as much as an integer output is (gpt-oss's and Mixtral's
+#: routers count their tokens per expert with ``torch.histc``)
+COUNTS = frozenset({"histc", "bincount"})
+
+
 def departure(report: Any) -> Any:
-    """The first node of an isolated ``report`` whose own verdict passes (it computed correctly on the target's
-    inputs) while its drift against the bench is an error (the target's values there are further from the
-    bench's than the rounding of its inputs explains): where the target's run left the bench's, by a discrete
-    choice made within a rounding (gpt-oss's router sent one token of 32 to another expert in bf16; ``histc``
-    counted it there, and that token's logits moved by 41%). ``None`` for a report that is not isolated, or
-    where no node did."""
+    """The first *decision* of an isolated ``report`` that the target made otherwise than the bench: a node whose
+    own verdict passes (it computed correctly on the target's inputs) while its drift against the bench is an
+    error, and whose outputs are a decision (an integer or boolean tensor: indices, masks, a ``cumsum`` of
+    counts; or a count, :data:`COUNTS`). gpt-oss's router in bf16 sent one token of 32 to another expert than the
+    fp32 bench (router logits within a rounding of a tie): ``histc`` counted it there, and that token's logits moved
+    by 41%. A floating node whose drift fails while it passes its own standard is no departure: that is what a
+    fault under its standard's threshold looks like (a 0.006% LayerNorm fault in fp32, which only the logits show).
+    ``None`` for a report that is not isolated, or where the target decided as the bench did."""
+    from ..dtypes import is_floating
+
     if not getattr(report, "isolated", False):
         return None
+    decides = {r.target.entry for r in report.rows
+               if r.target.side == "output" and r.target.is_tensor and not is_floating(r.target.dtype)}
     for n in report.nodes:
-        if n.status == "pass" and n.metrics.get("drift_status") == "error":
+        if n.status in ("pass", "warning") and n.metrics.get("drift_status") == "error" and \
+                (n.name in decides or (n.name.split(".")[1:2] or [""])[0] in COUNTS):
+            return n
+    return None
+    for n in report.nodes:
+        if n.status in ("pass", "warning") and n.metrics.get("drift_status") == "error":
             return n
     return None
 
