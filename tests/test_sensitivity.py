@@ -432,3 +432,33 @@ def test_the_flush_allowance_leaves_fp16_roundings_at_their_subnormal_step():
     assert bool((err[small] > 0.4 * FLUSH).all()) and bool((err[small] < 2.7 * FLUSH).all())
     assert bool((err[~small & (t != 0)] < 2.7 * eta * t.abs()[~small & (t != 0)]).all()) and \
         bool((out[t == 0] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_one_percent_fault_on_a_cancelling_mean_fails_and_correct_reductions_pass(dtype):
+    """ConvNeXt's channels-first LayerNorm takes ``x.mean(1)`` of activations whose channels cancel: judged in units
+    of its terms (``mean(|x|)``), a 1% bf16 fault on it passed (0.72% of the terms, under the accumulative bound
+    2^-7). A correct kernel accumulates in fp32 and rounds once, so the result is judged in units of itself, or of
+    what fp32 accumulation may leave where the terms cancel further (``judge.accumulation_count``): the fault fails,
+    and the CPU's own sums, means and cumsums pass, long ones included."""
+    from msprobe_ci.judge import judge_rows
+
+    g = torch.Generator().manual_seed(29)
+    size = 0.01 if dtype != torch.float32 else 0.001
+    x = torch.randn(8, 16, 8, 8, generator=g)
+    x = (x - x.mean(1, keepdim=True) + 0.05 * torch.randn(8, 1, 8, 8, generator=g)).to(dtype)  # nearly centred
+    o = x.double().mean(1, keepdim=True)
+    assert float((o.abs() / x.double().abs().mean(1, keepdim=True)).max()) < 0.5  # the terms cancel everywhere
+    ok = judge_rows("mean", [("o", x.mean(1, keepdim=True), x.float().mean(1, keepdim=True).to(dtype), o)],
+                    inputs=(torch.Tensor.mean, [x, 1], {"keepdim": True}))[0][1]
+    bad = judge_rows("mean", [("o", (x.mean(1, keepdim=True).double() * (1 + size)).to(dtype),
+                               x.float().mean(1, keepdim=True).to(dtype), o)],
+                     inputs=(torch.Tensor.mean, [x, 1], {"keepdim": True}))[0][1]
+    assert ok.status == "pass", ok.message
+    assert bad.status == "error", bad.message
+    for n in (7, 3000, 200000):  # the CPU's own long reductions of cancelling terms
+        y = torch.randn(4, n, generator=g).to(dtype)
+        for fn, args in ((torch.sum, [y, 1]), (torch.mean, [y, 1]), (torch.cumsum, [y, 1])):
+            r = judge_rows(fn.__name__, [("o", fn(*args), fn(y.float(), 1).to(dtype), fn(y.double(), 1))],
+                           inputs=(fn, args, {}))[0][1]
+            assert r.status == "pass", (n, fn.__name__, r.message)

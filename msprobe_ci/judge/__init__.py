@@ -17,7 +17,8 @@ import importlib
 
 #: every public name and the submodule that holds it: loaded on first use, so :mod:`.support` and :mod:`.rows`
 #: (no torch) stay cheap for the graph and the compare, which never run a reference
-_WHERE = {"accumulation_floor": "allowances", "accumulation_scale": "allowances", "FMA": "pair",
+_WHERE = {"accumulation_count": "allowances", "accumulation_floor": "allowances", "accumulation_scale": "allowances",
+          "FMA": "pair",
           "judge_dropout": "pair", "judge_pair": "pair", "judge_rows": "pair", "judged_as": "pair", "saturate": "pair", "abs_peak": "peaks",
           "finite_peak": "peaks", "outputs": "rows", "DROPOUT": "support", "NOT_COMPARABLE": "support",
           "RANDOM": "support", "UNSUPPORTED_PREFIX": "support", "unjudgeable": "support",

@@ -1,10 +1,11 @@
 """What a correct kernel may add beyond one rounding, computed from the call's own inputs: the fp32 accumulation
 allowance of matmul-family APIs (:func:`accumulation_floor`) and the magnitude of the terms a linear reduction adds
-up (:func:`accumulation_scale`)."""
+up (:func:`accumulation_scale`) and how many it adds (:func:`accumulation_count`)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -67,3 +68,16 @@ def accumulation_scale(short: str, func, args, kwargs) -> torch.Tensor | None:
     with torch.no_grad():
         out = func(args[0].detach().cpu().to(torch.float64).abs(), *args[1:], **kw)
     return out if isinstance(out, torch.Tensor) else None
+
+
+def accumulation_count(short: str, func, args, kwargs, scale: Any) -> float | None:
+    """The most terms one output element of a linear reduction adds up: the input's elements per output element
+    (``sum``, ``mean``, ``nansum``, ``nanmean``), the length of the scanned dimension (``cumsum``); None where
+    :func:`accumulation_scale` gave none (``scale``, the terms' magnitude per output element)."""
+    if scale is None or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if short == "cumsum":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return float(x.shape[dim]) if isinstance(dim, int) and x.dim() else float(max(x.numel(), 1))
+    return float(max(x.numel(), 1)) / float(max(scale.numel(), 1))
