@@ -412,3 +412,37 @@ def test_an_moe_routing_choice_within_a_rounding_skips_the_end_to_end_case_and_n
     assert "left the bench's at Torch.histc.0.forward" in logits["message"], logits["message"]
     _named(tmp_path / "fault", _gpt_oss(7), "bf16", Fault("Functional.linear", 4, "forward", "scale", 1.02),
            kernel="upcast")
+
+
+def _recurrent_gemma(seed):
+    torch.manual_seed(seed)
+    cfg = transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                            num_key_value_heads=1, intermediate_size=128, lru_width=64,
+                                            attention_window_size=8, vocab_size=256, conv1d_width=4,
+                                            block_types=["recurrent", "recurrent", "attention"])
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(seed)
+    return model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss
+
+
+def test_whole_module_isolation_of_a_stateful_module_leaves_the_users_run_as_it_was(tmp_path):
+    """RecurrentGemma's recurrent block keeps ``rg_lru.recurrent_states`` and ``conv1d_state`` as plain attributes
+    and rebinds them in its forward. L0 isolation re-runs each module on copies of its state: a re-run before the
+    target's forward left its float64 final state on the model (the target's forward started from it), and one
+    after it started from the target's final state and freed that graph (the user's ``loss.backward()`` raised).
+    Re-runs now start from the state the call began with and put every attribute back: the target's logits and
+    loss are bit-identical with and without isolation, the benign bf16 run passes, and a fault is still named."""
+    model, inputs, loss_fn = _recurrent_gemma(7)
+    target = Backend.from_options("cpu", "bf16")
+    cfg = DumpConfig(task="statistics", level="L0")
+    plain = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "plain")))
+    isolated = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=os.path.join(tmp_path, "iso")),
+                        isolator=Isolator(backward=True, bench_kernel="upcast"))
+    outs = dict(isolated.final_outputs())
+    for name, value in plain.final_outputs():
+        assert torch.equal(outs[name], value), name
+    report, cases = _check(tmp_path / "gate", (model, inputs, loss_fn), "bf16", kernel="upcast", level="L0")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    assert any(n.name.startswith("Module.model.layers.0.temporal_block") and n.metrics.get("standard")
+               for n in report.nodes)  # the stateful block itself was judged whole

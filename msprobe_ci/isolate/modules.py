@@ -29,6 +29,57 @@ def _is_dtensor(value) -> bool:
     return isinstance(value, DTensor)
 
 
+_MISSING = object()
+
+
+def _hidden_state(module: torch.nn.Module) -> list:
+    """``[(submodule, name, value)]``: the tensors (detached) and ``None`` values a module and its submodules keep
+    as plain attributes, neither parameters nor buffers, as they are now: state a forward reads and rebinds
+    (RecurrentGemma's ``rg_lru.recurrent_states`` and ``conv1d_state``, a KV cache kept on the module). It is an
+    input of the call as much as its arguments are."""
+    out = []
+    for m in module.modules():
+        for key, v in vars(m).items():
+            if v is None or (isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)):
+                out.append((m, key, v.detach() if v is not None else None))
+    return out
+
+
+class _State(dict):
+    """The copies of a call's parameters and buffers by name (what :func:`torch.func.functional_call` swaps in),
+    and of its hidden state (:func:`_hidden_state`) as ``hidden``, converted as they are."""
+
+    hidden: list = []
+
+
+class _KeptAttributes:
+    """A re-run of a module on its call's hidden state, leaving the live module as it was: every attribute of every
+    submodule is set to the call's starting value (``hidden``) for the run, and every attribute the run rebinds,
+    adds or deletes is put back after it. Without it, a re-run made before RecurrentGemma's own forward left its fp64
+    ``recurrent_states`` on the model for that forward to start from, and one made after it started from the final
+    state of the target's run, whose graph its backward then freed (the user's ``loss.backward()`` failed:
+    "Trying to backward through the graph a second time")."""
+
+    def __init__(self, root: torch.nn.Module, hidden: list):
+        self.root, self.hidden, self.saved = root, hidden, []
+
+    def __enter__(self):
+        self.saved = [(m, m.__dict__.copy()) for m in self.root.modules()]
+        for m, key, v in self.hidden:
+            m.__dict__[key] = v
+        return self
+
+    def __exit__(self, *exc):
+        for m, before in self.saved:
+            d = m.__dict__
+            for key in [key for key in d if key not in before]:
+                del d[key]
+            for key, v in before.items():
+                if d.get(key, _MISSING) is not v:
+                    d[key] = v
+        return False
+
+
 @dataclass
 class _ModuleCall:
     """A whole-isolated module call: its eager wrapper, the state and inputs it was called with, the oracle's and
@@ -50,6 +101,7 @@ class _ModuleCall:
     sites: list | None = None  # under autocast: the dtype each of its calls computed in (kernels.amp_sites)
     kink_spread: Any = None  # the budget's draws at its kinks' inputs (kernels.kinks.Spread)
     kink_target: list | None = None  # the target's kink inputs (kernels.kinks.Record.sites)
+    hidden: list | None = None  # the module's hidden state when the call began (_hidden_state)
 
 
 class _EagerForward(torch.nn.Module):
@@ -125,7 +177,8 @@ class ModuleIsolation:
         # the inputs' structure is snapshot (tensors by reference, the containers and objects that hold them
         # copied): a KV cache the target's own forward appends to stays as this call saw it, for the budget's runs
         call = _ModuleCall(name, wrapper, state, _copy_obj(tuple(args), _same), _copy_obj(dict(kwargs), _same),
-                           dtype=dtype, grad=grad, autocast=_autocast_of(list(state.values()) + _tensors(tuple(args))))
+                           dtype=dtype, grad=grad, autocast=_autocast_of(list(state.values()) + _tensors(tuple(args))),
+                           hidden=_hidden_state(module))
         if self.loans.reproducer is not None:
             call.first = self.loans.reproducer.first_calls()
         try:
@@ -174,7 +227,8 @@ class ModuleIsolation:
         may take another path for a tensor that requires grad (T5's attention under CPU bf16 autocast moved its
         output by a bf16 rounding, and a ReLU input 0.00081 landed at -0.00007)."""
         conv = kernels.copier(dtype, device)
-        st = {k: conv(v) for k, v in call.state.items()}
+        st = _State((k, conv(v)) for k, v in call.state.items())
+        st.hidden = [(m, key, v if v is None else conv(v)) for m, key, v in (call.hidden or ())]
         if as_target and grad:
             for key, v in call.state.items():
                 if v.requires_grad and st[key].is_floating_point():
@@ -213,6 +267,7 @@ class ModuleIsolation:
                 stack.enter_context(sites)
             if kinks is not None:
                 stack.enter_context(kinks)
+            stack.enter_context(_KeptAttributes(call.wrapper.module, getattr(st, "hidden", None) or []))
             return torch.func.functional_call(call.wrapper, {f"module.{n}": v for n, v in st.items()}, tuple(a), k,
                                               strict=False)
 
