@@ -222,7 +222,8 @@ def departure(report: Any) -> Any:
     fp32 bench (router logits within a rounding of a tie): ``histc`` counted it there, and that token's logits moved
     by 41%. A floating node whose drift fails while it passes its own standard is no departure: that is what a
     fault under its standard's threshold looks like (a 0.006% LayerNorm fault in fp32, which only the logits show).
-    ``None`` for a report that is not isolated, or where the target decided as the bench did."""
+    At L0 no decision is in the dump (the router module's statistics barely move for one token of 32), so none is
+    found there. ``None`` for a report that is not isolated, or where the target decided as the bench did."""
     from ..dtypes import is_floating
 
     if not getattr(report, "isolated", False):

@@ -36,7 +36,8 @@ def _hidden_state(module: torch.nn.Module) -> list:
     """``[(submodule, name, value)]``: the tensors (detached) and ``None`` values a module and its submodules keep
     as plain attributes, neither parameters nor buffers, as they are now: state a forward reads and rebinds
     (RecurrentGemma's ``rg_lru.recurrent_states`` and ``conv1d_state``, a KV cache kept on the module). It is an
-    input of the call as much as its arguments are."""
+    input of the call as much as its arguments are. Kept by reference (each re-run gets its own copy): a forward
+    that rebinds the attribute leaves it as the call saw it, one that writes into it in place does not."""
     out = []
     for m in module.modules():
         for key, v in vars(m).items():
