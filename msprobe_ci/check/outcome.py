@@ -169,9 +169,10 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
     judged by their absolute rounding, as :func:`msprobe_ci.compare.metrics.relative_error_arrays` does.
 
     ``departure``: the first decision the target made otherwise than the bench while computing correctly on its
-    own inputs (:func:`departure`), or ``None``. An output over the tolerance after one is ``skip``, not ``error``, and its
-    message names the node: past a discrete choice made within a rounding (an MoE router's top-k, a histogram's
-    count) the two runs compute different, equally correct things, and no rounding budget bounds their distance.
+    own inputs (:func:`departure`), or ``None``. An output over the tolerance after one is ``skip``, not ``error``,
+    and its message names the node: past a discrete choice made within a rounding (an MoE router's top-k, a
+    histogram's count) the two runs compute different, equally correct things, and no rounding budget bounds their
+    distance.
     """
     from ..compare.verdict import unit_roundoff
     from ..dtypes import smallest_normal
@@ -233,10 +234,6 @@ def departure(report: Any) -> Any:
     for n in report.nodes:
         if n.status in ("pass", "warning") and n.metrics.get("drift_status") == "error" and \
                 (n.name in decides or (n.name.split(".")[1:2] or [""])[0] in COUNTS):
-            return n
-    return None
-    for n in report.nodes:
-        if n.status in ("pass", "warning") and n.metrics.get("drift_status") == "error":
             return n
     return None
 

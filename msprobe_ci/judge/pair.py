@@ -176,8 +176,9 @@ def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dic
     """Judge every output row of one API call: the one per-API step of isolation and replay alike.
 
     Each row goes through :func:`judge_pair`; a forward linear reduction with one output is judged in units of
-    its result, or of its terms where they cancel (:func:`accumulation_scale`, :func:`accumulation_count`), and a row the ULP standard fails is judged once more with the fp32
-    accumulation allowance (:func:`accumulation_floor`), computed only then.
+    its result, or of its terms where they cancel (:func:`accumulation_scale`, :func:`accumulation_count`), and a
+    row the ULP standard fails is judged once more with the fp32 accumulation allowance
+    (:func:`accumulation_floor`), computed only then.
 
     Args:
         short: the API name without prefix and call number.
