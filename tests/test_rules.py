@@ -529,6 +529,16 @@ def test_a_model_output_past_a_departure_is_skipped_and_says_where_the_runs_part
     cumsum = CompareResult("Torch.cumsum.0.forward", "pass", metrics={"drift_status": "error"})
     report = CompareReport("statistics", [RowResult(counts, counts, {}, 0.06)], [nodes[0], cumsum], isolated=True)
     assert departure(report) is cumsum
+    # with digests (our dumps), a decision whose integer output differs from the bench's is one, drift or not
+    rec = {"type": "torch.Tensor", "dtype": "torch.int64", "shape": [32, 2], "Max": 3, "Min": 0}
+    mine = Row("Torch.topk.0.forward.output.1", "Torch.topk.0.forward", "output", dict(rec, digest="00000000000000a1"))
+    theirs = Row("Torch.topk.0.forward.output.1", "Torch.topk.0.forward", "output", dict(rec, digest="00000000000000b2"))
+    same = Row("Torch.topk.0.forward.output.1", "Torch.topk.0.forward", "output", dict(rec, digest="00000000000000a1"))
+    topk = CompareResult("Torch.topk.0.forward", "pass", metrics={"drift_status": "pass"})
+    assert departure(CompareReport("statistics", [RowResult(mine, theirs, {}, 0.0)], [nodes[0], topk, cumsum],
+                                   isolated=True)) is topk
+    assert departure(CompareReport("statistics", [RowResult(mine, same, {}, 0.0)], [nodes[0], topk],
+                                   isolated=True)) is None
     b = torch.tensor([3.0, 4.0])
     (case,) = model_cases([("o", b)], [("o", b * 1.1)], None, departure=where)
     assert case["status"] == "skip" and case["value"] == pytest.approx(0.1)
@@ -537,6 +547,9 @@ def test_a_model_output_past_a_departure_is_skipped_and_says_where_the_runs_part
     assert case["status"] == "pass"  # within the tolerance: judged as ever
     (case,) = model_cases([("o", b)], [("o", torch.tensor([3.0, float("nan")]))], None, departure=where)
     assert case["status"] == "error"
+    (case,) = model_cases([("o", b)], [("o", b * 1.1)], None, departure=topk)
+    assert "left the bench's at Torch.topk.0.forward (its integer outputs differ from the bench's)" in \
+        case["message"]
     big = torch.tensor([1e30, 1e30])  # its norm overflows fp32: computed in float64
     (case,) = model_cases([("o", big)], [("o", big * 1.001)], None)
     assert case["value"] == pytest.approx(1e-3, rel=1e-3) and case["status"] == "error"

@@ -13,7 +13,11 @@ Deviations from msprobe, on purpose: the Mean and Norm of a floating tensor are 
 overflow (:func:`_sum_and_norm`): a finite tensor has finite statistics wherever the value is representable (msprobe sums in the tensor's dtype, so an fp32 tensor of ``-1e38`` masks gets ``Mean -inf`` and
 ``Norm inf``, which its overflow check then reports); fp16/bf16 values are upcast to float32 for Max/Min/Norm
 (msprobe keeps the tensor's own dtype, which rounds a bf16 Norm to 3 significant digits and would blur the
-comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there).
+comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there). An integer or
+boolean tensor of more than one element also gets ``digest`` (an extra field msprobe ignores): 16 hex digits of a
+positional checksum of its elements, computed on its device with the statistics (:func:`_digest`). Its Max and Min
+cannot tell two index tensors apart (an MoE router that sent one token of 32 to another expert has the same
+extremes); the digest can, so a compare can say where the target *decided* otherwise than the bench.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ SCRATCH = 1 << 22  # elements: half tensors up to this size are upcast into Reco
 _ALL4 = ("Max", "Min", "Mean", "Norm")
 _NORM_SQ = "Norm^2"  # a statistic fetched as the sum of squares: Norm is its square root, taken at resolve()
 _ALL4_SQ = ("Max", "Min", "Mean", _NORM_SQ)
-_EXTREMA = ("Max", "Min")
+_DIGEST = "digest"
+_DECIDED = ("Max", "Min", _DIGEST)  # an integer or boolean tensor: its extremes and its digest, fetched as int64
 
 
 class RecordBuilder:
@@ -54,6 +59,7 @@ class RecordBuilder:
         self._dense: dict[tuple, tuple] = {}
         self._scratch: torch.Tensor | None = None  # float32 upcasts of CPU half tensors (see _upcast)
         self._scratch_lock = threading.Lock()  # held while the buffer is in use (another thread takes .float())
+        self._weights: dict = {}  # device -> the digest's int64 weights (_digest)
 
     # -- tensors ---------------------------------------------------------------------------------------------
     def tensor(self, t: torch.Tensor, data_name: str | None = None) -> dict:
@@ -125,10 +131,10 @@ class RecordBuilder:
                         self._scratch_lock.release()
                 stats = (_ALL4_SQ if squared else _ALL4, (mx, mn, total, norm), divisor)
             elif dt == torch.bool:
-                stats = (_EXTREMA, (st.any(), st.all()), None)
+                stats = (_DECIDED, (st.any().long(), st.all().long(), self._digest(st)), None)
             elif not dt.is_complex:
                 mn, mx = torch.aminmax(st)
-                stats = (_EXTREMA, (mx, mn), None)
+                stats = (_DECIDED, (mx.long(), mn.long(), self._digest(st)), None)
             else:
                 a = st.abs()
                 stats = (_ALL4[:3], (a.amax(), a.amin(), a.sum()), numel)
@@ -176,6 +182,19 @@ class RecordBuilder:
         return {"type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(getattr(t, "_local_tensor", t).shape),
                 "Max": None, "Min": None, "Mean": None, "Norm": None, "requires_grad": bool(t.requires_grad)}
 
+    def _digest(self, t: torch.Tensor) -> torch.Tensor:
+        """A 0-d int64 tensor on ``t``'s device: ``sum_i x_i * w_i`` over its elements in memory order, ``w_i =
+        (i + 1) * 2654435761``, in int64 arithmetic that wraps. Integer addition is exact and associative modulo
+        2^64, so every device and every reduction order gets the same number; changing one element or swapping two
+        unequal ones changes it. The weights are kept per device and grown as needed."""
+        flat = t.reshape(-1)
+        n = flat.numel()
+        w = self._weights.get(flat.device)
+        if w is None or w.numel() < n:
+            w = torch.arange(1, max(n, 1 << 12) + 1, dtype=torch.int64, device=flat.device).mul_(2654435761)
+            self._weights[flat.device] = w
+        return (flat.to(torch.int64) * w[:n]).sum()
+
     def _upcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t.float()`` (a contiguous CPU half tensor of at most :data:`SCRATCH` elements) written into one
         float32 buffer kept for the step: the same values in the same layout, so the same statistics, without a
@@ -206,6 +225,10 @@ class RecordBuilder:
                 for field, x in zip(fields, values[i:i + len(tensors)]):
                     if field is _NORM_SQ:
                         rec["Norm"] = math.sqrt(x) if x >= 0 else x  # inf stays inf, NaN stays NaN
+                    elif field is _DIGEST:
+                        rec["digest"] = f"{x & 0xFFFFFFFFFFFFFFFF:016x}"
+                    elif fields is _DECIDED and rec["dtype"] == "torch.bool":
+                        rec[field] = bool(x)  # fetched as int64 with the digest, written as msprobe does
                     else:
                         rec[field] = x
                 i += len(tensors)

@@ -200,11 +200,12 @@ def model_cases(bench: list | None, target: list | None, rtol: float | None, cas
         status = "error" if not err <= tol else "pass"
         if status == "error" and departure is not None and not one_side:
             status = "skip"
-            message += (f"; not judged end to end: the target's run left the bench's at {departure.name} (drift "
-                        f"{float(departure.metrics.get('drift_RelativeErr', 0.0)):.3g} over "
-                        f"{float(departure.metrics.get('drift_threshold', 0.0)):.3g}), which computed correctly "
-                        "on its own inputs (a discrete choice within a rounding: a top-k, a count); every call was "
-                        "judged on its own inputs")
+            m = departure.metrics
+            how = (f"drift {float(m.get('drift_RelativeErr', 0.0)):.3g} over {float(m.get('drift_threshold', 0.0)):.3g}"
+                   if m.get("drift_status") == "error" else "its integer outputs differ from the bench's")
+            message += (f"; not judged end to end: the target's run left the bench's at {departure.name} ({how}), "
+                        "which computed correctly on its own inputs (a discrete choice within a rounding: a top-k, "
+                        "a count); every call was judged on its own inputs")
         cases.append({"name": f"model.{name}", "status": status,
                       "metric": "RelativeErr", "value": num(err), "threshold": tol, "message": message})
     return cases
@@ -223,16 +224,30 @@ def departure(report: Any) -> Any:
     fp32 bench (router logits within a rounding of a tie): ``histc`` counted it there, and that token's logits moved
     by 41%. A floating node whose drift fails while it passes its own standard is no departure: that is what a
     fault under its standard's threshold looks like (a 0.006% LayerNorm fault in fp32, which only the logits show).
-    At L0 no decision is in the dump (the router module's statistics barely move for one token of 32), so none is
-    found there. ``None`` for a report that is not isolated, or where the target decided as the bench did."""
+    Where both dumps carry ``digest`` (ours do, for every integer and boolean tensor: :mod:`msprobe_ci.capture.
+    records`), a decision node whose digest differs from the bench's is one at once, its drift whatever it is: at
+    L0 the router module's statistics barely move for one token of 32, its indices' digest does. ``None`` for a
+    report that is not isolated, or where the target decided as the bench did."""
     from ..dtypes import is_floating
 
     if not getattr(report, "isolated", False):
         return None
-    decides = {r.target.entry for r in report.rows
-               if r.target.side == "output" and r.target.is_tensor and not is_floating(r.target.dtype)}
+    decides, differs = set(), set()
+    for r in report.rows:
+        t = r.target
+        if t.side != "output" or not t.is_tensor or is_floating(t.dtype):
+            continue
+        decides.add(t.entry)
+        mine = t.record.get("digest") if isinstance(t.record, dict) else None
+        theirs = r.bench.record.get("digest") if r.bench is not None and isinstance(r.bench.record, dict) else None
+        if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs:
+            differs.add(t.entry)
     for n in report.nodes:
-        if n.status in ("pass", "warning") and n.metrics.get("drift_status") == "error" and \
+        if n.status not in ("pass", "warning"):
+            continue
+        if n.name in differs:
+            return n
+        if n.metrics.get("drift_status") == "error" and \
                 (n.name in decides or (n.name.split(".")[1:2] or [""])[0] in COUNTS):
             return n
     return None
