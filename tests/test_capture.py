@@ -452,19 +452,21 @@ def test_an_observer_of_the_capture_sees_each_call_in_the_documented_order(tmp_p
 
 def test_integer_and_boolean_tensors_carry_a_digest_their_extremes_cannot_give():
     """Two index tensors with the same extremes (an MoE router that sent one token to another expert) differ in
-    ``digest``, an extra field msprobe ignores: 16 hex digits of a positional int64 checksum computed on the
+    ``digest``, an extra field msprobe ignores: 8 hex digits of a positional int32 checksum computed on the
     tensor's device; equal tensors agree, whatever object or view holds them; bool tensors keep true/false
     extremes; floating tensors, 0-d and empty ones have none."""
     from msprobe_ci.capture.records import RecordBuilder
 
     rb = RecordBuilder()
     a, b = torch.tensor([[0, 3], [1, 2]]), torch.tensor([[0, 3], [2, 1]])
+    a32 = a.to(torch.int32)
     recs = [rb.tensor(x) for x in (a, b, a.clone(), torch.tensor([True, False, True]), torch.tensor(5),
-                                   torch.zeros(0, dtype=torch.int64), torch.ones(3), a.to(torch.int32))]
+                                   torch.zeros(0, dtype=torch.int64), torch.ones(3), a32)]
     rb.resolve()
+    assert a32.tolist() == [[0, 3], [1, 2]]  # the digest weighs a copy, never the model's own tensor
     ra, rb_, rc, rm, r0, re, rf, r32 = recs
     assert (ra["Max"], ra["Min"], rb_["Max"], rb_["Min"]) == (3, 0, 3, 0)
     assert ra["digest"] != rb_["digest"] and ra["digest"] == rc["digest"] == r32["digest"]
-    assert len(ra["digest"]) == 16 and int(ra["digest"], 16) >= 0
+    assert len(ra["digest"]) == 8 and int(ra["digest"], 16) >= 0
     assert (rm["Max"], rm["Min"]) == (True, False) and isinstance(rm["Max"], bool) and "digest" in rm
     assert "digest" not in r0 and "digest" not in re and "digest" not in rf

