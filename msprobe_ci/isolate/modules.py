@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import kernels
 from ..kernels import tensors_of as _tensors
@@ -44,6 +45,32 @@ def _hidden_state(module: torch.nn.Module) -> list:
             if v is None or (isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)):
                 out.append((m, key, v.detach() if v is not None else None))
     return out
+
+
+class _RandomOps(TorchDispatchMode):
+    """Notes the first random ATen op (tagged ``nondeterministic_seeded``: ``rand``, ``bernoulli_``, ``normal_``,
+    ``randperm``...) a run dispatches and that draws (:func:`_draws`), in ``op``."""
+
+    def __init__(self):
+        super().__init__()
+        self.op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.op is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            self.op = str(func.overloadpacket.__name__)
+        return func(*args, **kwargs)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a seeded op draws here: an op with a dropout probability (``dropout_p`` of a fused attention, ``p``
+    of ``native_dropout``) draws nothing at 0 (Swin's attention in training mode, its dropout 0)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in ("dropout_p", "p"):
+            value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+                return False
+    return True
 
 
 class _State(dict):
@@ -183,7 +210,14 @@ class ModuleIsolation:
         if self.loans.reproducer is not None:
             call.first = self.loans.reproducer.first_calls()
         try:
-            call.oracle = self._module_run(call, dtype, "cpu", grad)
+            seen = _RandomOps()
+            call.oracle = self._module_run(call, dtype, "cpu", grad, context=lambda: seen)
+            if seen.op is not None:
+                # a random op no dropout module shows (Swin's and ConvNeXt's stochastic depth: torch.rand in a
+                # drop_path function): each re-run draws anew, so the oracle would not be the target's computation
+                self.records.results[name].update(message=f"module not isolated: random ({seen.op} inside, in "
+                                                          "training mode); its submodules are judged")
+                return None
             kernel = self.refs.bench_kernel
             if kernel in ("upcast", "rounded"):
                 call.bench_round = True
