@@ -470,3 +470,27 @@ def test_integer_and_boolean_tensors_carry_a_digest_their_extremes_cannot_give()
     assert len(ra["digest"]) == 8 and int(ra["digest"], 16) >= 0
     assert (rm["Max"], rm["Min"]) == (True, False) and isinstance(rm["Max"], bool) and "digest" in rm
     assert "digest" not in r0 and "digest" not in re and "digest" not in rf
+
+
+def test_a_module_built_inside_the_capture_window_does_not_break_the_run(tmp_path):
+    """``nn.Embedding(..., padding_idx=0)`` zeroes its padding row under ``no_grad`` through a view; PyTorch then
+    refuses to give that view's ``grad_fn`` at all (RuntimeError), and a capture hook that asked for it raised in
+    the user's code (a loop that builds its batch, or a lazily built module, between ``start`` and ``stop``). The
+    hooks treat it as no autograd node: the module is built, the step's dump is written, and the backward runs."""
+    from msprobe_ci import PrecisionDebugger
+
+    m = torch.nn.Linear(4, 4)
+    dbg = PrecisionDebugger(dump_path=str(tmp_path), level="mix")
+    dbg.start(m)
+    y = m(torch.randn(2, 4))
+    emb = torch.nn.Embedding(10, 4, padding_idx=0)
+    (y.sum() + emb(torch.tensor([0, 3])).sum()).backward()
+    dbg.stop()
+    dbg.step()
+    assert float(emb.weight.detach()[0].abs().sum()) == 0.0 and m.weight.grad is not None
+    (dump,) = list(tmp_path.rglob("dump.json"))
+    import json
+
+    data = json.loads(dump.read_text())["data"]
+    assert any(k.startswith("Functional.linear.0.forward") for k in data) and \
+        any(k.startswith("Tensor.fill_.") for k in data), sorted(data)[:10]

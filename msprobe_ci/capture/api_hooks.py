@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from . import naming
 from .coverage import quiet
 from .observers import ApiCall
-from ..kernels.choice import first_grad_fn as _first_grad_fn, is_input_node as _is_input_node
+from ..kernels.choice import first_grad_fn as _first_grad_fn, grad_fn_of as _grad_fn_of, is_input_node as _is_input_node
 
 
 class _ApiMode(TorchFunctionMode):
@@ -50,9 +50,9 @@ class ApiHooks:
         if eng.machinery.busy or not eng.running:
             return func(*args, **kwargs)
         for a in args:  # a custom autograd Function's output: its backward's calls are to be seen too
-            if type(a) is torch.Tensor and isinstance(a.grad_fn, BackwardCFunction) and \
-                    _outside_torch(type(a.grad_fn)):
-                self._see_backward_of(a.grad_fn)
+            node = _grad_fn_of(a) if type(a) is torch.Tensor else None
+            if isinstance(node, BackwardCFunction) and _outside_torch(type(node)):
+                self._see_backward_of(node)
         try:
             info = naming.lookup(func)
         except TypeError:  # unhashable callable

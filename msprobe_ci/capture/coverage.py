@@ -177,15 +177,17 @@ class Coverage(TorchDispatchMode):
     def grad_fns(args: tuple, kwargs: dict) -> set:
         """The autograd nodes that produced a call's inputs (where the walk of :meth:`adopt` stops)."""
         from ..kernels import tensors_of
+        from ..kernels.choice import grad_fn_of
 
-        return {t.grad_fn for t in tensors_of(args) + tensors_of(kwargs) if t.grad_fn is not None}
+        return {g for g in map(grad_fn_of, tensors_of(args) + tensors_of(kwargs)) if g is not None}
 
     def adopt(self, out: Any, before: set, limit: int = 10_000) -> None:
         """Mark the autograd nodes a recorded call created (from its outputs back to its inputs' nodes) as
         captured: their backward work is the call's."""
         from ..kernels import tensors_of
+        from ..kernels.choice import grad_fn_of
 
-        stack = [t.grad_fn for t in tensors_of(out) if t.grad_fn is not None]
+        stack = [g for g in map(grad_fn_of, tensors_of(out)) if g is not None]
         while stack and limit > 0:
             node = stack.pop()
             if node in before or type(node).__name__ == "AccumulateGrad" or self.captures(node):

@@ -294,10 +294,20 @@ _UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.
 ROUNDING_RMS = 3.0 ** -0.5
 
 
+def grad_fn_of(t: torch.Tensor):
+    """``t.grad_fn``, or ``None`` where PyTorch refuses to say: a view made under ``no_grad`` and then written in
+    place (``nn.Embedding(..., padding_idx=0)`` zeroes its padding row so when it is built) raises on the access,
+    and a capture hook must never raise in the user's code."""
+    try:
+        return t.grad_fn
+    except RuntimeError:
+        return None
+
+
 def first_grad_fn(value: Any):
     """The autograd node of the first tensor in ``value`` that requires grad (lists, tuples, dicts), or ``None``."""
     if isinstance(value, torch.Tensor):
-        return value.grad_fn if value.requires_grad else None
+        return grad_fn_of(value) if value.requires_grad else None
     if isinstance(value, (list, tuple)):
         for v in value:
             node = first_grad_fn(v)
@@ -314,9 +324,9 @@ def first_grad_fn(value: Any):
 def is_input_node(node, args, kwargs) -> bool:
     """Whether ``node`` is the autograd node of one of the call's inputs (an identity or alias output)."""
     for v in list(args) + list(kwargs.values()):
-        if isinstance(v, torch.Tensor) and v.grad_fn is node:
+        if isinstance(v, torch.Tensor) and grad_fn_of(v) is node:
             return True
         if isinstance(v, (list, tuple)):
-            if any(isinstance(x, torch.Tensor) and x.grad_fn is node for x in v):
+            if any(isinstance(x, torch.Tensor) and grad_fn_of(x) is node for x in v):
                 return True
     return False
