@@ -213,10 +213,10 @@ class ModuleIsolation:
             seen = _RandomOps()
             call.oracle = self._module_run(call, dtype, "cpu", grad, context=lambda: seen)
             if seen.op is not None:
-                # a random op no dropout module shows (Swin's and ConvNeXt's stochastic depth: torch.rand in a
-                # drop_path function): each re-run draws anew, so the oracle would not be the target's computation
-                self.records.results[name].update(message=f"module not isolated: random ({seen.op} inside, in "
-                                                          "training mode); its submodules are judged")
+                # a random op no dropout module shows (Swin's stochastic depth: torch.rand in a drop_path
+                # function): each re-run draws anew, so the oracle would not be the target's computation
+                self.records.results[name].update(message=f"module not isolated: random ({seen.op} inside); its "
+                                                          "submodules are judged")
                 return None
             kernel = self.refs.bench_kernel
             if kernel in ("upcast", "rounded"):
