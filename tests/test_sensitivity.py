@@ -462,3 +462,42 @@ def test_a_one_percent_fault_on_a_cancelling_mean_fails_and_correct_reductions_p
             r = judge_rows(fn.__name__, [("o", fn(*args), fn(y.float(), 1).to(dtype), fn(y.double(), 1))],
                            inputs=(fn, args, {}))[0][1]
             assert r.status == "pass", (n, fn.__name__, r.message)
+
+
+def test_a_bf16_linear_that_rounds_its_product_before_the_bias_passes_and_a_fault_fails():
+    """PyTorch's CPU bf16 ``linear`` on a non-contiguous input rounds its product to bf16 and then adds the bias
+    (every output equals that two-rounding model). RecurrentGemma's ``linear_out`` reads a transposed activation;
+    once AdamW had moved its bias to +-0.001, outputs where the bias cancelled the product were up to 147 ULP off
+    the correctly rounded result, and a user's own AMP loop failed it at steps 1 and 2. The ULP standard's
+    allowance now includes a rounding of the product where there is a bias (``judge.accumulation_floor``): the
+    kernel passes, a 1% fault still fails, and a contiguous input (correctly rounded) passes as before."""
+    from msprobe_ci.judge import judge_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.empty_strided((2, 16, 64), (1024, 1, 16), dtype=torch.bfloat16)
+    x.copy_(torch.randn(2, 16, 64, generator=g) * 0.05)
+    w = (torch.randn(64, 64, generator=g) * 0.1).bfloat16()
+    b = (-F.linear(x.double(), w.double())[0, :4].mean(0)).bfloat16()  # cancels the first tokens' products
+    oracle = F.linear(x.double(), w.double(), b.double())
+    bench = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    two = (F.linear(x.double(), w.double()).bfloat16().double() + b.double()).bfloat16()
+    out = F.linear(x, w, b)
+    assert torch.equal(out, two)  # the CPU kernel's own two roundings
+    off = ((out.double() - oracle).abs() / oracle.abs()).max()
+    assert float(off) > 4 * 2.0 ** -8  # many ULP of the result where the bias cancels
+    ok = judge_rows("linear", [("o", out, bench, oracle)], inputs=(F.linear, [x, w, b], {}))[0][1]
+    bad = judge_rows("linear", [("o", (out.double() * 1.01).bfloat16(), bench, oracle)],
+                     inputs=(F.linear, [x, w, b], {}))[0][1]
+    assert ok.status == "pass", ok.message
+    assert bad.status == "error", bad.message
+    xc = x.contiguous()
+    okc = judge_rows("linear", [("o", F.linear(xc, w, b), bench, oracle)], inputs=(F.linear, [xc, w, b], {}))[0][1]
+    assert okc.status == "pass", okc.message
+    # the add* family: the product alone is alpha * (m1 @ m2), whatever beta the call gave
+    m1, bias2 = x.reshape(32, 64), b.expand(32, 64)
+    from msprobe_ci.judge import accumulation_floor
+
+    f = accumulation_floor("addmm", torch.addmm, [bias2, m1, w.t()], {"beta": 0.5}, target=torch.bfloat16)
+    plain = accumulation_floor("addmm", torch.addmm, [bias2, m1, w.t()], {"beta": 0.5})
+    product = (m1.double() @ w.t().double()).abs()
+    assert torch.allclose(f - plain, product * 2.0 ** -8)

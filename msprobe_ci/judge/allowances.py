@@ -15,7 +15,13 @@ _CONTRACTED = {"matmul": 0, "__matmul__": 0, "mm": 0, "bmm": 0, "linear": 0, "mv
                "addbmm": 1, "addmv": 1, "_grouped_mm": 0, "grouped_mm": 0}
 
 
-def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigmas: float = 4.0):
+#: matmul-family APIs that add a bias (or an input) to their product: where it is. ``linear``'s third argument; the
+#: ``add*`` family's ``input`` (its first), scaled by ``beta``
+_BIASED = {"linear": 2, "addmm": 0, "baddbmm": 0, "addbmm": 0, "addmv": 0}
+
+
+def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigmas: float = 4.0,
+                       target: torch.dtype | None = None):
     """The error a correct matmul-family kernel may add by accumulating a K-term sum in fp32, elementwise:
     ``sigmas * 2^-24 * sqrt(K) * ||terms||_2``, where ``||terms||_2 = sqrt(A^2 @ B^2)`` is computed with the same
     API on the squared inputs (squared scalars) in ``dtype`` on CPU; ``None`` for APIs whose contracted dimension
@@ -27,6 +33,12 @@ def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigm
     (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1 and the probabilistic remark
     there); ``sigmas`` (default 4) standard deviations of it are allowed. A scale fault of 1% is orders of
     magnitude above it wherever the sum does not cancel.
+
+    With ``target`` a half-precision dtype and a bias (:data:`_BIASED`), also a rounding of the product to it:
+    ``u(target) * |product|``. A kernel may round its product before adding the bias: PyTorch's CPU bf16
+    ``linear`` does for a non-contiguous input (RecurrentGemma's ``linear_out`` on a transposed activation under
+    autocast: 100% of its outputs equal that two-rounding model; where a trained bias of 0.001 cancelled the
+    product, 2.6% of them were more than 1 ULP off the correctly rounded result, up to 147).
     """
     pos = _CONTRACTED.get(short)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -48,7 +60,23 @@ def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigm
         sq = fn(*[square(a) for a in args], **{key: square(v) for key, v in kwargs.items() if key != "out"})
     if not isinstance(sq, torch.Tensor):
         return None
-    return sq.clamp_min(0).sqrt() * (sigmas * math.sqrt(k) * 2.0 ** -24)
+    floor = sq.clamp_min(0).sqrt() * (sigmas * math.sqrt(k) * 2.0 ** -24)
+    at = _BIASED.get(short)
+    if target in (torch.bfloat16, torch.float16) and at is not None and len(args) > at and \
+            isinstance(args[at], torch.Tensor):
+        def wide(v):
+            return v.detach().cpu().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        with torch.no_grad():
+            if short == "linear":
+                product = fn(wide(args[0]), wide(args[1]))
+            else:
+                product = fn(*[wide(a) for a in args], **{key: wide(v) for key, v in kwargs.items() if key != "out"},
+                             **({} if "beta" in kwargs else {"beta": 0}))
+                if "beta" in kwargs:  # the caller's beta: the product alone is alpha * (m1 @ m2)
+                    product = product - kwargs["beta"] * wide(args[at])
+        if isinstance(product, torch.Tensor) and product.shape == floor.shape:
+            floor = floor + product.abs() * (torch.finfo(target).eps / 2)
+    return floor
 
 
 _LINEAR_REDUCTIONS = frozenset({"sum", "mean", "nansum", "nanmean", "cumsum"})

@@ -207,7 +207,8 @@ def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dic
         if res.standard == "ulp" and res.status == "error" and single:
             dtype = floor_dtype or (o.dtype if isinstance(o, torch.Tensor) else torch.float64)
             try:  # cancelling sums: the fp32 accumulation allowance, computed only when it matters
-                floor = accumulation_floor(short, *inputs, dtype=dtype)
+                floor = accumulation_floor(short, *inputs, dtype=dtype,
+                                           target=t.dtype if isinstance(t, torch.Tensor) else None)
             except Exception:  # noqa: BLE001 - no allowance then: the verdict stands
                 floor = None
             if floor is not None:
