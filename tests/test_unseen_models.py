@@ -454,8 +454,8 @@ def test_whole_module_isolation_of_a_stateful_module_leaves_the_users_run_as_it_
 def test_a_module_drawing_random_numbers_of_its_own_is_not_isolated_whole(tmp_path):
     """Swin's stochastic depth is a ``drop_path`` function calling ``torch.rand``, in no dropout module: isolated
     whole in training mode, each re-run drew another mask, and users' own bf16/fp16 loops at L0 failed a
-    ``SwinLayer`` at 2 and 3 of 3 steps. A module whose oracle run dispatches a random op is left to its submodules
-    now, saying which op; the blocks without stochastic depth (the first) are still judged whole."""
+    ``SwinLayer`` at 2 and 3 of 3 steps. A module whose oracle run draws from the generator is left to its
+    submodules now, saying so; the blocks without stochastic depth (the first) are still judged whole."""
     torch.manual_seed(0)
     cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
                                   window_size=4, num_labels=3, drop_path_rate=0.2)
@@ -472,7 +472,7 @@ def test_a_module_drawing_random_numbers_of_its_own_is_not_isolated_whole(tmp_pa
         records = json.load(fh)
     records = records["nodes"]
     later = "Module.swin.encoder.layers.0.blocks.1.SwinLayer.forward.0"
-    assert "module not isolated: random (rand inside" in records[later]["message"], records[later]
+    assert "module not isolated: random (it draws from the generator)" in records[later]["message"], records[later]
     nodes = {n.name: n for n in report.nodes}
     assert not nodes[later].metrics.get("standard")  # judged by what is inside it
     first = nodes["Module.swin.encoder.layers.0.blocks.0.SwinLayer.forward.0"]  # drop path rate 0 there

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import kernels
 from ..kernels import tensors_of as _tensors
@@ -45,32 +44,6 @@ def _hidden_state(module: torch.nn.Module) -> list:
             if v is None or (isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)):
                 out.append((m, key, v.detach() if v is not None else None))
     return out
-
-
-class _RandomOps(TorchDispatchMode):
-    """Notes the first random ATen op (tagged ``nondeterministic_seeded``: ``rand``, ``bernoulli_``, ``normal_``,
-    ``randperm``...) a run dispatches and that draws (:func:`_draws`), in ``op``."""
-
-    def __init__(self):
-        super().__init__()
-        self.op = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.op is None and torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
-            self.op = str(func.overloadpacket.__name__)
-        return func(*args, **kwargs)
-
-
-def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether a seeded op draws here: an op with a dropout probability (``dropout_p`` of a fused attention, ``p``
-    of ``native_dropout``) draws nothing at 0 (Swin's attention in training mode, its dropout 0)."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name in ("dropout_p", "p"):
-            value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-                return False
-    return True
 
 
 class _State(dict):
@@ -210,13 +183,13 @@ class ModuleIsolation:
         if self.loans.reproducer is not None:
             call.first = self.loans.reproducer.first_calls()
         try:
-            seen = _RandomOps()
-            call.oracle = self._module_run(call, dtype, "cpu", grad, context=lambda: seen)
-            if seen.op is not None:
+            drew: list = []
+            call.oracle = self._module_run(call, dtype, "cpu", grad, drew=drew)
+            if any(drew):
                 # a random op no dropout module shows (Swin's stochastic depth: torch.rand in a drop_path
                 # function): each re-run draws anew, so the oracle would not be the target's computation
-                self.records.results[name].update(message=f"module not isolated: random ({seen.op} inside); its "
-                                                          "submodules are judged")
+                self.records.results[name].update(message="module not isolated: random (it draws from the "
+                                                          "generator); its submodules are judged")
                 return None
             kernel = self.refs.bench_kernel
             if kernel in ("upcast", "rounded"):
@@ -245,14 +218,14 @@ class ModuleIsolation:
 
     @staticmethod
     def _module_run(call: "_ModuleCall", dtype, device, grad: bool = False, context=None, perturb=None,
-                    sites=None, kinks=None):
+                    sites=None, kinks=None, drew: list | None = None):
         """``(leaves, output)``: ``leaves`` are the copies of the positional tensor inputs that need grad (the
         inputs a full backward hook reports gradients for), in order, ``None`` for the others. ``context`` and
         ``perturb`` as for :func:`msprobe_ci.kernels.reference`; ``sites``: a budget's
         :class:`~msprobe_ci.kernels.amp_sites.Sites` (a module run under autocast); ``kinks``: a
         :class:`~msprobe_ci.kernels.kinks.Record` or :class:`~msprobe_ci.kernels.kinks.Force` mode."""
         st, leaves, a, k = ModuleIsolation._module_copies(call, dtype, device, grad)
-        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites, kinks)
+        return leaves, ModuleIsolation._module_call(call, st, a, k, grad, context, perturb, sites, kinks, drew)
 
     @staticmethod
     def _module_copies(call: "_ModuleCall", dtype, device, grad: bool = False, as_target: bool = False) -> tuple:
@@ -283,12 +256,18 @@ class ModuleIsolation:
 
     @staticmethod
     def _module_call(call: "_ModuleCall", st: dict, a: list, k: dict, grad: bool, context=None, perturb=None,
-                     sites=None, kinks=None):
-        """The module's eager forward on the copies of :meth:`_module_copies`."""
+                     sites=None, kinks=None, drew: list | None = None):
+        """The module's eager forward on the copies of :meth:`_module_copies`. ``drew``: a list that gets whether
+        the run drew from the CPU generator (its state moved: a random op that draws; a dropout of ``p = 0`` or a
+        fused attention without dropout draws nothing). Read off the generator, not off the ops: a dispatch mode
+        around a region's run broke ``torch.compile``'s guards for the compiled target after it."""
         import contextlib
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=[]))  # the user's random stream stays
+            if drew is not None:
+                start = torch.random.get_rng_state()
+                stack.callback(lambda: drew.append(not torch.equal(start, torch.random.get_rng_state())))
             stack.enter_context(torch.set_grad_enabled(grad))
             if any(t.dtype == torch.float64 for t in list(st.values()) + _tensors((a, k))):
                 # under every other mode: a call without a float64 kernel, as the modes above it pass it on (a
