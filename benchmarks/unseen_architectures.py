@@ -29,6 +29,8 @@ warnings.filterwarnings("ignore")
 MODELS = ("opt", "bloom", "falcon", "gpt_neo", "stablelm", "mixtral", "distilbert", "vit", "granite")
 MORE = ("gptj", "deberta_v2", "modernbert", "mamba", "deepseek_v3", "gpt_oss", "recurrent_gemma", "convnext",
         "swin", "efficientnet", "wav2vec2")
+FURTHER = ("gemma2", "qwen2_moe", "mamba2", "bitnet", "lfm2", "qwen3_next", "whisper", "clip", "mobilenet_v2",
+           "fnet", "levit", "bart")
 
 
 def ids(seed: int, n: int = 16) -> torch.Tensor:
@@ -73,8 +75,10 @@ def build(kind: str, seed: int):
                 ({"pixel_values": px, "labels": torch.tensor([0, 2])},), lambda o: o.loss)
     elif kind in MORE:
         return _more(kind, seed)
+    elif kind in FURTHER:
+        return _further(kind, seed)
     else:
-        raise SystemExit(f"unknown model {kind!r}; known: {', '.join(MODELS + MORE)}")
+        raise SystemExit(f"unknown model {kind!r}; known: {', '.join(MODELS + MORE + FURTHER)}")
     cfg._attn_implementation = "eager"
     x = ids(seed)
     return transformers.AutoModelForCausalLM.from_config(cfg).eval(), ({"input_ids": x, "labels": x},), \
@@ -153,6 +157,78 @@ def _more(kind: str, seed: int):
         labels = torch.randint(1, 16, (2, 6), generator=torch.Generator().manual_seed(seed))
         return t.Wav2Vec2ForCTC(cfg).eval(), ({"input_values": audio, "labels": labels},), lambda o: o.loss
     torch.manual_seed(seed)
+    cfg._attn_implementation = "eager"
+    return t.AutoModelForCausalLM.from_config(cfg).eval(), lm, lambda o: o.loss
+
+
+def _further(kind: str, seed: int):
+    """A third set: attention and final-logit soft-capping (Gemma 2), a shared expert behind a sigmoid gate
+    (Qwen2-MoE), the chunked state-space scan (Mamba-2), ternary weights and 8-bit activations rounded inside the
+    forward (BitNet), short gated convolutions (LFM2), gated delta-rule linear attention (Qwen3-Next), a conv1d
+    audio encoder with cross-attention (Whisper), a contrastive loss over two towers (CLIP), ReLU6 inverted
+    residuals (MobileNetV2), Fourier mixing in complex numbers (FNet), attention with BatchNorm and hardswish
+    (LeViT), a denoising encoder-decoder (BART)."""
+    import transformers as t
+
+    small = dict(vocab_size=256, max_position_embeddings=64)
+    decoder = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    x = ids(seed)
+    lm = ({"input_ids": x, "labels": x},)
+    torch.manual_seed(seed)
+    labels = {"labels": torch.tensor([0, 2])}
+    if kind == "gemma2":
+        cfg = t.Gemma2Config(**decoder, **small, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                             sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    elif kind == "qwen2_moe":
+        cfg = t.Qwen2MoeConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                               num_experts_per_tok=2)
+    elif kind == "mamba2":
+        cfg = t.Mamba2Config(hidden_size=64, num_hidden_layers=2, state_size=8, vocab_size=256, expand=2,
+                             num_heads=8, head_dim=16, n_groups=1, chunk_size=8)
+    elif kind == "bitnet":
+        cfg = t.BitNetConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2, bos_token_id=1,
+                             eos_token_id=2)
+    elif kind == "lfm2":
+        cfg = t.Lfm2Config(**decoder, **small, intermediate_size=128, num_key_value_heads=2,
+                           layer_types=["conv", "full_attention"])
+    elif kind == "qwen3_next":
+        cfg = t.Qwen3NextConfig(**decoder, **small, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                layer_types=["linear_attention", "full_attention"])
+    elif kind == "whisper":
+        cfg = t.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                              decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                              max_source_positions=16, max_target_positions=32, vocab_size=256, pad_token_id=0,
+                              decoder_start_token_id=1, bos_token_id=1, eos_token_id=2)
+        mel = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(seed))
+        return (t.WhisperForConditionalGeneration(cfg).eval(), ({"input_features": mel, "labels": x},),
+                lambda o: o.loss)
+    elif kind == "clip":
+        tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+        cfg = t.CLIPConfig(text_config=dict(**tower, vocab_size=256, max_position_embeddings=32),
+                           vision_config=dict(**tower, image_size=32, patch_size=8), projection_dim=16)
+        return (t.CLIPModel(cfg).eval(), ({"input_ids": x, "pixel_values": _images(seed), "return_loss": True},),
+                lambda o: o.loss)
+    elif kind == "mobilenet_v2":
+        cfg = t.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=3)
+        return (t.MobileNetV2ForImageClassification(cfg).eval(), ({"pixel_values": _images(seed), **labels},),
+                lambda o: o.loss)
+    elif kind == "fnet":
+        cfg = t.FNetConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, **small,
+                           use_tpu_fourier_optimizations=False)
+        return t.FNetForMaskedLM(cfg).eval(), lm, lambda o: o.loss
+    elif kind == "levit":
+        cfg = t.LevitConfig(image_size=32, patch_size=16, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2],
+                            depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=3)
+        return (t.LevitForImageClassification(cfg).eval(), ({"pixel_values": _images(seed), **labels},),
+                lambda o: o.loss)
+    else:  # bart
+        cfg = t.BartConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, **small)
+        return t.BartForConditionalGeneration(cfg).eval(), lm, lambda o: o.loss
     cfg._attn_implementation = "eager"
     return t.AutoModelForCausalLM.from_config(cfg).eval(), lm, lambda o: o.loss
 
