@@ -21,7 +21,7 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #1b1f23; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
 td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
-th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; font-weight: bold; }
+th { background: #f3f4f6; } .pass { color: #116329; } .fail { color: #b42318; font-weight: bold; } .skip { color: #b54708; }
 .muted { color: #57606a; } code { background: #f3f4f6; padding: 0 0.2em; }
 .plot svg { max-width: 100%; height: auto; }
 </style></head><body>
@@ -58,8 +58,9 @@ backward); above the line fails; the first divergence is marked.</p>{% elif c.pl
 <td>{{ n.metric }}</td><td>{{ n.value }}</td><td>{{ n.threshold }}</td><td>{{ n.standard }}</td><td>{{ n.worst_row }}</td></tr>
 {% endfor %}</table>{% endif %}
 {% if c.model %}<table><tr><th>model-level</th><th>status</th><th>relative L2 error</th><th>tolerance</th></tr>
-{% for m in c.model %}<tr><td>{{ m.name }}</td><td class="{{ {'error': 'fail', 'pass': 'pass'}.get(m.status, '') }}" title="{{ m.message }}">{{ m.status }}</td>
-<td>{{ m.value }}</td><td>{{ m.threshold }}</td></tr>{% endfor %}</table>{% endif %}
+{% for m in c.model %}<tr><td>{{ m.name }}</td><td class="{{ {'error': 'fail', 'pass': 'pass', 'skip': 'skip'}.get(m.status, '') }}" title="{{ m.message }}">{{ m.status }}</td>
+<td>{{ m.value }}</td><td>{{ m.threshold }}</td></tr>{% endfor %}</table>
+{% for m in c.model if m.status == 'skip' %}<p class="skip">{{ m.name }}: {{ m.message }}</p>{% endfor %}{% endif %}
 {% for note in c.notes %}<p class="muted">note: {{ note }}</p>{% endfor %}
 <p>{% if c.csv %}<a href="{{ c.csv.href }}">compare CSV</a> &middot; {% endif %}artifacts <code>{{ c.dir }}</code>
 {% if c.graph %} &middot; graph <code>{{ c.graph }}</code> (open: <code>msprobe-ci view {{ graphs_dir }}</code>){% endif %}</p>

@@ -417,6 +417,50 @@ def test_an_moe_routing_choice_within_a_rounding_skips_the_end_to_end_case_and_n
            kernel="upcast")
 
 
+GPT_OSS_SUITE = """
+import torch
+import transformers
+
+
+def test_gpt_oss(msprobe):
+    torch.manual_seed(7)
+    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
+                                    layer_types=["sliding_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+    msprobe.check(model, {"input_ids": ids, "labels": ids}, loss_fn=lambda o: o.loss)
+"""
+
+
+def test_the_skipped_end_to_end_case_reads_the_same_in_the_terminal_junit_and_report(pytester):
+    """The routing departure above through the plugin, as a user meets it: the test passes (every call passes on
+    its own inputs), and the logits' case is ``skip`` with the call where the runs parted in the terminal summary,
+    the plugin's JUnit (``<skipped>``, never a pass) and report.html (the cell, and the reason written under the
+    table), never ``pass`` in any of them."""
+    import html
+    import re
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(test_oss=GPT_OSS_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msprobe-target-dtype=bf16",
+                                           "--msprobe-bench-kernel=upcast", "--msprobe-junitxml=msprobe.xml")
+    result.assert_outcomes(passed=1)
+    where = "left the bench's at Torch.topk.0.forward"
+    line = next(ln for ln in result.outlines if "model.output.logits:" in ln)
+    assert "model.output.logits: skip (relative L2 error" in line and where in line, line
+    cases = [c for c in ET.parse(pytester.path / "msprobe.xml").getroot().iter("testcase")
+             if c.get("name") == "model.output.logits"]
+    assert len(cases) == 1 and cases[0].find("failure") is None, [ET.tostring(c) for c in cases]
+    assert where in cases[0].find("skipped").get("message")
+    page = html.unescape((pytester.path / "msprobe-out" / "report.html").read_text(encoding="utf-8"))
+    cell = re.search(r'<td>model\.output\.logits</td><td class="skip" title="([^"]*)">(\w+)</td>', page)
+    assert cell is not None and cell.group(2) == "skip" and where in cell.group(1), cell
+    assert re.search(r'<p class="skip">model\.output\.logits: [^<]*' + re.escape(where), page)  # read, not hovered
+
+
 def _recurrent_gemma(seed):
     torch.manual_seed(seed)
     cfg = transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
