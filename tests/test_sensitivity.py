@@ -317,6 +317,32 @@ def test_the_cpu_half_log_softmax_is_charged_its_rounded_log_sum(dtype):
             assert got.status == ("error" if size > 1 else "pass"), (dtype, size, got.message)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cpu_half_glu_backward_is_charged_its_rounded_gate(dtype):
+    """The CPU half GLU backward stores its gate's sigmoid in the dtype (``kernels.GATE_ROUNDED``): where the gate
+    saturates, ``1 - sigmoid`` has lost its digits and the gate's gradient is hundreds of roundings of itself off.
+    Benign, it passes against every bench (max_rel_err ratio 11.7-15.3 against the upcast bench before); a 1%
+    fault on it fails."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(32, 128, generator=g) * 3).to(dtype)
+    up = torch.randn(32, 64, generator=g).to(dtype)
+    xs = x.detach().requires_grad_(True)
+    F.glu(xs, -1).backward(up)
+    xo = x.detach().double().requires_grad_(True)
+    F.glu(xo, -1).backward(up.double())
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    normal = xo.grad.abs() > 1e-3 * xo.grad.abs().max()
+    assert float(((xs.grad.double() - xo.grad).abs() / xo.grad.abs())[normal].max()) > 50 * u  # the kernel's own
+    (scale,) = kernels.backward_scale(F.glu, (x.detach().requires_grad_(True), -1), {}, {0: up})
+    xf = x.detach().float().requires_grad_(True)
+    F.glu(xf, -1).backward(up.float())
+    for bench in (xf.grad.to(dtype), xo.grad.to(dtype)):
+        ok = judge_pair("glu", xs.grad, bench, xo.grad, True, terms=scale)
+        bad = judge_pair("glu", (xs.grad.double() * 1.01).to(dtype), bench, xo.grad, True, terms=scale)
+        assert ok.status == "pass", (dtype, ok.message)
+        assert bad.status == "error", (dtype, bad.message)
+
+
 @pytest.mark.parametrize("kernel", ["upcast", "rounded"])
 def test_fp16_subnormal_roundings_are_budgeted_at_their_absolute_step(tmp_path, kernel):
     """A rounding to fp16 below its smallest normal number (6.1e-5) is off by up to half the fixed subnormal step,

@@ -35,7 +35,8 @@ _CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "
 #: token's gradient rows one by one in ``T`` (11-26 roundings at 512 repeats); the half convolution backward lands
 #: 2.3-2.5 roundings off on average where one rounding is 0.36-0.43; the half batch norm rounds its statistics to
 #: ``T`` (charged as :data:`STATS_ROUNDED` says, not as a fully held kernel); the log-softmax over the last dimension
-#: its row's sum and that sum's log (charged as :data:`LSE_ROUNDED` says).
+#: its row's sum and that sum's log (charged as :data:`LSE_ROUNDED` says); the GLU backward its gate's sigmoid (as
+#: :data:`GATE_ROUNDED` says).
 #: The pooling backwards and ``col2im`` (``F.fold``, ``F.unfold``'s backward) add the gradients of overlapping
 #: windows into the input gradient in ``T`` (an element that is the max of several windows: 1.2-1.5 roundings off
 #: on average in bf16/fp16 where one rounding is 0.31; avg_pool2d backward 2.3 and col2im 1.9 against 0.36 and
@@ -45,7 +46,8 @@ CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nl
                            "embedding_dense_backward", "convolution_backward", "native_batch_norm",
                            "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                            "max_pool2d_with_indices_backward",
-                           "max_pool3d_with_indices_backward", "avg_pool2d_backward", "col2im", "_log_softmax"})
+                           "max_pool3d_with_indices_backward", "avg_pool2d_backward", "col2im", "_log_softmax",
+                           "glu_backward"})
 #: held kernels that round only their per-channel statistics: the CPU half batch norm in training mode
 #: (``batch_norm_kernel.cpp``, reduced-precision paths): the mean and the variance sum are computed in fp32 and
 #: stored in the tensor's dtype (``mean_data[c] = param_t(mean_val)``), ``invstd`` is saved in that dtype too; the
@@ -67,6 +69,14 @@ STATS_ROUNDED = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
 #: logit matrices, one class at p = 0.96) failed a benign bf16 run at its cross entropy backward against every
 #: foreign bench (max_rel_err ratio 110) before. The roundings are read from the data, the same in every draw.
 LSE_ROUNDED = frozenset({"_log_softmax"})
+#: held kernels that store their gate's sigmoid in the dtype: the CPU ``glu_backward`` (``GatedLinearUnit.cpp``:
+#: ``sigmoid_out`` into a tensor of ``T``, then ``grad * sigmoid`` and ``grad * a * sigmoid * (1 - sigmoid)`` in fp32,
+#: each rounded once). Where the gate saturates, ``1 - sigmoid`` of a rounded sigmoid has lost every digit: measured
+#: on torch 2.13, the gate's gradient was up to 256 (bf16) and 361 (fp16) roundings of itself off where one rounding
+#: of fp32 math is under 1, and this model of the kernel gives its bits for every element (both dtypes, last and
+#: first dimension); a GLU's benign backward failed its max_rel_err (ratio 11.7-15.3 > 10) against the upcast bench.
+#: The forward computes the sigmoid in fp32 (the upcast bench's bits).
+GATE_ROUNDED = frozenset({"glu_backward"})
 #: held kernels whose output elements each add up a data-dependent number of their first argument's elements, often
 #: one (a max-pool input that is the max of a single window, a token seen once): the sum of one term is that term,
 #: copied exactly, and only elements that summed two or more are charged (a 1% fault on a ResNet stem's max-pool
@@ -235,6 +245,8 @@ class Perturb(TorchDispatchMode):
                 return self._stats_rounded(func, args, kwargs)
             if name in LSE_ROUNDED:
                 return self._lse_rounded(func, args, kwargs)
+            if name in GATE_ROUNDED:
+                return self._gate_rounded(func, args, kwargs)
             if name in ROWS_SUMMED:
                 return self._rows(func, args, kwargs)
             if name in CASCADE_SUMMED:
@@ -343,6 +355,25 @@ class Perturb(TorchDispatchMode):
         total = jitter((x - top).exp().sum(-1, keepdim=True), self.inner, self.generator)
         lse = total.to(half).to(x.dtype).log().to(half).to(x.dtype)
         return jitter((x - top - lse).to(out.dtype), self.eta, self.generator, self.floor)
+
+    def _gate_rounded(self, func, args, kwargs):
+        """The CPU half ``glu_backward`` (:data:`GATE_ROUNDED`) on its exact inputs: the gate's sigmoid rounded to
+        the target dtype as the kernel stores it, both halves of the input gradient computed from it and each
+        rounded once. Another form: one rounding of the result."""
+        names = ("grad_output", "self", "dim")
+        a = dict(zip(names, args))
+        a.update(kwargs)
+        grad, x, dim = a.get("grad_output"), a.get("self"), a.get("dim", -1)
+        out = func(*args, **kwargs)
+        if not isinstance(grad, torch.Tensor) or not isinstance(x, torch.Tensor) or not isinstance(dim, int) or \
+                x.dim() == 0 or x.shape[dim] % 2:
+            return self._at(self.eta, out)
+        half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+        first, second = x.chunk(2, dim)
+        gate = torch.sigmoid(second).to(half).to(x.dtype)
+        held = torch.cat([grad * gate, grad * first * gate * (1 - gate)], dim)
+        return jitter(held.to(out.dtype), self.eta, self.generator, self.floor) if held.shape == out.shape else \
+            self._at(self.eta, out)
 
     def _cascade(self, func, args, kwargs):
         """The CPU half ``nll_loss`` with a reduction (:data:`CASCADE_SUMMED`): its exact result plus the error
