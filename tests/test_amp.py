@@ -100,6 +100,55 @@ def test_isolation_judges_a_gemm_under_autocast_on_what_its_kernel_saw(tmp_path)
     assert fault["Functional.linear.0.forward"]["status"] == "pass"
 
 
+class _Scaled(torch.nn.Module):
+    """CLIP's and SigLIP's head: a projection under autocast, times a learned fp32 0-d temperature, plus a learned
+    fp32 0-d bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(32, 64)
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.6592))
+        self.logit_bias = torch.nn.Parameter(torch.tensor(-9.87))  # not a bf16 number
+
+    def forward(self, x):
+        return self.proj(x) * self.logit_scale.exp() + self.logit_bias
+
+
+def test_a_zero_dim_operand_under_autocast_is_read_as_the_kernel_read_it(tmp_path):
+    """A bf16 activation times an fp32 0-d tensor under autocast is a bf16 output; the CPU ``mul`` reads the
+    0-d tensor's fp32 value, ``add`` reads it cast to bf16 (``amp.scalar_reading``). Judged against the cast value
+    the benign ``mul`` failed its absolute threshold (CLIP's ``logits * logit_scale.exp()``); now both pass over
+    several seeds, and a 1% fault on the ``mul`` is named."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    model = _Scaled()
+    for seed in range(4):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(seed))
+        for name, faults in (("benign", ()), ("fault", (Fault("Tensor.__mul__", 0, "forward", "scale", 1.01),))):
+            if name == "fault" and seed:
+                continue
+            iso = Isolator(backward=True)
+            cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / f"{name}{seed}"), level="mix"), faults=faults,
+                                 isolator=iso)
+            cap.start(model)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            cap.stop()
+            cap.close()
+            status = {k: v["status"] for k, v in iso.results.items()}
+            if name == "benign":
+                assert status.get("Tensor.__mul__.0.forward") == "pass" and \
+                    status.get("Tensor.__add__.0.forward") == "pass", (seed, iso.results.get("Tensor.__mul__.0.forward"))
+                assert [k for k, v in status.items() if v == "error"] == [], (seed, status)
+            else:
+                assert status["Tensor.__mul__.0.forward"] == "error", status
+
+
 AMP_SUITE = """
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM

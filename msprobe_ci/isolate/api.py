@@ -282,7 +282,9 @@ class ApiIsolation:
         before = [x for x in _tensors(call.inputs[0]) + _tensors(call.inputs[1]) if kernels.needs_grad(x)]
         args, kw, seen = amp.kernel_inputs(*call.inputs, out)
         after = [x for x in _tensors(args) + _tensors(kw) if kernels.needs_grad(x)]
+        # gradients as precise as the dtype the kernel computed in, whichever way it read a 0-d operand
         call.grad_dtypes = [amp.grad_dtype(u.dtype, k.dtype) for u, k in zip(before, after)]
+        args, kw = amp.scalar_reading(call.func, call.inputs, (args, kw), out)
         rec = self.records.results.setdefault(call.name, {})
         rec["autocast"] = str(call.autocast)
         if seen is not None:
