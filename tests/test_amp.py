@@ -383,6 +383,28 @@ def test_a_tensor_dump_made_under_autocast_replays_as_its_kernels_saw_their_inpu
     assert replayer.check_inputs("Functional.linear.0.forward", args, kwargs, gen_targets).status == "error"
 
 
+def test_a_tensor_dump_replays_a_zero_dim_operand_as_its_kernel_read_it(tmp_path):
+    """The offline replay of the scaled head above from a tensor dump: the ``mul`` by the fp32 0-d temperature and
+    the ``add`` of the fp32 0-d bias pass forward and backward over several inputs, each read as the recorded output
+    says its kernel read it (``ApiReplayer._as_read``)."""
+    from msprobe_ci import PrecisionDebugger
+    from msprobe_ci.dump.reader import load_dump
+    from msprobe_ci.replay.runner import ApiReplayer
+
+    model = _Scaled()
+    for seed in range(4):
+        debugger = PrecisionDebugger(dump_path=str(tmp_path / f"dump{seed}"), task="tensor", level="L1",
+                                     isolate=False)
+        debugger.start(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(16, 32, generator=torch.Generator().manual_seed(seed))).float().pow(2).mean().backward()
+        debugger.stop()
+        replayer = ApiReplayer(load_dump(str(tmp_path / f"dump{seed}" / "step0" / "rank")))
+        for name in ("Tensor.__mul__.0.forward", "Tensor.__add__.0.forward", "Tensor.__mul__.0.backward"):
+            result = replayer.check(name)
+            assert result.status == "pass", (seed, name, result.message)
+
+
 SCALER = LLAMA + """
 import pytest
 
