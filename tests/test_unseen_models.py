@@ -417,6 +417,53 @@ def test_an_moe_routing_choice_within_a_rounding_skips_the_end_to_end_case_and_n
            kernel="upcast")
 
 
+class _Polar(torch.nn.Module):
+    """Magnitudes and angles learned through ``torch.polar``: the loss reads ``|c|`` only, so the angles' gradient
+    is terms that cancel to 0, what is left being rounding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.view_as_real(torch.polar(h[:, :32].abs() + 0.1, h[:, 32:]))
+
+
+class _ComplexRope(torch.nn.Module):
+    """The reference Llama's rotary embedding: queries viewed as complex numbers times ``polar(1, m * theta)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.o = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        theta = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        cis = torch.polar(torch.ones(t, 8), torch.outer(torch.arange(t).float(), theta))
+        q = torch.view_as_complex(self.q(x).float().reshape(b, t, 4, 8, 2))
+        return self.o(torch.view_as_real(q * cis.view(1, t, 1, 8)).reshape(b, t, 64).type_as(x))
+
+
+def test_complex_intermediates_are_budgeted_and_faults_on_them_named(tmp_path):
+    """A complex result rounds on its real and imaginary parts (``kernels.perturb.jitter``): unjittered, the fp32
+    ``polar`` backward above, whose angle gradient cancels to 0, was budgeted at zero and failed at max_rel_err
+    ratio 1.6e4. Benign runs pass, 0.1% faults on the complex output and on its gradients are named (a fault
+    perturbs a complex output too), and the reference Llama's complex rotary embedding passes in bf16."""
+    def loss(o):
+        return o.float().pow(2).mean()
+    for seed in (0, 1):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
+        _clean(tmp_path / f"polar{seed}", (_Polar(), (x,), loss), "fp32", kernel="upcast")
+        rope = (_ComplexRope(), (torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(seed)),), loss)
+        _clean(tmp_path / f"rope{seed}", rope, "bf16", kernel="upcast")
+    for direction in ("forward", "backward"):
+        _named(tmp_path / direction, (_Polar(), (x,), loss), "fp32",
+               Fault("Torch.polar", 0, direction, "scale", 1.001), kernel="upcast")
+
+
 GPT_OSS_SUITE = """
 import torch
 import transformers

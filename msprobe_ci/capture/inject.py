@@ -55,11 +55,12 @@ class Fault:
             (self.step is None or step is None or self.step == step)
 
     def apply(self, value: Any, call: int) -> Any:
-        """Perturb every floating tensor in ``value`` (nested tuples/lists kept)."""
+        """Perturb every floating or complex tensor in ``value`` (nested tuples/lists kept; a complex value's noise
+        is relative to its modulus)."""
         import torch
 
         if isinstance(value, torch.Tensor):
-            if not value.is_floating_point():
+            if not (value.is_floating_point() or value.is_complex()):
                 return value
             base = value.detach()
             if self.perturb == "scale":
@@ -144,12 +145,12 @@ def select(faults: Iterable[Fault], api: str) -> tuple[Fault, ...]:
 
 
 def _floating(value: Any) -> list:
-    """The floating tensors in ``value`` (nested tuples/lists), in order: exactly what :meth:`Fault.apply`
+    """The floating and complex tensors in ``value`` (nested tuples/lists), in order: exactly what :meth:`Fault.apply`
     perturbs (not ``kernels.tensors_of``, which also opens dicts and named tuples that a fault leaves alone)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
+        return [value] if value.is_floating_point() or value.is_complex() else []
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         return [t for v in value for t in _floating(v)]
     return []

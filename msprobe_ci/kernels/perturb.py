@@ -521,6 +521,11 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     relative error). Magnitudes on ``[0.5, 1.5]`` do neither: a one-rounding element is estimated within
     ``[0.48, 1.44]`` of its size, two equal roundings never cancel exactly.
 
+    A complex ``t`` (``torch.polar``, FFTs, a rotary embedding's ``view_as_complex``) is jittered on its real and
+    imaginary parts apart, as a kernel rounds each: unjittered, a complex intermediate carried no rounding, and a
+    gradient whose terms cancel through one (an angle that the loss does not depend on) was budgeted at zero and
+    failed its fp32 ``polar`` backward at max_rel_err ratio 1.6e4.
+
     ``floor``: the target dtype's smallest normal number, for a rounding to that dtype. Below it the format's step
     is fixed (fp16's subnormal step 2^-24 = 6e-8), so an element smaller than ``floor`` is off by ``eta`` times
     ``floor``, absolute, not relative to itself (IEEE 754-2008 §3.4; Higham, *Accuracy and Stability of Numerical
@@ -534,6 +539,9 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     The draws are a window of one buffer of 4M at an offset ``generator`` draws: drawing one per element of every
     jittered intermediate took 60% of a budget's time, and windows at independent random offsets are as good as
     fresh draws for a random walk (tensors larger than half the buffer draw their own)."""
+    if isinstance(t, torch.Tensor) and t.is_complex() and t.numel():
+        # a complex result is two floating ones, each rounded on its own (an fp32 kernel's complex64)
+        return torch.view_as_complex(jitter(torch.view_as_real(t.resolve_conj()), eta, generator, floor).contiguous())
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.numel() == 0:
         return t
     n = t.numel()
