@@ -343,6 +343,30 @@ def test_the_cpu_half_glu_backward_is_charged_its_rounded_gate(dtype):
         assert bad.status == "error", (dtype, bad.message)
 
 
+@pytest.mark.parametrize("dtype,size", [(torch.bfloat16, 0.01), (torch.float16, 0.01), (torch.float32, 0.001)])
+def test_a_product_is_judged_relative_to_itself_and_the_cpu_half_running_product_allowed(dtype, size):
+    """``prod`` errs relative to its result. The CPU bf16/fp16 kernel holds its running product in the dtype (one
+    rounding per factor after the first: 2.7 roundings over 8 bf16 factors failed the accumulative bound of 2);
+    benign products of 2 to 8 factors pass against every bench, and a fault at the anchor's level fails, by its
+    relative error or, past what the held product may reach, by its bias over 256 products. Products under 1 were
+    judged by absolute error (msprobe's small values): a 1% fault on them passed."""
+    from msprobe_ci.judge import judge_rows
+
+    x = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)).abs() + 0.5
+    for k, shrink in ((2, 1.0), (3, 1.0), (8, 1.0), (8, 0.3)):  # products under 1 too: relative, not absolute
+        xs = (x[:, :k] * shrink).to(dtype)
+
+        def prod(a):
+            return a.prod(-1)
+        target, oracle = prod(xs), prod(xs.double())
+        for kernel, bench in _benches(prod, (xs,), {}, dtype).items():
+            ok = judge_rows("prod", [("o", target, bench, oracle)], inputs=(prod, (xs,), {}))[0][1]
+            bad = judge_rows("prod", [("o", (target.double() * (1 + size)).to(dtype), bench, oracle)],
+                             inputs=(prod, (xs,), {}))[0][1]
+            assert ok.status == "pass", (dtype, k, kernel, ok.message)
+            assert bad.status == "error", (dtype, k, kernel, bad.message)
+
+
 @pytest.mark.parametrize("kernel", ["upcast", "rounded"])
 def test_fp16_subnormal_roundings_are_budgeted_at_their_absolute_step(tmp_path, kernel):
     """A rounding to fp16 below its smallest normal number (6.1e-5) is off by up to half the fixed subnormal step,

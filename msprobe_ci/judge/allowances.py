@@ -80,6 +80,17 @@ def accumulation_floor(short: str, func, args, kwargs, dtype=torch.float64, sigm
 
 
 _LINEAR_REDUCTIONS = frozenset({"sum", "mean", "nansum", "nanmean", "cumsum"})
+#: reductions that multiply their terms: their error is relative to the result, one rounding per partial product
+#: where a kernel holds the running product in the tensor's dtype. PyTorch's CPU bf16/fp16 ``prod`` does (measured on
+#: torch 2.13: each partial product rounded to the dtype gives its bits for every element; fp32 math rounded once
+#: for 45-55%), up to ``(factors - 1)`` roundings; GPU kernels multiply in fp32 and round once
+_PRODUCTS = frozenset({"prod"})
+
+
+def factors_per_element(args) -> float | None:
+    """How many factors one output element of a product reduction multiplies: the input's elements per output
+    element, or None without a tensor input."""
+    return None if not args or not isinstance(args[0], torch.Tensor) else float(max(args[0].numel(), 1))
 
 
 def accumulation_scale(short: str, func, args, kwargs) -> torch.Tensor | None:

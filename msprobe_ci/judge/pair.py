@@ -21,7 +21,8 @@ import torch
 from ..checkers import CheckResult, make_standard, standard_for
 from ..checkers.common import dtype_thresholds
 from ..dtypes import checker_key
-from .allowances import _LINEAR_REDUCTIONS, accumulation_count, accumulation_floor, accumulation_scale
+from .allowances import (_LINEAR_REDUCTIONS, _PRODUCTS, accumulation_count, accumulation_floor, accumulation_scale,
+                         factors_per_element)
 from .peaks import abs_peak, finite_peak
 
 _ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub"})
@@ -44,7 +45,10 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         scale: the accumulative standard's magnitude of the summed terms (:func:`accumulation_scale`), when known:
             a forward output is judged in units of it; with ``count``, the most terms one output element adds
             up (:func:`accumulation_count`), in units of ``max(|oracle|, 2 * count * u_acc * scale / bound)``:
-            its own size, or what accumulating its terms in fp32 may leave where they cancel.
+            its own size, or what accumulating its terms in fp32 may leave where they cancel. For a product
+            (``prod``), ``count`` is its factors per output element, and the output is judged relative to
+            itself: on a CPU bf16/fp16 target within one rounding per factor after the first where that is wider
+            than the standard's bound (the CPU kernel's running product is held in the dtype).
         terms: the benchmark standard's error scale per element (:func:`msprobe_ci.kernels.forward_scale`,
             :func:`~msprobe_ci.kernels.backward_scale`), or a callable returning it (asked only when the standard
             is the benchmark and the target is not bit-identical to the bench): relative errors are measured
@@ -152,6 +156,21 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
         if exact is not None:
             t = torch.where(exact, oracle, t)
+    if std_name == "accumulative" and short in _PRODUCTS and not backward and oracle is not None and \
+            t.is_floating_point() and b.is_floating_point():
+        # a product errs relative to itself (msprobe's absolute test below 1 would let a 0.01 product off by 80%):
+        # judged in units of |oracle|. A CPU half-precision kernel holds its running product in the dtype, up to
+        # one rounding per factor after the first; elsewhere the standard's bound
+        if count and t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+            held = (count - 1.0) * torch.finfo(t.dtype).eps / 2
+            if held > dtype_thresholds(checker_key(t.dtype), overrides)["accumulative_bound"]:
+                std = make_standard(std_name, judged, level_api, **dict(overrides, accumulative_bound=held))
+        s64 = oracle.detach().to(device=t.device, dtype=torch.float64).abs()
+        s64 = torch.where(s64 > 0, s64, torch.ones_like(s64)).clamp(min=torch.finfo(t.dtype).smallest_normal)
+        exact = t.detach() == oracle.detach().to(t.dtype)
+        t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
+        oracle = oracle.detach().to(torch.float64) / s64
+        t = torch.where(exact, oracle, t)
     # NaN/Inf outputs (an overflowing fp16 optimizer step) are counted by the standards through their masks;
     # numpy's RuntimeWarnings on the masked-out inf - inf are noise in the user's test run
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -201,6 +220,9 @@ def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dic
             count = accumulation_count(short, *inputs, scale)
         except Exception:  # noqa: BLE001 - msprobe's unit scale then
             scale = count = None
+    elif short in _PRODUCTS and not backward and single and isinstance(rows[0][1], torch.Tensor):
+        total = factors_per_element(inputs[1])
+        count = total / max(rows[0][1].numel(), 1) if total else None
     out = []
     for i, (row, t, b, o) in enumerate(rows):
         res = judge_pair(short, t, b, o, backward, standards, thresholds, scale=scale,
