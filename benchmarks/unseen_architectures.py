@@ -1,5 +1,6 @@
 """Stock transformers architectures no gate table tunes to (OPT, BLOOM, Falcon, GPT-Neo, StableLM, Mixtral,
-DistilBERT, ViT, Granite: its multipliers leave most unscaled fp16 gradients in fp16's subnormal range), isolated gate per bench kernel: benign bf16/fp16 runs against an fp32 bench, and the first four
+DistilBERT, ViT, Granite: its multipliers leave most unscaled fp16 gradients in fp16's subnormal range; and the
+sets ``MORE`` and ``FURTHER``, :func:`_more` and :func:`_further`), isolated gate per bench kernel: benign bf16/fp16 runs against an fp32 bench, and the first four
 faults ``gate_quality.py`` would pick for each run, each expected to be named exactly.
 
     python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
