@@ -96,8 +96,8 @@ def scalar_reading(func, own: tuple, cast: tuple, out: Any) -> tuple:
     ``add``, ``sub``, ``pow``, ``atan2``, ``hypot`` and ``addcmul`` use it cast to the tensor's dtype (100%; the
     other reading 10-77%). Either is a correct kernel; judged against the cast value, CLIP's ``logits * logit_scale``
     under bf16 autocast failed the absolute-threshold standard (relative error 0.41% > 2^-8: the scale's own
-    rounding, 0.24%, and the output's). Returns ``cast`` where nothing would be cast but 0-d tensors are absent,
-    or the float64 runs fail."""
+    rounding, 0.24%, and the output's). Returns ``cast`` where no 0-d operand loses digits in the cast, or where
+    the float64 runs fail; the runs are made only for a call with such an operand."""
     from .kernels import cast as cast_all, tensors_of
 
     casts = [t for t in tensors_of(cast[0]) + tensors_of(cast[1]) if t.is_floating_point()]
