@@ -5,12 +5,12 @@ faults ``gate_quality.py`` would pick for each run, each expected to be named ex
 
     python benchmarks/unseen_architectures.py [--models opt,bloom,...] [--kernels upcast,rounded,decomposed]
                                               [--dtypes bf16,fp16,amp-bf16,amp-fp16] [--anchor]
-                                              [--level mix|L0] [--faults 4]
+                                              [--level mix|L0] [--faults 4] [--seeds 7,8]
 
 At ``--level L0`` every module is isolated whole and a fault is expected at the innermost module around its call
 (as ``gate_quality.py --level L0``).
 
-Prints one line per kernel, model, dtype and seed (7, 8): the API and module testcases failing in the benign run
+Prints one line per kernel, model, dtype and seed (``--seeds``, 7 and 8 by default): the API and module testcases failing in the benign run
 (the first two), failing model-level testcases, and how many faults were named exactly.
 """
 
@@ -243,6 +243,7 @@ def main() -> None:
                     help="faults at the anchor's level (gate_quality.py --anchor: 1%% at bf16/fp16, 0.1%% at fp32)")
     ap.add_argument("--level", default="mix", choices=("mix", "L0"))
     ap.add_argument("--faults", type=int, default=4, help="faults per run (0: benign runs only)")
+    ap.add_argument("--seeds", default="7,8", help="comma-separated seeds (the model's weights and inputs)")
     args = ap.parse_args()
     gq.LEVEL = args.level
     if args.anchor:
@@ -253,7 +254,7 @@ def main() -> None:
         for kind in args.models.split(","):
             for dname in args.dtypes.split(","):
                 bench_dtype, target_dtype, scales = gq.DTYPES[dname]
-                for seed in (7, 8):
+                for seed in [int(v) for v in args.seeds.split(",")]:
                     model, inputs, loss_fn = build(kind, seed)
                     report, cases, tdump, _, _ = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype, ())
                     errors = [n.name for n in report.nodes if n.status == "error"]
