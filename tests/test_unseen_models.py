@@ -508,6 +508,23 @@ def test_the_skipped_end_to_end_case_reads_the_same_in_the_terminal_junit_and_re
     assert re.search(r'<p class="skip">model\.output\.logits: [^<]*' + re.escape(where), page)  # read, not hovered
 
 
+def test_a_cache_the_module_keeps_in_a_dict_stays_out_of_its_whole_module_re_runs(tmp_path):
+    """LeViT's eval-mode attention caches its bias in a dict keyed by device. At L0 the fp64 re-run of an attention
+    module stored its bias there, and the target's next forward read it: "expected scalar type Float but found
+    BFloat16" from the user's own forward. A re-run gets a copy of such containers: the run passes, and the live
+    model's caches hold only what its own (fp32 bench, bf16 target copies') forwards stored."""
+    torch.manual_seed(7)
+    cfg = transformers.LevitConfig(image_size=32, patch_size=16, hidden_sizes=[32, 48, 64],
+                                   num_attention_heads=[1, 2, 2], depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=3)
+    model = transformers.LevitForImageClassification(cfg).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    case = (model, ({"pixel_values": x, "labels": torch.tensor([0, 2])},), lambda o: o.loss)
+    report, cases = _check(tmp_path / "benign", case, "bf16", kernel="upcast", level="L0")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    assert all(not isinstance(v, torch.Tensor) or v.dtype == torch.float32
+               for m in model.modules() for v in getattr(m, "attention_bias_cache", {}).values())
+
+
 def _recurrent_gemma(seed):
     torch.manual_seed(seed)
     cfg = transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,

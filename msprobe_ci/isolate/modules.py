@@ -3,6 +3,7 @@ its state and the target's own inputs, forward and backward."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +54,22 @@ class _State(dict):
     hidden: list = []
 
 
+#: what every ``nn.Module`` keeps in its ``__dict__`` (parameters, buffers, submodules, hooks): never swapped
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__)
+
+
 class _KeptAttributes:
     """A re-run of a module on its call's hidden state, leaving the live module as it was: every attribute of every
     submodule is set to the call's starting value (``hidden``) for the run, and every attribute the run rebinds,
     adds or deletes is put back after it. Without it, a re-run made before RecurrentGemma's own forward left its fp64
     ``recurrent_states`` on the model for that forward to start from, and one made after it started from the final
     state of the target's run, whose graph its backward then freed (the user's ``loss.backward()`` failed:
-    "Trying to backward through the graph a second time")."""
+    "Trying to backward through the graph a second time").
+
+    A container attribute (a dict, list or set of the module's own: a cache) is given to the run as a shallow copy,
+    so what the run stores in it stays out of the live module: LeViT's eval-mode attention caches its bias in a dict
+    keyed by device, and an fp64 re-run's entry, left there, made the target's next forward mix dtypes and raise
+    ("expected scalar type Float but found BFloat16"). Tensors inside are shared: a write into one stays."""
 
     def __init__(self, root: torch.nn.Module, hidden: list):
         self.root, self.hidden, self.saved = root, hidden, []
@@ -68,6 +78,11 @@ class _KeptAttributes:
         self.saved = [(m, m.__dict__.copy()) for m in self.root.modules()]
         for m, key, v in self.hidden:
             m.__dict__[key] = v
+        copies: dict = {}  # one copy per container: modules that share one share its copy
+        for m, before in self.saved:
+            for key, v in before.items():
+                if key not in _MODULE_KEYS and isinstance(v, (dict, list, set)) and m.__dict__.get(key) is v:
+                    m.__dict__[key] = copies.setdefault(id(v), copy.copy(v))
         return self
 
     def __exit__(self, *exc):
