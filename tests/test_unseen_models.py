@@ -525,6 +525,32 @@ def test_a_cache_the_module_keeps_in_a_dict_stays_out_of_its_whole_module_re_run
                for m in model.modules() for v in getattr(m, "attention_bias_cache", {}).values())
 
 
+def test_a_router_whose_indices_alone_differ_is_judged_on_the_targets_side_of_its_top_k(tmp_path):
+    """Qwen3-Next's router at L0 in bf16 (seed 7): one token's two candidate experts tie in the target's fp32
+    probabilities (computed from bf16 logits) and the fp64 oracle picks the other. Only its integer indices differed,
+    so no budget was drawn (only a floating row judged against its bench asks) and no kink was looked at: the
+    benign router failed the binary standard. A failing module now draws its budget for the kinks; the router is
+    judged on the target's side of its top-k, and the run is clean."""
+    import json
+
+    torch.manual_seed(7)
+    cfg = transformers.Qwen3NextConfig(vocab_size=256, max_position_embeddings=64, hidden_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                       num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                       moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                                       num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"])
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = _ids(7)
+    report, cases = _check(tmp_path, (model, ({"input_ids": ids, "labels": ids},), lambda o: o.loss), "bf16",
+                           kernel="upcast", level="L0")
+    assert not _errors(report, cases), _errors(report, cases)[:3]
+    with open(tmp_path / "target" / "step0" / "rank" / "isolation.json", encoding="utf-8") as fh:
+        node = json.load(fh)["nodes"]["Module.model.layers.1.mlp.gate.Qwen3NextTopKRouter.forward.0"]
+    assert node["status"] == "pass" and "oracle on the target's side of 2 kink inputs" in node["message"], node
+
+
 def _recurrent_gemma(seed):
     torch.manual_seed(seed)
     cfg = transformers.RecurrentGemmaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
