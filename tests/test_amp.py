@@ -65,28 +65,35 @@ def test_backend_autocast_option():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
+def _isolated_under_autocast(model, x, folder, faults=()):
+    """One isolated mix-level capture of ``model(x)`` and its backward under bf16 autocast: the Isolator."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    iso = Isolator(backward=True)
+    cap = CaptureSession(DumpConfig(dump_path=str(folder), level="mix"), faults=faults, isolator=iso)
+    cap.start(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    cap.stop()
+    cap.close()
+    return iso
+
+
 def test_isolation_judges_a_gemm_under_autocast_on_what_its_kernel_saw(tmp_path):
     """A linear layer called under bf16 autocast with fp32 weights: judged passing, and its record says which
     dtype it ran under and computed in; a 2% fault on it is named. (Before: every GEMM under autocast failed its
     ULP standard against an oracle fed the unrounded fp32 inputs.)"""
-    from msprobe_ci.capture import CaptureSession
     from msprobe_ci.capture.inject import Fault
-    from msprobe_ci.config import DumpConfig
-    from msprobe_ci.isolate import Isolator
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     x = torch.randn(16, 32)
     verdicts = {}
     for name, faults in (("benign", ()), ("fault", (Fault("Functional.linear", 1, "forward", "scale", 1.02),))):
-        iso = Isolator(backward=True)
-        cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / name), level="mix"), faults=faults, isolator=iso)
-        cap.start(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        cap.stop()
-        cap.close()
+        iso = _isolated_under_autocast(model, x, tmp_path / name, faults)
         verdicts[name] = {k: v for k, v in iso.results.items() if "linear" in k}
         dump = json.loads((tmp_path / name / "step0" / "rank" / "dump.json").read_text())
         assert dump["data"]["Functional.linear.0.forward"]["autocast"] == "torch.bfloat16"
@@ -120,10 +127,7 @@ def test_a_zero_dim_operand_under_autocast_is_read_as_the_kernel_read_it(tmp_pat
     0-d tensor's fp32 value, ``add`` reads it cast to bf16 (``amp.scalar_reading``). Judged against the cast value
     the benign ``mul`` failed its absolute threshold (CLIP's ``logits * logit_scale.exp()``); now both pass over
     several seeds, and a 1% fault on the ``mul`` is named."""
-    from msprobe_ci.capture import CaptureSession
     from msprobe_ci.capture.inject import Fault
-    from msprobe_ci.config import DumpConfig
-    from msprobe_ci.isolate import Isolator
 
     model = _Scaled()
     for seed in range(4):
@@ -131,15 +135,7 @@ def test_a_zero_dim_operand_under_autocast_is_read_as_the_kernel_read_it(tmp_pat
         for name, faults in (("benign", ()), ("fault", (Fault("Tensor.__mul__", 0, "forward", "scale", 1.01),))):
             if name == "fault" and seed:
                 continue
-            iso = Isolator(backward=True)
-            cap = CaptureSession(DumpConfig(dump_path=str(tmp_path / f"{name}{seed}"), level="mix"), faults=faults,
-                                 isolator=iso)
-            cap.start(model)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().pow(2).mean()
-            loss.backward()
-            cap.stop()
-            cap.close()
+            iso = _isolated_under_autocast(model, x, tmp_path / f"{name}{seed}", faults)
             status = {k: v["status"] for k, v in iso.results.items()}
             if name == "benign":
                 assert status.get("Tensor.__mul__.0.forward") == "pass" and \

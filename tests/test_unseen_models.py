@@ -6,6 +6,7 @@ layer scale), fp16 outputs below the normal range (a random-init MobileNetV2's 1
 with each dtype's own ``finfo.min`` (GPT-J, CodeGen: an fp16 mask added to fp32 scores, -inf on the fp32 bench).
 """
 
+import inspect
 import os
 
 import pytest
@@ -464,21 +465,12 @@ def test_complex_intermediates_are_budgeted_and_faults_on_them_named(tmp_path):
                Fault("Torch.polar", 0, direction, "scale", 1.001), kernel="upcast")
 
 
-GPT_OSS_SUITE = """
-import torch
-import transformers
-
+GPT_OSS_SUITE = "import torch\nimport transformers\n\n\n" + "\n\n".join(
+    inspect.getsource(f) for f in (_ids, _gpt_oss)) + """
 
 def test_gpt_oss(msprobe):
-    torch.manual_seed(7)
-    cfg = transformers.GptOssConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, intermediate_size=64, num_local_experts=4,
-                                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=64,
-                                    layer_types=["sliding_attention", "full_attention"])
-    cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(7))
-    msprobe.check(model, {"input_ids": ids, "labels": ids}, loss_fn=lambda o: o.loss)
+    model, inputs, loss_fn = _gpt_oss(7)
+    msprobe.check(model, *inputs, loss_fn=loss_fn)
 """
 
 
