@@ -59,8 +59,8 @@ CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nl
 #: rounds them (:meth:`Perturb._stats_rounded`); eval mode rounds the output only.
 STATS_ROUNDED = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
 
-#: held kernels that round their row's log-sum-exp: the CPU half ``log_softmax`` over the last dimension
-#: (``SoftMaxKernel.cpp``, ``_vec_log_softmax_lastdim``: the row's max and ``sum(exp(x - max))`` in fp32, the sum stored
+#: kernels that round their row's log-sum-exp where they hold it: every ``log_softmax`` at its accumulation roundoff
+#: (:meth:`Perturb._lse_rounded`), and, held, the CPU half one over the last dimension (``SoftMaxKernel.cpp``, ``_vec_log_softmax_lastdim``: the row's max and ``sum(exp(x - max))`` in fp32, the sum stored
 #: in a buffer of ``T`` and its log taken there, ``x - max - log(sum)`` in fp32 and rounded once; other dimensions
 #: are computed in fp32 and rounded once). Its outputs are off by the rounding of ``log(sum)``, one rounding of a
 #: number near 1 or above, absolute: far beyond one rounding of an output near 0 (the likeliest class). Measured on
@@ -68,7 +68,7 @@ STATS_ROUNDED = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
 #: bench 50-93%), and outputs near 0 were 12-30 roundings of themselves off. A CLIP contrastive loss (two 2 x 2
 #: logit matrices, one class at p = 0.96) failed a benign bf16 run at its cross entropy backward against every
 #: foreign bench (max_rel_err ratio 110) before. The roundings are read from the data, the same in every draw.
-LSE_ROUNDED = frozenset({"_log_softmax"})  # for every target (:meth:`Perturb._lse_rounded`); held on a CPU half one
+LSE_ROUNDED = frozenset({"_log_softmax"})
 #: held kernels that store their gate's sigmoid in the dtype: the CPU ``glu_backward`` (``GatedLinearUnit.cpp``:
 #: ``sigmoid_out`` into a tensor of ``T``, then ``grad * sigmoid`` and ``grad * a * sigmoid * (1 - sigmoid)`` in fp32,
 #: each rounded once). Where the gate saturates, ``1 - sigmoid`` of a rounded sigmoid has lost every digit: measured
