@@ -60,9 +60,10 @@ CPU_HALF_HELD = frozenset({"native_layer_norm_backward", "nll_loss_forward", "nl
 STATS_ROUNDED = frozenset({"native_batch_norm", "_native_batch_norm_legit"})
 
 #: kernels that round their row's log-sum-exp where they hold it: every ``log_softmax`` at its accumulation roundoff
-#: (:meth:`Perturb._lse_rounded`), and, held, the CPU half one over the last dimension (``SoftMaxKernel.cpp``, ``_vec_log_softmax_lastdim``: the row's max and ``sum(exp(x - max))`` in fp32, the sum stored
-#: in a buffer of ``T`` and its log taken there, ``x - max - log(sum)`` in fp32 and rounded once; other dimensions
-#: are computed in fp32 and rounded once). Its outputs are off by the rounding of ``log(sum)``, one rounding of a
+#: (:meth:`Perturb._lse_rounded`), and, held, the CPU half one over the last dimension (``SoftMaxKernel.cpp``,
+#: ``_vec_log_softmax_lastdim``: the row's max and ``sum(exp(x - max))`` in fp32, the sum stored in a buffer of
+#: ``T`` and its log taken there, ``x - max - log(sum)`` in fp32 and rounded once; other dimensions are computed in
+#: fp32 and rounded once). Its outputs are off by the rounding of ``log(sum)``, one rounding of a
 #: number near 1 or above, absolute: far beyond one rounding of an output near 0 (the likeliest class). Measured on
 #: torch 2.13: this model of the kernel gives its bits for 99.7-100% of the elements in bf16 and fp16 (the upcast
 #: bench 50-93%), and outputs near 0 were 12-30 roundings of themselves off. A CLIP contrastive loss (two 2 x 2
