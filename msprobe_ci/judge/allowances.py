@@ -87,12 +87,6 @@ _LINEAR_REDUCTIONS = frozenset({"sum", "mean", "nansum", "nanmean", "cumsum"})
 _PRODUCTS = frozenset({"prod"})
 
 
-def factors_per_element(args) -> float | None:
-    """How many factors one output element of a product reduction multiplies: the input's elements per output
-    element, or None without a tensor input."""
-    return None if not args or not isinstance(args[0], torch.Tensor) else float(max(args[0].numel(), 1))
-
-
 def accumulation_scale(short: str, func, args, kwargs) -> torch.Tensor | None:
     """The magnitude of the terms a linear reduction adds up, per output element: the same call on ``|x|`` in
     float64 on CPU (``mean(|x|)`` for a mean), for ``sum``, ``mean``, ``nansum``, ``nanmean``, ``cumsum``; None for

@@ -21,8 +21,7 @@ import torch
 from ..checkers import CheckResult, make_standard, standard_for
 from ..checkers.common import dtype_thresholds
 from ..dtypes import checker_key
-from .allowances import (_LINEAR_REDUCTIONS, _PRODUCTS, accumulation_count, accumulation_floor, accumulation_scale,
-                         factors_per_element)
+from .allowances import _LINEAR_REDUCTIONS, _PRODUCTS, accumulation_count, accumulation_floor, accumulation_scale
 from .peaks import abs_peak, finite_peak
 
 _ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub"})
@@ -47,8 +46,8 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
             up (:func:`accumulation_count`), in units of ``max(|oracle|, 2 * count * u_acc * scale / bound)``:
             its own size, or what accumulating its terms in fp32 may leave where they cancel. For a product
             (``prod``), ``count`` is its factors per output element, and the output is judged relative to
-            itself: on a CPU bf16/fp16 target within one rounding per factor after the first where that is wider
-            than the standard's bound (the CPU kernel's running product is held in the dtype).
+            itself: in bf16/fp16 within one rounding per factor after the first where that is wider than the
+            standard's bound (a kernel may hold its running product in the dtype, as PyTorch's CPU one does).
         terms: the benchmark standard's error scale per element (:func:`msprobe_ci.kernels.forward_scale`,
             :func:`~msprobe_ci.kernels.backward_scale`), or a callable returning it (asked only when the standard
             is the benchmark and the target is not bit-identical to the bench): relative errors are measured
@@ -149,28 +148,19 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # never finer than the dtype can hold: a result rounded into fp16's subnormal range errs by up to half of
         # its smallest subnormal (3e-8) whatever the terms, which is within the bound in units of at least this
         s64 = s64.clamp(min=torch.finfo(t.dtype).smallest_normal * torch.finfo(t.dtype).eps / bound)
-        # elements equal to the correctly rounded oracle carry no accumulation error (the standard leaves them out
-        # of its bias test by comparing with the oracle rounded to the target's dtype, which float64 units hide)
-        exact = t.detach() == oracle.detach().to(t.dtype) if oracle is not None else None
-        t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
-        oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
-        if exact is not None:
-            t = torch.where(exact, oracle, t)
+        t, b, oracle = _in_units(t, b, oracle, s64)
     if std_name == "accumulative" and short in _PRODUCTS and not backward and oracle is not None and \
             t.is_floating_point() and b.is_floating_point():
         # a product errs relative to itself (msprobe's absolute test below 1 would let a 0.01 product off by 80%):
-        # judged in units of |oracle|. A CPU half-precision kernel holds its running product in the dtype, up to
-        # one rounding per factor after the first; elsewhere the standard's bound
-        if count and t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+        # judged in units of |oracle|. A half-precision kernel may hold its running product in the dtype (PyTorch's
+        # CPU one does), up to one rounding per factor after the first, where that is wider than the bound
+        if count and t.dtype in (torch.bfloat16, torch.float16):
             held = (count - 1.0) * torch.finfo(t.dtype).eps / 2
             if held > dtype_thresholds(checker_key(t.dtype), overrides)["accumulative_bound"]:
                 std = make_standard(std_name, judged, level_api, **dict(overrides, accumulative_bound=held))
         s64 = oracle.detach().to(device=t.device, dtype=torch.float64).abs()
         s64 = torch.where(s64 > 0, s64, torch.ones_like(s64)).clamp(min=torch.finfo(t.dtype).smallest_normal)
-        exact = t.detach() == oracle.detach().to(t.dtype)
-        t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
-        oracle = oracle.detach().to(torch.float64) / s64
-        t = torch.where(exact, oracle, t)
+        t, b, oracle = _in_units(t, b, oracle, s64)
     # NaN/Inf outputs (an overflowing fp16 optimizer step) are counted by the standards through their masks;
     # numpy's RuntimeWarnings on the masked-out inf - inf are noise in the user's test run
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -220,9 +210,9 @@ def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dic
             count = accumulation_count(short, *inputs, scale)
         except Exception:  # noqa: BLE001 - msprobe's unit scale then
             scale = count = None
-    elif short in _PRODUCTS and not backward and single and isinstance(rows[0][1], torch.Tensor):
-        total = factors_per_element(inputs[1])
-        count = total / max(rows[0][1].numel(), 1) if total else None
+    elif short in _PRODUCTS and not backward and single and isinstance(rows[0][1], torch.Tensor) and inputs[1] and \
+            isinstance(inputs[1][0], torch.Tensor):  # the factors each output element multiplies
+        count = inputs[1][0].numel() / max(rows[0][1].numel(), 1)
     out = []
     for i, (row, t, b, o) in enumerate(rows):
         res = judge_pair(short, t, b, o, backward, standards, thresholds, scale=scale,
@@ -238,6 +228,17 @@ def judge_rows(short: str, rows: list, *, backward: bool = False, standards: dic
                 res = judge_pair(short, t, b, o, backward, standards, thresholds, floor=floor)
         out.append((row, res))
     return out
+
+
+def _in_units(t: torch.Tensor, b: torch.Tensor, oracle: torch.Tensor | None, s64: torch.Tensor) -> tuple:
+    """``(t, b, oracle)`` as float64 in units of ``s64`` (the accumulative standard's element scale), with every
+    element of ``t`` equal to the correctly rounded oracle set to the oracle exactly: it carries no accumulation
+    error (the standard leaves it out of its bias test by comparing with the oracle rounded to the target's dtype,
+    which float64 units hide)."""
+    exact = t.detach() == oracle.detach().to(t.dtype) if oracle is not None else None
+    t, b = t.detach().to(torch.float64) / s64, b.detach().to(torch.float64) / s64
+    oracle = oracle.detach().to(torch.float64) / s64 if oracle is not None else None
+    return (torch.where(exact, oracle, t) if exact is not None else t), b, oracle
 
 
 def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:

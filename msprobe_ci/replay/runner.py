@@ -153,9 +153,10 @@ class ApiReplayer:
         # a call made under autocast (recorded in our dumps, inferred from dtypes as msprobe does for others):
         # replayed on its inputs as its kernel saw them, cast to the dtype it computed in
         dtype, how = amp.of_entry(entry)
+        recorded = None if self.live else self._recorded(name, records)
         if dtype is not None:
-            args, kwargs = self._as_read(func, args, kwargs, dtype, name, records)
-        result = self.check_inputs(name, args, kwargs, None if self.live else self._recorded(name, records))
+            args, kwargs = self._as_read(func, args, kwargs, dtype, [t for _, t in recorded or ()])
+        result = self.check_inputs(name, args, kwargs, recorded)
         if dtype is not None:
             result.autocast = f"{str(dtype).replace('torch.', '')} ({how})"
         return result
@@ -231,20 +232,17 @@ class ApiReplayer:
             return cache[i] if i < len(cache) else None
         return budget
 
-    def _as_read(self, func, args: list, kwargs: dict, dtype: torch.dtype, name: str, records: list) -> tuple:
+    @staticmethod
+    def _as_read(func, args: list, kwargs: dict, dtype: torch.dtype, outputs: list) -> tuple:
         """A forward call made under autocast, its inputs as its kernel read them: cast to ``dtype``
-        (:func:`msprobe_ci.amp.cast_inputs`), a 0-d operand of a wider dtype as the recorded output says it was
-        read where the dump holds tensors (:func:`msprobe_ci.amp.scalar_reading`)."""
+        (:func:`msprobe_ci.amp.cast_inputs`), a 0-d operand of a wider dtype as its recorded ``outputs`` say it was
+        read (:func:`msprobe_ci.amp.scalar_reading`; none recorded: the cast)."""
         from .. import amp
 
         cast = amp.cast_inputs(args, kwargs, dtype)
-        if self.live or self.dump.task != "tensor":
+        if not outputs:
             return cast
-        try:
-            out = [t for _, t in self._recorded(name, records)]
-        except Exception:  # noqa: BLE001 - a recorded output that cannot be read: the cast reading
-            return cast
-        got = amp.scalar_reading(func, (args, kwargs), cast, out)
+        got = amp.scalar_reading(func, (args, kwargs), cast, outputs)
         return (list(got[0]) if isinstance(args, list) else got[0]), got[1]
 
     def _recorded(self, name: str, records: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -305,8 +303,14 @@ class ApiReplayer:
         # made under autocast: the forward replayed on its inputs as its kernel saw them (msprobe_ci.amp.of_entry)
         amp_dtype, amp_how = amp.of_entry(fwd_entry)
         if amp_dtype is not None:
-            args, kwargs = self._as_read(func, args, kwargs, amp_dtype, fwd,
-                                         record_rows(fwd_entry.get("output") or [], f"{fwd}.output"))
+            outputs = []
+            if not self.live and self.dump.task == "tensor":  # the forward's recorded outputs tell its reading
+                try:
+                    outputs = [t for _, t in self._recorded(fwd, record_rows(fwd_entry.get("output") or [],
+                                                                             f"{fwd}.output"))]
+                except Exception:  # noqa: BLE001 - an output that cannot be read: the cast reading
+                    outputs = []
+            args, kwargs = self._as_read(func, args, kwargs, amp_dtype, outputs)
 
         def want(r: Any) -> bool:  # MindSpore records have no requires_grad: every floating input may need one
             return isinstance(r, dict) and (bool(r.get("requires_grad")) or mindspore and "dtype" in r)
