@@ -58,15 +58,16 @@ def build(name: str, seed: int):
             decoder_start_token_id=0, pad_token_id=0))
     import unseen_architectures as ua
 
-    if name in ua.MODELS + ua.MORE:
+    if name in ua.MODELS + ua.MORE + ua.FURTHER:
         return ua.build(name, seed)[0]
-    raise SystemExit(f"unknown model {name!r}: gpt2, llama, qwen2, bert, t5, {', '.join(ua.MODELS + ua.MORE)}")
+    known = ", ".join(ua.MODELS + ua.MORE + ua.FURTHER)
+    raise SystemExit(f"unknown model {name!r}: gpt2, llama, qwen2, bert, t5, {known}")
 
 
 def batch(name: str, g: torch.Generator) -> dict:
     import unseen_architectures as ua
 
-    if name in ua.MODELS + ua.MORE:  # its own inputs at a fresh seed (images, audio, CTC labels as it builds them)
+    if name in ua.MODELS + ua.MORE + ua.FURTHER:  # its own inputs at a fresh seed (images, audio, CTC labels)
         with torch.random.fork_rng():  # building re-seeds the global generator: the loop's dropout keeps its own
             return ua.build(name, int(torch.randint(0, 2 ** 16, (1,), generator=g)))[1][0]
     ids = torch.randint(3, VOCAB, (2, 24), generator=g)
