@@ -101,9 +101,13 @@ def loop(folder: str, name: str, seed: int, target: str | None, kernel: str, lev
     for _ in range(steps):
         debugger.start(model)
         for _ in range(accumulate):
+            inputs = batch(name, g)
+            if target in ("model-bf16", "model-fp16"):  # images and audio in the model's dtype, as its user feeds it
+                inputs = {k: v.to(model.dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                          for k, v in inputs.items()}
             with torch.autocast("cpu", dtype=torch.float16 if target == "fp16" else torch.bfloat16,
                                 enabled=autocast):
-                loss = model(**batch(name, g)).loss / accumulate
+                loss = model(**inputs).loss / accumulate
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.step(opt)

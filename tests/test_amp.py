@@ -679,3 +679,94 @@ def test_the_targets_side_of_a_kink_is_read_off_a_run_that_requires_grad_as_the_
     with open(os.path.join(target, "isolation.json"), encoding="utf-8") as fh:
         node = json.load(fh)["nodes"]["Module.encoder.block.0.T5Block.backward.0"]
     assert node["status"] == "pass" and "oracle on the target's side of" in node["message"], node
+
+
+class _ProjectedNorm(torch.nn.Module):
+    """LeViT's ``MLPLayerWithBN``: a Linear without bias into a training BatchNorm1d over the flattened tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 32, bias=False)
+        self.norm = torch.nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return self.norm(h.flatten(0, 1)).reshape_as(h)
+
+
+class _ProjectedNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 16)
+        self.proj = _ProjectedNorm()
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.proj(self.embed(x)))
+
+
+def _scaled_fp16_loop(folder, amp: bool, faults=(), steps=2):
+    """A user's own loop over ``_ProjectedNet`` (batch 2, one token), under fp16 autocast with a default
+    ``GradScaler`` (loss scale 65536) or plain fp32, every step dumped at L0 with the upcast bench kernel; the
+    projection's first output channel has zero weights (a channel the batch norm sees as constant)."""
+    from msprobe_ci import PrecisionDebugger
+
+    torch.manual_seed(0)
+    model = _ProjectedNet()
+    with torch.no_grad():
+        model.proj.linear.weight[0] = 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    scaler = torch.amp.GradScaler("cpu") if amp else None
+    dbg = PrecisionDebugger(dump_path=str(folder), level="L0", bench_kernel="upcast", inject=list(faults))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(2, 1, 16, generator=g), torch.randn(2, 1, 4, generator=g)
+        dbg.start(model)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = F.mse_loss(model(x).float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+        dbg.stop()
+        dbg.step()
+    return scaler
+
+
+def test_an_overflow_every_correct_fp16_run_makes_inside_a_module_is_no_false_fail_at_l0(tmp_path):
+    """LeViT under fp16 autocast with a GradScaler, in its own loop at L0: a batch norm over two samples whose
+    channel is constant hands its Linear a gradient 316 times (1/sqrt(eps)) the incoming one, past fp16's range at
+    the loss scale. The target holds that gradient in fp16, so it is infinite there and the module's input
+    gradient NaN (the scaler skips the step); the float64 oracle of the whole module held it finite, and the
+    module failed ("inf/nan positions differ") at every step. Its oracle, run again holding every intermediate and
+    every gradient in the range of the dtype the target held it in (``kernels.amp_sites.Ranges``), overflows as
+    the target does: the module passes and says so, at every step, and a 2% fault on the head is still named."""
+    from msprobe_ci.capture.inject import Fault
+    from msprobe_ci.check import judge
+    from msprobe_ci.compare.verdict import unit_roundoff
+
+    _scaled_fp16_loop(tmp_path / "bench", False)
+    scaler = _scaled_fp16_loop(tmp_path / "target", True)
+    assert scaler.get_scale() == 2.0 ** 14  # both steps overflowed and were skipped
+    _scaled_fp16_loop(tmp_path / "fault", True, [Fault("Functional.linear", 2, "forward", "scale", 1.02)])
+    settings = JudgeSettings(isolate=True, cast_roundoff=unit_roundoff("torch.float16", "torch.float32"))
+    node = "Module.proj._ProjectedNorm.backward.0"
+    for step in range(2):
+        folder = os.path.join(tmp_path, "target", f"step{step}", "rank")
+        report, _, _ = judge(os.path.join(tmp_path, "bench", f"step{step}", "rank"), folder,
+                             settings.for_step(step))
+        assert not [n.message for n in report.nodes if n.status == "error"], step
+        with open(os.path.join(folder, "isolation.json"), encoding="utf-8") as fh:
+            nodes = json.load(fh)["nodes"]
+        assert node in nodes, sorted(nodes)
+        record = nodes[node]
+        assert record["status"] == "pass" and "oracle held in the range of the target's dtypes" in \
+            record["message"], record
+        report, _, _ = judge(os.path.join(tmp_path, "bench", f"step{step}", "rank"),
+                             os.path.join(tmp_path, "fault", f"step{step}", "rank"), settings.for_step(step))
+        first = report.first_divergence
+        assert first is not None and first.name == "Module.head.Linear.forward.0", first and first.message

@@ -340,8 +340,10 @@ class ModuleIsolation:
             base = one(None)
             if sites is not None:
                 sites.plan()
+            held = kernels.held_runs()
             draws = [one(perturb) for _ in range(kernels._draws(2 * self.refs.budget_draws,
                                                                    [b for b in base if b is not None]))]
+            held = kernels.held_runs() > held
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
         if len(spread) and call.kink_spread is None:
@@ -352,7 +354,7 @@ class ModuleIsolation:
         if sites is not None and judged:
             units = [kernels._UNIT.get(d, eta) if d is not None else eta for d in judged]
             scales = [s if s is None or i >= len(units) else s * (eta / units[i]) for i, s in enumerate(scales)]
-        return scales
+        return kernels.held_scales(scales, held)
 
     def _autocast_sites(self, call: "_ModuleCall", tensors: list, perturb: tuple):
         """For a module that ran under autocast: a :class:`~msprobe_ci.kernels.amp_sites.Sites` for its budget's
@@ -447,6 +449,14 @@ class ModuleIsolation:
                                                           as_dtype=judged[i] if within is not None else None)))
             return results
         results = judge(b_list, o_list)
+        if any(r.status == "error" for _, r in results) and _overflowed(t_list, o_list):
+            held = self._in_range(call, False)
+            if held is not None:
+                runs, moved = held
+                o_list = _kept_overflows(t_list, _tensors(runs[0][1]))
+                if runs[1] is not None:
+                    b_list = _kept_overflows(t_list, _tensors(runs[1][1]))
+                results = _noted_range(judge(b_list, o_list), moved)
         if any(r.status == "error" for _, r in results):
             if call.kink_spread is None:
                 # the kinks' spread comes with the budget's draws, which only a floating row judged against its
@@ -505,6 +515,14 @@ class ModuleIsolation:
                     k += 1
                 return results
             results = judge(oracle, bench)
+            if any(r.status == "error" for _, r in results) and _overflowed(list(grad_input), oracle):
+                held = self._in_range(call, True, gout)
+                if held is not None:
+                    (o_held, b_held), moved = held
+                    oracle = _kept_overflows(list(grad_input), o_held)
+                    if b_held is not None:
+                        bench = _kept_overflows(list(grad_input), b_held)
+                    results = _noted_range(judge(oracle, bench), moved)
             if any(r.status == "error" for _, r in results):
                 forced = self._on_target_side(call, True)
                 if forced is not None:
@@ -522,6 +540,36 @@ class ModuleIsolation:
             self.records.skip(name, f"module backward not isolated: {type(exc).__name__}: {exc}"[:200])
         finally:
             call.oracle = call.bench = call.kink_spread = call.kink_target = None
+
+    def _in_range(self, call: "_ModuleCall", grad: bool, grad_output: list | None = None):
+        """The oracle of a module whose target overflowed where the oracle did not, run again holding every
+        intermediate in the range of the dtype the target held it in (:class:`~msprobe_ci.kernels.amp_sites.Ranges`,
+        paired with the target's sites): ``((oracle, bench), moved)``, each the run's output (with ``grad_output``:
+        its input gradients), the bench ``None`` where it is a kernel's own run; ``None`` where no value passed a
+        range (or the runs fail): the overflow is then the target's alone."""
+        from ..kernels import amp_sites
+
+        self._record_sites(call, _tensors(call.args) + list(call.state.values()) + _tensors(call.kwargs))
+        if not call.sites:
+            return None
+        grad = grad_output is not None
+
+        def held(dtype):
+            ranges = amp_sites.Ranges(call.sites)
+            self._module_run(call, dtype, "cpu", grad, sites=ranges)  # notes the calls' names
+            ranges.plan()
+            leaves, out = self._module_run(call, dtype, "cpu", grad, sites=ranges)
+            result = self._module_vjp(out, leaves, grad_output) if grad else _tensors(out)
+            return result, ranges.moved
+        try:
+            oracle, moved = held(call.dtype)
+            bench = None
+            if call.bench_round:
+                up = call.dtype if self.refs.bench_kernel == "upcast" else torch.float64
+                bench = oracle if up == call.dtype else held(up)[0]
+        except Exception:  # noqa: BLE001 - judged as it is
+            return None
+        return ((oracle, bench), moved) if moved else None
 
     def _on_target_side(self, call: "_ModuleCall", grad: bool):
         """The oracle of a failing module run again on the target's side of every kink within
@@ -604,6 +652,38 @@ def _noted(results: list, moved: int) -> list:
 
     note = (f"oracle on the target's side of {moved} kink input{'s' if moved != 1 else ''} (ReLU, top-k and the like) "
             f"within {SPREADS:g} spreads of the budget's draws")
+    import dataclasses
+
+    return [(row, dataclasses.replace(r, message=f"{r.message}; {note}" if r.message else note))
+            for row, r in results]
+
+
+def _overflowed(target: list, oracle: list) -> bool:
+    """Whether a target tensor holds an infinity or a NaN where its oracle's value is finite."""
+    for t, o in zip(target, oracle):
+        if isinstance(t, torch.Tensor) and isinstance(o, torch.Tensor) and t.shape == o.shape and \
+                t.is_floating_point() and bool((~torch.isfinite(t) & torch.isfinite(o.to(t.device))).any()):
+            return True
+    return False
+
+
+def _kept_overflows(target: list, held: list) -> list:
+    """The held oracle's outputs (:meth:`ModuleIsolation._in_range`) with the target's own infinity or NaN where
+    both overflowed: which of the two a sum of infinities gives (inf - inf) is the summation order's, no kernel's
+    error; a value finite on one side only stays as it is."""
+    out = []
+    for t, o in zip(target, held):
+        if isinstance(t, torch.Tensor) and isinstance(o, torch.Tensor) and t.shape == o.shape:
+            both = ~torch.isfinite(o) & ~torch.isfinite(t.to(o.device))
+            o = torch.where(both, t.detach().to(device=o.device, dtype=o.dtype), o.detach())
+        out.append(o)
+    return out + list(held[len(out):])
+
+
+def _noted_range(results: list, moved: int) -> list:
+    """``results`` with each message saying the oracle held the target's dtypes' range (``moved`` values)."""
+    note = (f"oracle held in the range of the target's dtypes ({moved} value{'s' if moved != 1 else ''} past it "
+            "turned to infinities, as the target's tensors hold them)")
     import dataclasses
 
     return [(row, dataclasses.replace(r, message=f"{r.message}; {note}" if r.message else note))

@@ -105,7 +105,10 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         ratios = {k: 1.0 for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")}
         return CheckResult("benchmark", "pass", {f"{k}_ratio": 1.0 for k in ratios}, dict(std.ratios), ratios,
                            "bit-identical to the same-dtype bench: every ratio 1, not recomputed")
+    from ..kernels import HELD_IN_DTYPE
+
     lazy = terms if std_name == "benchmark" and callable(terms) else None
+    held = bool(getattr(terms, HELD_IN_DTYPE, False))  # read before the unit divisions make new tensors
     if lazy is not None or not isinstance(terms, torch.Tensor) or std_name != "benchmark" or terms.shape != t.shape:
         terms = None
     unit = 1.0  # a gradient's own scale, which its error scale is divided by too
@@ -169,13 +172,13 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         if std_name == "ulp" and floor is not None:
             return std(t, b, oracle, floor=floor)
         if std_name == "benchmark":
-            res = std(t, b, oracle, scale=terms)
+            res = std(t, b, oracle, scale=terms, held=held)
             if lazy is not None and not (res.status == "pass" and res.metrics.get("bench_at_floor")):
                 # the error scale is computed only where it can change the verdict: a plain pass against a bench
                 # whose errors are all at their floor stays a pass with it (it only lowers the target's errors)
                 s = lazy()
                 if isinstance(s, torch.Tensor) and s.shape == t.shape:
-                    res = std(t, b, oracle, scale=s / unit)
+                    res = std(t, b, oracle, scale=s / unit, held=getattr(s, HELD_IN_DTYPE, False))
             return res
         return std(t, b, oracle)
 

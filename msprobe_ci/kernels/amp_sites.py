@@ -83,6 +83,29 @@ def record_sites(run: Callable[[], Any], keep: bool = False) -> Any:
     return (mode.sites, out) if keep else mode.sites
 
 
+def _pair(names: list[str], target: list[Site]) -> tuple[list[Site | None], int]:
+    """The target's site of each call ``names`` lists (a float64 run's outermost floating calls, in order), lined
+    up by name (:class:`difflib.SequenceMatcher`); a call the two lists do not pair takes the site of every call of
+    its name where those all computed in one dtype, else ``None``. Returns ``(sites, unpaired)``."""
+    theirs = [s.name for s in target]
+    matcher = difflib.SequenceMatcher(a=names, b=theirs, autojunk=False)
+    kernels: list[Site | None] = [None] * len(names)
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            kernels[block.a + k] = target[block.b + k]
+    by_name: dict[str, set] = {}
+    for s in target:
+        by_name.setdefault(s.name, set()).add(s)
+    unpaired = 0
+    for i, (name, site) in enumerate(zip(names, kernels)):
+        if site is None:
+            unpaired += 1
+            same = {s.kernel for s in by_name.get(name, ())}
+            if len(same) == 1:  # every call of that name computed in one dtype
+                kernels[i] = next(iter(by_name[name]))
+    return kernels, unpaired
+
+
 class Sites(torch.overrides.TorchFunctionMode):
     """The budget's float64 runs of a module whose target ran under autocast (see the module docstring).
 
@@ -124,22 +147,7 @@ class Sites(torch.overrides.TorchFunctionMode):
         if self.fallback is not None:
             self.kernels = [Site(n, self.fallback, None) for n in self.names]
             return {"paired": 0, "unpaired": len(self.names), "low": len(self.names)}
-        theirs = [s.name for s in self.target]
-        matcher = difflib.SequenceMatcher(a=self.names, b=theirs, autojunk=False)
-        kernels: list[Site | None] = [None] * len(self.names)
-        for block in matcher.get_matching_blocks():
-            for k in range(block.size):
-                kernels[block.a + k] = self.target[block.b + k]
-        by_name: dict[str, set] = {}
-        for s in self.target:
-            by_name.setdefault(s.name, set()).add(s)
-        unpaired = 0
-        for i, (name, site) in enumerate(zip(self.names, kernels)):
-            if site is None:
-                unpaired += 1
-                same = {s.kernel for s in by_name.get(name, ())}
-                if len(same) == 1:  # every call of that name computed in one dtype
-                    kernels[i] = next(iter(by_name[name]))
+        kernels, unpaired = _pair(self.names, self.target)
         self.kernels = kernels
         low = sum(1 for s in kernels if s is not None and s.kernel != self.own)
         return {"paired": len(self.names) - unpaired, "unpaired": unpaired, "low": low}
@@ -260,3 +268,107 @@ def settle() -> None:
     if entered:
         _KERNEL.precision = entered[0]
         entered.clear()
+
+
+class Ranges(torch.overrides.TorchFunctionMode):
+    """An oracle's run of a module that keeps the range of the dtypes the target held its tensors in.
+
+    The oracle computes a module in float64 (float32 for a bf16/fp16-only one), where no intermediate overflows.
+    The target holds each call's result in the dtype that call computed in (:class:`Site`), and the gradient each of
+    them receives in the same dtype: an fp16 one cannot hold 65,520 or more, whatever the kernel. A LeViT MLP under
+    fp16 autocast with a ``GradScaler`` (Linear into a training BatchNorm1d over two samples, one channel's
+    variance 2e-8 next to eps 1e-5) hands its Linear a gradient of 887,000 at a loss scale of 256: every correct
+    fp16 run overflows there, the scaler skips the step, and the module's input gradient is NaN. The float64 oracle
+    returned finite values and the module failed ("inf/nan positions differ") at every step of its own loop.
+
+    So, like :class:`Sites`, the first run through this mode notes the calls' names; :meth:`plan` pairs them with
+    the target's; every later run turns each finite value past the paired site's dtype into the infinity a
+    rounding to that dtype gives, in the call's result, in the inputs autocast cast down to it, and in the gradient
+    the result receives. Values within the range keep the oracle's precision; the result carries the gradient
+    straight through, as a cast does. :attr:`moved` counts the values turned.
+
+    Args:
+        target: the target run's sites (:func:`record_sites`).
+    """
+
+    def __init__(self, target: list[Site]):
+        super().__init__()
+        self.target = target
+        self.names: list[str] = []
+        self.kernels: list[Site | None] | None = None
+        self.index = 0
+        self.moved = 0
+
+    def plan(self) -> None:
+        """Pair the noted calls with the target's sites (:func:`_pair`)."""
+        self.kernels, _ = _pair(self.names, self.target)
+
+    def __enter__(self):
+        self.index = 0
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.kernels is None:  # the first run: names only
+            out = func(*args, **kwargs)
+            if _floating(out):
+                self.names.append(_name(func))
+            return out
+        site = self.kernels[self.index] if self.index < len(self.kernels) else None
+        if site is not None and self.names[self.index] != _name(func):  # this run took another path
+            site = None
+        if site is None or not site.kernel.is_floating_point:
+            out = func(*args, **kwargs)
+            if _floating(out):
+                self.index += 1
+            return out
+        dtype = site.kernel
+        wider = iter(site.inputs if site.inputs is not None else ())
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            was = next(wider, None)
+            if was is None or not was.is_floating_point or torch.finfo(was).max <= torch.finfo(dtype).max:
+                return t
+            return self._held(t, dtype, hook=False)
+        given = {id(t) for t in tensors_of((args, kwargs))}
+        args = cast_all(tuple(args), lambda t: cast(t) if t.is_floating_point() else t)
+        kwargs = {k: cast_all(v, lambda t: cast(t) if t.is_floating_point() else t) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        if not _floating(out):
+            return out
+        self.index += 1
+        # an in-place call's result is a tensor it was given, held already where it was made
+        given |= {id(t) for t in tensors_of((args, kwargs))}
+        return cast_all(out, lambda t: self._held(t, dtype) if t.is_floating_point() and id(t) not in given else t)
+
+    def _past(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where ``t``'s finite values round to an infinity in ``dtype``; ``None`` where none does."""
+        if torch.finfo(t.dtype).max <= torch.finfo(dtype).max or not t.numel():
+            return None
+        d = t.detach()
+        past = torch.isfinite(d) & torch.isinf(d.to(dtype))
+        return past if bool(past.any()) else None
+
+    def _held(self, t: torch.Tensor, dtype: torch.dtype, hook: bool = True) -> torch.Tensor:
+        """``t`` with its values past ``dtype``'s range turned to infinities (the gradient straight through), and
+        with ``hook``, the gradient it receives held so too."""
+        if torch.finfo(t.dtype).max <= torch.finfo(dtype).max:
+            return t
+        with _disable_current_modes():  # its arithmetic is no call of the module's
+            past = self._past(t, dtype)
+            if past is not None:
+                self.moved += int(past.sum())
+                d = t.detach()
+                t = t + torch.where(past, d.sign() * float("inf"), torch.zeros_like(d))
+        if hook and t.requires_grad:
+            t.register_hook(lambda g: self._held_grad(g, dtype))
+        return t
+
+    def _held_grad(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        with _disable_current_modes():
+            past = self._past(g, dtype)
+            if past is None:
+                return None
+            self.moved += int(past.sum())
+            return torch.where(past, g.sign() * float("inf"), g)
+

@@ -127,6 +127,12 @@ def _inside() -> list:
     return _KERNEL.stack
 
 
+def held_runs() -> int:
+    """How many held kernels (:data:`CPU_HALF_HELD`, charged as holding their terms in the target dtype) the
+    budget's runs on this thread have met so far: a scale producer compares it before and after its draws."""
+    return getattr(_KERNEL, "held_runs", 0)
+
+
 def _precision() -> tuple | None:
     """``(eta, held, tiny, floor)`` of the dtype the running kernel computes in where :func:`computed_in` set one,
     else ``None`` (every :class:`Perturb` rounds as it was made)."""
@@ -241,6 +247,8 @@ class Perturb(TorchDispatchMode):
         inside = _inside()
         if self._rows_summed and name == "sum" and _sums_rows(args):  # a half buffer's row-by-row sum
             return _sequential_sum(func, args, kwargs, self.unit, self.generator, self.tiny)
+        if name in self.held and not inside:
+            _KERNEL.held_runs = held_runs() + 1
         if name in LSE_ROUNDED and not inside:  # every log-softmax rounds its log-sum, held or not
             return self._lse_rounded(func, args, kwargs)
         if name in self.held and not inside:
