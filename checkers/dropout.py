@@ -9,7 +9,10 @@ Two things make the share of zeros not Binomial(numel, p), and the standard coun
   dropout's input) given, only elements whose input is not zero are counted (MobileNetV2's classifier dropout,
   p=0.8 after ReLU6 and pooling, showed a zero share of 0.90 and failed a benign run);
 * ``dropout1d``/``2d``/``3d`` drop whole channels: one draw per ``block`` elements (the channel's length, area or
-  volume); a draw dropped when its whole block is zero, and a block whose input is all zero is not a draw."""
+  volume); a draw dropped when its whole block is zero, and a block whose input is all zero is not a draw;
+* an element that is inf or NaN is no draw either: its input was (``inf * 0`` and ``NaN * 0`` are NaN), so the mask
+  cannot be read there, dropped or kept alike (a pure fp16 MobileNetV2 whose first step overflowed trained its
+  weights to NaN: its classifier dropout read a zero share of 0 against p=0.8 and failed as a wrong dropout)."""
 
 from __future__ import annotations
 
@@ -46,11 +49,15 @@ class DropoutStandard:
         dropped = (t == 0).reshape(-1, block).all(axis=1)
         live = np.ones(dropped.shape, dtype=bool) if src is None or src.size != t.size else \
             (src != 0).reshape(-1, block).any(axis=1)
+        odd = ~np.isfinite(t).reshape(-1, block).all(axis=1)
+        live &= ~odd
         n_el, n = t.size, int(live.sum())
         share = float(dropped[live].sum() / n) if n else 0.0
         tol = self.sigmas * math.sqrt(self.p * (1 - self.p) / n) if n else 1.0
         th = {"p": self.p, "tolerance": tol}
         draws = f" over {n} draws" if n != n_el else ""
+        if odd.any():
+            draws += f" ({int(odd.sum())} inf/nan {'blocks' if block > 1 else 'elements'} read as no draw)"
         if n_el < self.min_numel or n < 2:
             return CheckResult(self.name, "pass", {"zero_share": share}, th, {},
                                f"{n_el} elements{draws.replace(' over', ',')}: too few to judge")

@@ -134,6 +134,32 @@ def test_dropout():
     assert make_standard("dropout", torch.float32)(torch.ones(100)).status == "error"  # 100 elements are judged
 
 
+def test_dropout_reads_no_draw_where_its_input_was_inf_or_nan():
+    """``NaN * 0`` and ``inf * 0`` are NaN: where the input was not finite the mask cannot be read. A pure fp16
+    MobileNetV2 whose first step overflowed trained its weights to NaN, and its classifier dropout (p=0.8) read a
+    zero share of 0 and failed as a wrong dropout; those elements are no draws (the share is read off the finite
+    rest, and a dropout at the wrong p among them still fails), and with none finite there is nothing to judge."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 256, generator=g)
+    x[:20] = float("nan")
+    x[20:24] = float("inf")
+    std = make_standard("dropout", torch.float32, p=0.8)
+    torch.manual_seed(0)
+    y = F.dropout(x, 0.8, training=True)
+    r = std(y, source=x)
+    assert r.status == "pass" and "over 10240 draws" in r.message and "6144 inf/nan elements" in r.message, r.message
+    assert std(y).status == "pass"  # without the input: read off the output alone
+    wrong = F.dropout(x, 0.5, training=True)
+    assert std(wrong, source=x).status == "error"
+    blank = std(torch.full((2, 1280), float("nan")), source=torch.full((2, 1280), float("nan")))
+    assert blank.status == "pass" and "too few to judge" in blank.message, blank.message
+    chan = make_standard("dropout", torch.float32, p=0.5)(F.dropout2d(x.reshape(8, 32, 8, 8), 0.5),
+                                                          source=x.reshape(8, 32, 8, 8), block=64)
+    assert chan.status == "pass" and "inf/nan blocks" in chan.message, chan.message
+
+
 def test_dropout_counts_the_draws_the_mask_made():
     """An input element that is zero is zero whatever the mask (MobileNetV2's classifier dropout, p=0.8 after
     ReLU6 and pooling, showed a zero share of 0.90 and failed a benign run); a channel dropout draws once per
