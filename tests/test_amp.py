@@ -770,3 +770,46 @@ def test_an_overflow_every_correct_fp16_run_makes_inside_a_module_is_no_false_fa
                              os.path.join(tmp_path, "fault", f"step{step}", "rank"), settings.for_step(step))
         first = report.first_divergence
         assert first is not None and first.name == "Module.head.Linear.forward.0", first and first.message
+
+
+class _Shifted(torch.nn.Module):
+    """``x * scale + shift``, a pure fp16 module."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((64,), 1.9814453125))
+        self.shift = torch.nn.Parameter(torch.full((64,), 16.0))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+def test_an_overflow_within_the_budgets_reach_of_fp16s_largest_value_is_no_false_fail_at_l0(tmp_path):
+    """A pure fp16 module whose exact result is 65,514.7, under the 65,520 that rounds to infinity: its product
+    rounds up to 65,504 first and the sum overflows. Either is an outcome of a correct fp16 computation (a
+    rounding decides it), but the oracle, holding the product in fp16's range, stays finite and the module failed
+    ("inf/nan positions differ"; a LeViT stage in fp16 reached 92% of the range in its oracle and the target
+    overflowed). The budget's draws, held in range, overflow there too, so the oracle takes that infinity: the
+    module passes and says so, and a 2% fault on its product still fails it."""
+    from msprobe_ci import PrecisionDebugger
+    from msprobe_ci.capture.inject import Fault
+
+    g = torch.Generator().manual_seed(0)
+    x = (100 * torch.randn(2, 64, generator=g)).to(torch.float16)
+    x[0, 0] = 33056.0  # 33056 * 1.9814453125 = 65498.66: 65504 in fp16, and + 16 rounds to inf
+    model = torch.nn.Sequential(_Shifted()).half()
+    assert torch.isinf(model(x)[0, 0]) and float(x[0, 0].double() * 1.9814453125 + 16) < 65520
+    node = "Module.0._Shifted.forward.0"
+    verdicts = {}
+    for name, faults in (("benign", []), ("fault", [Fault("Tensor.__mul__", 0, "forward", "scale", 1.02)])):
+        dbg = PrecisionDebugger(dump_path=str(tmp_path / name), level="L0", bench_kernel="upcast", inject=faults)
+        dbg.start(model)
+        with torch.no_grad():
+            model(x)
+        dbg.stop()
+        with open(tmp_path / name / "step0" / "rank" / "isolation.json", encoding="utf-8") as fh:
+            verdicts[name] = json.load(fh)["nodes"][node]
+    benign = verdicts["benign"]
+    assert benign["status"] == "pass" and "draws of the budget overflow, as the target did" in benign["message"], \
+        benign
+    assert verdicts["fault"]["status"] == "error", verdicts["fault"]
