@@ -106,7 +106,41 @@ def _pair(names: list[str], target: list[Site]) -> tuple[list[Site | None], int]
     return kernels, unpaired
 
 
-class Sites(torch.overrides.TorchFunctionMode):
+class _Paired(torch.overrides.TorchFunctionMode):
+    """A mode over a module's runs whose first run notes its outermost floating calls' names, and whose later runs
+    meet each call with the target's site :func:`_pair` gives it (:meth:`_site`)."""
+
+    def __init__(self, target: list[Site]):
+        super().__init__()
+        self.target = target
+        self.names: list[str] = []
+        self.kernels: list[Site | None] | None = None  # per call of the float64 runs, its target site
+        self.index = 0
+
+    def __enter__(self):
+        self.index = 0
+        return super().__enter__()
+
+    def _site(self, func) -> Site | None:
+        """The target's site of the call ``func`` makes now (``None`` in the first run, where this run took
+        another path than it, or where no site pairs it)."""
+        if self.kernels is None:
+            return None
+        site = self.kernels[self.index] if self.index < len(self.kernels) else None
+        return None if site is not None and self.names[self.index] != _name(func) else site
+
+    def _as_it_is(self, func, args, kwargs):
+        """The call run as it is; its name noted in the first run, the run's place in the plan moved on after."""
+        out = func(*args, **kwargs)
+        if _floating(out):
+            if self.kernels is None:
+                self.names.append(_name(func))
+            else:
+                self.index += 1
+        return out
+
+
+class Sites(_Paired):
     """The budget's float64 runs of a module whose target ran under autocast (see the module docstring).
 
     Args:
@@ -123,11 +157,8 @@ class Sites(torch.overrides.TorchFunctionMode):
 
     def __init__(self, target: list[Site], own: torch.dtype, precision: Callable[[torch.dtype], tuple],
                  generator: torch.Generator):
-        super().__init__()
-        self.target, self.own, self.precision, self.generator = target, own, precision, generator
-        self.names: list[str] = []
-        self.kernels: list[Site | None] | None = None  # per call of the float64 runs, its target site
-        self.index = 0
+        super().__init__(target)
+        self.own, self.precision, self.generator = own, precision, generator
         self.fallback: torch.dtype | None = None  # every call in this dtype (:meth:`everywhere`)
 
     # ------------------------------------------------------------------------------------------------- pairing
@@ -152,27 +183,13 @@ class Sites(torch.overrides.TorchFunctionMode):
         low = sum(1 for s in kernels if s is not None and s.kernel != self.own)
         return {"paired": len(self.names) - unpaired, "unpaired": unpaired, "low": low}
 
-    def __enter__(self):
-        self.index = 0
-        return super().__enter__()
-
     # --------------------------------------------------------------------------------------------------- calls
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.kernels is None:  # the unperturbed run: names only
-            out = func(*args, **kwargs)
-            if _floating(out):
-                self.names.append(_name(func))
-            return out
-        site = self.kernels[self.index] if self.index < len(self.kernels) else None
-        if site is not None and self.names[self.index] != _name(func):  # this draw took another path
-            site = None
+        site = self._site(func)  # None in the unperturbed run: names only
         if site is None or not site.kernel.is_floating_point or \
                 (site.kernel == self.own and not _casts(site)):
-            out = func(*args, **kwargs)
-            if _floating(out):
-                self.index += 1
-            return out
+            return self._as_it_is(func, args, kwargs)
         low = site.kernel != self.own
         precision = self.precision(site.kernel)
         wider = iter(site.inputs if site.inputs is not None else ())
@@ -270,7 +287,7 @@ def settle() -> None:
         entered.clear()
 
 
-class Ranges(torch.overrides.TorchFunctionMode):
+class Ranges(_Paired):
     """An oracle's run of a module that keeps the range of the dtypes the target held its tensors in.
 
     The oracle computes a module in float64 (float32 for a bf16/fp16-only one), where no intermediate overflows.
@@ -292,36 +309,18 @@ class Ranges(torch.overrides.TorchFunctionMode):
     """
 
     def __init__(self, target: list[Site]):
-        super().__init__()
-        self.target = target
-        self.names: list[str] = []
-        self.kernels: list[Site | None] | None = None
-        self.index = 0
+        super().__init__(target)
         self.moved = 0
 
     def plan(self) -> None:
         """Pair the noted calls with the target's sites (:func:`_pair`)."""
         self.kernels, _ = _pair(self.names, self.target)
 
-    def __enter__(self):
-        self.index = 0
-        return super().__enter__()
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.kernels is None:  # the first run: names only
-            out = func(*args, **kwargs)
-            if _floating(out):
-                self.names.append(_name(func))
-            return out
-        site = self.kernels[self.index] if self.index < len(self.kernels) else None
-        if site is not None and self.names[self.index] != _name(func):  # this run took another path
-            site = None
+        site = self._site(func)  # None in the first run: names only
         if site is None or not site.kernel.is_floating_point:
-            out = func(*args, **kwargs)
-            if _floating(out):
-                self.index += 1
-            return out
+            return self._as_it_is(func, args, kwargs)
         dtype = site.kernel
         wider = iter(site.inputs if site.inputs is not None else ())
 
