@@ -457,10 +457,10 @@ class ModuleIsolation:
             held = self._in_range(call, t_list)
             if held is not None:
                 (o_held, b_held), note = held
-                o_list = _kept_overflows(t_list, o_held)
+                o_list = _infinities_of(t_list, o_held, both=True)
                 if b_held is not None:
-                    b_list = _kept_overflows(t_list, b_held)
-                results = _noted_range(judge(b_list, o_list), note)
+                    b_list = _infinities_of(t_list, b_held, both=True)
+                results = _noted(judge(b_list, o_list), _range_note(note))
         if any(r.status == "error" for _, r in results):
             if call.kink_spread is None:
                 # the kinks' spread comes with the budget's draws, which only a floating row judged against its
@@ -473,7 +473,7 @@ class ModuleIsolation:
                 o_list = _tensors(run[1])
                 if b_run is not None:  # the oracle rounded; a kernel's own run stays as it ran
                     b_list = _tensors(b_run[1])
-                results = _noted(judge(b_list, o_list), moved)
+                results = _noted(judge(b_list, o_list), _kinks_note(moved))
         self.records.store(name, results, {f"{stem}.{i}": o for i, o in enumerate(o_list)})
         if not call.grad:  # no backward to judge: the kinks' draws are not needed again
             call.kink_spread = call.kink_target = None
@@ -523,10 +523,10 @@ class ModuleIsolation:
                 held = self._in_range(call, list(grad_input), gout)
                 if held is not None:
                     (o_held, b_held), note = held
-                    oracle = _kept_overflows(list(grad_input), o_held)
+                    oracle = _infinities_of(list(grad_input), o_held, both=True)
                     if b_held is not None:
-                        bench = _kept_overflows(list(grad_input), b_held)
-                    results = _noted_range(judge(oracle, bench), note)
+                        bench = _infinities_of(list(grad_input), b_held, both=True)
+                    results = _noted(judge(oracle, bench), _range_note(note))
             if any(r.status == "error" for _, r in results):
                 forced = self._on_target_side(call, True)
                 if forced is not None:
@@ -534,7 +534,7 @@ class ModuleIsolation:
                     oracle = self._module_vjp(f_out, f_leaves, gout)
                     if b_run is not None:
                         bench = oracle if b_run[0] is f_leaves else self._module_vjp(b_run[1], b_run[0], gout)
-                    results = _noted(judge(oracle, bench), moved)
+                    results = _noted(judge(oracle, bench), _kinks_note(moved))
             if results:
                 self.records.store(name, results)
                 self._reproduce(call, name, "backward", (grad_input, gout))
@@ -586,8 +586,8 @@ class ModuleIsolation:
                 if drawn is None:
                     return None
                 draw, hits, n = drawn
-                oracle = _overflows_of(draw, oracle)
-                bench = _overflows_of(draw, bench) if bench is not None else None
+                oracle = _infinities_of(draw, oracle)
+                bench = _infinities_of(draw, bench) if bench is not None else None
                 note = f"{hits} of {n} draws of the budget overflow, as the target did; the oracle takes the " \
                        "infinities of the draw nearest the target's"
         except Exception:  # noqa: BLE001 - judged as it is
@@ -707,16 +707,23 @@ class ModuleIsolation:
                                                             reproducer.faults_now(), reproducer.name_of))
 
 
-def _noted(results: list, moved: int) -> list:
-    """``results`` with each message saying the oracle took the target's side of ``moved`` kink inputs."""
-    from ..kernels.kinks import SPREADS
-
-    note = (f"oracle on the target's side of {moved} kink input{'s' if moved != 1 else ''} (ReLU, top-k and the like) "
-            f"within {SPREADS:g} spreads of the budget's draws")
+def _noted(results: list, note: str) -> list:
+    """``results`` with ``note`` added to each message (how the oracle was run again)."""
     import dataclasses
 
     return [(row, dataclasses.replace(r, message=f"{r.message}; {note}" if r.message else note))
             for row, r in results]
+
+
+def _kinks_note(moved: int) -> str:
+    from ..kernels.kinks import SPREADS
+
+    return (f"oracle on the target's side of {moved} kink input{'s' if moved != 1 else ''} (ReLU, top-k and the "
+            f"like) within {SPREADS:g} spreads of the budget's draws")
+
+
+def _range_note(how: str) -> str:
+    return f"oracle held in the range of the target's dtypes ({how})"
 
 
 def _overflowed(target: list, oracle: list) -> bool:
@@ -728,36 +735,19 @@ def _overflowed(target: list, oracle: list) -> bool:
     return False
 
 
-def _kept_overflows(target: list, held: list) -> list:
-    """The held oracle's outputs (:meth:`ModuleIsolation._in_range`) with the target's own infinity or NaN where
-    both overflowed: which of the two a sum of infinities gives (inf - inf) is the summation order's, no kernel's
-    error; a value finite on one side only stays as it is."""
+def _infinities_of(source: list, into: list, both: bool = False) -> list:
+    """``into`` (an oracle's or a bench's outputs, :meth:`ModuleIsolation._in_range`) with ``source``'s infinities
+    and NaNs where ``source`` has them; with ``both``, only where ``into`` has one too. ``source`` the target's,
+    with ``both``: which of the two a sum of infinities gives (inf - inf) is the summation order's, no kernel's
+    error, and a value finite on one side only stays as it is; ``source`` a draw of the budget: its overflows."""
     out = []
-    for t, o in zip(target, held):
-        if isinstance(t, torch.Tensor) and isinstance(o, torch.Tensor) and t.shape == o.shape:
-            both = ~torch.isfinite(o) & ~torch.isfinite(t.to(o.device))
-            o = torch.where(both, t.detach().to(device=o.device, dtype=o.dtype), o.detach())
+    for x, o in zip(source, into):
+        if isinstance(x, torch.Tensor) and isinstance(o, torch.Tensor) and x.shape == o.shape:
+            x = x.detach().to(device=o.device, dtype=o.dtype)
+            take = ~torch.isfinite(x) & (~torch.isfinite(o) if both else True)
+            o = torch.where(take, x, o.detach())
         out.append(o)
-    return out + list(held[len(out):])
-
-
-def _overflows_of(draw: list, oracle: list) -> list:
-    """``oracle`` with the draw's infinities and NaNs where the draw has them (:meth:`ModuleIsolation._in_range`)."""
-    out = []
-    for d, o in zip(draw, oracle):
-        if isinstance(d, torch.Tensor) and isinstance(o, torch.Tensor) and d.shape == o.shape:
-            o = torch.where(torch.isfinite(d), o.detach(), d.detach().to(device=o.device, dtype=o.dtype))
-        out.append(o)
-    return out + list(oracle[len(out):])
-
-
-def _noted_range(results: list, note: str) -> list:
-    """``results`` with each message saying the oracle held the target's dtypes' range, and how (``note``)."""
-    note = f"oracle held in the range of the target's dtypes ({note})"
-    import dataclasses
-
-    return [(row, dataclasses.replace(r, message=f"{r.message}; {note}" if r.message else note))
-            for row, r in results]
+    return out + list(into[len(out):])
 
 
 def _failing_inside(results: dict, node: str) -> str | None:

@@ -21,6 +21,7 @@ import torch
 from ..checkers import CheckResult, make_standard, standard_for
 from ..checkers.common import dtype_thresholds
 from ..dtypes import checker_key
+from ..kernels.budgets import HELD_IN_DTYPE
 from .allowances import _LINEAR_REDUCTIONS, _PRODUCTS, accumulation_count, accumulation_floor, accumulation_scale
 from .peaks import abs_peak, finite_peak
 
@@ -105,8 +106,6 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         ratios = {k: 1.0 for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")}
         return CheckResult("benchmark", "pass", {f"{k}_ratio": 1.0 for k in ratios}, dict(std.ratios), ratios,
                            "bit-identical to the same-dtype bench: every ratio 1, not recomputed")
-    from ..kernels import HELD_IN_DTYPE
-
     lazy = terms if std_name == "benchmark" and callable(terms) else None
     held = bool(getattr(terms, HELD_IN_DTYPE, False))  # read before the unit divisions make new tensors
     if lazy is not None or not isinstance(terms, torch.Tensor) or std_name != "benchmark" or terms.shape != t.shape:
