@@ -85,13 +85,20 @@ GATE_ROUNDED = frozenset({"glu_backward"})
 _SCATTERED_SUMS = frozenset({"max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward",
                              "embedding_dense_backward"})
 #: held kernels whose math is fp32 but that add their rows into a half-precision buffer one by one: the LayerNorm
-#: backward (``layer_norm_kernel.cpp``: the input gradient and each row's sums in ``opmath_t``, fp32; each thread's
-#: ``dgamma``/``dbeta`` buffer of ``T`` gets row after row of its share). Each addition rounds at the size of the
-#: partial sum so far, not of its term, so the error is the random walk of the partial sums, ``u sqrt(sum_k s_k^2)``,
-#: which outgrows the terms' ``u sqrt(sum_k t_k^2)`` with the rows (measured: 3 roundings of the terms at 8 rows,
-#: 5.3 at 32, 20 at 512; ``benchmarks/cpu_half_accumulation.py``): Swin's, Wav2Vec2's and CLIP's LayerNorm backward
-#: failed benign bf16/fp16 runs against every foreign bench when charged their terms only, and charging the whole
-#: kernel as held hid a 1% fault on its input gradient. One chain over all rows is the longest a thread can hold.
+#: backward (``layer_norm_kernel.cpp``: the input gradient and each row's sums in ``opmath_t``, fp32; the rows are
+#: split over the intra-op threads as ``at::parallel_for(0, M, 1, ...)`` splits them, and each thread's ``dgamma``/
+#: ``dbeta`` buffer of ``T`` gets row after row of its share, each addition in fp32 rounded back to ``T``; the
+#: threads' buffers are then added in fp32 and rounded once). The budget runs that sum as the kernel runs it
+#: (:func:`_buffered_sum`), every partial sum rounded to the dtype, so its error is read from the data, not drawn:
+#: each addition rounds at the size of the partial sum so far, and where the terms share a sign (a bias gradient
+#: over the tokens of one sequence) the sum stagnates, its roundings correlated. Measured on GPT-2 small, 1 x 1024
+#: tokens, bf16 (the first LayerNorm's bias gradient, terms coherent at 8 times their random walk): the kernel's
+#: RMSE was 2.0 (2 threads) and 2.7 (1 thread) times the random walk of independent roundings of its partial sums
+#: (``u sqrt(sum_k s_k^2)``, the model before), whose benign gate failed against the upcast bench (RMSE ratio
+#: 2.02 > 2), and its weight gradient's 0.33-0.41 times it (a 1% fault on it passed); the simulation gives the
+#: kernel's bits for every element at 1, 2 and 3 threads. Before that: Swin's, Wav2Vec2's and CLIP's LayerNorm
+#: backward failed benign bf16/fp16 runs against every foreign bench when charged their terms only, and charging
+#: the whole kernel as held hid a 1% fault on its input gradient.
 ROWS_SUMMED = frozenset({"native_layer_norm_backward"})
 #: held kernels that sum their terms as a cascade of half-precision partial sums: the CPU ``nll_loss`` (and
 #: ``nll_loss2d``) with a mean or sum reduction (``LossNLL.cpp``, ``LossNLL2d.cpp``: ``loss_partial_sums`` of
@@ -246,7 +253,7 @@ class Perturb(TorchDispatchMode):
             return self._at(self._all_at, out)
         inside = _inside()
         if self._rows_summed and name == "sum" and _sums_rows(args):  # a half buffer's row-by-row sum
-            return _sequential_sum(func, args, kwargs, self.unit, self.generator, self.tiny)
+            return _buffered_sum(func, args, kwargs, torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16)
         if name in self.held and not inside:
             _KERNEL.held_runs = held_runs() + 1
         if name in LSE_ROUNDED and not inside:  # every log-softmax rounds its log-sum, held or not
@@ -306,8 +313,8 @@ class Perturb(TorchDispatchMode):
     def _rows(self, func, args, kwargs):
         """A kernel whose math is fp32 but which adds its rows into a buffer of the target dtype
         (:data:`ROWS_SUMMED`): its decomposition with every step at the accumulation roundoff, as any kernel, except
-        those row sums, each partial sum rounded to the target dtype (:func:`_sequential_sum`); each result rounded
-        once. Without a decomposition, a held kernel (:meth:`_held`)."""
+        those row sums, run as the kernel's threads run them with every partial sum rounded to the target dtype
+        (:func:`_buffered_sum`); each result rounded once (the threads' buffers added in fp32). Without a decomposition, a held kernel (:meth:`_held`)."""
         out = func(*args, **kwargs)
         self._rows_summed = True
         try:
@@ -493,24 +500,43 @@ def _sums_rows(args) -> bool:
     return (x.dim() - 1) not in {d % x.dim() for d in dims}
 
 
-def _sequential_sum(func, args, kwargs, eta: float, generator: torch.Generator, tiny: float = 0.0) -> torch.Tensor:
-    """``sum(x, dims)`` with the error of adding its rows one by one into a buffer of the target dtype: each
-    partial sum ``s_k`` (row-major order over ``dims``) jittered by ``eta``, so the error is ``sum_k eta xi_k s_k``
-    (:data:`ROWS_SUMMED`); a partial sum below ``tiny`` (the dtype's smallest normal) rounds by ``eta * tiny``,
-    absolute (fp16 weight gradients of 1e-5 are subnormal: a step of 6e-8 is 0.6% of them, 6 units), and by
-    :data:`FLUSH` at least (:func:`_below`)."""
-    x, dims = args[0], [d % args[0].dim() for d in args[1]]
+def row_chains(rows: int, threads: int) -> tuple[int, int]:
+    """``(chains, length)``: how ``at::parallel_for(0, rows, 1, f)`` splits ``rows`` over ``threads`` intra-op
+    threads (``aten/src/ATen/ParallelOpenMP.h``: one thread where there is one row or one thread, else
+    ``min(threads, rows)`` threads, each taking ``ceil(rows / threads)`` consecutive rows, the last fewer; a thread
+    past the end takes none), as the number of consecutive runs and the rows of the longest."""
+    if rows <= 1 or threads <= 1:
+        return 1, max(rows, 0)
+    length = -(-rows // min(threads, rows))
+    return -(-rows // length), length
+
+
+def _buffered_sum(func, args, kwargs, half: torch.dtype, threads: int | None = None) -> torch.Tensor:
+    """``sum(x, dims)`` over leading dimensions (the rows, row-major) as :data:`ROWS_SUMMED`'s kernel adds them:
+    the rows split over ``threads`` (default: this process's intra-op thread count, the target's; :func:`row_chains`),
+    each thread's rows added one by one into a buffer of ``half``, every partial sum the fp32 sum of the buffer and
+    the row rounded to ``half``; the buffers added (in ``x``'s precision: the kernel adds them in fp32 and rounds
+    once, which the caller's one rounding of the result charges). Subnormal partial sums round on the dtype's own
+    grid. ``x``'s dtype, shaped as ``func``'s result."""
+    x, dims = args[0], sorted({d % args[0].dim() for d in args[1]})
     keep = [d for d in range(x.dim()) if d not in dims]
-    rows = x.permute(*keep, *sorted(dims)).reshape(*[x.shape[d] for d in keep], -1)
-    size = rows.cumsum(-1).abs().clamp(min=_below(tiny, eta))
     out = func(*args, **kwargs)
-    return out + (jitter(size, eta, generator) - size).sum(-1).reshape(out.shape)
+    terms = x.permute(*dims, *keep).reshape(-1, *[x.shape[d] for d in keep])
+    chains, length = row_chains(terms.shape[0], torch.get_num_threads() if threads is None else threads)
+    pad = chains * length - terms.shape[0]  # zero rows: adding 0 leaves a buffer as it is
+    if pad:
+        terms = torch.cat([terms, terms.new_zeros(pad, *terms.shape[1:])])
+    terms = terms.view(chains, length, *terms.shape[1:])
+    buf = terms.new_zeros(chains, *terms.shape[2:])
+    for k in range(length):
+        buf = (buf + terms[:, k]).to(torch.float32).to(half).to(x.dtype)
+    return buf.sum(0).reshape(out.shape).to(out.dtype)
 
 
 def _cascade_error(terms: torch.Tensor, eta: float, generator: torch.Generator, tiny: float = 0.0) -> torch.Tensor:
     """The error of summing ``terms`` (1-D, in order) as a cascade of partial sums in the target dtype
     (:data:`CASCADE_SUMMED`): every partial sum of each level's runs of :data:`CASCADE_STEP` jittered by ``eta``
-    (absolute ``eta * tiny`` below the smallest normal, as :func:`_sequential_sum`), the runs' totals the next
+    (absolute ``eta * tiny`` below the smallest normal, :func:`_below`), the runs' totals the next
     level's terms. A 0-d tensor."""
     err = terms.new_zeros(())
     level = terms
