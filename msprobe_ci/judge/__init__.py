@@ -28,5 +28,9 @@ __all__ = sorted(_WHERE)
 
 def __getattr__(name: str):
     if name in _WHERE:
-        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        # kept in the package once loaded: a module's __getattr__ runs on every lookup it misses, and isolation
+        # imports judge_pair inside functions that run for every captured call (an import_module each time: 10
+        # per isolated call, 80 us of its 690)
+        value = globals()[name] = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        return value
     raise AttributeError(f"module 'msprobe_ci.judge' has no attribute {name!r}")
