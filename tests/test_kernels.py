@@ -578,3 +578,36 @@ def test_an_embedding_backward_adds_each_tokens_rows_in_order_as_the_cpu_kernel_
     assert judged(few, 1000, up).status == "pass"
     res = judged(few, 1000, up, fault=1.02)
     assert res.status == "error", res.message
+
+
+def test_the_cpu_half_flash_attention_backward_is_charged_its_block_sums():
+    """PyTorch's CPU flash attention backward adds dK and dV one query block at a time, and dQ one key block at a
+    time, into its half-precision output (a GEMM with beta = 1 per block): each gradient carries one rounding of
+    every partial sum. In fp16 with subnormal gradients (a pure fp16 BERT at 512 tokens: every rounding the same
+    step of 6e-8) the value gradient is sqrt(blocks) times one rounding off, and its benign backward failed against
+    the upcast bench when charged one rounding (RMSE ratio 2.1 at 512 tokens, 8 blocks; 2.5 at 767). Charged the
+    block sums it passes, and in the normal range a 1% fault on it fails."""
+    from msprobe_ci.kernels.attention import cpu_flash_blocks
+
+    assert [cpu_flash_blocks(n)[0] for n in (32, 191, 192, 767, 768, 4096)] == [32, 32, 64, 64, 256, 256]
+    g = torch.Generator().manual_seed(0)
+    for size, fault in ((2e-6, None), (1.0, 1.01)):
+        q, k, v = (torch.randn(2, 4, 512, 64, generator=g).half() for _ in range(3))
+        up = (torch.randn(2, 4, 512, 64, generator=g) * size).half()
+
+        def grads(d):
+            qq, kk, vv = (t.detach().to(d).requires_grad_(True) for t in (q, k, v))
+            F.scaled_dot_product_attention(qq, kk, vv, is_causal=True).backward(up.to(d))
+            return qq.grad, kk.grad, vv.grad
+        target, oracle = grads(torch.half), grads(torch.float64)
+        bench = [x.half() for x in grads(torch.float32)]
+        scales = kernels.backward_scale(F.scaled_dot_product_attention,
+                                        tuple(t.detach().requires_grad_(True) for t in (q, k, v)), {"is_causal": True},
+                                        {0: up})
+        for i in range(3):
+            res = judge_pair("scaled_dot_product_attention", target[i], bench[i], oracle[i], True, terms=scales[i])
+            assert res.status == "pass", (size, i, res.message)
+        if fault:
+            res = judge_pair("scaled_dot_product_attention", (target[2].double() * fault).half(), bench[2], oracle[2],
+                             True, terms=scales[2])
+            assert res.status == "error", res.message

@@ -150,7 +150,9 @@ def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
     the same for every key of a query row, so ``dQ`` carries it coherently while the exact ``dQ`` averages out
     over a long, diffuse attention (GPT-2 at init: values with a mean, near-uniform probabilities). The budget
     models it (``kernels.attention._stored_output_terms``): PyTorch's CPU flash kernel passes against the correctly
-    rounded bench; without the term its ``dQ`` fails; a 1% fault on the backward still fails."""
+    rounded bench; without the term its ``dQ`` fails; a 1.5% fault on the backward still fails (its ``dV``, summed
+    over 4 query blocks in bf16, is 2.0 roundings off in the kernel itself: ``_block_sum_errors``; a 1% fault, which
+    failed while one rounding was charged, adds about as much)."""
     from msprobe_ci.kernels import attention
 
     g = torch.Generator().manual_seed(5)
@@ -171,7 +173,7 @@ def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
 
     target = [t.grad for t in leaves]
     assert all(r.status == "pass" for r in judged(target)), [r.message for r in judged(target)]
-    faulty = judged([(t.double() * 1.01).bfloat16() for t in target])
+    faulty = judged([(t.double() * 1.015).bfloat16() for t in target])
     assert faulty[2].status == "error", faulty[2].message  # dV, where the fault is not drowned in cancellation
     monkeypatch.setattr(attention, "_stored_output_terms", lambda leaves, *a: [None] * len(leaves))
     without = judged(target)

@@ -143,7 +143,9 @@ def budget_modes(stack: contextlib.ExitStack, perturb: tuple, func: Any = None, 
     eta, gen = perturb[0], perturb[1]
     stack.enter_context(Perturb(eta, gen, *perturb[2:]))
     if forward and (func is None or func is _SDPA):
-        stack.enter_context(FusedAttention(eta, gen, perturb[5] if len(perturb) > 5 else 0.0))
+        # a budget charging the CPU half kernels (a non-empty held set) charges the CPU flash backward's block sums
+        stack.enter_context(FusedAttention(eta, gen, perturb[5] if len(perturb) > 5 else 0.0,
+                                           bool(perturb[3]) if len(perturb) > 3 else False))
 
 
 def round_to(ref: Any, like: Any) -> Any:
