@@ -68,10 +68,10 @@ def _block_sum_errors(leaves: list, kwargs: dict, grad: torch.Tensor, out: torch
     (:func:`cpu_flash_blocks`), so each of them carries one rounding of every partial sum, not one of the result:
     ``sum_m (jitter(s_m) - s_m)`` over the partial sums ``s_m`` of the blocks' terms (``P_m^T dO_m``,
     ``scale dS_m^T Q_m``, ``scale dS_n K_n``, from ``dS = P * (dO V^T - rowsum(dO * O))``), in place of the
-    gradient's one rounding (a gradient summed in one block keeps it). A BERT's pure fp16 attention at 512 tokens, whose gradients lie in fp16's subnormal
-    range (8 query blocks, each rounding a step of 6e-8), failed its benign backward against the upcast bench with
-    one rounding (RMSE ratio 2.6). One entry per leaf; ``None`` (one rounding) for a mask, a leaf without a
-    gradient, grouped keys, or shapes this kernel does not take."""
+    gradient's one rounding (a gradient summed in one block keeps it). A BERT's pure fp16 attention at 512 tokens,
+    whose gradients lie in fp16's subnormal range (8 query blocks, each rounding a step of 6e-8), failed its benign
+    backward against the upcast bench with one rounding (RMSE ratio 2.6). One entry per leaf; ``None`` (one
+    rounding) for a mask, a leaf without a gradient, grouped keys, or shapes this kernel does not take."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     errors: list = [None] * len(leaves)

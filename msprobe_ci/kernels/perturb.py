@@ -236,6 +236,11 @@ class Perturb(TorchDispatchMode):
     def unit(self) -> float:
         return self.eta / ROUNDING_RMS
 
+    @property
+    def half(self) -> torch.dtype:
+        """The half-precision dtype a held kernel stores in (bf16 or fp16, told apart by the unit roundoff)."""
+        return torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16
+
     def _at(self, eta: float, value: Any) -> Any:
         floor = self.floor if eta >= self.eta else 0.0  # a rounding to the target dtype, subnormals and all
         return tree_map(lambda t: jitter(t, eta, self.generator, floor), value)
@@ -278,7 +283,7 @@ class Perturb(TorchDispatchMode):
             return self._at(self._all_at, out)
         inside = _inside()
         if self._rows_summed and name == "sum" and _sums_rows(args):  # a half buffer's row-by-row sum
-            return _buffered_sum(func, args, kwargs, torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16)
+            return _buffered_sum(func, args, kwargs, self.half)
         if name in self.held and not inside and name not in SAVED_ROUNDED:
             _KERNEL.held_runs = held_runs() + 1
         if name in LSE_ROUNDED and not inside:  # every log-softmax rounds its log-sum, held or not
@@ -366,7 +371,7 @@ class Perturb(TorchDispatchMode):
                 grad.numel() != ids.numel() * grad.shape[-1]:
             return self._held(func, args, kwargs)
         out = func(*args, **kwargs)
-        half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+        half = self.half
         pad = a.get("padding_idx", -1)
         summed = _in_order_sum(grad.reshape(-1, grad.shape[-1]), ids.reshape(-1), n, pad, half)
         return summed.to(out.dtype) if summed.shape == out.shape else self._held(func, args, kwargs)
@@ -390,7 +395,7 @@ class Perturb(TorchDispatchMode):
         out, mean, invstd = func(*args, **kwargs)
         if not a.get("training") or mean.numel() != x.shape[1] or invstd.numel() != x.shape[1]:
             return self._at(self.eta, out), mean, invstd
-        half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+        half = self.half
         n = x.numel() // x.shape[1]
         mean = jitter(mean, self.inner, self.generator).to(half).to(mean.dtype)
         var_sum = ((1.0 / invstd.square() - eps) * n).to(half).to(invstd.dtype)
@@ -409,7 +414,7 @@ class Perturb(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) < 2:
             return self._at(self.eta, out)
-        half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+        half = self.half
         saved = [jitter(t, self.inner, self.generator).to(half).to(t.dtype)
                  if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out[1:]]
         return (jitter(out[0], self.eta, self.generator, self.floor), *saved)
@@ -434,7 +439,7 @@ class Perturb(TorchDispatchMode):
         top = x.amax(dim, keepdim=True)
         total = jitter((x - top).exp().sum(dim, keepdim=True), self.inner, self.generator)
         if "_log_softmax" in self.held and dim % x.dim() == x.dim() - 1:
-            half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+            half = self.half
             lse = total.to(half).to(x.dtype).log().to(half).to(x.dtype)
         else:
             lse = jitter(total.log(), self.inner, self.generator)
@@ -452,7 +457,7 @@ class Perturb(TorchDispatchMode):
         if not isinstance(grad, torch.Tensor) or not isinstance(x, torch.Tensor) or not isinstance(dim, int) or \
                 x.dim() == 0 or x.shape[dim] % 2:
             return self._at(self.eta, out)
-        half = torch.bfloat16 if self.unit > 2.0 ** -10 else torch.float16  # the CPU half target's dtype
+        half = self.half
         first, second = x.chunk(2, dim)
         gate = torch.sigmoid(second).to(half).to(x.dtype)
         held = torch.cat([grad * gate, grad * first * gate * (1 - gate)], dim)
@@ -597,8 +602,8 @@ def _buffered_sum(func, args, kwargs, half: torch.dtype, threads: int | None = N
 def _in_order_sum(rows: torch.Tensor, ids: torch.Tensor, n: int, pad: int, half: torch.dtype) -> torch.Tensor:
     """``out[k] = sum of rows[i] where ids[i] == k`` (``n`` x width, ``rows``' dtype) as :data:`IN_ORDER`'s kernel
     adds them: for each token, its rows in index order, the first copied, each later partial sum the fp32 sum
-    rounded to ``half``; rows at ``pad`` add nothing. The j-th rows of every token are added together, one step per rank (as many steps as the
-    most frequent token has rows)."""
+    rounded to ``half``; rows at ``pad`` add nothing. The j-th rows of every token are added together, one step
+    per rank (as many steps as the most frequent token has rows)."""
     keep = ids != pad
     rows, ids = rows[keep], ids[keep].long()
     out = rows.new_zeros(n, rows.shape[-1])
