@@ -809,6 +809,47 @@ def test_accumulative_error_balance_boundaries():
     assert empty.thresholds["eb_threshold"] == 2.0 ** -7 and empty.metrics["error_balance"] == 0.0
 
 
+def test_accumulative_error_balance_null_of_a_correct_kernel():
+    """The sign test's null where round-half-even ties are common: RMSNorm's fp32 ``pow(2).mean(-1)`` of bf16
+    values (16-bit squares, exact in fp32) is biased low in PyTorch's own correct fp32 kernel (530 of 802 inexact
+    rows low against 272 high here); the target may be as biased as a correct kernel, not more."""
+    from msprobe_ci.judge import judge_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(2048, 256).bfloat16().float().pow(2)
+    o = x.double().mean(-1, keepdim=True)
+    t = x.mean(-1, keepdim=True)
+    inputs = (torch.Tensor.mean, (x, -1), {"keepdim": True})
+    std = make_standard("accumulative", torch.float32)
+    alone = std(t, None, o)  # msprobe's symmetric null: a correct kernel fails its own sign test
+    assert alone.status == "error" and alone.metrics["error_balance"] == pytest.approx(258 / 802)
+    assert alone.message.endswith("(biased accumulation)")
+    # the same against an upcast bench (the oracle rounded once: no bias of its own) with the call's inputs: the
+    # CPU kernel's bias on these terms is the null
+    (_, r), = judge_rows("mean", [("out", t, o.float(), o)], inputs=inputs)
+    assert r.status == "pass" and r.metrics["null_error_balance"] == pytest.approx(258 / 802)
+    assert r.thresholds["eb_threshold"] == pytest.approx(258 / 802 + 4 * math.sqrt(2 / 802))
+    # a bench in the target's dtype summing in another order is the null itself (no call needed)
+    other = x.view(2048, 16, 16).sum(-1).sum(-1, keepdim=True) / 256
+    assert not torch.equal(other, t)
+    assert std(t, other, o).status == "pass" and "null_error_balance" in std(t, other, o).metrics
+    # a bench of another dtype is no null of this arithmetic
+    (_, wide), = judge_rows("mean", [("out", t, o, o)], inputs=None)
+    assert wide.status == "error" and "null_error_balance" not in wide.metrics
+    # a biased kernel is still found: every row off low by 2^-22 relative, far inside the bound
+    low = (o * (1 - 2.0 ** -22)).float()
+    (_, biased), = judge_rows("mean", [("out", low, o.float(), o)], inputs=inputs)
+    assert biased.status == "error" and biased.metrics["error_balance"] == 1.0
+    assert biased.message == (f"error balance 1 > {biased.thresholds['eb_threshold']:.3g} "
+                              f"(biased accumulation; a correct kernel's own {258 / 802:.3g})")
+    # terms with full fp32 significands tie rarely: the symmetric null holds and nothing is recomputed
+    y = torch.randn(2048, 256).pow(2)
+    oy = y.double().mean(-1)
+    (_, full), = judge_rows("mean", [("out", y.mean(-1), oy.float(), oy)], inputs=(torch.Tensor.mean, (y, -1), {}))
+    assert full.status == "pass" and "null_error_balance" not in full.metrics
+    assert full.metrics["error_balance"] < 4 / math.sqrt(800)
+
+
 def test_legacy_cosine_details():
     std = make_standard("legacy", torch.float32)
     eps = np.finfo(np.float64).eps

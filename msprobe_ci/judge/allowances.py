@@ -1,6 +1,7 @@
 """What a correct kernel may add beyond one rounding, computed from the call's own inputs: the fp32 accumulation
 allowance of matmul-family APIs (:func:`accumulation_floor`) and the magnitude of the terms a linear reduction adds
-up (:func:`accumulation_scale`) and how many it adds (:func:`accumulation_count`)."""
+up (:func:`accumulation_scale`) and how many it adds (:func:`accumulation_count`); a correct kernel's own result in
+the target's dtype, the accumulative standard's null for its bias test (:func:`same_dtype_result`)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,24 @@ def accumulation_count(short: str, func, args, kwargs, scale: Any) -> float | No
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         return float(x.shape[dim]) if isinstance(dim, int) and x.dim() else float(max(x.numel(), 1))
     return float(max(x.numel(), 1)) / float(max(scale.numel(), 1))
+
+
+def same_dtype_result(func, args, kwargs, like: torch.Tensor) -> torch.Tensor | None:
+    """The call's result from PyTorch's CPU kernel on the call's own inputs in their own dtypes: a correct
+    accumulation in the target's arithmetic, whose error balance against the oracle is the accumulative standard's
+    null (:class:`~msprobe_ci.checkers.AccumulativeStandard`'s ``bench``). None where the result is not one
+    floating tensor of ``like``'s shape and dtype, or the call fails on the CPU.
+
+    Why: the standard's sign test assumes a correct rounding is as likely up as down. Terms with few significant
+    bits (bf16 values upcast to fp32, or their squares: RMSNorm's fp32 ``pow(2).mean(-1)`` in a bf16 model) tie
+    often, and round-half-even then biases any fp32 running sum one way (measured: docs/verdicts.md)."""
+    def cpu(v):
+        return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+    try:
+        with torch.no_grad():
+            out = func(*[cpu(a) for a in args], **{k: cpu(v) for k, v in kwargs.items() if k != "out"})
+    except Exception:  # noqa: BLE001 - no null then: msprobe's own test stands
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != like.dtype:
+        return None
+    return out
