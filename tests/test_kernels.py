@@ -643,3 +643,25 @@ def test_the_cpu_half_flash_attention_backward_with_grouped_keys_and_a_padding_m
             assert 0.5 < res.metrics["rmse_ratio"] < 1.5, (i, res.metrics)
     bad = (target[2].double() * 1.02).bfloat16()
     assert judge_pair("scaled_dot_product_attention", bad, bench[2], oracle[2], True, terms=scales[2]).status == "error"
+
+
+def test_a_flash_block_of_zero_probabilities_adds_no_rounding():
+    """A query block whose probabilities for a key are exactly 0 (a causal or padding mask) adds 0 to that key's
+    dV buffer, which leaves it exact: the block sums charge the first block's rounding only, not a fresh one."""
+    from msprobe_ci.kernels.attention import _block_sum_errors
+    from msprobe_ci.kernels.perturb import jitter
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, 64, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    v.requires_grad_(True)
+    grad = torch.randn(1, 1, 64, 8, generator=g, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(1, 1, 64, 64, generator=g, dtype=torch.float64), -1)
+    probs[..., 32:, :] = 0  # the second query block (of 32) sees no key
+    out = probs @ v.detach()
+    first = probs[..., :32, :].transpose(-1, -2) @ grad[..., :32, :]
+    expected = jitter(first, 2.0 ** -8, torch.Generator().manual_seed(5)) - first
+    got = _block_sum_errors([q, k, v], {}, grad, out, probs, 2.0 ** -8, torch.Generator().manual_seed(5))[2]
+    assert torch.equal(got, expected)
+    probs[..., 32:, :3] = 1e-3  # a block that adds something rounds the sum again
+    got = _block_sum_errors([q, k, v], {}, grad, out, probs, 2.0 ** -8, torch.Generator().manual_seed(5))[2]
+    assert not torch.equal(got[..., :3, :], expected[..., :3, :]) and torch.equal(got[..., 3:, :], expected[..., 3:, :])
