@@ -145,6 +145,44 @@ def test_fused_attention_budget_covers_the_cpu_flash_kernel_forward_and_backward
         assert res.status == "pass", res.message
 
 
+def test_a_boolean_attention_mask_is_budgeted_as_the_additive_mask_it_stands_for():
+    """transformers hands SDPA a boolean mask for every padded batch. PyTorch's math op adds a boolean mask as 0/1
+    scores (``F.scaled_dot_product_attention`` converts it first), so the budget's runs computed an attention that
+    masked nothing: its budgets were about 100 times the CPU flash kernel's error (RMSE ratio 0.01) and a 2% fault
+    on every gradient passed. Budgeted as the additive mask (0 / -inf) it stands for, its budgets are that mask's,
+    the kernel passes, and a 1% fault on the output and 2% on each gradient fail."""
+    g = torch.Generator().manual_seed(5)
+    sdpa, name = F.scaled_dot_product_attention, "scaled_dot_product_attention"
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g).bfloat16() for _ in range(3))
+    up = torch.randn(2, 4, 64, 16, generator=g).bfloat16()
+    mask = torch.ones(2, 1, 64, 64, dtype=torch.bool)
+    mask[1, ..., 40:] = False  # the second sequence's last 24 tokens are padding
+    additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill_(~mask, float("-inf"))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = sdpa(*leaves, attn_mask=mask)
+    out.backward(up)
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    oracle = sdpa(*ref, attn_mask=mask)
+    oracle.backward(up.double())
+    (scale,) = kernels.forward_scale(sdpa, (q, k, v), {"attn_mask": mask}, _rows)
+    assert torch.equal(scale, kernels.forward_scale(sdpa, (q, k, v), {"attn_mask": additive}, _rows)[0])
+    bench = oracle.detach().bfloat16()
+    assert judge_pair(name, out.detach(), bench, oracle.detach(), terms=scale).status == "pass"
+    faulty = (out.detach().double() * 1.01).bfloat16()
+    assert judge_pair(name, faulty, bench, oracle.detach(), terms=scale).status == "error"
+
+    def scales(m):
+        return kernels.backward_scale(sdpa, tuple(t.clone().requires_grad_(True) for t in (q, k, v)),
+                                      {"attn_mask": m}, {0: up})
+    got = scales(mask)
+    assert all(torch.equal(a, b) for a, b in zip(got, scales(additive)))
+    for t, r, s in zip(leaves, ref, got):
+        res = judge_pair(name, t.grad, r.grad.bfloat16(), r.grad, True, terms=s)
+        assert res.status == "pass", res.message
+        bad = judge_pair(name, (t.grad.double() * 1.02).bfloat16(), r.grad.bfloat16(), r.grad, True, terms=s)
+        assert bad.status == "error", bad.metrics
+
+
 def test_attention_backward_budget_reads_the_stored_output(monkeypatch):
     """A flash backward computes ``D = rowsum(dO * O)`` from the output it stored in bf16: ``D``'s rounding is
     the same for every key of a query row, so ``dQ`` carries it coherently while the exact ``dQ`` averages out

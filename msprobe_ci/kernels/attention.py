@@ -184,7 +184,18 @@ def _stored_output_terms(leaves: list, kwargs: dict, grad: torch.Tensor, out: to
 
 def _attention_math(q, k, v, attn_mask=None, *, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                     weights=False):
-    """The attention's output (``weights``: and its probabilities) by PyTorch's math path."""
+    """The attention's output (``weights``: and its probabilities) by PyTorch's math path. A boolean
+    ``attn_mask`` (``True``: the query attends to the key; transformers' SDPA mask for every padded batch) becomes
+    the additive mask ``F.scaled_dot_product_attention`` makes of it before it picks a kernel (0 where ``True``,
+    ``-inf`` where ``False``, in the query's dtype): the math op itself adds a boolean mask as 0/1 scores, so
+    the budget's runs computed an attention that masked nothing (a padded BERT's budgets 100 times its kernel's
+    error, a fault of 50% on its output passing)."""
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # an exact conversion, no op of the budget's kernel
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                ~attn_mask, float("-inf"))
     res = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                              scale=scale, enable_gqa=enable_gqa)
     return res if weights else res[0]
