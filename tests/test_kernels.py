@@ -665,3 +665,38 @@ def test_a_flash_block_of_zero_probabilities_adds_no_rounding():
     probs[..., 32:, :3] = 1e-3  # a block that adds something rounds the sum again
     got = _block_sum_errors([q, k, v], {}, grad, out, probs, 2.0 ** -8, torch.Generator().manual_seed(5))[2]
     assert not torch.equal(got[..., :3, :], expected[..., :3, :]) and torch.equal(got[..., 3:, :], expected[..., 3:, :])
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "bool-2d", "bool-fully-masked-row", "float"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_the_budgets_fused_attention_computes_the_api_itself_without_rounding(mask, gqa):
+    """The budgets' fused attention (``kernels.attention.FusedAttention``) runs PyTorch's math op, which takes its
+    arguments as the API's backend does, not as the API: a boolean mask there is added as 0/1 scores. Rounding
+    nothing (``eta`` 0), it must compute what ``F.scaled_dot_product_attention`` computes, output and gradients,
+    for every kind of mask (transformers' padded batches hand it a boolean one), grouped keys and a scale."""
+    from msprobe_ci.kernels.attention import FusedAttention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2 if gqa else 4, 16, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    up = torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=g)
+    kw = {"enable_gqa": gqa, "scale": 0.3, "is_causal": mask == "causal"}
+    if mask.startswith("bool"):
+        kw["attn_mask"] = torch.rand(*((16, 16) if mask == "bool-2d" else (2, 1, 16, 16)), generator=g) > 0.3
+        kw["attn_mask"][..., 0] = True
+        if mask == "bool-fully-masked-row":
+            kw["attn_mask"][1, :, 5] = False  # a query that sees no key: 0, as the API gives
+    elif mask == "float":
+        kw["attn_mask"] = torch.randn(2, 4, 16, 16, dtype=torch.float64, generator=g)
+
+    def run(fused: bool):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        if fused:
+            with FusedAttention(0.0, torch.Generator().manual_seed(1)):
+                out = F.scaled_dot_product_attention(*leaves, **kw)
+        else:
+            out = F.scaled_dot_product_attention(*leaves, **kw)
+        out.backward(up)
+        return [out.detach()] + [t.grad for t in leaves]
+    for want, got in zip(run(False), run(True)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
