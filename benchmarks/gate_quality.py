@@ -17,7 +17,8 @@ bench kernel and target dtype:
 * isolation overhead (target side with vs without isolation, same run).
 
 With ``--no-isolation`` the target is judged by the drift rule alone (``msprobe-ci compare`` on two plain dumps);
-models ``neox,phi3,qwen2,mistral,gemma`` are stock decoder configs.
+models ``neox,phi3,qwen2,mistral,gemma`` are stock decoder configs; ``bert-sdpa`` is the padded BERT through SDPA
+(its padding a boolean mask there).
 
     python benchmarks/gate_quality.py [--seeds 2] [--models llama,bert,gpt2,t5,cnn] [--bench-kernel all]
                                       [--no-isolation] [--anchor]
@@ -70,14 +71,14 @@ def _gpt2(seed):
     return GPT2LMHeadModel(cfg).eval()
 
 
-def _bert(seed):
+def _bert(seed, attention="eager"):
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     return BertForMaskedLM(cfg).eval()
 
 
@@ -145,10 +146,12 @@ def case(name, seed):
         return _llama(seed), ({"input_ids": ids, "labels": ids},), lambda o: o.loss
     if name == "gpt2":
         return _gpt2(seed), ({"input_ids": ids, "labels": ids},), lambda o: o.loss
-    if name == "bert":
+    if name in ("bert", "bert-sdpa"):
+        # bert-sdpa: the padding reaches F.scaled_dot_product_attention as the boolean mask transformers makes of it
         mask = torch.ones_like(ids)
         mask[1, 11:] = 0
-        return _bert(seed), ({"input_ids": ids, "attention_mask": mask, "labels": ids},), lambda o: o.loss
+        return _bert(seed, "sdpa" if name == "bert-sdpa" else "eager"), \
+            ({"input_ids": ids, "attention_mask": mask, "labels": ids},), lambda o: o.loss
     if name == "t5":
         return _t5(seed), ({"input_ids": ids, "labels": _tokens(seed + 1, 8)},), lambda o: o.loss
     if name in ("neox", "phi3", "qwen2", "mistral", "gemma"):
