@@ -4,13 +4,14 @@ models built from a config (no download), an AdamW loop of ``--steps`` steps wit
 fp32 bench loop and on the target loop, then ``msprobe-ci compare -tp target -gp bench`` over all steps.
 
     python benchmarks/own_loops.py [--models gpt2,llama,bert,qwen2,t5] [--setups bf16:device:L0,fp16:upcast:L0]
-                                   [--seeds 1] [--steps 3] [--fault API:CALL:DIRECTION:SCALE]
+                                   [--seeds 1] [--steps 3] [--fault API:CALL:DIRECTION:SCALE] [--pad]
 
 Any model of ``unseen_architectures.py`` runs too (``--models gpt_oss,mamba,swin``), on its own kind of inputs.
 A setup is ``target:bench kernel:level``; the target is ``bf16``/``fp16`` (the fp32 model under ``torch.autocast``;
 fp16 with a ``GradScaler``) or ``model-bf16``/``model-fp16`` (the model cast). ``--accumulate 2`` runs two
 micro-batches per step; ``--checkpointing`` turns on the model's non-reentrant activation checkpointing.
-``--compile`` compiles each decoder block (``Module.compile``) on both sides (GPT-2, Llama, Qwen2).
+``--pad`` pads the second sequence of each text batch as a tokenizer does (``attention_mask``; a boolean mask
+at SDPA). ``--compile`` compiles each decoder block (``Module.compile``) on both sides (GPT-2, Llama, Qwen2).
 ``--fault`` injects one scale fault into the target at step 1 (``PrecisionDebugger(inject=...)``), for each model
 whose run has that call; the row then says which node the compare names first at step 1.
 
@@ -64,20 +65,26 @@ def build(name: str, seed: int):
     raise SystemExit(f"unknown model {name!r}: gpt2, llama, qwen2, bert, t5, {known}")
 
 
-def batch(name: str, g: torch.Generator) -> dict:
+def batch(name: str, g: torch.Generator, pad: bool = False) -> dict:
+    """A fresh batch of 2 x 24 tokens; ``pad``: the second sequence's last 8 are padding, as a tokenizer pads
+    a batch (``attention_mask`` 0 there, labels -100), which transformers hands SDPA as a boolean mask."""
     import unseen_architectures as ua
 
     if name in ua.MODELS + ua.MORE + ua.FURTHER:  # its own inputs at a fresh seed (images, audio, CTC labels)
         with torch.random.fork_rng():  # building re-seeds the global generator: the loop's dropout keeps its own
             return ua.build(name, int(torch.randint(0, 2 ** 16, (1,), generator=g)))[1][0]
     ids = torch.randint(3, VOCAB, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        ids[1, 16:], mask[1, 16:] = 0, 0
+    extra = {"attention_mask": mask} if pad else {}
     if name == "t5":
-        return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, 12), generator=g)}
-    return {"input_ids": ids, "labels": ids}
+        return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, 12), generator=g), **extra}
+    return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100), **extra}
 
 
 def loop(folder: str, name: str, seed: int, target: str | None, kernel: str, level: str, steps: int,
-         accumulate: int, checkpointing: bool, faults: list, compiled: bool = False) -> None:
+         accumulate: int, checkpointing: bool, faults: list, compiled: bool = False, pad: bool = False) -> None:
     """One user's loop: ``target`` None is the fp32 bench loop."""
     from msprobe_ci import PrecisionDebugger
 
@@ -101,7 +108,7 @@ def loop(folder: str, name: str, seed: int, target: str | None, kernel: str, lev
     for _ in range(steps):
         debugger.start(model)
         for _ in range(accumulate):
-            inputs = batch(name, g)
+            inputs = batch(name, g, pad)
             if target in ("model-bf16", "model-fp16"):  # images and audio in the model's dtype, as its user feeds it
                 inputs = {k: v.to(model.dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                           for k, v in inputs.items()}
@@ -147,14 +154,15 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fault", default=None)
+    ap.add_argument("--pad", action="store_true", help="pad the second sequence of each text batch (attention_mask)")
     args = ap.parse_args()
     faults = []
     if args.fault:
         api, call, direction, scale = args.fault.split(":")
         faults = [Fault(api, int(call), direction, "scale", float(scale), step=1)]
     print(f"own loops: {args.steps} steps of AdamW, accumulate {args.accumulate}, checkpointing "
-          f"{args.checkpointing}, compiled blocks {args.compile}, fault {args.fault or 'none'}; compared by "
-          "msprobe-ci compare")
+          f"{args.checkpointing}, compiled blocks {args.compile}, padded {args.pad}, fault {args.fault or 'none'}; "
+          "compared by msprobe-ci compare")
     print(f"{'model':<7} {'setup':<22} {'seed':>4} {'nodes':>6} {'failing steps':>13}  first divergences")
     failing_rows = 0
     for setup in args.setups.split(","):
@@ -165,7 +173,7 @@ def main() -> None:
                     warnings.simplefilter("always")
                     for side, dtype, inject in (("bench", None, []), ("target", target, faults)):
                         loop(os.path.join(tmp, side), name, seed, dtype, kernel, level, args.steps,
-                             args.accumulate, args.checkpointing, inject, args.compile)
+                             args.accumulate, args.checkpointing, inject, args.compile, args.pad)
                     if faults and any("never applied" in str(w.message) for w in caught):
                         print(f"{name:<7} {setup:<22} {seed:>4}  (the fault's call does not run in this model)")
                         continue
