@@ -25,6 +25,21 @@ def _benches(fn, args: tuple, kwargs: dict, dtype):
     return {"device": fn(*args, **kwargs), "upcast": at(up).to(dtype), "rounded": at(torch.float64).to(dtype)}
 
 
+def _attention_pair(**kwargs):
+    """A bf16 attention (2 x 4 heads x 64 x 16, seed 5) through PyTorch's CPU kernel and in float64, each
+    backward from the same bf16 gradient: ``(q, k, v, grad, bf16 leaves, bf16 output, float64 leaves, oracle)``."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g).bfloat16() for _ in range(3))
+    up = torch.randn(2, 4, 64, 16, generator=g).bfloat16()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, **kwargs)
+    out.backward(up)
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    oracle = F.scaled_dot_product_attention(*ref, **kwargs)
+    oracle.backward(up.double())
+    return q, k, v, up, leaves, out, ref, oracle
+
+
 @pytest.mark.parametrize("dtype,size", [(torch.bfloat16, 0.01), (torch.float16, 0.01), (torch.float32, 0.001)])
 def test_an_elementwise_fault_at_the_anchor_fails_against_every_bench(dtype, size):
     """The issue's first row: 1% on a bf16 ``silu`` passed (judged mean ratio 1.85: its budget charged the
@@ -120,16 +135,8 @@ def test_fused_attention_budget_covers_the_cpu_flash_kernel_forward_and_backward
     """PyTorch's CPU flash attention rounds its probabilities (and their gradient) to bf16 before the GEMMs
     that follow: the budget models that (``kernels.ATTENTION_HELD``), so the CPU kernel passes against the
     correctly rounded bench, forward and backward, while a 2% fault on its output fails."""
-    g = torch.Generator().manual_seed(5)
     sdpa = F.scaled_dot_product_attention
-    q, k, v = (torch.randn(2, 4, 64, 16, generator=g).bfloat16() for _ in range(3))
-    up = torch.randn(2, 4, 64, 16, generator=g).bfloat16()
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = sdpa(*leaves, is_causal=True)
-    out.backward(up)
-    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
-    oracle = sdpa(*ref, is_causal=True)
-    oracle.backward(up.double())
+    q, k, v, up, leaves, out, ref, oracle = _attention_pair(is_causal=True)
     (scale,) = kernels.forward_scale(sdpa, (q, k, v), {"is_causal": True}, _rows)
     # the held probabilities widen the budget beyond one rounding of the output where their terms cancel
     assert float((scale / oracle.detach().abs()).median()) > 1.3 * kernels.ROUNDING_RMS
@@ -151,19 +158,11 @@ def test_a_boolean_attention_mask_is_budgeted_as_the_additive_mask_it_stands_for
     masked nothing: its budgets were about 100 times the CPU flash kernel's error (RMSE ratio 0.01) and a 2% fault
     on every gradient passed. Budgeted as the additive mask (0 / -inf) it stands for, its budgets are that mask's,
     the kernel passes, and a 1% fault on the output and 2% on each gradient fail."""
-    g = torch.Generator().manual_seed(5)
     sdpa, name = F.scaled_dot_product_attention, "scaled_dot_product_attention"
-    q, k, v = (torch.randn(2, 4, 64, 16, generator=g).bfloat16() for _ in range(3))
-    up = torch.randn(2, 4, 64, 16, generator=g).bfloat16()
     mask = torch.ones(2, 1, 64, 64, dtype=torch.bool)
     mask[1, ..., 40:] = False  # the second sequence's last 24 tokens are padding
     additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill_(~mask, float("-inf"))
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out = sdpa(*leaves, attn_mask=mask)
-    out.backward(up)
-    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
-    oracle = sdpa(*ref, attn_mask=mask)
-    oracle.backward(up.double())
+    q, k, v, up, leaves, out, ref, oracle = _attention_pair(attn_mask=mask)
     (scale,) = kernels.forward_scale(sdpa, (q, k, v), {"attn_mask": mask}, _rows)
     assert torch.equal(scale, kernels.forward_scale(sdpa, (q, k, v), {"attn_mask": additive}, _rows)[0])
     bench = oracle.detach().bfloat16()
