@@ -68,7 +68,7 @@ from .choice import (  # noqa: F401
 from .modes import (  # noqa: F401
     _NO_ROUNDING, _NO_ROUNDING_INPLACE, _same_meta, Decomposed, decomposed, Materialized, materialized, reduced_precision_reduction, split_k_parts, SPLIT_K_MAX, SPLIT_K_TERMS, target_dtype)
 from .perturb import (  # noqa: F401
-    _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _reduces, _rounds_in_place, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, held_runs, jitter, Perturb)
+    _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _reduces, _rounds_in_place, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, cpu_half_held, held_runs, jitter, Perturb)
 from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, FusedAttention  # noqa: F401
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)

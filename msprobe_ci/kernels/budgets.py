@@ -9,7 +9,7 @@ import torch
 
 from .choice import _UNIT, ROUNDING_RMS, tensors_of
 from .modes import target_dtype
-from .perturb import CPU_HALF_HELD, held_runs
+from .perturb import CPU_HALF_HELD, cpu_half_held, held_runs
 from .references import reference, vjp
 
 
@@ -57,12 +57,13 @@ def perturbation(run_dtype: torch.dtype, tensors: list, generator: torch.Generat
 def precision_of(run_dtype: torch.dtype, dtype: torch.dtype, cpu: bool) -> tuple:
     """``(eta, held, tiny, floor)`` of a kernel computing in ``dtype`` for a budget's runs in ``run_dtype``
     (:func:`perturbation`'s fields; ``cpu``: on the CPU, where half-precision kernels hold what
-    :data:`CPU_HALF_HELD` lists). What :func:`~.perturb.computed_in` takes for a call autocast ran in ``dtype``."""
+    :data:`CPU_HALF_HELD` lists, as this CPU's kernels hold them: :func:`~.perturb.cpu_half_held`). What
+    :func:`~.perturb.computed_in` takes for a call autocast ran in ``dtype``."""
     unit = _UNIT.get(dtype, 2.0 ** -24)
     half = unit > ACCUMULATION
     smallest = torch.finfo(dtype).smallest_normal if dtype.is_floating_point else 0.0
     cpu_half = half and cpu
-    return (_eta(run_dtype, unit) * ROUNDING_RMS, CPU_HALF_HELD if cpu_half else frozenset(),
+    return (_eta(run_dtype, unit) * ROUNDING_RMS, cpu_half_held(dtype) if cpu_half else frozenset(),
             smallest if cpu_half else 0.0, smallest if half else 0.0)
 
 
