@@ -279,7 +279,9 @@ def main() -> None:
                         if first is not None and first.name == node:
                             exact += 1
                         else:
-                            misses.append((node, first.name if first is not None else None))
+                            floor = gq.under_floor(ref.data.get(node), fault)  # a kernel's own error
+                            misses.append((node, first.name if first is not None else None)
+                                          + (("under the dtype's floor",) if floor else ()))
                     print(f"{kernel:<10} {kind:<10} {dname} seed {seed}: benign errors {errors[:2]} {bad}  "
                           f"faults exact {exact}/{total} {misses[:2]}", flush=True)
 
