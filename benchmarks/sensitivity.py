@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--bench-kernel", default="upcast", choices=BENCH_KERNELS)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--sizes", default=None, help="comma-separated fault sizes (default: the dtype's ladder)")
+    ap.add_argument("--misses", action="store_true", help="print each fault ours does not name, as it runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     # {(dtype, standard): {size: [ours named, msprobe flagged, faults]}}
@@ -60,7 +62,7 @@ def main() -> None:
                 for node, fault in gq._pick_faults(ref.data, (1.0,), seed):
                     if fault.perturb != "scale":
                         continue
-                    for size in LADDER[dname]:
+                    for size in ([float(v) for v in args.sizes.split(",")] if args.sizes else LADDER[dname]):
                         f = Fault(fault.api, fault.call, fault.direction, "scale", 1 + size)
                         gq.ISOLATOR.update(budget_draws=4)
                         rep, _, _, _, unapplied = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype, (f,))
@@ -72,6 +74,10 @@ def main() -> None:
                         row = table[(dname, standard)][size]
                         row[2] += 1
                         row[0] += int(first is not None and first.name == node)
+                        if args.misses and (first is None or first.name != node):
+                            print(f"miss {dname} {mname} seed {100 + seed} {node} {size:.2%} ({standard}): first "
+                                  f"{first.name if first is not None else None}; its verdict "
+                                  f"{mine.status if mine is not None else None}", flush=True)
                         gq.ISOLATOR.update(budget_draws=0)
                         rep0, _, _, _, _ = gq._one(model, inputs, loss_fn, bench_dtype, target_dtype, (f,))
                         theirs = _node(rep0, node)

@@ -185,7 +185,7 @@ class Materialized(TorchDispatchMode):
         name = func.overloadpacket.__name__
         arithmetic = not (func.is_view or name in _NO_ROUNDING or name in _NO_ROUNDING_INPLACE)
         ins = {self._key(t) for t in tensors_of(args) + tensors_of(kwargs)}
-        if arithmetic:
+        if arithmetic and not ins.isdisjoint(self.produced):  # else no argument is an intermediate: none is held
             if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
                 first = self._held(args[0])
                 if first is not args[0]:
