@@ -756,3 +756,35 @@ def test_the_cpu_half_convolution_backward_is_held_as_this_cpus_kernel_holds_it(
             if rounds_once:
                 bad = judge_pair("conv2d", (t.double() * 1.01).to(dtype), o.to(dtype), o, True, terms=s)
                 assert bad.status == "error", (dtype, bad.metrics)
+
+
+def test_a_cpu_half_convolution_backward_in_the_subnormal_range_is_charged_its_partial_sums_at_the_fixed_step():
+    """Below fp16's smallest normal number a held kernel's partial sums round at the format's fixed step, whatever
+    the size of the terms (``kernels.perturb._COUNTED_SUMS``). A depthwise 7x7 convolution's input gradient
+    there (ConvNeXt under fp16 autocast with a ``GradScaler``: every element under 2.3e-5) is several roundings
+    off on this CPU; charged the terms' relative roundings alone it failed a benign run (rmse ratio 3.2 against
+    the upcast bench). Charged its partial sums, it passes against the upcast and correctly rounded benches, and a
+    fault of 20% (some 80 steps at its largest element) fails; in the normal range nothing changes (a 1% fault
+    fails)."""
+    g = torch.Generator().manual_seed(3)
+    channels, kw = 16, {"padding": 3, "groups": 16}
+    x = torch.randn(2, channels, 8, 8, generator=g).half()
+    w = (torch.randn(channels, 1, 7, 7, generator=g) * 0.03).half()
+    for size, fault in ((3e-5, 1.2), (1.0, 1.01)):
+        up = (torch.randn(2, channels, 8, 8, generator=g) * size).half()
+
+        def grads(d):
+            leaves = [t.detach().to(d).requires_grad_(True) for t in (x, w)]
+            F.conv2d(*leaves, **kw).backward(up.to(d))
+            return [t.grad for t in leaves]
+        target, oracle = grads(torch.float16), grads(torch.float64)
+        benches = {"upcast": grads(torch.float32)[0].half(), "rounded": oracle[0].half()}
+        (scale, _) = kernels.backward_scale(F.conv2d, (x.clone().requires_grad_(True),
+                                                       w.clone().requires_grad_(True)), kw, {0: up})
+        if size < 1.0:
+            assert oracle[0].abs().max() < torch.finfo(torch.float16).smallest_normal
+        for kernel, bench in benches.items():
+            ok = judge_pair("conv2d", target[0], bench, oracle[0], True, terms=scale)
+            bad = judge_pair("conv2d", (target[0].double() * fault).half(), bench, oracle[0], True, terms=scale)
+            assert ok.status == "pass", (size, kernel, ok.message)
+            assert bad.status == "error", (size, kernel, bad.message)
