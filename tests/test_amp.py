@@ -813,3 +813,49 @@ def test_an_overflow_within_the_budgets_reach_of_fp16s_largest_value_is_no_false
     assert benign["status"] == "pass" and "draws of the budget overflow, as the target did" in benign["message"], \
         benign
     assert verdicts["fault"]["status"] == "error", verdicts["fault"]
+
+
+def _isolated_fp16_conv(folder, x, up, faults=()):
+    """An fp16 1x1 convolution (48 -> 8 channels, no bias) captured at mix with isolation, its backward from
+    ``up``: the Isolator's verdicts."""
+    from msprobe_ci.capture import CaptureSession
+    from msprobe_ci.config import DumpConfig
+    from msprobe_ci.isolate import Isolator
+
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(48, 8, 1, bias=False)
+    with torch.no_grad():
+        model.weight.mul_(0.5)
+    model = model.half()
+    iso = Isolator(backward=True, bench_kernel="upcast")
+    cap = CaptureSession(DumpConfig(dump_path=str(folder), level="mix"), faults=faults, isolator=iso)
+    cap.start(model)
+    model(x).backward(up)
+    cap.stop()
+    cap.close()
+    return iso.results["Functional.conv2d.0.backward"], model.weight.grad
+
+
+def test_an_fp16_convolution_backward_may_overflow_where_its_partial_sums_pass_the_range(tmp_path):
+    """Under a loss scale, an fp16 weight gradient whose exact value is in range (14,000-18,000) is the sum of
+    terms whose magnitudes add up to 120,000-230,000: PyTorch's CPU kernel, adding them in fp16, overflows on the
+    way and returns inf (a ``GradScaler`` then skips the step), where the upcast bench is finite. That is an
+    outcome of a correct kernel holding its sums in the dtype, and the call passes (it failed "inf/nan positions
+    differ from the bench", MobileNetV2's own loop at every step); an infinity where the terms' magnitudes stay
+    in range is still a failure."""
+    from msprobe_ci.capture.inject import Fault
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(2, 48, 8, 8, generator=g) + 0.5).half()
+    up = torch.empty(2, 8, 8, 8)
+    up[0], up[1] = 1500.0, -1400.0
+    up = (up * (1 + 0.01 * torch.randn(up.shape, generator=g))).half()
+    verdict, grad = _isolated_fp16_conv(tmp_path / "scaled", x, up)
+    if bool(torch.isinf(grad).any()):  # this CPU's kernel holds its sums in fp16 (kernels.cpu_half_held)
+        assert verdict["status"] == "pass", verdict["message"]
+    # in range everywhere (terms' magnitudes under 1,000): a fault that overflows the gradient fails
+    small = (torch.randn(2, 8, 8, 8, generator=g)).half()
+    verdict, grad = _isolated_fp16_conv(tmp_path / "fault", x, small,
+                                        (Fault("Functional.conv2d", 0, "backward", "scale", 1e6),))
+    assert bool(torch.isinf(grad).any())
+    assert verdict["status"] == "error", verdict["message"]

@@ -571,8 +571,7 @@ class Perturb(TorchDispatchMode):
         if not any(isinstance(t, torch.Tensor) and t.is_floating_point() and bool((t.abs() < below).any())
                    for t in tensors_of(out)):
             return out
-        ones = cast(tuple(args), lambda t: torch.ones_like(t) if t.is_floating_point() else t)
-        counts = func(*ones, **kwargs)
+        counts = _term_counts(func, args, kwargs)
 
         def walk(t, c):
             if not (isinstance(t, torch.Tensor) and t.is_floating_point() and isinstance(c, torch.Tensor)) or \
@@ -584,6 +583,26 @@ class Perturb(TorchDispatchMode):
         if isinstance(out, (tuple, list)):
             return type(out)(walk(t, c) for t, c in zip(out, counts))
         return walk(out, counts)
+
+
+_COUNTS: dict = {}  # the last kernel's term counts: a budget's draws run the same call on the same shapes
+_COUNTS_KEPT = 1 << 20  # elements of counts kept between calls at most (8 MB of float64)
+
+
+def _term_counts(func, args, kwargs):
+    """How many terms each output element of a kernel of :data:`_COUNTED_SUMS` adds up: the kernel run on ones in
+    place of its floating arguments. Kept for the last call's shapes and other arguments (a budget's draws ask
+    again for each); not kept where an integer tensor is among them (its values would count)."""
+    plain = all(t.is_floating_point() for t in tensors_of(args) + tensors_of(kwargs))
+    key = (func, repr(cast((tuple(args), kwargs), lambda t: (tuple(t.shape), t.dtype, t.device.type)))) \
+        if plain else None
+    if key is not None and key in _COUNTS:
+        return _COUNTS[key]
+    counts = func(*cast(tuple(args), lambda t: torch.ones_like(t) if t.is_floating_point() else t), **kwargs)
+    _COUNTS.clear()
+    if key is not None and sum(t.numel() for t in tensors_of(counts)) <= _COUNTS_KEPT:
+        _COUNTS[key] = counts
+    return counts
 
 
 # in-place ops that write no arithmetic result: copies, fills, random draws, index writes, metadata
