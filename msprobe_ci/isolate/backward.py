@@ -187,8 +187,9 @@ class BackwardIsolation:
         """``(bench, oracle, n)`` with the target's values taken at the ``n`` elements where the target is inf or
         NaN and the bench is not the same, and the sum of the magnitudes of the element's terms is past the dtype's
         largest value: there a kernel adding its terms in the dtype (in any order) may pass the range on the way
-        and keep the infinity (or reach ``inf - inf``), though the sum itself is in range (MobileNetV2's fp16 weight gradients at a loss
-        scale of 256, exact values of 38,000-65,000, overflowed on the CPU; a ``GradScaler`` skips such a step).
+        and keep the infinity (or reach ``inf - inf``), though the sum itself is in range (MobileNetV2's fp16
+        weight gradients at a loss scale of 256, exact values of 1,600-65,000 whose terms' magnitudes add up to
+        250,000-430,000, overflowed on the CPU; a ``GradScaler`` skips such a step).
         ``reach`` caches, per tap, the sums of magnitudes: the call's product on ``|inputs|`` and ``|incoming
         gradients|`` in float64. ``None`` where no such element is found."""
         if not (t.is_floating_point() and isinstance(o, torch.Tensor) and isinstance(b, torch.Tensor)):
