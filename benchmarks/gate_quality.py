@@ -47,6 +47,7 @@ from msprobe_ci.config import DumpConfig
 from msprobe_ci.isolate import Isolator
 from msprobe_ci.judge import JudgeSettings
 from msprobe_ci.kernels import BENCH_KERNELS
+from msprobe_ci.kernels.perturb import FLUSH
 
 warnings.filterwarnings("ignore")
 
@@ -231,8 +232,7 @@ def under_floor(entry, fault) -> bool:
     if not recs or recs[0].get("Max") is None:
         return False
     dtype = str(recs[0]["dtype"])
-    floor = (torch.finfo(torch.float32).smallest_normal if "bfloat16" in dtype
-             else 2.0 ** -25 if "float16" in dtype else 0.0)
+    floor = FLUSH if "bfloat16" in dtype else 2.0 ** -25 if "float16" in dtype else 0.0
     if fault.perturb == "offset":
         return abs(fault.value) < floor
     size = abs(fault.value - 1.0) if fault.perturb == "scale" else 3.0 * fault.value  # noise: 3 sigma
