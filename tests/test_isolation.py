@@ -122,9 +122,11 @@ def test_a_fault_that_never_fires_changes_no_verdict(tmp_path, llama, kernel):
                                                         "Functional.linear.5.forward"),
                                          (Fault("Tensor.__mul__", 4, "forward", "noise", 0.02),
                                           "Tensor.__mul__.4.forward")])
-def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_path, llama, fault, node):
+@pytest.mark.parametrize("kernel", ["device", "upcast"])
+def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_path, llama, fault, node, kernel):
     """bf16 target and fp32 bench on CUDA, the oracle there in float64: every call is judged on the device
-    (nothing copied to the host for it) and every verdict is the one the CPU float64 oracle's judgement gives."""
+    (nothing copied to the host for it) and every verdict is the one the CPU float64 oracle's judgement gives;
+    with a foreign (``upcast``) bench the error budgets are drawn on the device too, none on the CPU."""
     import copy
 
     model, inputs, loss_fn = llama
@@ -133,9 +135,9 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
     b = run_side(copy.deepcopy(model), inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "b")))
     records = {}
     for where in ("target", "cpu"):
-        iso = Isolator(target_device=target.torch_device, bench_device=bench.torch_device, bench_kernel="device",
+        iso = Isolator(target_device=target.torch_device, bench_device=bench.torch_device, bench_kernel=kernel,
                        **target.oracle_options(where))
-        assert iso.judge_device == (str(target.torch_device) if where == "target" else "cpu")
+        assert iso.judge_device == iso.budget_device == (str(target.torch_device) if where == "target" else "cpu")
         t = run_side(copy.deepcopy(model), inputs, loss_fn, target,
                      cfg.with_overrides(dump_path=str(tmp_path / where)), faults=(fault,) if fault else (),
                      isolator=iso)
@@ -145,6 +147,7 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
         from msprobe_ci.compare.isolation_file import load_isolation
 
         records[where] = {k: (r.status, r.standard) for k, r in load_isolation(tdump.folder).items()}
+        assert not iso.budget_fallbacks
     assert len(records["target"]) > 50 and records["target"] == records["cpu"]
 
 

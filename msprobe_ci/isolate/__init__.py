@@ -35,8 +35,9 @@ forward, without graphs; for a call with a gradient both run
 again on its inputs when the gradient arrives, with graphs, one at a time (the oracle's freed by its
 vector-Jacobian product before the bench's is built); the standards' passes, in torch where the oracle ran when
 it computes in float64 there (:attr:`Isolator.judge_device`), in slices; and for a call that differs from its
-bench the budget's perturbed fp64 runs on the CPU
-(:data:`msprobe_ci.kernels.DRAWS` + 1). Memory: each call with a gradient keeps its inputs (not its outputs)
+bench the budget's perturbed fp64 runs (:data:`msprobe_ci.kernels.DRAWS` + 1) where the standards judge
+(:attr:`Isolator.budget_device`: beside a CUDA float64 oracle, else the CPU). Whole modules (L0, compiled
+targets) keep their oracle, bench and budget runs on the CPU. Memory: each call with a gradient keeps its inputs (not its outputs)
 until its gradient arrives.
 """
 
@@ -113,7 +114,9 @@ class Isolator:
     oracle_label = _setting("oracle_label", "The oracle's device as the user named it.")
     oracle_on_target = _setting("oracle_on_target", "Whether the oracle runs on the target's device.")
     judge_device = _setting("judge_device", "Where the per-API standards judge.")
+    budget_device = _setting("budget_device", "Where the error budgets' perturbed runs are made.")
     oracle_fallbacks = _setting("oracle_fallbacks", "``{API: why}`` its oracle ran on the CPU.")
+    budget_fallbacks = _setting("budget_fallbacks", "``{API: why}`` its error budget was drawn on the CPU.")
 
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
                  bench_device: str = "cpu", backward: bool = True, bench_kernel: str = "device",

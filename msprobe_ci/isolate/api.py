@@ -12,7 +12,7 @@ from ..kernels import tensors_of as _tensors
 from ..judge import judge_dropout, judged_as, unjudgeable
 from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
 from ..judge.support import DROPOUT
-from .support import _Call, _cpu, _has_dtensor, is_inplace, local_pointwise, to_local
+from .support import _Call, _has_dtensor, is_inplace, local_pointwise, to_local
 
 
 class ApiIsolation:
@@ -300,7 +300,7 @@ class ApiIsolation:
         """The error scale of output row ``i`` (:func:`msprobe_ci.kernels.forward_scale`), lazily
         (:meth:`.references.References.lazy_budget`): only a benchmark-standard row that is not bit-identical to
         its bench asks."""
-        return self.refs.lazy_budget(call, n, lambda: kernels.forward_scale(
+        return self.refs.lazy_budget(call, n, lambda device: kernels.forward_scale(
             call.func, call.inputs[0], call.inputs[1], lambda v: [x for _, x in _flat_outputs(v, stem)],
-            self.refs.budget_draws, base=kernels.cast(call.oracle_out, _cpu)))
+            self.refs.budget_draws, base=call.oracle_out, device=device))
 

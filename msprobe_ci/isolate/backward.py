@@ -11,7 +11,7 @@ import torch
 
 from .. import amp, kernels
 from ..kernels import cast as _cast
-from .support import _Call, _cpu
+from .support import _Call
 
 #: the APIs whose gradients a convolution backward kernel computes (:meth:`BackwardIsolation._holds_partial_sums`)
 _CONVOLUTIONS = frozenset({"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
@@ -258,6 +258,6 @@ class BackwardIsolation:
     def _backward_budget(self, call: _Call, n: int, oracle: list):
         """The error scale of the gradient at tap ``i`` (:func:`msprobe_ci.kernels.backward_scale`), lazily
         (:meth:`.references.References.lazy_budget`; from the oracle's gradients where they are fp64)."""
-        return self.refs.lazy_budget(call, n, lambda: kernels.backward_scale(
+        return self.refs.lazy_budget(call, n, lambda device: kernels.backward_scale(
             call.func, call.inputs[0], call.inputs[1], call.grad_out, self.refs.budget_draws,
-            base=[_cpu(g) for g in oracle]))
+            base=oracle, device=device))

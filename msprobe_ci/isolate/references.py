@@ -19,6 +19,8 @@ class References:
 
     Attributes:
         oracle_fallbacks: ``{API: why}``: each API whose oracle ran on the CPU rather than on ``oracle_device``.
+        budget_fallbacks: ``{API: why}``: each API whose error budget was drawn on the CPU rather than on
+            :attr:`budget_device`.
     """
 
     def __init__(self, standards: dict | None = None, thresholds: dict | None = None, target_device: str = "cpu",
@@ -36,6 +38,7 @@ class References:
         self.oracle_max = oracle_max
         self.oracle_label = oracle_label or self.oracle_device  # the device as the user named it (npu:0)
         self.oracle_fallbacks: dict[str, str] = {}
+        self.budget_fallbacks: dict[str, str] = {}
 
     @property
     def oracle_on_target(self) -> bool:
@@ -50,6 +53,27 @@ class References:
         there and bring back their counts and maxima); the CPU otherwise (an NPU's oracle is float32, and the
         standards judge in float64)."""
         return self.oracle_device if self.oracle_on_target and self.oracle_max == torch.float64 else "cpu"
+
+    @property
+    def budget_device(self) -> str:
+        """Where the error budgets' perturbed float64 runs are made (:func:`msprobe_ci.kernels.forward_scale`):
+        :attr:`judge_device`, so on CUDA with the float64 oracle there they run beside it and their scales are
+        where the standards read them (issue 51: on an H100 the CPU's draws were most of an ``upcast`` bench's
+        check); the CPU otherwise, and for any API whose runs fail there (:attr:`budget_fallbacks`)."""
+        return self.judge_device
+
+    def budget_runs(self, name: str, compute) -> list:
+        """``compute(device)`` (a budget's scales) on :attr:`budget_device`, or on the CPU where it raises there
+        (an op without a float64 kernel on the device): each API that fell back is kept in
+        :attr:`budget_fallbacks` with the reason. Raises what the CPU's run raises."""
+        device = self.budget_device
+        if device != "cpu":
+            try:
+                return compute(device)
+            except Exception as exc:  # noqa: BLE001 - the CPU's float64 then
+                first = str(exc).splitlines()[0][:120] if str(exc) else ""
+                self.budget_fallbacks.setdefault(name, f"{type(exc).__name__} on {device}: {first}")
+        return compute("cpu")
 
     def judged(self, v: Any) -> Any:
         """``v`` detached on :attr:`judge_device` (a non-tensor as it is)."""
@@ -151,9 +175,9 @@ class References:
             all(x.dtype == up for x in call.oracle_in if x is not None and x.is_floating_point())
 
     def lazy_budget(self, call: _Call, n: int, compute):
-        """``budget(i)``: row ``i`` of ``compute()`` (a list of error scales), computed on first use, once per
-        call, while the call's inputs are unchanged; ``None`` rows where it cannot be (no budget: relative to
-        ``|oracle|`` alone, msprobe's own rule)."""
+        """``budget(i)``: row ``i`` of ``compute(device)`` (a list of error scales drawn on ``device``:
+        :meth:`budget_runs`), computed on first use, once per call, while the call's inputs are unchanged;
+        ``None`` rows where it cannot be (no budget: relative to ``|oracle|`` alone, msprobe's own rule)."""
         cache: list = []
 
         def budget(i: int):
@@ -163,7 +187,7 @@ class References:
                 try:
                     if not call.unchanged():
                         raise RuntimeError("inputs written since the call")
-                    cache.extend(compute())
+                    cache.extend(self.budget_runs(kernels._qualified(call.func), compute))
                 except Exception:  # noqa: BLE001 - no budget for this call
                     cache.extend([None] * n)
             return cache[i] if i < len(cache) else None

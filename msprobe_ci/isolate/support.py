@@ -99,12 +99,6 @@ class _Call:
 
 
 
-def _cpu(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().cpu() if v.device.type != "cpu" else v.detach()
-    return v
-
-
 def _has_dtensor(value: Any, depth: int = 0) -> bool:
     """Whether a DTensor (``torch.distributed.tensor.DTensor``) is among the arguments (nested lists, tuples,
     dicts)."""

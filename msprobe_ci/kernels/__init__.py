@@ -71,7 +71,7 @@ from .perturb import (  # noqa: F401
     _ALPHA_OPS, _CONTRACTIONS, _draw, _DRAWN, _DRAWN_SIZE, _fused, _inside, _KERNEL, _reduces, _rounds_in_place, _SPREAD, _terms, ATTENTION_HELD, ATTENTION_HELD_INPUTS, CPU_HALF_HELD, cpu_half_held, held_runs, jitter, Perturb)
 from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, FusedAttention  # noqa: F401
 from .references import (  # noqa: F401
-    _clone_wrapper, budget_modes, copier, reference, round_to, scaled_fp8_values, vjp)
+    _clone_wrapper, budget_modes, copier, forked_rng, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401
     _draws, _eta, _fp64_or_fp32, _rms, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
     perturbation, precision_of, target_roundoff, unit_of)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .choice import _UNIT, ROUNDING_RMS, tensors_of
+from .choice import _UNIT, ROUNDING_RMS, cast, tensors_of
 from .modes import target_dtype
 from .perturb import CPU_HALF_HELD, cpu_half_held, held_runs
 from .references import reference, vjp
@@ -141,35 +141,44 @@ def _rms(diffs: list[list], eta: float) -> list:
     return out
 
 
-def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool):
-    """``(dtype, reference(...))`` on CPU in fp64, or in fp32 where the API has no fp64 kernel."""
+def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool, device: str = "cpu"):
+    """``(dtype, reference(...))`` on ``device`` in fp64, or in fp32 where the API has no fp64 kernel there."""
     try:
-        return torch.float64, reference(func, args, kwargs, torch.float64, "cpu", grad)
+        return torch.float64, reference(func, args, kwargs, torch.float64, device, grad)
     except (RuntimeError, TypeError, NotImplementedError):
-        return torch.float32, reference(func, args, kwargs, torch.float32, "cpu", grad)
+        return torch.float32, reference(func, args, kwargs, torch.float32, device, grad)
+
+
+def _on(base: Any, device: str) -> Any:
+    """``base`` (an output: tensors in lists, tuples, dicts) with its tensors detached on ``device``."""
+    return cast(base, lambda t: t.detach().to(device))
 
 
 def forward_scale(func, args: tuple, kwargs: dict, flatten, draws: int = DRAWS, seed: int = 0,
-                  base: Any = None) -> list:
+                  base: Any = None, device: str = "cpu") -> list:
     """Per-output error scale of ``func`` at these arguments (see the module docstring), as float64 tensors shaped
-    like each output (``None`` for non-floating outputs), in the order ``flatten(out)`` gives them.
+    like each output (``None`` for non-floating outputs), in the order ``flatten(out)`` gives them, on ``device``.
 
-    Runs ``func`` ``draws + 1`` times in fp64 on CPU (fp32 where it has no fp64 kernel, with a coarser ``eta``);
-    ``draws`` times when ``base``, its unjittered fp64 output (the oracle of an fp32 call), is given.
+    Runs ``func`` ``draws + 1`` times in fp64 on ``device`` (default the CPU; an accelerator whose float64 the
+    oracle already uses, issue 51: the runs stay there, no tensor crosses to the host; fp32 where it has no fp64
+    kernel, with a coarser ``eta``); ``draws`` times when ``base``, its unjittered fp64 output (the oracle of an
+    fp32 call), is given. The jitter is drawn from a CPU generator on the CPU and from a generator seeded by it on
+    another device (:func:`~.perturb.jitter`): reproducible on each, equal in distribution across them.
     Raises whatever ``func`` raises.
     """
     fp64 = base is not None and all(t.dtype == torch.float64 for t in tensors_of(base) if t.is_floating_point())
     if fp64:
         dtype = torch.float64
+        base = _on(base, device)
     else:
-        dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False)
+        dtype, (_, base, _) = _fp64_or_fp32(func, args, kwargs, False, device)
     perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0x5CA1E + seed))
     eta = unit_of(perturb)
     base_rows = flatten(base)
     diffs = []
     held = held_runs()
     for _ in range(_draws(draws, [b for b in base_rows if isinstance(b, torch.Tensor)])):
-        _, out, _ = reference(func, args, kwargs, dtype, "cpu", False, perturb=perturb)
+        _, out, _ = reference(func, args, kwargs, dtype, device, False, perturb=perturb)
         diffs.append([(o.to(torch.float64) - b.to(torch.float64))
                       if isinstance(o, torch.Tensor) and o.is_floating_point() and isinstance(b, torch.Tensor)
                       and o.shape == b.shape else None for o, b in zip(flatten(out), base_rows)])
@@ -189,16 +198,18 @@ def _draws(draws: int, outputs: list) -> int:
 
 
 def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int = DRAWS, seed: int = 0,
-                   base: list | None = None) -> list:
+                   base: list | None = None, device: str = "cpu") -> list:
     """Per-leaf error scale of the gradients ``func`` hands to its inputs that require grad (in :func:`reference`'s
     leaf order) for the incoming gradients ``grad_out`` (as :func:`vjp`): the forward recomputed in fp64 with
     inputs and intermediates jittered, then the vector-Jacobian product with the incoming gradients and the
     backward's own intermediates jittered (see the module docstring). ``None`` where a leaf gets no gradient.
-    ``base``: the unjittered fp64 gradients when known (the oracle's of an fp32 call), saving one run."""
+    ``base``: the unjittered fp64 gradients when known (the oracle's of an fp32 call), saving one run.
+    ``device``: where the runs are made and the scales returned (as :func:`forward_scale`)."""
     if base is not None and all(g is None or g.dtype == torch.float64 for g in base):
         dtype = torch.float64
+        base = _on(base, device)
     else:
-        dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True)
+        dtype, (leaves, out, _) = _fp64_or_fp32(func, args, kwargs, True, device)
         base = vjp(out, leaves, grad_out, retain=False)
         del leaves, out
     perturb = perturbation(dtype, tensors_of(args) + tensors_of(kwargs), torch.Generator().manual_seed(0xBAC + seed))
@@ -206,7 +217,7 @@ def backward_scale(func, args: tuple, kwargs: dict, grad_out: dict, draws: int =
     diffs = []
     held = held_runs()
     for _ in range(_draws(draws, [g for g in base if isinstance(g, torch.Tensor)])):
-        p_leaves, p_out, _ = reference(func, args, kwargs, dtype, "cpu", True, perturb=perturb)
+        p_leaves, p_out, _ = reference(func, args, kwargs, dtype, device, True, perturb=perturb)
         got = vjp(p_out, p_leaves, grad_out, perturb=perturb, retain=False)
         diffs.append([None if g is None or b is None or g.shape != b.shape else (g.detach() - b.detach())
                       for g, b in zip(got, base)])

@@ -578,7 +578,7 @@ class Perturb(TorchDispatchMode):
                     c.shape != t.shape:
                 return t
             small = (t.abs() < below) & (c > 1.5)
-            xi = _draw(t.numel(), self.generator, t.dtype).view(t.shape)
+            xi = _draw(t.numel(), self.generator, t.dtype, t.device).view(t.shape)
             return torch.where(small, t + xi * (c - 1).clamp_min(0).sqrt() * step, t)
         if isinstance(out, (tuple, list)):
             return type(out)(walk(t, c) for t, c in zip(out, counts))
@@ -640,15 +640,35 @@ def _reduces(args, kwargs, out) -> bool:
     return bool(ins) and bool(outs) and max(outs) < max(ins)
 
 
-_DRAWN: list = []  # one buffer of rounding errors, drawn once: each jitter reads it from a random offset
+#: one buffer of rounding errors per device, drawn once on the CPU (and copied once to each other device a budget
+#: runs on): each jitter reads it from a random offset
+_DRAWN: dict = {}
 _DRAWN_SIZE = 1 << 22
 _SPREAD = (13.0 / 12.0) ** -0.5  # |xi| = this * (0.5 + U(0, 1)): RMS 1
 
 
-def _draw(n: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    """``n`` draws of ``xi``: a random sign times a magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1."""
-    sign = torch.randint(0, 2, (n,), generator=generator, dtype=dtype).mul_(2).sub_(1)
-    return torch.rand(n, generator=generator, dtype=dtype).add_(0.5).mul_(sign).mul_(_SPREAD)
+def _draw(n: int, generator: torch.Generator, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+    """``n`` draws of ``xi``: a random sign times a magnitude uniform on ``[0.5, 1.5]``, scaled to RMS 1, on
+    ``device`` (``None``: the CPU). ``generator`` is a CPU generator: off the CPU the draws come from a generator of
+    that device seeded from it (one 0-d CPU draw), so a budget's runs there draw there, reproducibly, and never copy
+    draws across (a budget over GPT-2's 51M-element logits would move 411 MB per jittered op)."""
+    if device is not None and torch.device(device).type != "cpu":
+        seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+        generator = torch.Generator(device=device).manual_seed(seed)
+    sign = torch.randint(0, 2, (n,), generator=generator, dtype=dtype, device=device).mul_(2).sub_(1)
+    return torch.rand(n, generator=generator, dtype=dtype, device=device).add_(0.5).mul_(sign).mul_(_SPREAD)
+
+
+def _drawn(device: torch.device) -> torch.Tensor:
+    """The buffer of :data:`_DRAWN_SIZE` draws (float32) on ``device``: the CPU's, drawn once with a fixed seed, or
+    a copy of it made once per device."""
+    buf = _DRAWN.get(device)
+    if buf is None:
+        cpu = torch.device("cpu")
+        if cpu not in _DRAWN:
+            _DRAWN[cpu] = _draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32)
+        buf = _DRAWN[device] = _DRAWN[cpu].to(device)
+    return buf
 
 
 def _sums_rows(args) -> bool:
@@ -778,20 +798,18 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
         return t
     n = t.numel()
     if n > _DRAWN_SIZE // 2:
-        xi = _draw(n, generator, t.dtype).view(t.shape)
+        xi = _draw(n, generator, t.dtype, t.device).view(t.shape)
     else:
-        if not _DRAWN:
-            _DRAWN.append(_draw(_DRAWN_SIZE, torch.Generator().manual_seed(0x516E), torch.float64).to(torch.float32))
-        start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))
-        xi = _DRAWN[0][start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
+        start = int(torch.randint(0, _DRAWN_SIZE - n + 1, (1,), generator=generator))  # a CPU draw: no sync
+        xi = _drawn(t.device)[start:start + n].view(t.shape).to(t.dtype, copy=True)  # never the buffer itself
     xi = xi.mul_(eta)
-    out = t * (xi + 1.0 if t.device.type == "cpu" else (xi + 1.0).to(t.device))
+    out = t * (xi + 1.0)
     if floor > 0.0:
         below = _below(floor, eta)  # where the absolute error (eta * below) is larger than the relative one
         small = (t.abs() < below) & (t != 0)  # an exact zero (a mask, a ReLU) is no rounding
         if t.device.type != "cpu" or bool(small.any()):  # on a device, never a sync per op
             # only there: infinities and the rest keep their relative draw (an additive one made inf + -inf)
-            out = torch.where(small, t + xi.to(t.device) * torch.copysign(torch.full_like(t, below), t), out)
+            out = torch.where(small, t + xi * torch.copysign(torch.full_like(t, below), t), out)
     return out
 
 

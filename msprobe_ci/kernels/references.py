@@ -62,6 +62,20 @@ def copier(dtype: torch.dtype | None, device: str):
     return conv
 
 
+def forked_rng(device: Any):
+    """:func:`torch.random.fork_rng` over the CPU's generator and, for a run on an accelerator (``device``), that
+    device's current one: a reference or a budget's run that draws (a module's dropout) leaves the user's random
+    streams where they were on both. The CPU's alone where the device has no generator to fork."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    module = getattr(torch, d.type, None)
+    if module is None or not hasattr(module, "get_rng_state") or not hasattr(module, "current_device"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[d.index if d.index is not None else module.current_device()],
+                                 device_type=d.type)
+
+
 def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device: str, grad: bool,
               context=None, perturb: tuple | None = None):
     """Run ``func`` on detached copies of the arguments.
@@ -97,7 +111,7 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
         k["dtype"] = dtype
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad))
-        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(forked_rng(device))
         if context is not None:
             stack.enter_context(context())
         if perturb is not None:
