@@ -5,7 +5,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Iterator
+import os
+from typing import Any, Iterator
+
+#: ``MSPROBE_CI_DEVICE_PATHS=1``: CPU tensors take the paths an accelerator's take where a host read would wait for
+#: the device (:func:`reads_wait`), so the CPU runs, tests and counts what a device runs (``benchmarks/
+#: host_syncs.py``); the verdicts are the same either way, a CPU run only does more work with it. Read at import;
+#: a test sets the attribute.
+DEVICE_PATHS = os.environ.get("MSPROBE_CI_DEVICE_PATHS", "") == "1"
+
+
+def reads_wait(t: Any) -> bool:
+    """Whether reading ``t``'s values on the host waits for its device: true off the CPU (each ``.item()``,
+    ``float()``, ``bool()`` or ``tolist()`` there drains the device's queue first), and for CPU tensors too under
+    :data:`DEVICE_PATHS`. Code that branches on it reads nothing per call where it is true (issue 51: no host
+    synchronisation per hooked call), and where it is false takes the cheaper path a free read allows."""
+    return DEVICE_PATHS or t.device.type != "cpu"
 
 
 @contextlib.contextmanager

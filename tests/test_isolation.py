@@ -151,6 +151,65 @@ def test_on_a_gpu_the_standards_judge_on_the_device_with_the_cpus_verdicts(tmp_p
     assert len(records["target"]) > 50 and records["target"] == records["cpu"]
 
 
+@pytest.mark.parametrize("kernel, fault, node", [
+    ("device", Fault("Functional.linear", 5, "forward", "scale", 1.02), "Functional.linear.5.forward"),
+    ("upcast", Fault("Tensor.__mul__", 4, "backward", "scale", 1.02), "Tensor.__mul__.4.backward")])
+def test_the_paths_a_device_takes_give_the_cpus_verdicts_with_one_host_read_a_row(tmp_path, llama, monkeypatch,
+                                                                                  kernel, fault, node):
+    """Issue 51: where a host read waits for the device, the judgement reads what a row needs before its standard
+    runs in one transfer, and the capture reads no statistic per call (``msprobe_ci._perf.reads_wait``). Taken on
+    the CPU (``MSPROBE_CI_DEVICE_PATHS``), those paths give every isolation verdict the CPU's own paths give, bit
+    for bit, name the same fault, and read at most two values a judged row (its facts and its standard's totals),
+    where the CPU's own paths read several. Reads of tensors that are on the CPU on any device (a budget's offset
+    from a CPU generator, a Python scalar rounded to the dtype) are not counted."""
+    import sys
+
+    from msprobe_ci import _perf
+    from msprobe_ci.compare.isolation_file import load_isolation
+
+    reads = {"n": 0, "on": False}
+    host_only = {"jitter", "judged_as"}
+
+    def counting(owner, name):
+        orig = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if not reads["on"]:
+                return orig(*args, **kwargs)
+            reads["n"] += sys._getframe(1).f_code.co_name not in host_only
+            reads["on"] = False  # a read made inside another (float() calls item()) counts once
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                reads["on"] = True
+        monkeypatch.setattr(owner, name, wrapped)
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        counting(torch.Tensor, name)
+    counting(torch, "equal")
+    verdicts, counts = {}, {}
+    model, inputs, loss_fn = llama
+    bench, target = Backend.from_options("cpu", "fp32"), Backend.from_options("cpu", "bf16")
+    cfg = DumpConfig(task="statistics", level="mix")
+    b = run_side(model, inputs, loss_fn, bench, cfg.with_overrides(dump_path=str(tmp_path / "bench")))
+    for paths in (False, True):
+        monkeypatch.setattr(_perf, "DEVICE_PATHS", paths)
+        reads.update(n=0, on=True)
+        try:
+            t = run_side(model, inputs, loss_fn, target, cfg.with_overrides(dump_path=str(tmp_path / str(paths))),
+                         faults=(fault,), isolator=Isolator(bench_kernel=kernel))
+        finally:
+            reads["on"] = False
+        report, tdump, _ = judge(b.folder, t.folder, JudgeSettings(
+            isolate=True, cast_roundoff=unit_roundoff(str(target.dtype), str(bench.dtype))))
+        assert _api_errors(report)[:1] == [node]
+        records = load_isolation(tdump.folder)
+        verdicts[paths] = {k: (r.status, r.standard, r.metric, r.value) for k, r in records.items()}
+        counts[paths] = (reads["n"], sum(1 for r in records.values() if r.status != "skip"))
+    assert len(verdicts[True]) > 50 and verdicts[True] == verdicts[False]
+    (cpu_reads, judged), (device_reads, _) = counts[False], counts[True]
+    assert device_reads <= 2 * judged < cpu_reads, (device_reads, judged, cpu_reads)
+
+
 def test_half_percent_fault_at_fp32_against_fp64(tmp_path, llama):
     model, inputs, loss_fn = llama
     fault = Fault("Functional.linear", 3, "forward", "scale", 1.005)

@@ -1289,6 +1289,44 @@ def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
     assert _scaled(x, k).tolist() == [1.0, math.inf, 2.0 ** 1023, 3.0, 2.0 ** -21]
 
 
+def test_row_facts_are_the_peaks_and_the_equality_of_one_transfer():
+    """What a row judged on an accelerator reads before its standard runs, in one transfer (issue 51): the
+    oracle's ``abs_peak`` and ``finite_peak`` and ``torch.equal(target, bench)``, each what its own function
+    gives, for any values (NaN, infinities, subnormals, signed zeros), any floating dtype (FP8 included) and
+    any shape (empty: not asked of the oracle; shapes or dtypes that differ: never equal)."""
+    import hypothesis.strategies as st
+    from hypothesis import given, settings
+
+    from msprobe_ci.judge.peaks import abs_peak, finite_peak, row_facts
+
+    values = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=64)
+    dtypes = st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+
+    def same(a, b):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(values, min_size=1, max_size=24), dtypes, st.integers(0, 3), st.booleans())
+    def facts(xs, dtype, changed, other_dtype):
+        o = torch.tensor(xs, dtype=torch.float64).to(dtype)
+        t = o.clone()
+        b = t.clone()
+        if changed == 1:
+            b[0] = 1.0 if not bool(b[0] == 1.0) else 2.0
+        elif changed == 2 and other_dtype:
+            b = b.to(torch.float64 if dtype != torch.float64 else torch.float32)
+        elif changed == 3:
+            b = b[:-1] if b.numel() > 1 else b.reshape(1, 1)
+        peak, top, eq = row_facts(o, t, b)
+        assert same(peak, abs_peak(o)) and same(top, finite_peak(o))
+        assert eq == (t.shape == b.shape and t.dtype == b.dtype and torch.equal(t, b))
+
+    facts()
+    assert row_facts(torch.empty(0), torch.empty(0), torch.empty(0)) == (None, None, True)
+    assert row_facts(None, None, None) == (None, None, None)
+    assert row_facts(torch.tensor([1, 2]), None, None) == (None, None, None)  # an integer oracle: no peaks
+
+
 def test_f64_and_slices_judge_on_the_targets_device(monkeypatch):
     """``f64`` converts exactly to float64 (complex128 for complex values) and keeps a tensor on its own device or
     moves it to the one asked; ``f64_slices`` brings the reference and the floor to the target's device and cuts

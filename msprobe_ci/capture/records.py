@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .._perf import reads_wait
+
 _LOW_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 SCRATCH = 1 << 22  # elements: half tensors up to this size are upcast into RecordBuilder's buffer (16 MiB)
 _ALL4 = ("Max", "Min", "Mean", "Norm")
@@ -313,7 +315,7 @@ def _sum_and_norm(w: torch.Tensor, dtype: torch.dtype, mx: torch.Tensor, mn: tor
             return w.sum(), torch.linalg.vector_norm(w), numel, False
     if dtype == torch.float16:
         return plain()
-    if cpu:
+    if not reads_wait(w):
         bound = max(float(mx), -float(mn))  # two host reads of 0-d CPU tensors: cheaper than one more op
         # s^2 * n below the max bounds the sum (s * n) too: s >= 1 makes it the larger, s < 1 leaves s * n < n
         if not math.isfinite(bound) or bound * bound * numel < torch.finfo(w.dtype).max / 4:

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._perf import reads_wait
 from ..checkers import CheckResult, make_standard, standard_for
 from ..checkers.common import dtype_thresholds
 from ..dtypes import checker_key
 from ..kernels.budgets import HELD_IN_DTYPE
 from .allowances import (_LINEAR_REDUCTIONS, _PRODUCTS, accumulation_count, accumulation_floor, accumulation_scale,
                          same_dtype_result)
-from .peaks import abs_peak, finite_peak
+from .peaks import abs_peak, finite_peak, row_facts
 
 _ALPHA_OPS = frozenset({"add", "add_", "sub", "sub_", "rsub"})
 _SCANS = frozenset({"cumsum", "cumsum_", "cumprod", "cumprod_", "logcumsumexp"})
@@ -107,9 +108,20 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         overrides["eb_threshold"] = 1.0
     std = make_standard(std_name, judged, level_api, **overrides)
     oracle = o if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+    ask_equal = std_name == "benchmark" and t.dtype == b.dtype and t.device == b.device
+    peak = top = identical = None
+    if reads_wait(t) and (oracle is None or oracle.device == t.device):
+        # on an accelerator every host read waits for the device: what the row's judgement reads before its
+        # standard runs (the oracle's peaks, whether the target is the bench) comes back in one transfer. On the
+        # CPU a read costs nothing, and each is taken only where it is needed
+        peak, top, identical = row_facts(oracle if t.is_floating_point() else None,
+                                         *((t, b) if ask_equal else (None, None)))
     if oracle is not None and t.is_floating_point():
-        oracle = saturate(oracle, t.dtype)
-    if std_name == "benchmark" and t.dtype == b.dtype and t.device == b.device and torch.equal(t, b):
+        saturated = saturate(oracle, t.dtype, peak)
+        if saturated is not oracle:  # values past the dtype's range became infinities: its finite peak moved
+            top = None
+        oracle = saturated
+    if ask_equal and (identical if identical is not None else torch.equal(t, b)):
         # the target is bit-identical to the same-dtype bench: its error against the oracle *is* the bench's
         # error, so every ratio of the standard is exactly 1 (<= every level's threshold); nothing is recomputed
         ratios = {k: 1.0 for k in ("max_rel_err", "mean_rel_err", "rmse", "small_value_err")}
@@ -123,7 +135,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
     if backward and oracle is not None and t.is_floating_point() and b.is_floating_point():
         # gradients have no natural scale (they scale with the loss): judge them relative to their own largest
         # magnitude, so the standards' small-value band is a fraction of the tensor's scale, not an absolute value
-        scale = finite_peak(oracle)
+        scale = finite_peak(oracle) if top is None else top
         if scale > 0:
             t, b, oracle = (x.detach().to(torch.float64) / scale for x in (t, b, oracle))
             terms = terms / scale if terms is not None else None
@@ -135,7 +147,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # and pass a 5% fault. Below scale 1 the rule is applied in units of the tensor's own scale (the largest
         # finite |oracle|, rounded down to a power of two so every value keeps its mantissa), never finer than the
         # dtype's smallest normal number: fp16 subnormals are still judged by absolute error
-        down = _own_scale(oracle, judged)
+        down = _own_scale(oracle, judged, top if unit == 1.0 else None)
         if down < 1.0:
             t, b, oracle = (x.detach().to(torch.float64) / down for x in (t, b, oracle))
             terms = terms / down if terms is not None else None
@@ -265,11 +277,12 @@ def _in_units(t: torch.Tensor, b: torch.Tensor, oracle: torch.Tensor | None, s64
     return torch.where(exact, oracle, t), torch.where(exact_b, oracle, b), oracle
 
 
-def _own_scale(oracle: torch.Tensor, dtype: torch.dtype) -> float:
-    """The power of two at or under the largest finite ``|oracle|``, at least the dtype's smallest normal number
-    over its ``small_value`` threshold (so the scaled small-value band never reaches into subnormals); 1.0 for a
-    tensor of scale 1 or more, an empty one, or one of zeros."""
-    top = finite_peak(oracle)
+def _own_scale(oracle: torch.Tensor, dtype: torch.dtype, top: float | None = None) -> float:
+    """The power of two at or under the largest finite ``|oracle|`` (``top`` where it is known already), at least
+    the dtype's smallest normal number over its ``small_value`` threshold (so the scaled small-value band never
+    reaches into subnormals); 1.0 for a tensor of scale 1 or more, an empty one, or one of zeros."""
+    if top is None:
+        top = finite_peak(oracle)
     if not 0.0 < top < 1.0:
         return 1.0
     small = dtype_thresholds(checker_key(dtype))["small_value"]
@@ -298,15 +311,16 @@ def judged_as(short: str, args: Any, kwargs: dict, standards: dict | None = None
     return short
 
 
-def saturate(oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturate(oracle: torch.Tensor, dtype: torch.dtype, peak: float | None = None) -> torch.Tensor:
     """The oracle with its values beyond ``dtype``'s finite range made ±inf, as correct rounding to ``dtype``
     gives (IEEE round to nearest: ``|x| >= max + ulp(max)/2`` overflows). A target that returns inf there (an
     fp32 ``finfo.min`` mask plus a bf16 one in GPT-Neo's attention) computed the right value, not an overflow
-    error. Returns ``oracle`` itself when nothing lies beyond the range (one ``amax`` pass); shape and dtype
-    are kept."""
+    error. Returns ``oracle`` itself when nothing lies beyond the range (one ``amax`` pass, or none where its
+    ``peak``, :func:`~.peaks.abs_peak`, is known); shape and dtype are kept."""
     if oracle.dtype == dtype or not dtype.is_floating_point:
         return oracle
-    peak = abs_peak(oracle)
+    if peak is None:
+        peak = abs_peak(oracle)
     if peak <= torch.finfo(dtype).max:  # a NaN peak goes on: other elements may still overflow
         return oracle
     rounded = oracle.detach().to(dtype)

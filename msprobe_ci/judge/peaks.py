@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .._perf import reads_wait
+
 
 def abs_peak(x: torch.Tensor) -> float:
     """``max |x|`` (NaN where ``x`` holds a NaN, as ``x.abs().amax()``) from one ``aminmax`` pass: no
@@ -14,7 +16,9 @@ def abs_peak(x: torch.Tensor) -> float:
         return 0.0
     if x.is_floating_point() and x.dtype.itemsize == 1:  # FP8: no reductions of its own, exact in float32
         x = x.float()
-    lo, hi = (float(v) for v in torch.aminmax(x.detach()))
+    pair = torch.aminmax(x.detach())
+    # two reads of 0-d CPU tensors, or one transfer from a device (each read would wait for it)
+    lo, hi = torch.stack(pair).tolist() if reads_wait(x) else (float(v) for v in pair)
     if math.isnan(lo) or math.isnan(hi):
         return math.nan
     return max(abs(lo), abs(hi))
@@ -29,3 +33,38 @@ def finite_peak(x: torch.Tensor) -> float:
     if x.is_floating_point() and x.dtype.itemsize == 1:
         x = x.float()
     return float(torch.nan_to_num(x.detach().abs(), nan=0.0, posinf=0.0).amax())
+
+
+def row_facts(oracle: torch.Tensor | None, t: torch.Tensor | None = None, b: torch.Tensor | None = None) -> tuple:
+    """``(abs_peak(oracle), finite_peak(oracle), torch.equal(t, b))`` brought to the host in **one** transfer, for
+    a row judged on an accelerator (issue 51: each of them alone is a synchronisation of the device, three per
+    judged row). ``None`` for a part not asked (``oracle`` None; ``t``/``b`` None) or for a tensor that cannot
+    give it here (an empty or non-floating oracle; shapes or dtypes that differ, which are never equal). Each part
+    is what its function returns (NaN peak where the oracle holds a NaN; NaN never equal to itself)."""
+    parts, want = [], []
+    if isinstance(oracle, torch.Tensor) and oracle.is_floating_point() and oracle.numel():
+        x = oracle.detach()
+        if x.dtype.itemsize == 1:
+            x = x.float()
+        lo, hi = torch.aminmax(x)
+        finite = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax()
+        parts += [lo.double(), hi.double(), finite.double()]
+        want.append("peaks")
+    same = None
+    if isinstance(t, torch.Tensor) and isinstance(b, torch.Tensor):
+        if t.shape != b.shape or t.dtype != b.dtype or t.device != b.device:
+            same = False
+        elif t.numel():
+            parts.append((t.detach() == b.detach()).all().double().to(parts[0].device if parts else t.device))
+            want.append("equal")
+        else:
+            same = True
+    values = torch.stack([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+    peak = top = None
+    if "peaks" in want:
+        lo, hi, top = values[:3]
+        peak = math.nan if math.isnan(lo) or math.isnan(hi) else max(abs(lo), abs(hi))
+        values = values[3:]
+    if "equal" in want:
+        same = values[0] == 1.0
+    return peak, top, same

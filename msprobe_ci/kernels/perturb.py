@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from .._perf import reads_wait
 from .choice import ROUNDING_RMS, cast, tensors_of
 from .modes import _NO_ROUNDING, _NO_ROUNDING_INPLACE, _same_meta
 
@@ -807,7 +808,7 @@ def jitter(t: Any, eta: float, generator: torch.Generator, floor: float = 0.0) -
     if floor > 0.0:
         below = _below(floor, eta)  # where the absolute error (eta * below) is larger than the relative one
         small = (t.abs() < below) & (t != 0)  # an exact zero (a mask, a ReLU) is no rounding
-        if t.device.type != "cpu" or bool(small.any()):  # on a device, never a sync per op
+        if reads_wait(t) or bool(small.any()):  # on a device, never a sync per op
             # only there: infinities and the rest keep their relative draw (an additive one made inf + -inf)
             out = torch.where(small, t + xi * torch.copysign(torch.full_like(t, below), t), out)
     return out
