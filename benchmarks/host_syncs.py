@@ -12,7 +12,9 @@ statistics, mix level), bf16 target against an fp32 bench:
   indexing made while the side runs (``__bool__`` and ``__float__`` call ``item``: each read counted once, at the
   outermost), each with the line of this project that made it (``--sites``);
 * on CUDA, also the **synchronising operations** PyTorch itself reports (``torch.cuda.set_sync_debug_mode``),
-  which include copies to pageable host memory that no Python read shows.
+  which include copies to pageable host memory that no Python read shows;
+* the **ATen ops** the side dispatches beyond one plain bf16 step of the model: on an accelerator each is a kernel
+  launch, microseconds of host time whatever its size, so per record they are the capture's host cost there.
 
 On the CPU a read costs no wait, and code that branches on it (``msprobe_ci._perf.reads_wait``) takes the path
 where reads are free: run it with ``MSPROBE_CI_DEVICE_PATHS=1`` to count, on the CPU, what the same code reads on
@@ -36,6 +38,7 @@ import traceback
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
@@ -56,13 +59,6 @@ class Reads:
         self._depth = 0
         self._saved: list = []
 
-    def _site(self) -> str:
-        """The innermost frame of this project (msprobe_ci/, checkers/) that led to the read."""
-        for fr in reversed(traceback.extract_stack(limit=30)[:-2]):  # not this frame, nor the counting wrapper
-            path = fr.filename
-            if path.startswith(_HERE) and "/benchmarks/" not in path:
-                return f"{os.path.relpath(path, _HERE)}:{fr.lineno} {fr.name}"
-        return "(the model or torch)"
 
     def _wrap(self, owner, name: str, test=None):
         orig = getattr(owner, name)
@@ -70,7 +66,7 @@ class Reads:
 
         def counted(*args, **kwargs):
             if reads.active and reads._depth == 0 and (test is None or test(args)):
-                site = reads._site()
+                site = _site()
                 reads.sites[site] += 1
                 if _host_only(site) is None:
                     reads.count += 1
@@ -104,6 +100,44 @@ class Reads:
         self._saved.clear()
 
 
+def _site(depth: int = 40) -> str:
+    """The innermost frame of this project (msprobe_ci/, checkers/) that led here."""
+    for fr in reversed(traceback.extract_stack(limit=depth)):
+        path = fr.filename
+        if path.startswith(_HERE) and "/benchmarks/" not in path and "site-packages" not in path:
+            return f"{os.path.relpath(path, _HERE)}:{fr.lineno} {fr.name}"
+    return "(the model or torch)"
+
+
+class Launches(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active: on an accelerator each is a kernel launch, a few microseconds of
+    host time whatever its size (the model's own and the capture's alike)."""
+
+    def __init__(self, sites: bool = False):
+        super().__init__()
+        self.n = 0
+        self.sites: collections.Counter | None = collections.Counter() if sites else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        if self.sites is not None:
+            self.sites[_site()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_launches(model, batch, device: str) -> int:
+    """The ATen ops of one plain bf16 step of ``model`` (no capture), counted."""
+    import copy
+
+    m = copy.deepcopy(model).to(device, torch.bfloat16)
+    inputs = {k: v.to(device) for k, v in batch.items()}
+    m(**inputs).loss.backward()  # warm
+    m.zero_grad(set_to_none=True)
+    with Launches() as launches:
+        m(**inputs).loss.backward()
+    return launches.n
+
+
 def _host_only(site: str) -> str | None:
     """Why a read at ``site`` (``path:line function``) waits for no device, or ``None``."""
     path, _, rest = site.partition(":")
@@ -134,7 +168,7 @@ def _judged(folder: str) -> tuple[int, int]:
     return records, sum(1 for r in iso.values() if r.status != "skip")
 
 
-def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads) -> dict:
+def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads, launch_sites: bool = False) -> dict:
     """One captured target step (``mode``: ``off`` for capture alone, else the isolation's bench kernel), after
     an uncounted one of the same kind (kernels loaded, caches warm)."""
     from msprobe_ci.backends import Backend
@@ -143,6 +177,7 @@ def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads) -> d
     from msprobe_ci.isolate import Isolator
 
     model, batch = _model(layers, tokens)
+    plain = _plain_launches(model, batch, device)
     target = Backend.from_options(device, "bf16")
     bench = Backend.from_options(device, "fp32")
     tmp = tempfile.mkdtemp(prefix="host-syncs-")
@@ -161,8 +196,10 @@ def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads) -> d
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("warn")
                 reads.active = counted
+                launches = Launches(sites=counted and launch_sites)
                 try:
-                    side = run_side(model, (batch,), lambda o: o.loss, target, cfg, isolator=iso)
+                    with launches:
+                        side = run_side(model, (batch,), lambda o: o.loss, target, cfg, isolator=iso)
                 finally:
                     reads.active = False
                     if cuda:
@@ -171,7 +208,8 @@ def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads) -> d
             if counted:
                 records, judged = _judged(side.folder)
                 out = {"records": records, "judged": judged, "reads": reads.count, "host": reads.host,
-                       "syncs": syncs if cuda else None}
+                       "syncs": syncs if cuda else None, "launches": launches.n - plain,
+                       "launch_sites": launches.sites}
             else:
                 reads.count = reads.host = 0
                 reads.by_kind.clear()
@@ -189,6 +227,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sites", type=int, default=8, help="the lines that read most, per mode (0: none)")
+    ap.add_argument("--launch-sites", type=int, default=0, help="the lines of this project that dispatch the most "
+                    "ATen ops, per mode (slow: a stack walk per op)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     card = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
@@ -198,19 +238,24 @@ def main() -> None:
     reads.install()
     try:
         for mode in a.modes.split(","):
-            r = measure(mode, a.device, a.layers, a.tokens, reads)
+            r = measure(mode, a.device, a.layers, a.tokens, reads, a.launch_sites > 0)
             label = "capture alone" if mode == "off" else f"isolation, {mode} bench"
             per_rec = r["reads"] / max(r["records"], 1)
             judged = f", {r['reads'] / r['judged']:.2f} per judged call ({r['judged']} judged)" if r["judged"] else ""
             sync = f"; CUDA synchronising ops {r['syncs']} ({r['syncs'] / max(r['records'], 1):.2f} per record)" \
                 if r["syncs"] is not None else ""
             print(f"{label:>26}: {r['records']} records, {r['reads']} host reads ({per_rec:.2f} per record"
-                  f"{judged}){sync}; {r['host']} more of CPU tensors")
+                  f"{judged}){sync}; {r['host']} more of CPU tensors; ATen ops beyond the plain step's "
+                  f"{r['launches']} ({r['launches'] / max(r['records'], 1):.1f} per record)")
             kinds = ", ".join(f"{k} {v}" for k, v in reads.by_kind.most_common())
             print(f"{'':>28}by kind: {kinds or 'none'}")
             for site, n in reads.sites.most_common(a.sites):
                 why = _host_only(site)
                 print(f"{n:>34}  {site}" + (f"  (on the CPU on any device: {why})" if why else ""))
+            if r["launch_sites"]:
+                print(f"{'':>28}ATen ops by line:")
+                for site, n in r["launch_sites"].most_common(a.launch_sites):
+                    print(f"{n:>34}  {site}")
     finally:
         reads.uninstall()
 

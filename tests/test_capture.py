@@ -296,6 +296,59 @@ def test_overflow_reads_max_and_min_not_an_overflowed_mean(tmp_path):
         == "critical"
 
 
+def test_statistics_where_reads_wait_for_the_device_take_no_host_read_and_four_ops(monkeypatch):
+    """Issue 51: where a host read waits for the device (``msprobe_ci._perf.reads_wait``, taken on the CPU with
+    ``DEVICE_PATHS``), a floating tensor's statistics cost one ``aminmax`` and two float64-accumulated reductions
+    (ATen ops: those and its ``detach``),
+    and nothing is read before the step's one transfer (``resolve``). Max and Min are the CPU paths' exactly, Mean
+    and Norm theirs to fp32's accumulation (float64 sums are the closer): for fp32, bf16, fp16, a transposed view,
+    a -1e38 mask that would overflow an fp32 sum, an infinity, a NaN; float64 tensors keep the scaled pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from msprobe_ci import _perf
+    from msprobe_ci.capture.records import RecordBuilder
+
+    gen = torch.Generator().manual_seed(9)
+    tensors = [torch.randn(300, 70, generator=gen), torch.randn(128, 64, generator=gen).to(torch.bfloat16) * 40,
+               torch.randn(5000, generator=gen).to(torch.float16), torch.randn(64, 48, generator=gen).t(),
+               torch.tensor([-1e38] * 999 + [1.0]), torch.tensor([1.0, float("inf"), -2.0]),
+               torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16), torch.tensor([-1e305] * 9 + [2.0],
+                                                                                        dtype=torch.float64)]
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n),
+                                                                                        _o(self, *a, **k))[1])
+
+    def stats(device_paths: bool) -> list:
+        monkeypatch.setattr(_perf, "DEVICE_PATHS", device_paths)
+        rb = RecordBuilder()
+        reads.clear()
+        Ops.n = 0
+        with Ops():
+            recs = [rb.tensor(t) for t in tensors[:-1]]
+        ops, before = Ops.n, list(reads)
+        recs.append(rb.tensor(tensors[-1]))
+        rb.resolve()
+        return [(r["Max"], r["Min"], r["Mean"], r["Norm"]) for r in recs], ops, before
+    cpu, _, cpu_reads = stats(False)
+    dev, ops, dev_reads = stats(True)
+    assert cpu_reads and not dev_reads  # the CPU's paths read a bound per tensor; the device's none
+    assert ops <= 4 * (len(tensors) - 1) + 1  # a detach, aminmax, sum, norm each; the transposed one's flat view
+    for (c, d) in zip(cpu, dev):
+        assert d[:2] == c[:2] or all(math.isnan(x) for x in d[:2] + c[:2] if isinstance(x, float) and x != x)
+        for x, y in zip(c[2:], d[2:]):
+            assert (math.isnan(x) and math.isnan(y)) or x == pytest.approx(y, rel=1e-6), (c, d)
+    assert all(math.isfinite(v) for v in dev[4])  # the -1e38 mask: finite statistics on both paths
+
+
 def test_half_statistics_from_the_scratch_buffer_are_those_of_a_fresh_upcast(monkeypatch):
     """fp16/bf16 CPU tensors up to ``SCRATCH`` elements are upcast into one reused float32 buffer: every statistic
     is bit-for-bit the one a fresh ``.float()`` gives (contiguous tensors of growing and shrinking sizes, so the

@@ -118,6 +118,14 @@ class RecordBuilder:
             if t.dim() == 0:
                 v = st.float() if dt in _LOW_FLOATS else st.clone()  # a copy: an in-place op (all_reduce) may follow
                 stats = (_ALL4, (v, v, v, v), None)
+            elif dt in _LOW_FLOATS and reads_wait(st):
+                # on an accelerator the cost is the host's, per kernel launched, not the bytes read: one aminmax
+                # and two reductions accumulating in float64 (finite for any finite fp32 tensor: its squares reach
+                # 1.2e77 of float64's 1.8e308), in the tensor's own dtype, no upcast copy, no scaled pass and no
+                # host read (4 launches against 13 for a bf16 tensor through the CPU's path)
+                mn, mx = torch.aminmax(st)
+                stats = (_ALL4, (mx, mn, st.sum(dtype=torch.float64),
+                                 torch.linalg.vector_norm(st, dtype=torch.float64)), numel)
             elif dt.is_floating_point:
                 # amax/amin rather than aminmax: 3x faster on contiguous fp32 and 20x on transposed views
                 # (CPU, torch 2.13); half types are upcast once, which beats four reductions in bf16. Mean is
@@ -303,8 +311,9 @@ def _sum_and_norm(w: torch.Tensor, dtype: torch.dtype, mx: torch.Tensor, mn: tor
     Summed and squared in its own dtype, as msprobe does, an fp32 tensor of ``-1e38`` masks has ``Mean -inf`` and
     ``Norm inf``. Where that could happen (``s^2 * numel`` near the dtype's max, ``s`` the largest magnitude) both
     are taken of ``w / s`` and scaled back in float64. On the CPU the scaled pass runs only then (one host read of
-    ``s`` decides); on a device it always runs, which keeps statistics free of host syncs. fp16 (upcast to fp32)
-    cannot overflow."""
+    ``s`` decides); where a read waits for the device (:func:`~msprobe_ci._perf.reads_wait`) it always runs, which
+    keeps statistics free of host syncs (only float64 tensors come here there: the others accumulate in float64,
+    :meth:`RecordBuilder.tensor`). fp16 (upcast to fp32) cannot overflow."""
     cpu = w.device.type == "cpu"
     if cpu and w.is_contiguous():
         def plain():

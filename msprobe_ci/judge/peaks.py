@@ -36,35 +36,38 @@ def finite_peak(x: torch.Tensor) -> float:
 
 
 def row_facts(oracle: torch.Tensor | None, t: torch.Tensor | None = None, b: torch.Tensor | None = None) -> tuple:
-    """``(abs_peak(oracle), finite_peak(oracle), torch.equal(t, b))`` brought to the host in **one** transfer, for
-    a row judged on an accelerator (issue 51: each of them alone is a synchronisation of the device, three per
-    judged row). ``None`` for a part not asked (``oracle`` None; ``t``/``b`` None) or for a tensor that cannot
-    give it here (an empty or non-floating oracle; shapes or dtypes that differ, which are never equal). Each part
-    is what its function returns (NaN peak where the oracle holds a NaN; NaN never equal to itself)."""
-    parts, want = [], []
+    """``(abs_peak(oracle), finite_peak(oracle), torch.equal(t, b))`` for a row judged on an accelerator, brought to
+    the host in **one** transfer (issue 51: each of them alone is a synchronisation of the device, three per
+    judged row): one ``aminmax`` of the oracle and one comparison; the finite peak is the peak itself wherever the
+    oracle is finite, and only an oracle holding an infinity or a NaN costs a second transfer for it. ``None`` for
+    a part not asked (``oracle`` None; ``t``/``b`` None) or that cannot be given (an empty or non-floating
+    oracle); shapes, dtypes or devices that differ are never equal. Each part is what its function returns (a NaN
+    peak where the oracle holds a NaN; NaN never equal to itself)."""
+    parts: list = []
+    x = None
     if isinstance(oracle, torch.Tensor) and oracle.is_floating_point() and oracle.numel():
         x = oracle.detach()
-        if x.dtype.itemsize == 1:
+        if x.dtype.itemsize == 1:  # FP8: no reductions of its own, exact in float32
             x = x.float()
-        lo, hi = torch.aminmax(x)
-        finite = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax()
-        parts += [lo.double(), hi.double(), finite.double()]
-        want.append("peaks")
+        parts += list(torch.aminmax(x))
     same = None
     if isinstance(t, torch.Tensor) and isinstance(b, torch.Tensor):
         if t.shape != b.shape or t.dtype != b.dtype or t.device != b.device:
             same = False
         elif t.numel():
-            parts.append((t.detach() == b.detach()).all().double().to(parts[0].device if parts else t.device))
-            want.append("equal")
+            parts.append((t.detach() == b.detach()).all())
         else:
             same = True
-    values = torch.stack([p.to(parts[0].device) for p in parts]).tolist() if parts else []
+    if not parts:
+        return None, None, same
+    device = parts[0].device
+    values = torch.stack([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
     peak = top = None
-    if "peaks" in want:
-        lo, hi, top = values[:3]
+    if x is not None:
+        lo, hi = values[:2]
+        values = values[2:]
         peak = math.nan if math.isnan(lo) or math.isnan(hi) else max(abs(lo), abs(hi))
-        values = values[3:]
-    if "equal" in want:
+        top = peak if math.isfinite(peak) else float(torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0).amax())
+    if values:
         same = values[0] == 1.0
     return peak, top, same
