@@ -37,12 +37,12 @@ class UlpStandard:
             if t.is_complex() or ref.is_complex():
                 raise TypeError("the ULP standard judges real values; a complex output has no unit in the last place")
             finite = torch.isfinite(t) & torch.isfinite(ref)
-            e = _exponent(torch.where(finite, ref, 0.0))
-            e = torch.where(ref != 0, e, 0).clamp_min(int(self.min_exp))
+            # a non-finite reference's exponent bits read 1024: its element is left out of every sum below
+            e = torch.where(ref != 0, _exponent(ref), 0).clamp_min(int(self.min_exp))
             err = (t - ref).abs()  # inf - inf where both sides overflow: NaN, judged by position below
             if f is not None and f.shape == err.shape:
                 err = (err - f.abs()).clamp_min(0.0)
-            ulp = _scaled(err, int(self.bits) - e)
+            ulp = _scaled(err, int(self.bits) - e, wide=int(self.bits) - int(self.min_exp) > 1023)
             inconsistent = ~finite & ~((torch.isnan(t) & torch.isnan(ref)) | (t == ref))
             kept = torch.where(finite, ulp, 0.0)  # every ULP error is >= 0: the left-out elements add nothing
             parts.append(torch.stack([kept.sum(), finite.sum(), ((ulp > self.large) & finite).sum(),  # as float64
@@ -75,12 +75,16 @@ def _exponent(x):
     return ((x.view(torch.int64) >> 52) & 0x7FF) - 1023
 
 
-def _scaled(x, k):
+def _scaled(x, k, wide: bool = True):
     """``x * 2**k`` for float64 ``x`` and integer ``k`` (elementwise, from ``2 - 1023``: fp8 e5m2's largest ULP
     exponent, to ``52 + 1022``: fp64's smallest), rounded once as ``ldexp``: each power of two is built from its
     exponent bits, exact on every device, and ``k`` above 1023 (2^1074 is no float64) takes the rest as a second
-    factor (1.0 for every other ``k``)."""
+    factor (1.0 for every other ``k``). ``wide`` False: every ``k`` is at most 1023 (every dtype but float64: its
+    ULP exponents stay above -1000), and the second factor, exactly 1.0, is not built (six ATen ops fewer per
+    slice: on an accelerator each is a launch)."""
     import torch
 
+    if not wide:
+        return x * ((k + 1023) << 52).view(torch.float64)
     first = k.clamp(max=1023)
     return x * ((first + 1023) << 52).view(torch.float64) * ((k - first + 1023) << 52).view(torch.float64)

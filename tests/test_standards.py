@@ -1252,6 +1252,21 @@ def test_absolute_standard_judges_in_slices_what_it_judges_whole(monkeypatch):
     assert res.metrics["inf_nan_err_ratio"] == pytest.approx(2 / 3)  # nan vs finite, -inf vs finite; inf vs inf ok
 
 
+def test_ulp_of_float64_at_its_smallest_normal_numbers_takes_the_second_factor():
+    """A float64 target's ULP at the bottom of its normal range is 2^-1074, a power no float64 factor holds: the
+    standard scales by two (``_scaled(..., wide=True)``), and an error of one and of three such units reads 1 and
+    3 ULP; every narrower dtype's ULP needs one factor (its smallest, fp16's 2^-24, at bf16's 2^-133)."""
+    from msprobe_ci.checkers.ulp import UlpStandard
+
+    ref = torch.tensor([2.0 ** -1022, 2.0 ** -1021, 1.0], dtype=torch.float64)
+    step = torch.tensor([2.0 ** -1074, 3 * 2.0 ** -1073, 0.0], dtype=torch.float64)
+    res = UlpStandard("fp64")(ref + step, None, ref)
+    assert res.metrics["max_ulp"] == 3.0 and res.metrics["mean_ulp"] == pytest.approx(4 / 3)
+    half = torch.tensor([2.0 ** -14, 1.0], dtype=torch.float64)  # fp16's smallest normal: ULP 2^-24
+    res16 = UlpStandard("fp16")(half + torch.tensor([2.0 ** -24, 0.0], dtype=torch.float64), None, half)
+    assert res16.metrics["max_ulp"] == 1.0
+
+
 def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
     """The ULP standard scales errors by powers of two built from their exponent bits (exact on every device):
     ``x * 2**k`` is NumPy's ``ldexp`` bit for bit over the whole range the standard uses (an fp8 target's
@@ -1272,6 +1287,8 @@ def test_ulp_powers_of_two_are_exact_as_ldexp_and_frexp():
         with np.errstate(over="ignore"):
             want = np.ldexp(x.numpy(), k.numpy().astype(np.int32))
         assert _scaled(x, k).numpy().tobytes() == want.tobytes()
+        low = k <= 1023  # every dtype's exponents but float64's: one factor
+        assert _scaled(x[low], k[low], wide=False).numpy().tobytes() == want[low.numpy()].tobytes()
 
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.floats(allow_infinity=False, allow_nan=False, allow_subnormal=False).filter(bool),
