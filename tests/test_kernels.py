@@ -101,11 +101,11 @@ def test_a_budget_that_cannot_be_drawn_on_its_device_is_drawn_on_the_cpu_and_say
         if device != "cpu":
             raise RuntimeError("\"addmm\" not implemented for 'Double'\nsecond line")
         return [torch.ones(2)]
-    assert refs.budget_runs("torch.addmm", compute)[0].tolist() == [1.0, 1.0]
+    assert refs.budget_runs(torch.addmm, compute)[0].tolist() == [1.0, 1.0]
     assert asked == ["elsewhere:0", "cpu"]
     assert refs.budget_fallbacks == {"torch.addmm": "RuntimeError on elsewhere:0: \"addmm\" not implemented for "
                                                     "'Double'"}
-    assert on_cpu.budget_runs("torch.addmm", compute)[0].shape == (2,) and not on_cpu.budget_fallbacks
+    assert on_cpu.budget_runs(torch.addmm, compute)[0].shape == (2,) and not on_cpu.budget_fallbacks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU machine")

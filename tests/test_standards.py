@@ -1344,6 +1344,39 @@ def test_row_facts_are_the_peaks_and_the_equality_of_one_transfer():
     assert row_facts(torch.tensor([1, 2]), None, None) == (None, None, None)  # an integer oracle: no peaks
 
 
+def test_a_row_judged_on_the_device_paths_is_judged_as_on_the_cpus(monkeypatch):
+    """``judge_pair`` where reads wait for the device (``DEVICE_PATHS``) takes the oracle's peaks and the bench
+    equality from one transfer (``row_facts``) and gives the CPU paths' result, metric for metric: forward and
+    backward rows, bit-identical or not, small scales, and an oracle past fp16's range, whose saturation moves its
+    finite peak (the peak read before it no longer scales the gradient)."""
+    from msprobe_ci import _perf
+    from msprobe_ci.judge import judge_pair
+
+    gen = torch.Generator().manual_seed(21)
+    o = torch.randn(64, 32, generator=gen, dtype=torch.float64)
+    rows = [("linear", o.to(torch.bfloat16), o.to(torch.bfloat16), o, True),  # bit-identical to the bench
+            ("linear", (o * 1.01).to(torch.bfloat16), o.to(torch.bfloat16), o, False),
+            ("add", (o * 1e-3).to(torch.float16), (o * 1e-3).to(torch.float16), o * 1e-3, False),
+            ("mul", (o * 1e-5 * 1.02).to(torch.bfloat16), (o * 1e-5).to(torch.bfloat16), o * 1e-5, True)]
+    big = o.clone()
+    big[0, :4] = 7e4  # past fp16's 65504: the oracle saturates to inf there, as the target's kernel
+    t16 = big.to(torch.float16)
+    b16 = t16.clone()
+    b16[1:] = (big[1:] * 1.001).to(torch.float16)
+    rows += [("mul", t16, b16, big, True), ("mul", t16, b16, big, False)]
+
+    def results(paths: bool) -> list:
+        monkeypatch.setattr(_perf, "DEVICE_PATHS", paths)
+        return [(r.status, r.standard, r.metrics) for r in
+                (judge_pair(api, t, b, oracle, backward) for api, t, b, oracle, backward in rows)]
+    cpu, device = results(False), results(True)
+    assert device == cpu
+    assert [(s, std) for s, std, _ in cpu] == [("pass", "benchmark"), ("error", "ulp"), ("pass", "absolute_threshold"),
+                                              ("error", "benchmark"), ("pass", "benchmark"),
+                                              ("pass", "absolute_threshold")]
+    assert "bench_at_floor" not in cpu[0][2]  # bit-identical: every ratio 1, nothing recomputed
+
+
 def test_f64_and_slices_judge_on_the_targets_device(monkeypatch):
     """``f64`` converts exactly to float64 (complex128 for complex values) and keeps a tensor on its own device or
     moves it to the one asked; ``f64_slices`` brings the reference and the floor to the target's device and cuts

@@ -135,7 +135,7 @@ def precision_notes(capture, backend) -> tuple[str, ...]:
                   f"{len(isolator.oracle_fallbacks)} API(s) fell back to the CPU oracle" +
                   "".join(f"; {api}: {why}" for api, why in list(isolator.oracle_fallbacks.items())[:5]) +
                   (" ..." if len(isolator.oracle_fallbacks) > 5 else ""),)
-    if isolator is not None and getattr(isolator, "budget_device", "cpu") != "cpu":
+    if isolator is not None and isolator.budget_device != "cpu":
         falls = isolator.budget_fallbacks
         notes += (f"error budgets drawn on {isolator.budget_device} in float64; {len(falls)} API(s) drew on "
                   "the CPU" + "".join(f"; {api}: {why}" for api, why in list(falls.items())[:5]) +

@@ -62,9 +62,9 @@ class References:
         check); the CPU otherwise, and for any API whose runs fail there (:attr:`budget_fallbacks`)."""
         return self.judge_device
 
-    def budget_runs(self, name: str, compute) -> list:
+    def budget_runs(self, func, compute) -> list:
         """``compute(device)`` (a budget's scales) on :attr:`budget_device`, or on the CPU where it raises there
-        (an op without a float64 kernel on the device): each API that fell back is kept in
+        (an op without a float64 kernel on the device): each API (``func``) that fell back is kept in
         :attr:`budget_fallbacks` with the reason. Raises what the CPU's run raises."""
         device = self.budget_device
         if device != "cpu":
@@ -72,7 +72,8 @@ class References:
                 return compute(device)
             except Exception as exc:  # noqa: BLE001 - the CPU's float64 then
                 first = str(exc).splitlines()[0][:120] if str(exc) else ""
-                self.budget_fallbacks.setdefault(name, f"{type(exc).__name__} on {device}: {first}")
+                self.budget_fallbacks.setdefault(kernels._qualified(func), f"{type(exc).__name__} on {device}: "
+                                                                           f"{first}")
         return compute("cpu")
 
     def judged(self, v: Any) -> Any:
@@ -187,7 +188,7 @@ class References:
                 try:
                     if not call.unchanged():
                         raise RuntimeError("inputs written since the call")
-                    cache.extend(self.budget_runs(kernels._qualified(call.func), compute))
+                    cache.extend(self.budget_runs(call.func, compute))
                 except Exception:  # noqa: BLE001 - no budget for this call
                     cache.extend([None] * n)
             return cache[i] if i < len(cache) else None

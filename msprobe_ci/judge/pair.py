@@ -147,7 +147,7 @@ def judge_pair(short: str, t: Any, b: Any, o: Any, backward: bool = False, stand
         # and pass a 5% fault. Below scale 1 the rule is applied in units of the tensor's own scale (the largest
         # finite |oracle|, rounded down to a power of two so every value keeps its mantissa), never finer than the
         # dtype's smallest normal number: fp16 subnormals are still judged by absolute error
-        down = _own_scale(oracle, judged, top if unit == 1.0 else None)
+        down = _own_scale(oracle, judged, top)
         if down < 1.0:
             t, b, oracle = (x.detach().to(torch.float64) / down for x in (t, b, oracle))
             terms = terms / down if terms is not None else None
