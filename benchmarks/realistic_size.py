@@ -231,6 +231,8 @@ def main() -> None:
                      f"{b['measured_factor']}x the capture alone")
         if info.get("oracle"):
             line += f"; oracle on {info['oracle']} ({info['oracle_fallbacks']} APIs fell back to the CPU)"
+        if mode.startswith("check") and not {"plain-fp32", "plain-bf16"} <= set(res):
+            line += f"; first divergence {info['first']}"  # a benign run names none
         if mode.startswith("check") and {"plain-fp32", "plain-bf16"} <= set(res):
             plain = res["plain-fp32"][0] + res["plain-bf16"][0]
             line += (f"   time {info['seconds'] / plain:4.2f}x (plain fp32 + bf16 steps), memory "
