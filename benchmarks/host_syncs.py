@@ -109,20 +109,53 @@ def _site(depth: int = 40) -> str:
     return "(the model or torch)"
 
 
+#: the budget's models of the CPU's half-precision kernels that hold their terms in bf16/fp16
+#: (``kernels.perturb.CPU_HALF_HELD``, for a target on the CPU only): their ATen ops are counted apart, as no
+#: accelerator's target runs them
+HELD_MODELS = ("_stats_rounded", "_saved_rounded", "_gate_rounded", "_rows", "_in_order", "_cascade", "_held")
+
+
 class Launches(TorchDispatchMode):
     """Counts the ATen ops dispatched while active: on an accelerator each is a kernel launch, a few microseconds of
-    host time whatever its size (the model's own and the capture's alike)."""
+    host time whatever its size (the model's own and the capture's alike); ``held``: those of them dispatched inside
+    :data:`HELD_MODELS`."""
 
     def __init__(self, sites: bool = False):
         super().__init__()
-        self.n = 0
+        self.n = self.held = 0
+        self.in_held = 0
         self.sites: collections.Counter | None = collections.Counter() if sites else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.held += self.in_held > 0
         if self.sites is not None:
             self.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def marking_held(self):
+        """While active, the ops of :data:`HELD_MODELS` are counted in :attr:`held` as well."""
+        from msprobe_ci.kernels.perturb import Perturb
+
+        saved = {name: getattr(Perturb, name) for name in HELD_MODELS if hasattr(Perturb, name)}
+        launches = self
+
+        def marked(orig):
+            def run(*args, **kwargs):
+                launches.in_held += 1
+                try:
+                    return orig(*args, **kwargs)
+                finally:
+                    launches.in_held -= 1
+            return run
+        for name, orig in saved.items():
+            setattr(Perturb, name, marked(orig))
+        try:
+            yield self
+        finally:
+            for name, orig in saved.items():
+                setattr(Perturb, name, orig)
 
 
 def _plain_launches(model, batch, device: str) -> int:
@@ -198,7 +231,7 @@ def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads, laun
                 reads.active = counted
                 launches = Launches(sites=counted and launch_sites)
                 try:
-                    with launches:
+                    with launches, launches.marking_held():
                         side = run_side(model, (batch,), lambda o: o.loss, target, cfg, isolator=iso)
                 finally:
                     reads.active = False
@@ -208,7 +241,7 @@ def measure(mode: str, device: str, layers: int, tokens: int, reads: Reads, laun
             if counted:
                 records, judged = _judged(side.folder)
                 out = {"records": records, "judged": judged, "reads": reads.count, "host": reads.host,
-                       "syncs": syncs if cuda else None, "launches": launches.n - plain,
+                       "syncs": syncs if cuda else None, "launches": launches.n - plain, "held": launches.held,
                        "launch_sites": launches.sites}
             else:
                 reads.count = reads.host = 0
@@ -247,6 +280,11 @@ def main() -> None:
             print(f"{label:>26}: {r['records']} records, {r['reads']} host reads ({per_rec:.2f} per record"
                   f"{judged}){sync}; {r['host']} more of CPU tensors; ATen ops beyond the plain step's "
                   f"{r['launches']} ({r['launches'] / max(r['records'], 1):.1f} per record)")
+            if r["held"]:
+                rest = r["launches"] - r["held"]
+                print(f"{'':>28}of which {r['held']} model the CPU's half kernels that hold their terms (a CPU "
+                      f"target's budgets only): {rest} ({rest / max(r['records'], 1):.1f} per record"
+                      + (f", {rest / r['judged']:.1f} per judged call" if r["judged"] else "") + ") elsewhere")
             kinds = ", ".join(f"{k} {v}" for k, v in reads.by_kind.most_common())
             print(f"{'':>28}by kind: {kinds or 'none'}")
             for site, n in reads.sites.most_common(a.sites):

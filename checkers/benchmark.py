@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from .._perf import takes_device_paths
 from .common import dtype_thresholds, f64, load_yaml, totals
 from .result import CheckResult
 
@@ -139,7 +140,7 @@ def _row_slices(*xs, device):
 
     rows = [None if x is None else x.reshape(1, -1) if x.ndim < 2 else x.reshape(-1, x.shape[-1]) for x in xs]
     width = max(rows[0].shape[1], 1)
-    step = max(1, (common.SLICE if device.type == "cpu" else common.DEVICE_SLICE) // width)
+    step = max(1, (common.DEVICE_SLICE if takes_device_paths(device) else common.SLICE) // width)
     for i in range(0, rows[0].shape[0], step):
         yield [None if x is None else x[i:i + step] for x in rows]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .._perf import takes_device_paths
 from ..dtypes import checker_key
 from ..errors import MsprobeError  # type: ignore[misc]
 
@@ -74,7 +75,8 @@ def f64(x: Any, device: Any = None):
 
 def f64_slices(target: Any, ref: Any, floor: Any = None):
     """``(target, reference, floor)`` as float64 torch tensors on the target's device (the CPU for arrays), in
-    slices of at most :data:`SLICE` elements on the CPU and :data:`DEVICE_SLICE` on an accelerator, in order,
+    slices of at most :data:`SLICE` elements on the CPU and :data:`DEVICE_SLICE` on an accelerator (and on the CPU
+    where it takes an accelerator's paths, :func:`~msprobe_ci._perf.takes_device_paths`), in order,
     for the elementwise standards (ULP, absolute threshold), which judge where the target lies and bring back
     counts and maxima, never the tensors. On the CPU the judgement's memory stays bounded (a whole float64 copy
     of GPT-2's 1024-token logits is 411 MB a side, and a standard makes several) and each slice's passes stay in
@@ -91,7 +93,7 @@ def f64_slices(target: Any, ref: Any, floor: Any = None):
         return
     t, r = _flat(target), _flat(ref)
     f = _flat(floor) if floor is not None and tuple(np.shape(floor)) == shape else None
-    step = SLICE if device.type == "cpu" else DEVICE_SLICE
+    step = DEVICE_SLICE if takes_device_paths(device) else SLICE
     for i in range(0, t.shape[0], step):
         part = slice(i, i + step)
         yield f64(t[part]), f64(r[part], device), None if f is None else f64(f[part], device)

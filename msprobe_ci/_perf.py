@@ -20,7 +20,13 @@ def reads_wait(t: Any) -> bool:
     ``float()``, ``bool()`` or ``tolist()`` there drains the device's queue first), and for CPU tensors too under
     :data:`DEVICE_PATHS`. Code that branches on it reads nothing per call where it is true (issue 51: no host
     synchronisation per hooked call), and where it is false takes the cheaper path a free read allows."""
-    return DEVICE_PATHS or t.device.type != "cpu"
+    return takes_device_paths(t.device)
+
+
+def takes_device_paths(device: Any) -> bool:
+    """Whether work on ``device`` (a ``torch.device``) takes an accelerator's paths: off the CPU, and on it too under
+    :data:`DEVICE_PATHS` (:func:`reads_wait`; the standards' float64 slices are then an accelerator's size too)."""
+    return DEVICE_PATHS or device.type != "cpu"
 
 
 @contextlib.contextmanager
