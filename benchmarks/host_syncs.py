@@ -13,7 +13,8 @@ statistics, mix level), bf16 target against an fp32 bench:
   outermost), each with the line of this project that made it (``--sites``);
 * on CUDA, also the **synchronising operations** PyTorch itself reports (``torch.cuda.set_sync_debug_mode``),
   which include copies to pageable host memory that no Python read shows;
-* the **ATen ops** the side dispatches beyond one plain bf16 step of the model: on an accelerator each is a kernel
+* the **ATen ops** the side dispatches beyond one plain bf16 step of the model, views and aliases (``detach``,
+  ``view``, ``slice``... : ``OpOverload.is_view``) and CPU scalars left out: on an accelerator each is a kernel
   launch, microseconds of host time whatever its size, so per record they are the capture's host cost there.
 
 On the CPU a read costs no wait, and code that branches on it (``msprobe_ci._perf.reads_wait``) takes the path
@@ -115,6 +116,10 @@ def _site(depth: int = 40) -> str:
 HELD_MODELS = ("_stats_rounded", "_saved_rounded", "_gate_rounded", "_rows", "_in_order", "_cascade", "_held")
 
 
+#: ATen ops that are no view yet launch no kernel: a 0-d tensor made on the CPU (a Python scalar an op takes)
+_NO_KERNEL = {torch.ops.aten.scalar_tensor.default, torch.ops.aten.lift_fresh.default}
+
+
 class Launches(TorchDispatchMode):
     """Counts the ATen ops dispatched while active: on an accelerator each is a kernel launch, a few microseconds of
     host time whatever its size (the model's own and the capture's alike); ``held``: those of them dispatched inside
@@ -127,10 +132,11 @@ class Launches(TorchDispatchMode):
         self.sites: collections.Counter | None = collections.Counter() if sites else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        self.held += self.in_held > 0
-        if self.sites is not None:
-            self.sites[_site()] += 1
+        if not func.is_view and func not in _NO_KERNEL:
+            self.n += 1
+            self.held += self.in_held > 0
+            if self.sites is not None:
+                self.sites[_site()] += 1
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
