@@ -130,21 +130,29 @@ def compile_regions(model: "torch.nn.Module") -> list[str]:
 
 @contextlib.contextmanager
 def deterministic() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(True, warn_only=True)`` for the duration, previous setting restored.
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` for the duration, previous settings restored.
 
     cuBLAS gets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set; warnings about ops with no deterministic kernel
-    are silenced (both sides run the same ops, so the gate compares like with like)."""
+    are silenced (both sides run the same ops, so the gate compares like with like). Newly allocated memory is not
+    filled (``torch.utils.deterministic.fill_uninitialized_memory`` off, as PyTorch's documentation advises for a
+    program that reads no uninitialized memory, which stays deterministic): the fill writes every allocation once
+    more, a kernel launch each on an accelerator, and took 18% of an isolated GPT-2 step on the CPU
+    (``benchmarks/step_profile.py``: 6,260 ``fill_`` calls under ``empty_strided``)."""
     import torch
+    import torch.utils.deterministic as det
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*deterministic.*", category=UserWarning)
             _ignore_torch_self_warnings()
             yield
     finally:
+        det.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 

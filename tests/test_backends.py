@@ -122,10 +122,21 @@ def test_compile_regions():
 
 
 def test_deterministic_restores_the_previous_setting():
+    """Deterministic algorithms for the duration, without filling new allocations (a pass over each, a launch on
+    an accelerator); both settings restored after."""
+    import torch.utils.deterministic as det
+
     before = torch.are_deterministic_algorithms_enabled()
+    fill = det.fill_uninitialized_memory
     with deterministic():
         assert torch.are_deterministic_algorithms_enabled()
+        assert det.fill_uninitialized_memory is False
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.empty(1000)
+        assert "aten::empty" in {e.name for e in prof.events()}
+        assert "aten::fill_" not in {e.name for e in prof.events()}  # no pass over the new allocation
     assert torch.are_deterministic_algorithms_enabled() == before
+    assert det.fill_uninitialized_memory == fill
 
 
 @pytest.mark.parametrize("device", [

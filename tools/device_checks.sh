@@ -3,9 +3,10 @@
 # written to $OUT/log (or ./device-out/log). Prepared here, run there in one call:
 #   the wheels in .whl/ (msprobe_ci's own, built with `pip wheel --no-deps -w .whl .`, and the requirements the
 #   machine lacks), installed into /tmp/site; python3 there holds torch with CUDA and transformers.
-# Steps (540 s at most, inside one 600 s call): the CUDA tests; the host reads per record and per judged call
-# (benchmarks/host_syncs.py); realistic_size's timings with the device and the upcast bench; the gate-quality grid
-# with the upcast bench, whose budgets are drawn on the GPU. Run:
+# Steps (570 s at most, inside one 600 s call): the CUDA tests; the host reads and launches per record and per judged
+# call (benchmarks/host_syncs.py); realistic_size's timings with the device and the upcast bench; the gate-quality
+# grid with the upcast bench, whose budgets are drawn on the GPU; last, where an isolated step's time goes
+# (benchmarks/step_profile.py: the host's launches and waits, the device's busy share). Run:
 #   run(command="tools/device_checks.sh", carry=[".whl"], timeout_s=600)
 set -u
 OUT=${OUT:-./device-out}
@@ -34,6 +35,9 @@ step 120 "realistic size, device bench" python3 benchmarks/realistic_size.py --d
 step 90 "realistic size, upcast bench" python3 benchmarks/realistic_size.py --device cuda --threads 8 \
     --ways plain-fp32,plain-bf16,check --bench-kernel upcast
 # 4. truth: the grid with the upcast bench, its budgets now drawn on the GPU
-step 90 "gate quality, upcast bench" python3 benchmarks/gate_quality.py --device cuda --anchor --seeds 1 \
+step 75 "gate quality, upcast bench" python3 benchmarks/gate_quality.py --device cuda --anchor --seeds 1 \
     --models llama,gpt2 --dtypes bf16,fp16 --bench-kernel upcast
+# 5. the floor: one isolated GPT-2 small step under torch.profiler (host launches and waits, device busy share)
+step 45 "step profile, device bench" python3 benchmarks/step_profile.py --device cuda --threads 8 \
+    --bench-kernel device
 echo "done" >>"$LOG"
