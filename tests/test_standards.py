@@ -1745,3 +1745,25 @@ def test_the_elementwise_standards_launch_few_kernels_a_slice():
             res = std(*args)
         assert res.status == "pass" and len(seen.ops) <= bound, (std.name, len(seen.ops), seen.ops)
         assert "cat" not in seen.ops and "stack" in seen.ops  # one stack a slice, no totals over a single one
+
+
+def test_where_the_cpu_takes_a_devices_paths_it_slices_as_a_device(monkeypatch):
+    """``MSPROBE_CI_DEVICE_PATHS`` makes the CPU count what an accelerator runs (``benchmarks/host_syncs.py``): the
+    elementwise and benchmark standards then judge in slices of ``DEVICE_SLICE`` elements, as on a device (a
+    100,000-element output is one slice, not two of ``SLICE``), with the same verdict."""
+    from msprobe_ci import _perf
+    from msprobe_ci.checkers import BenchmarkStandard, UlpStandard
+    from msprobe_ci.checkers.benchmark import _row_slices
+    from msprobe_ci.checkers.common import f64_slices
+
+    oracle = torch.randn(100, 1000, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    target = oracle.to(torch.bfloat16)
+    seen = {}
+    for paths in (False, True):
+        monkeypatch.setattr(_perf, "DEVICE_PATHS", paths)
+        seen[paths] = (len(list(f64_slices(target, oracle))), len(list(_row_slices(target, oracle,
+                                                                                   device=target.device))),
+                       UlpStandard("bf16")(target, None, oracle).metrics["max_ulp"],
+                       BenchmarkStandard("bf16")(target, oracle.to(torch.bfloat16), oracle).status)
+    assert seen[False][:2] == (2, 2) and seen[True][:2] == (1, 1)
+    assert seen[False][2:] == seen[True][2:]
