@@ -35,6 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from realistic_size import _sync  # noqa: E402 - a sibling script
+
 #: CUDA runtime and driver calls that queue a kernel (host time per launch)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 #: CUDA calls where the host waits for the device: synchronisations and copies to host memory
@@ -52,11 +54,6 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
         total += e - max(s, end)
         end = e
     return total
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _plain_seconds(model, batch, device: str) -> float:

@@ -178,18 +178,7 @@ def new_overflows(target: OverflowReport, bench: OverflowReport) -> OverflowRepo
     return OverflowReport(tuple(a for a in target.overflows if (a.name, a.level, a.rows) not in seen))
 
 
-#: where a dump keeps its last report, with the ``data`` mapping and entry count it was made from (a check asks
-#: twice per side, for its verdict and for its graph; a scan of GPT-2 small's 1,600 entries is about 20 ms)
-_KEPT = "_overflow_report"
-
-
 def check_overflow(dump: Dump) -> OverflowReport:
-    """Scan every entry of ``dump`` in order; a dump scanned already, whose ``data`` is the same mapping with as
-    many entries, gets the same (immutable) report again."""
-    known = vars(dump).get(_KEPT)
-    if known is not None and known[0] is dump.data and known[1] == len(dump.data):
-        return known[2]
+    """Scan every entry of ``dump`` in order."""
     found = [a for a in (check_entry(k, e) for k, e in dump.data.items()) if a is not None]
-    report = OverflowReport(tuple(found))
-    vars(dump)[_KEPT] = (dump.data, len(dump.data), report)
-    return report
+    return OverflowReport(tuple(found))

@@ -58,6 +58,32 @@ def test_same_graph_as_msprobe(fixtures_dir, tmp_path, db, target, bench):
         assert a.execute(q).fetchall() == b.execute(q).fetchall()
 
 
+def test_a_check_hands_its_overflow_reports_to_the_graph(fixtures_dir, tmp_path, monkeypatch):
+    """The check scans each dump for overflow once, for its verdict, and hands both reports to the graph
+    (``write_compare_graph(..., found=...)``): the nodes' overflow levels are those reports', with no second scan;
+    without them the graph scans the dumps itself, to the same levels."""
+    import msprobe_ci.graph.service as service
+    from msprobe_ci.compare import compare_dumps
+    from msprobe_ci.graph.service import write_compare_graph
+    from msprobe_ci.overflow import check_overflow
+
+    target = load_dump(os.path.join(fixtures_dir, "fp16_overflow_statistics", "step0", "proc0"))
+    bench = load_dump(os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0"))
+    report = compare_dumps(bench=bench, target=target)
+    found = (check_overflow(target), check_overflow(bench))
+    assert found[0].has_overflow
+    scanned = write_compare_graph(target, bench, report, str(tmp_path / "scanned"))
+
+    def refuse(dump):
+        raise AssertionError("scanned again")
+    monkeypatch.setattr(service, "check_overflow", refuse)
+    handed = write_compare_graph(target, bench, report, str(tmp_path / "handed"), found=found)
+    levels = {n: r["overflow_level"] for n, r in _rows(handed, "NPU").items()}
+    assert levels == {n: r["overflow_level"] for n, r in _rows(scanned, "NPU").items()}
+    assert {a.name: a.level for a in found[0].anomalies if a.name in levels} == \
+        {n: lv for n, lv in levels.items() if lv} != {}
+
+
 def test_colours_come_from_our_verdicts(fixtures_dir, tmp_path):
     db = compare_vis_db(os.path.join(fixtures_dir, "bf16_statistics", "step0", "proc0"),
                         os.path.join(fixtures_dir, "fp32_statistics", "step0", "proc0"), str(tmp_path))

@@ -391,16 +391,17 @@ def evaluate(bench: SideRun | str, target: SideRun, out_dir: str, settings: Judg
     write_replayed(report, os.path.join(out_dir, "repro"), s.bench_kernel, dict(s.api_standards), _thresholds(s))
     graph_path = None
     notes = [*(() if isinstance(bench, str) else bench.notes), *target.notes]
+    found = (check_overflow(target_dump), check_overflow(bench_dump))  # for the verdict and the graph alike
     if graph_dir is not None:
         from ..graph.service import write_compare_graph
 
         try:
-            graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=s.fuzzy)
+            graph_path = write_compare_graph(target_dump, bench_dump, report, graph_dir, fuzzy=s.fuzzy, found=found)
         except MsprobeError as exc:  # e.g. an L1 dump has no construct.json
             notes.append(f"no graph: {exc}")
     cases = model_cases(None if isinstance(bench, str) else bench.final_outputs(), target.final_outputs(),
                         s.output_rtol, s.cast_roundoff, departure(report))
-    overflow = new_overflows(check_overflow(target_dump), check_overflow(bench_dump))
+    overflow = new_overflows(*found)
     api_checks: list = []
     if report.mode == "tensor" and s.level in ("L1", "mix"):
         from ..replay import ApiReplayer

@@ -21,10 +21,12 @@ from .db import VisDbWriter, add_graph, out_path, write_vis_db
 from .parts import RankPart, assemble, comm_graph
 
 
-def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool) -> Graph:
+def _graph(dump: Dump, source: str, step: int, rank: int, overflow: bool, found=None) -> Graph:
+    """The graph of ``dump``; with ``overflow``, each node's overflow level from ``found`` (the dump's
+    :class:`~msprobe_ci.overflow.OverflowReport` where the caller has it already) or a scan of the dump."""
     g = build_graph(dump, data_source=source, step=step, rank=rank)
     if overflow:
-        for a in check_overflow(dump).anomalies:
+        for a in (found if found is not None else check_overflow(dump)).anomalies:
             if a.name in g.nodes:
                 g.nodes[a.name].overflow_level = a.level
     return g
@@ -36,10 +38,11 @@ def _comm_entries(dump: Dump) -> dict:
 
 
 def _compared(target: Dump, bench: Dump, report: CompareReport, key: tuple[int, int], overflow: bool,
-              fuzzy: bool) -> list[Graph]:
-    """The target (NPU) and bench graphs of one (step, rank), matched and annotated."""
-    t_graph = _graph(target, "NPU", *key, overflow)
-    g_graph = _graph(bench, "Bench", *key, overflow)
+              fuzzy: bool, found: tuple = (None, None)) -> list[Graph]:
+    """The target (NPU) and bench graphs of one (step, rank), matched and annotated (``found``: the two dumps'
+    overflow reports where the caller has them)."""
+    t_graph = _graph(target, "NPU", *key, overflow, found[0])
+    g_graph = _graph(bench, "Bench", *key, overflow, found[1])
     compare_graphs(t_graph, g_graph, report, fuzzy=fuzzy)
     return [t_graph, g_graph]
 
@@ -188,8 +191,10 @@ def compare_vis_db(target: str, golden: str, out_dir: str, *, overflow: bool = F
 
 @gc_paused()
 def write_compare_graph(target: Dump, bench: Dump, report: CompareReport, out_dir: str, *, overflow: bool = True,
-                        fuzzy: bool = False, step: int = 0, rank: int = 0) -> str:
+                        fuzzy: bool = False, step: int = 0, rank: int = 0, found: tuple = (None, None)) -> str:
     """``compare_<ts>.vis.db`` of two loaded dumps whose compare ``report`` is already computed (the plugin's
-    path); returns its path. Raises :class:`MsprobeError` as :func:`compare_vis_db`."""
-    return write_vis_db(out_path(out_dir, "compare"), _compared(target, bench, report, (step, rank), overflow, fuzzy),
+    path), with the two dumps' overflow reports ``found`` where the check has them (each scanned here
+    otherwise); returns its path. Raises :class:`MsprobeError` as :func:`compare_vis_db`."""
+    return write_vis_db(out_path(out_dir, "compare"),
+                        _compared(target, bench, report, (step, rank), overflow, fuzzy, found),
                         compare=True, task=report.mode, overflow_check=overflow)
