@@ -518,3 +518,38 @@ def test_an_in_place_dropout_is_judged_on_the_draws_its_mask_made(tmp_path):
     assert first["status"] == second["status"] == third["status"] == "pass", (first, second, third)
     assert " draws vs p=0.8" in first["message"] and " draws vs p=0.8" in second["message"]
     cap.close()
+
+
+@pytest.mark.parametrize("kernel", BENCH_KERNELS)
+def test_the_losss_gradient_judged_in_pieces_of_its_batch_gives_the_whole_calls_verdicts(tmp_path, llama,
+                                                                                        monkeypatch, kernel):
+    """Issue 51: the oracle's gradient of the loss (and an ``upcast``/``rounded`` bench's) is computed a few rows
+    at a time (:func:`msprobe_ci.kernels.loss_pieces`, on a vocabulary-wide loss the CPU check's memory peak).
+    Cut into pieces of 5 of the 24 rows, every isolation record of a stock Llama's check is the one the whole
+    products give (status, standard, metric, value, threshold, message), and a 2% fault in the loss's backward is
+    named exactly and alone."""
+    from msprobe_ci.compare.isolation_file import load_isolation
+    from msprobe_ci.kernels import pieces
+
+    _, whole = _check(tmp_path / "whole", llama, "bf16", kernel=kernel)
+    cut = []
+    vjp = pieces.LossPieces.vjp
+
+    def counted(self, *a, **k):
+        cut.append(self.step)
+        return vjp(self, *a, **k)
+    monkeypatch.setattr(pieces, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(pieces, "PIECE_ELEMENTS", 5 * 128)
+    monkeypatch.setattr(pieces.LossPieces, "vjp", counted)
+    _, split = _check(tmp_path / "split", llama, "bf16", kernel=kernel)
+    assert cut and set(cut) == {5}
+    a, b = load_isolation(whole.folder), load_isolation(split.folder)
+    assert a.keys() == b.keys() and "Functional.cross_entropy.0.backward" in a
+
+    def verdict(r):
+        return tuple(getattr(r, k) for k in ("status", "standard", "metric", "value", "threshold", "row", "message"))
+    assert {k: verdict(v) for k, v in a.items()} == {k: verdict(v) for k, v in b.items()}
+    node = "Functional.cross_entropy.0.backward"
+    report, _ = _check(tmp_path / "fault", llama, "bf16", kernel=kernel,
+                       faults=(Fault("Functional.cross_entropy", 0, "backward", "scale", 1.02),))
+    assert report.first_divergence.name == node and _api_errors(report) == [node]

@@ -2,9 +2,11 @@
 
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
 
 from msprobe_ci import kernels
 from msprobe_ci.config import BENCH_KERNELS
@@ -753,3 +755,97 @@ def test_the_budgets_fused_attention_computes_the_api_itself_without_rounding(ma
         return [out.detach()] + [t.grad for t in leaves]
     for want, got in zip(run(False), run(True)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes held at once by the tensors the ATen ops under it made (each counted until it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set = set()
+
+    def _freed(self, key, size):
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in kernels.tensors_of(out):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self._seen and not func.is_view:
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+
+def _loss_case(draw_or_seed, rows, classes, extra, weighted, reduction, smoothing, nll):
+    g = torch.Generator().manual_seed(draw_or_seed)
+    x = torch.randn(rows, classes, *extra, generator=g)
+    if nll:
+        x = F.log_softmax(x, 1)
+    x.requires_grad_(True)
+    target = torch.randint(0, classes, (rows, *extra), generator=g)
+    target[0] = -100  # an ignored target
+    kw = {"reduction": reduction}
+    if weighted:
+        kw["weight"] = torch.rand(classes, generator=g) + 0.5
+    if smoothing and not nll:
+        kw["label_smoothing"] = smoothing
+    grad = torch.randn(() if reduction != "none" else (rows, *extra), generator=g)
+    return F.nll_loss if nll else F.cross_entropy, (x, target), kw, {0: grad}
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.integers(2, 9), classes=st.integers(1, 7),
+       extra=st.sampled_from([(), (3,), (2, 2)]), weighted=st.booleans(),
+       reduction=st.sampled_from(["mean", "sum", "none"]), smoothing=st.sampled_from([0.0, 0.25]),
+       nll=st.booleans(), step=st.integers(1, 4))
+def test_a_batch_wise_losss_product_in_pieces_is_the_whole_calls(seed, rows, classes, extra, weighted, reduction,
+                                                                  smoothing, nll, step):
+    """``F.cross_entropy``/``F.nll_loss`` (class indices, ignored targets, weights, label smoothing, extra
+    dimensions, every reduction) cut into pieces of ``step`` rows: the float64 gradient is the whole call's, bit for
+    bit but for label smoothing's ``mean`` (the rows' sum divided once, not each row: to float64's roundoff)."""
+    func, args, kw, grad = _loss_case(seed, rows, classes, extra, weighted, reduction, smoothing, nll)
+    per_row = args[0][0].numel()
+    pieces = kernels.loss_pieces(func, args, kw, grad, min_elements=1, piece_elements=step * per_row)
+    if reduction == "mean" and not bool((args[1] != -100).any()):
+        assert pieces is None  # PyTorch's 0/0: computed whole
+        return
+    assert pieces is not None and pieces.step == step
+    leaves, out, _ = kernels.reference(func, args, kw, torch.float64, "cpu", True)
+    whole = kernels.vjp(out, leaves, grad, retain=False)[0]
+    got = pieces.vjp(lambda a, k: kernels.reference(func, a, k, torch.float64, "cpu", True)[:2], grad[0])[0]
+    assert got.dtype == torch.float64 and got.shape == whole.shape
+    if smoothing and reduction == "mean" and not nll:
+        torch.testing.assert_close(got, whole, rtol=4e-16, atol=4e-16 * float(whole.abs().max()))
+    else:
+        assert torch.equal(got, whole)
+
+
+def test_a_vocabulary_wide_losss_product_holds_one_result_not_four_copies():
+    """The float64 product of a loss over 256 rows of 4,096 classes: whole, it holds the input's copy, the saved
+    log-softmax, the dense gradient into it and the result at once (4 x 8 MB); in pieces of 8 rows, the result
+    and a piece's (issue 51: GPT-2's loss at 1,024 tokens was the CPU check's memory peak)."""
+    func, args, kw, grad = _loss_case(7, 256, 4096, (), False, "mean", 0.0, False)
+    size = args[0].numel() * 8
+
+    def run(a, k):
+        return kernels.reference(func, a, k, torch.float64, "cpu", True)[:2]
+
+    with _LiveBytes() as whole:
+        leaves, out = run(args, kw)
+        ref = kernels.vjp(out, leaves, grad, retain=False)[0]
+        del leaves, out
+    pieces = kernels.loss_pieces(func, args, kw, grad, min_elements=1, piece_elements=8 * 4096)
+    assert pieces is not None and kernels.loss_pieces(func, args, kw, grad) is None  # under MIN_ELEMENTS: whole
+    with _LiveBytes() as cut:
+        got = pieces.vjp(run, grad[0])[0]
+    assert torch.equal(got, ref)
+    assert whole.peak >= 3.9 * size
+    assert cut.peak <= 1.2 * size

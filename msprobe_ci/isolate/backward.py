@@ -102,14 +102,19 @@ class BackwardIsolation:
     def _judge_backward(self, call: _Call, name: str, targets: list) -> None:
         """Judge the gradients an API hands to its inputs (``targets``, by tap position) against the oracle's and
         the bench's vector-Jacobian products for the same incoming gradients."""
-        from ..judge import judge_pair
-
-        stem = f"{name}.output"
         if not call.grad_out:
             self.records.skip(name, "no gradient reached the API's outputs through a hook (nothing to compare with)")
             return
         def off():
             return amp.disabled(call.inputs) if call.autocast is not None else contextlib.nullcontext()
+        pieces = self._pieces(call)
+        if pieces is not None:
+            if not self._rerunnable(call, name):
+                return
+            with off():
+                oracle, bench = self._in_pieces(call, pieces)
+            self._judge_gradients(call, name, targets, oracle, bench, call.oracle_how[0] == torch.float64)
+            return
         with off():  # a call made under autocast: its references run on the inputs as its kernel saw them
             if not self._regraph(call, name):
                 return
@@ -132,6 +137,14 @@ class BackwardIsolation:
         if not shared:
             with off():
                 bench = self._bench_vjp(call, oracle)
+        self._judge_gradients(call, name, targets, oracle, bench, f64)
+
+    def _judge_gradients(self, call: _Call, name: str, targets: list, oracle: list, bench: list, f64: bool) -> None:
+        """Judge the gradients the API handed on (``targets``, by tap position) against the oracle's and the
+        bench's products (``f64``: the oracle computed in float64, for its note)."""
+        from ..judge import judge_pair
+
+        stem = f"{name}.output"
         oracle = [self.refs.judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)
         results, refs, reach = [], {}, []
@@ -218,24 +231,73 @@ class BackwardIsolation:
         return (torch.where(allowed.to(b.device), t.to(device=b.device, dtype=b.dtype), b),
                 torch.where(allowed.to(o.device), t.to(device=o.device, dtype=o.dtype), o), n)
 
-    def _regraph(self, call: _Call, name: str) -> bool:
-        """Run the call's oracle again on its inputs, with its graph, for the vector-Jacobian product; False (the
-        gradient skipped, the reason said) where the inputs were written in place since the call or the oracle
-        cannot run."""
+    def _rerunnable(self, call: _Call, name: str) -> bool:
+        """Whether the call's references can run again for its gradient: False (the gradient skipped, the reason
+        said) where its inputs were not kept or were written in place since the call."""
         if call.inputs is None or call.oracle_how is None:
             self.records.skip(name, "the call's inputs were not kept (nothing to run its gradient on)")
             return False
         if not call.unchanged():
             self.records.skip(name, "its inputs were written in place after the call: its gradient is not isolated")
             return False
-        args, kw = call.inputs
+        return True
+
+    def _oracle_run(self, call: _Call, args: tuple, kw: dict) -> tuple[list, Any]:
+        """``(leaves, out)``: the call's oracle on copies of ``args``/``kw``, with its graph, as it ran at the call
+        (its dtype; on the oracle's device, or the CPU only)."""
         dtype, cpu_only = call.oracle_how
         with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
             if cpu_only:
-                call.oracle_in, call.oracle_out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
+                leaves, out, _ = kernels.reference(call.func, args, kw, dtype, "cpu", True)
             else:
-                call.oracle_in, call.oracle_out, _ = self.refs.oracle(call.func, args, kw, dtype, True)
+                leaves, out, _ = self.refs.oracle(call.func, args, kw, dtype, True)
+        return leaves, out
+
+    def _regraph(self, call: _Call, name: str) -> bool:
+        """Run the call's oracle again on its inputs, with its graph, for the vector-Jacobian product; False (the
+        gradient skipped, the reason said) where the inputs were written in place since the call or the oracle
+        cannot run."""
+        if not self._rerunnable(call, name):
+            return False
+        call.oracle_in, call.oracle_out = self._oracle_run(call, *call.inputs)
         return True
+
+    def _pieces(self, call: _Call):
+        """The call's products cut along its batch (:func:`msprobe_ci.kernels.loss_pieces`: a batch-wise loss over a
+        large input), or ``None``. Not where the ``upcast``/``rounded`` bench is the oracle's own run rounded
+        (:meth:`~.references.References.bench_is_oracle`): that path shares one graph."""
+        if call.inputs is None or call.oracle_how is None or not call.grad_out:
+            return None
+        args, kw = call.inputs
+        if self.refs.rounds_bench and not call.composite and \
+                self.refs.bench_precision(args, kw) == call.oracle_how[0]:
+            return None
+        return kernels.loss_pieces(call.func, args, kw, call.grad_out)
+
+    def _in_pieces(self, call: _Call, pieces) -> tuple[list, list]:
+        """``(oracle, bench)`` gradients of a batch-wise loss (:class:`msprobe_ci.kernels.LossPieces`): the bench's
+        product first (a ``device``/``decomposed`` bench whole, its own kernels; an ``upcast``/``rounded`` one,
+        a higher-precision run rounded, in pieces too), then the oracle's in pieces beside it; where an
+        ``upcast``/``rounded`` bench cannot run, the oracle's, as in the forward."""
+        args, kw = call.inputs
+        grad = call.grad_out[0]
+        if self.refs.rounds_bench:
+            up = self.refs.bench_precision(args, kw)
+            device = "cpu" if self.refs.bench_kernel == "rounded" else self.refs.bench_device
+            context = self.refs.materialized(args, kw)
+
+            def bench_run(a: tuple, k: dict) -> tuple[list, Any]:
+                with torch.enable_grad():
+                    leaves, out, _ = kernels.reference(call.func, a, k, up, device, True, context)
+                return leaves, out
+            try:
+                bench = pieces.vjp(bench_run, grad, context)
+            except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
+                bench = None
+        else:
+            bench = self._bench_vjp(call, None)
+        oracle = pieces.vjp(lambda a, k: self._oracle_run(call, a, k), grad)
+        return oracle, oracle if bench is None else bench
 
     def _bench_vjp(self, call: _Call, oracle: list) -> list:
         """The same-dtype bench run again on the call's inputs with its graph, and its vector-Jacobian product for

@@ -59,8 +59,8 @@ whole (:func:`~.budgets._rms`); where the target's rounding carried one across a
 judged once more against the oracle on the target's side of it (:mod:`.kinks`).
 """
 
-# one package, six rooms: which kernel (choice), the dispatch modes, the kernels' rounding (perturb), the fused
-# attention, running references, error budgets;
+# one package, seven rooms: which kernel (choice), the dispatch modes, the kernels' rounding (perturb), the fused
+# attention, running references, error budgets, a batch-wise loss's product in pieces;
 # every name is importable from here as it was from the single module
 from ..config import BENCH_KERNELS  # noqa: F401 (the vocabulary lives where the torch-free option parsers read it)
 from .choice import (  # noqa: F401
@@ -75,3 +75,4 @@ from .references import (  # noqa: F401
 from .budgets import (  # noqa: F401
     _draws, _eta, _fp64_or_fp32, _rms, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
     perturbation, precision_of, target_roundoff, unit_of)
+from .pieces import LossPieces, loss_pieces  # noqa: F401
