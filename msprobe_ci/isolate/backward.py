@@ -282,16 +282,12 @@ class BackwardIsolation:
         args, kw = call.inputs
         grad = call.grad_out[0]
         if self.refs.rounds_bench:
-            up = self.refs.bench_precision(args, kw)
-            device = "cpu" if self.refs.bench_kernel == "rounded" else self.refs.bench_device
-            context = self.refs.materialized(args, kw)
-
             def bench_run(a: tuple, k: dict) -> tuple[list, Any]:
-                with torch.enable_grad():
-                    leaves, out, _ = kernels.reference(call.func, a, k, up, device, True, context)
+                with torch.enable_grad():  # the autograd engine runs this hook with grad mode off
+                    leaves, out, _ = self.refs.rounded_run(call.func, a, k, True)
                 return leaves, out
             try:
-                bench = pieces.vjp(bench_run, grad, context)
+                bench = pieces.vjp(bench_run, grad, self.refs.bench_context(args, kw))
             except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
                 bench = None
         else:

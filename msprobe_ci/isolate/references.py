@@ -123,14 +123,11 @@ class References:
         kernel = self.bench_kernel
         if self.rounds_bench:
             call.bench_round = True
-            up = self.bench_precision(args, kw)
             if self.bench_is_oracle(call, args, kw):
                 call.bench_in, call.bench_out = call.oracle_in, call.oracle_out  # the oracle is that computation
                 return
-            device = "cpu" if kernel == "rounded" else self.bench_device
             try:
-                call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, up, device, grad,
-                                                                     self.materialized(args, kw))
+                call.bench_in, call.bench_out, _ = self.rounded_run(func, args, kw, grad)
             except Exception:  # noqa: BLE001 - no kernel in that precision: the best one there is, the oracle
                 if call.oracle_out is None:
                     raise
@@ -138,6 +135,14 @@ class References:
             return
         context = kernels.decomposed if kernel == "decomposed" else None
         call.bench_in, call.bench_out, _ = kernels.reference(func, args, kw, None, self.bench_device, grad, context)
+
+    def rounded_run(self, func, args: tuple, kw: dict, grad: bool) -> tuple:
+        """The ``upcast``/``rounded`` bench's run of ``func`` (:func:`~msprobe_ci.kernels.reference`'s
+        ``(leaves, out, copies)``): on copies in :meth:`bench_precision`, on the bench device (``rounded``: the
+        CPU), each kernel rounded once (:meth:`materialized`). Raises what the run raises."""
+        device = "cpu" if self.bench_kernel == "rounded" else self.bench_device
+        return kernels.reference(func, args, kw, self.bench_precision(args, kw), device, grad,
+                                 self.materialized(args, kw))
 
     def bench_context(self, args: tuple, kw: dict):
         """The context a bench's vector-Jacobian product runs in: the decomposed kernels, the ``upcast``/``rounded``
