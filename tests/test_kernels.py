@@ -849,3 +849,35 @@ def test_a_vocabulary_wide_losss_product_holds_one_result_not_four_copies():
     assert torch.equal(got, ref)
     assert whole.peak >= 3.9 * size
     assert cut.peak <= 1.2 * size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: run on a GPU machine")
+def test_on_a_gpu_the_losss_product_in_pieces_is_the_whole_calls_in_a_quarter_of_the_memory():
+    """On CUDA (float64 there, as the oracle runs beside a CUDA target) the loss's product in pieces equals the
+    whole call's to float64's roundoff, and the device's own allocator counts the memory: whole, about four times
+    the input's float64 size over what was allocated before; in pieces, the result and a piece's."""
+    func, args, kw, grad = _loss_case(11, 512, 8192, (), True, "mean", 0.0, False)
+    args = (args[0].detach().cuda().requires_grad_(True), args[1].cuda())
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    grad = {0: grad[0].cuda()}
+    size = args[0].numel() * 8
+
+    def run(a, k):
+        return kernels.reference(func, a, k, torch.float64, "cuda", True)[:2]
+
+    def peak(compute):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        got = compute()
+        torch.cuda.synchronize()
+        return got, torch.cuda.max_memory_allocated() - base
+
+    def whole():
+        leaves, out = run(args, kw)
+        return kernels.vjp(out, leaves, grad, retain=False)[0]
+    ref, whole_peak = peak(whole)
+    pieces = kernels.loss_pieces(func, args, kw, grad, min_elements=1, piece_elements=32 * 8192)
+    got, cut_peak = peak(lambda: pieces.vjp(run, grad[0])[0])
+    torch.testing.assert_close(got, ref, rtol=1e-15, atol=1e-15 * float(ref.abs().max()))
+    assert whole_peak >= 3.5 * size and cut_peak <= 1.5 * size, (whole_peak / size, cut_peak / size)

@@ -24,7 +24,8 @@ step() {  # step SECONDS TITLE COMMAND...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
 python3 -c "import torch, transformers, msprobe_ci; print(torch.__version__, transformers.__version__, msprobe_ci.__file__)" >>"$LOG" 2>&1
-# 1. the CUDA tests: budgets drawn on the device as on the CPU, the device's verdicts the CPU's (both bench kernels)
+# 1. the CUDA tests: budgets drawn on the device as on the CPU, the device's verdicts the CPU's (both bench kernels),
+#    the loss's gradient in pieces on the device (its values and the allocator's peak)
 step 150 "CUDA tests" python3 -m pytest -q -p no:cacheprovider -x tests/test_kernels.py tests/test_isolation.py \
     tests/test_standards.py -k "on_a_gpu or gpu_the"
 # 2. host reads per record and per judged call, with the synchronising ops CUDA reports
