@@ -49,6 +49,7 @@ class LossPieces:
 
     def __init__(self, func, bound: inspect.BoundArguments, rows: int, step: int):
         self.func, self._bound, self.rows, self.step = func, bound, rows, step
+        self._totals: dict = {}
 
     def piece(self, start: int, stop: int) -> tuple[tuple, dict]:
         """The call's ``(args, kwargs)`` for rows ``start:stop``, with ``reduction="none"`` (views of the inputs,
@@ -77,7 +78,10 @@ class LossPieces:
         if reduction == "none":
             return g[start:stop]
         if reduction == "mean":
-            g = g / self.total_weight(like.dtype).to(like.device)
+            key = (like.dtype, like.device)
+            if key not in self._totals:  # once per product, not per piece
+                self._totals[key] = self.total_weight(like.dtype).to(like.device)
+            g = g / self._totals[key]
         return g.expand(like.shape)
 
     def vjp(self, run: Callable[[tuple, dict], tuple], grad_out: torch.Tensor, context=None) -> list:
