@@ -345,16 +345,19 @@ class ModuleIsolation:
             if sites is not None:
                 sites.plan()
             held = kernels.held_runs()
-            draws = [one(perturb) for _ in range(kernels._draws(2 * self.refs.budget_draws,
-                                                                   [b for b in base if b is not None]))]
+            n = kernels._draws(2 * self.refs.budget_draws, [b for b in base if b is not None])
+            folded = kernels._Spread(eta, n)  # each draw folded in as it comes: one draw alive at a time
+            for _ in range(n):
+                d = one(perturb)
+                folded.add([None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
+                            b.detach().to(torch.float64) for x, b in zip(d, base)])
+                del d
             held = kernels.held_runs() > held
         except Exception:  # noqa: BLE001 - no budget: relative to |oracle| alone
             return []
         if len(spread) and call.kink_spread is None:
             call.kink_spread = spread
-        diffs = [[None if x is None or b is None or x.shape != b.shape else x.detach().to(torch.float64) -
-                  b.detach().to(torch.float64) for x, b in zip(d, base)] for d in draws]
-        scales = kernels._rms(diffs, eta)
+        scales = folded.scales()
         if sites is not None and judged:
             units = [kernels._UNIT.get(d, eta) if d is not None else eta for d in judged]
             scales = [s if s is None or i >= len(units) else s * (eta / units[i]) for i, s in enumerate(scales)]

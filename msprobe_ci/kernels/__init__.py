@@ -73,6 +73,6 @@ from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, Fuse
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, forked_rng, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401
-    _draws, _eta, _fp64_or_fp32, _rms, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
+    _draws, _eta, _fp64_or_fp32, _rms, _Spread, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
     perturbation, precision_of, target_roundoff, unit_of)
 from .pieces import LossPieces, loss_pieces  # noqa: F401
