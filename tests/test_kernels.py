@@ -884,7 +884,7 @@ def test_on_a_gpu_the_losss_product_in_pieces_is_the_whole_calls_in_a_quarter_of
 
 
 def _rms_over_all_draws(diffs, eta):
-    """:func:`msprobe_ci.kernels.budgets._rms` as it was written over every draw held at once (the test's oracle)."""
+    """The budget's scale as it was computed over every draw held at once (the test's oracle)."""
     from msprobe_ci.kernels.budgets import JUMP, JUMP_DRAWS
 
     out = []

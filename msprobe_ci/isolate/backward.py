@@ -269,10 +269,11 @@ class BackwardIsolation:
         if call.inputs is None or call.oracle_how is None or not call.grad_out:
             return None
         args, kw = call.inputs
-        if self.refs.rounds_bench and not call.composite and \
-                self.refs.bench_precision(args, kw) == call.oracle_how[0]:
+        pieces = kernels.loss_pieces(call.func, args, kw, call.grad_out)  # None at once for any other API
+        if pieces is None or (self.refs.rounds_bench and not call.composite and
+                              self.refs.bench_precision(args, kw) == call.oracle_how[0]):
             return None
-        return kernels.loss_pieces(call.func, args, kw, call.grad_out)
+        return pieces
 
     def _in_pieces(self, call: _Call, pieces) -> tuple[list, list]:
         """``(oracle, bench)`` gradients of a batch-wise loss (:class:`msprobe_ci.kernels.LossPieces`): the bench's

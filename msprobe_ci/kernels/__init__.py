@@ -55,7 +55,7 @@ bound of one rounding (``sqrt(3)`` times the scale) and the mean and RMSE agains
 A module isolated whole (L0, a compiled region) that ran under ``torch.autocast`` is no kernel of one dtype: each
 of its calls is rounded in the dtype autocast ran it in (:mod:`.amp_sites`). Where rounding carried a kink's input
 across it in some draws (a ReLU within a rounding of 0), the draws jump rather than spread, and the jump is credited
-whole (:func:`~.budgets._rms`); where the target's rounding carried one across and no draw did, a failing module is
+whole (:class:`~.budgets._Spread`); where the target's rounding carried one across and no draw did, a failing module is
 judged once more against the oracle on the target's side of it (:mod:`.kinks`).
 """
 
@@ -73,6 +73,6 @@ from .attention import _attention_math, _FusedAttention, _round_out, _SDPA, Fuse
 from .references import (  # noqa: F401
     _clone_wrapper, budget_modes, copier, forked_rng, reference, round_to, scaled_fp8_values, vjp)
 from .budgets import (  # noqa: F401
-    _draws, _eta, _fp64_or_fp32, _rms, _Spread, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
+    _draws, _eta, _fp64_or_fp32, _Spread, ACCUMULATION, backward_scale, DRAWS, forward_scale, HELD_IN_DTYPE, held_scales,
     perturbation, precision_of, target_roundoff, unit_of)
 from .pieces import LossPieces, loss_pieces  # noqa: F401

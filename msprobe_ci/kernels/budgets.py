@@ -92,7 +92,7 @@ def held_scales(scales: list, held: bool) -> list:
 
 
 #: a draw whose move at an element is this many times the RMS of the other draws' moves there (all but the two
-#: largest) is a jump (:func:`_rms`). A single rounding's draws lie within 3x of each other (:func:`~.perturb.
+#: largest) is a jump (:class:`_Spread`). A single rounding's draws lie within 3x of each other (:func:`~.perturb.
 #: jitter`); a Gaussian sum of roundings reaches 16x in 1.7e-4 of the elements with 8 draws and none of 10^6 with
 #: 16 (measured; 8x: 7.1e-3 and 1.3e-4). With 4 draws (an API's budget) a spread cannot be told from a jump
 #: (a Gaussian's top draw reaches 8x the other three's RMS in 1.6% of the elements): no jump is looked for there
@@ -102,11 +102,23 @@ JUMP_DRAWS = 8
 
 
 class _Spread:
-    """The scale estimate of :func:`_rms`, folded in one draw at a time: a draw's differences are added to running
-    sums (and, with :data:`JUMP_DRAWS` draws or more, the two largest moves) and dropped, so a budget holds one or
-    three tensors per output instead of every draw's (on GPT-2's logits, 1024 x 50,257 in float64, 411 MB a draw).
-    The same operations in the same order as over the draws held together: the result is :func:`_rms`'s bit for
-    bit.
+    """The scale estimate from the draws: per element, the RMS of (perturbed - unperturbed) / eta over the draws
+    (``s * sqrt(chi2_R / R)`` for a true scale ``s``; the benchmark standard pools a row against its lower tail
+    for the max relative error, :func:`msprobe_ci.checkers.benchmark._row_floor`).
+
+    Where one or two of 8 draws or more *jumped* (moved :data:`JUMP` times the RMS of the others), the scale is the
+    largest move: rounding moved a value across a kink (a ReLU or a max whose input lies within a rounding of
+    it), and what follows changed discretely, not by a spread of roundings. A kernel of the target dtype may land
+    on either side, so the whole jump is an outcome a correct kernel gives; the RMS over the draws credits it with
+    ``jump * sqrt(k / R)`` only. Measured: T5's fp16 decoder block backward at L0 (a ReLU of its feed-forward within
+    a rounding of 0 for one token) moved that token's input gradient by 88 units in the target and by 90 in 1
+    of 8 draws (under 5 in the others); credited with the RMS, the benign block failed its RMSE against the
+    correctly rounded bench (ratio 2.25 > 2).
+
+    The draws are folded in one at a time (:meth:`add`): each draw's differences go into running sums (and, with
+    :data:`JUMP_DRAWS` draws or more, the two largest moves) and are dropped, so a budget holds one or three tensors
+    per output instead of every draw's (on GPT-2's logits, 1024 x 50,257 in float64, 411 MB a draw), in the same
+    operations and order as over the draws held together.
 
     Args:
         eta: the unit the differences are measured in.
@@ -115,16 +127,13 @@ class _Spread:
 
     def __init__(self, eta: float, n: int):
         self.eta, self.n = eta, n
-        self._cols: list = []  # per output: None (a draw had none), or [acc, top, second]
-        self._seen = 0
+        self._cols: list | None = None  # per output: None (a draw had none), or [acc, top, second]
 
     def add(self, row: list) -> None:
-        """Fold one draw's differences (``(perturbed - unperturbed)`` per output, ``None`` where it has none)."""
-        if not self._seen:
+        """Fold one draw's differences (``(perturbed - unperturbed)`` per output, ``None`` where it has none; every
+        draw has the same outputs)."""
+        if self._cols is None:
             self._cols = [[None, None, None] for _ in row]
-        elif len(row) < len(self._cols):  # zip's rule: the columns the shortest draw has
-            del self._cols[len(row):]
-        self._seen += 1
         for k, (col, d) in enumerate(zip(self._cols, row)):
             if col is None:
                 continue
@@ -133,7 +142,7 @@ class _Spread:
                 continue
             if self.n < JUMP_DRAWS:
                 sq = (d / self.eta) ** 2
-                col[0] = 0 + sq if col[0] is None else col[0] + sq
+                col[0] = sq if col[0] is None else col[0] + sq
                 continue
             m = (d / self.eta).abs()
             col[0] = m * m if col[0] is None else col[0] + m * m
@@ -144,10 +153,10 @@ class _Spread:
                 col[1] = torch.maximum(col[1], m)
 
     def scales(self) -> list:
-        """The scale of each output (``None`` where a draw had none), as :func:`_rms` returns them."""
+        """The scale of each output (``None`` where a draw had none): float64 tensors shaped like the differences."""
         out = []
         n = self.n
-        for col in self._cols:
+        for col in self._cols or []:
             if col is None or col[0] is None:
                 out.append(None)
                 continue
@@ -161,25 +170,6 @@ class _Spread:
             # one
             out.append(torch.nan_to_num(rms, nan=0.0, posinf=0.0))
         return out
-
-
-def _rms(diffs: list[list], eta: float) -> list:
-    """The scale estimate from the draws: per element, the RMS of (perturbed - unperturbed) / eta over the draws
-    (``s * sqrt(chi2_R / R)`` for a true scale ``s``; the benchmark standard pools a row against its lower tail
-    for the max relative error, :func:`msprobe_ci.checkers.benchmark._row_floor`).
-
-    Where one or two of 8 draws or more *jumped* (moved :data:`JUMP` times the RMS of the others), the scale is the
-    largest move: rounding moved a value across a kink (a ReLU or a max whose input lies within a rounding of
-    it), and what follows changed discretely, not by a spread of roundings. A kernel of the target dtype may land
-    on either side, so the whole jump is an outcome a correct kernel gives; the RMS over the draws credits it with
-    ``jump * sqrt(k / R)`` only. Measured: T5's fp16 decoder block backward at L0 (a ReLU of its feed-forward within
-    a rounding of 0 for one token) moved that token's input gradient by 88 units in the target and by 90 in 1
-    of 8 draws (under 5 in the others); credited with the RMS, the benign block failed its RMSE against the
-    correctly rounded bench (ratio 2.25 > 2)."""
-    spread = _Spread(eta, len(diffs))
-    for row in diffs:
-        spread.add(row)
-    return spread.scales()
 
 
 def _fp64_or_fp32(func, args: tuple, kwargs: dict, grad: bool, device: str = "cpu"):

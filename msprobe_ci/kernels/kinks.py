@@ -7,7 +7,7 @@ rounding of the kink, a correct kernel lands on either side. The forward moves b
 backward's mask flips, and every gradient the unit feeds moves by a whole term: T5's encoder feed-forward under bf16
 autocast (its GEMMs' inputs cast to bf16, which moves a pre-activation by about a rounding of its terms) handed back
 an input gradient whose row for one token was 45.9 times the max relative error allowed, with no fault. The budget's
-draws (:func:`~.budgets._rms`) credit a flip that one of them shows; one that none of 8 shows is a rare event a
+draws (:class:`~.budgets._Spread`) credit a flip that one of them shows; one that none of 8 shows is a rare event a
 correct kernel still has among thousands of units.
 
 So a failing module is judged once more against the oracle run again with every kink input that lies within
