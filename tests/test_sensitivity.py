@@ -537,10 +537,16 @@ def test_the_subnormal_floor_leaves_zeros_infinities_and_normal_values_as_they_w
 
 
 def test_a_draw_that_jumps_across_a_kink_is_credited_whole_and_a_spread_of_roundings_is_not():
-    """``kernels._rms``: where one or two of the budget's draws moved an element far past the others (rounding
+    """``kernels.budgets._Spread``: where one or two of the budget's draws moved an element far past the others (rounding
     carried a ReLU's input across 0 and what follows changed discretely), the element's scale is that move, not
     its share of the RMS; elements whose draws are a spread of roundings keep their RMS."""
-    from msprobe_ci.kernels.budgets import JUMP, _rms
+    from msprobe_ci.kernels.budgets import JUMP, _Spread
+
+    def _rms(diffs, eta):  # the draws folded in one at a time, as a budget folds them
+        spread = _Spread(eta, len(diffs))
+        for row in diffs:
+            spread.add(row)
+        return spread.scales()
 
     gen = torch.Generator().manual_seed(0)
     n, eta = 200_000, 2.0 ** -11
