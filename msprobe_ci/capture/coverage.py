@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..kernels.choice import grad_fn_of, tensors_of
+
 # ATen ops that move, copy, select or create values without arithmetic (overload packet names)
 MOVES = frozenset("""
 _to_copy to_copy copy_ clone contiguous detach detach_ lift_fresh lift_fresh_copy alias _unsafe_view _reshape_copy cat stack
@@ -93,7 +95,6 @@ def quiet(fn):
     """``fn`` (a hook of the capture or of the isolation) with its ATen ops left out of the coverage count:
     statistics of a module's gradients, the isolation's backward oracle, are the machinery's work, not the
     model's. The mode steps off the dispatch stack meanwhile, so those ops do not pass through Python."""
-    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         _QUIET[0] += 1
         off = [c for c in _ACTIVE if c.suspend()]
@@ -103,6 +104,10 @@ def quiet(fn):
             for c in reversed(off):
                 c.resume()
             _QUIET[0] -= 1
+    # named after ``fn`` (a traceback's frame), without functools.wraps's copying: wrapped once per hooked call
+    wrapper.__name__ = getattr(fn, "__name__", "quiet")
+    wrapper.__qualname__ = getattr(fn, "__qualname__", wrapper.__name__)
+    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -176,17 +181,11 @@ class Coverage(TorchDispatchMode):
     @staticmethod
     def grad_fns(args: tuple, kwargs: dict) -> set:
         """The autograd nodes that produced a call's inputs (where the walk of :meth:`adopt` stops)."""
-        from ..kernels import tensors_of
-        from ..kernels.choice import grad_fn_of
-
         return {g for g in map(grad_fn_of, tensors_of(args) + tensors_of(kwargs)) if g is not None}
 
     def adopt(self, out: Any, before: set, limit: int = 10_000) -> None:
         """Mark the autograd nodes a recorded call created (from its outputs back to its inputs' nodes) as
         captured: their backward work is the call's."""
-        from ..kernels import tensors_of
-        from ..kernels.choice import grad_fn_of
-
         stack = [g for g in map(grad_fn_of, tensors_of(out)) if g is not None]
         while stack and limit > 0:
             node = stack.pop()

@@ -9,7 +9,8 @@ import torch
 
 from .. import amp, kernels
 from ..kernels import tensors_of as _tensors
-from ..judge import judge_dropout, judged_as, unjudgeable
+from ..checkers import standard_for
+from ..judge import judge_dropout, judge_pair, judge_rows, judged_as, unjudgeable
 from ..judge.rows import outputs as _flat_outputs  # msprobe's output row naming
 from ..judge.support import DROPOUT
 from .support import _Call, _has_dtensor, is_inplace, local_pointwise, to_local
@@ -145,8 +146,6 @@ class ApiIsolation:
             ``(ok, want_grad)``: ``ok`` False where neither could run (the reason in the call's record);
             ``want_grad`` False where the call returned an input (it wrote in place: its gradient is not tapped).
         """
-        from ..checkers import standard_for
-
         name = call.name
         # bit-exact standards (data movement, selection) compare the target with the bench only; the oracle is for
         # the others, and for every gradient
@@ -193,8 +192,6 @@ class ApiIsolation:
         self.provenance.mark_produced(out)
         if call is None:
             return
-        from ..judge import judge_pair, judge_rows
-
         stem = f"{call.name}.output"
         targets = _flat_outputs(to_local(out) if call.local else out, stem)
         if call.dropout is not None:
@@ -258,16 +255,15 @@ class ApiIsolation:
         """The ``quantization`` standard's rows (:class:`msprobe_ci.checkers.quantization.QuantizationStandard`) of
         a call that casts a wider floating tensor into an FP8 format: each FP8 output judged against the call's
         first wider floating input of its shape (the scaled tensor a recipe quantizes)."""
+        fp8 = [(row, t) for row, t in targets if isinstance(t, torch.Tensor) and t.dtype in kernels.FP8_DTYPES]
+        if call.inputs is None or not fp8:
+            return []
         from ..checkers import make_standard
 
-        if call.inputs is None:
-            return []
         sources = [x for x in _tensors(call.inputs[0]) + _tensors(call.inputs[1])
                    if x.is_floating_point() and x.dtype.itemsize > 1]
         out = []
-        for row, t in targets:
-            if not isinstance(t, torch.Tensor) or t.dtype not in kernels.FP8_DTYPES:
-                continue
+        for row, t in fp8:
             x = next((x for x in sources if x.shape == t.shape), None)
             if x is not None:
                 out.append((row, make_standard("quantization", t.dtype, **self.refs.thresholds.get("quantization", {}))(

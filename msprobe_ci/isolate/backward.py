@@ -11,6 +11,7 @@ import torch
 
 from .. import amp, kernels
 from ..kernels import cast as _cast
+from ..judge import judge_pair
 from .support import _Call
 
 #: the APIs whose gradients a convolution backward kernel computes (:meth:`BackwardIsolation._holds_partial_sums`)
@@ -142,8 +143,6 @@ class BackwardIsolation:
     def _judge_gradients(self, call: _Call, name: str, targets: list, oracle: list, bench: list, f64: bool) -> None:
         """Judge the gradients the API handed on (``targets``, by tap position) against the oracle's and the
         bench's products (``f64``: the oracle computed in float64, for its note)."""
-        from ..judge import judge_pair
-
         stem = f"{name}.output"
         oracle = [self.refs.judged(g) for g in oracle]  # judged on the judge's device, the budget drawn on the CPU
         budget = self._backward_budget(call, len(targets), oracle)

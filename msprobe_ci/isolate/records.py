@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkers import worst
+from ..judge import finite_peak
 from ..judge.fields import verdict_fields
 
 
@@ -75,9 +77,6 @@ class Records:
         """Keep the verdict of ``name`` (its worst row) from ``results`` (``[(row, CheckResult)]``); ``refs``
         (``{row: reference tensor}``) give the magnitude of a failing row, said in the message when values are
         near zero (below 1e-3)."""
-        from ..checkers import worst
-        from ..judge import finite_peak
-
         keep = self.results.get(name, {})
         start = self._clock.pop(name, None)
         status = worst([r for _, r in results]) if results else "skip"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-
+from ..kernels import tensors_of
 
 _SCHEMA_VERSION = 1
 
@@ -92,8 +92,6 @@ class _Call:
 
     def unchanged(self) -> bool:
         """Whether the call's kept inputs still hold the values it was called with (no in-place write since)."""
-        from ..kernels import tensors_of
-
         return self.inputs is not None and \
             tuple(t._version for t in tensors_of(self.inputs[0]) + tensors_of(self.inputs[1])) == self.versions
 
@@ -135,8 +133,6 @@ def local_pointwise(short: str, args: tuple, kwargs: dict):
     whole call: a pointwise op whose DTensors share one mesh, placements (``Shard``/``Replicate``, no pending
     ``Partial`` sum) and shape, beside no other tensor but 0-d ones (an optimizer's update of a sharded parameter:
     what the rank computes is the op on its shards). ``None`` otherwise."""
-    from ..kernels import tensors_of
-
     if not _pointwise(short):
         return None
     found = tensors_of(args) + tensors_of(kwargs)
