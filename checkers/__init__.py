@@ -81,9 +81,23 @@ def _standard_for(api: str, key: str, overrides: tuple) -> str:
 
 
 def make_standard(name: str, out_dtype: Any, api: str = "", **overrides: float):
-    """An instance of standard ``name`` for the output dtype (and the API, which sets the benchmark level)."""
+    """An instance of standard ``name`` for the output dtype (and the API, which sets the benchmark level).
+
+    Instances are shared (memoised by their arguments: one is asked for every judged row): a standard keeps its
+    thresholds only, read-only after construction, and hands copies of them to its results."""
+    try:
+        return _make_standard(name, dtype_key(out_dtype), api, tuple(sorted(overrides.items())))
+    except TypeError:  # an unhashable override: built afresh (the constructor says what it expects)
+        return _build_standard(name, dtype_key(out_dtype), api, overrides)
+
+
+@functools.lru_cache(maxsize=1024)
+def _make_standard(name: str, key: str, api: str, overrides: tuple):
+    return _build_standard(name, key, api, dict(overrides))
+
+
+def _build_standard(name: str, key: str, api: str, overrides: dict):
     cls = STANDARDS[name]
-    key = dtype_key(out_dtype)
     if cls is BenchmarkStandard:
         return cls(key, api=api, **overrides)
     return cls(key, **overrides)

@@ -9,6 +9,7 @@ e4m3 4, e5m2 3): the largest relative error of one correct rounding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,18 @@ def roundoff(*dtypes: Any) -> float:
 
 def checker_key(value: Any) -> str:
     """The checkers' threshold key: the short name of a floating dtype, else ``bool``, ``complex`` or ``int``."""
+    try:
+        return _checker_key(value)
+    except TypeError:  # unhashable
+        return _key_of(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _checker_key(value: Any) -> str:
+    return _key_of(value)
+
+
+def _key_of(value: Any) -> str:
     d = lookup(value)
     if d is not None:
         return d.short

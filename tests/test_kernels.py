@@ -87,6 +87,32 @@ def test_backward_scale_of_a_broadcast_product():
     assert 0.7 < float((scales[0] / walk).median()) < 3
 
 
+def test_a_reference_that_draws_leaves_the_users_random_stream_where_it_was():
+    """A reference run of a call that draws (dropout, ``rand_like``), and a budget's perturbed run of it, consume
+    none of the user's random numbers, also where the call raises: the next draw of the user's program is the one
+    it would have made without them."""
+    x = torch.randn(64, 32)
+    torch.manual_seed(7)
+    expected = torch.rand(5)
+    for func, args, kwargs, perturb in [
+            (F.dropout, (x,), {"p": 0.5, "training": True}, None),
+            (torch.rand_like, (x,), {}, None),
+            (F.dropout, (x,), {"p": 0.3, "training": True}, (2.0 ** -8, torch.Generator().manual_seed(1)))]:
+        torch.manual_seed(7)
+        _, out, _ = kernels.reference(func, args, kwargs, torch.float64, "cpu", False, perturb=perturb)
+        assert out.dtype == torch.float64 and out.shape == x.shape
+        assert torch.equal(torch.rand(5), expected), func
+    torch.manual_seed(7)
+
+    def draws_then_fails(t):
+        torch.rand(3)
+        raise ValueError("no kernel")
+
+    with pytest.raises(ValueError):
+        kernels.reference(draws_then_fails, (x,), {}, torch.float64, "cpu", False)
+    assert torch.equal(torch.rand(5), expected)
+
+
 def test_a_budget_that_cannot_be_drawn_on_its_device_is_drawn_on_the_cpu_and_says_so():
     """The budgets are drawn where the standards judge (issue 51); an API whose runs fail there (no float64 kernel
     on the device) is drawn on the CPU, and the isolator keeps which API and why, for the report's notes."""
