@@ -72,7 +72,7 @@ class QuantizationStandard:
         }
         norm = float(np.linalg.norm(xf))
         if norm == 0 or not np.isfinite(norm):
-            return CheckResult(self.name, "pass", metrics, self.thresholds, {}, "nothing to quantize (all zero)")
+            return CheckResult(self.name, "pass", metrics, dict(self.thresholds), {}, "nothing to quantize (all zero)")
         err = float(np.linalg.norm(np.nan_to_num(qf, nan=0.0) - xf) / norm)
         factor = float(fmt.max) / amax
         ideal_t = torch.from_numpy(xf * factor).to(quantized.dtype).double().numpy() / factor
@@ -86,6 +86,6 @@ class QuantizationStandard:
                    f"{metrics['underflow_share']:.2%}, saturated {metrics['saturated_share']:.2%}, subnormal "
                    f"{metrics['subnormal_share']:.2%}, amax {amax:.3g} of {fmt.max:g}")
         if bad:
-            return CheckResult(self.name, "error", metrics, self.thresholds, passing,
+            return CheckResult(self.name, "error", metrics, dict(self.thresholds), passing,
                                f"quantization error: {', '.join(bad)} ({summary}): its scale does not fit the tensor")
-        return CheckResult(self.name, "pass", metrics, self.thresholds, passing, f"quantization pass: {summary}")
+        return CheckResult(self.name, "pass", metrics, dict(self.thresholds), passing, f"quantization pass: {summary}")

@@ -1767,3 +1767,28 @@ def test_where_the_cpu_takes_a_devices_paths_it_slices_as_a_device(monkeypatch):
                        BenchmarkStandard("bf16")(target, oracle.to(torch.bfloat16), oracle).status)
     assert seen[False][:2] == (2, 2) and seen[True][:2] == (1, 1)
     assert seen[False][2:] == seen[True][2:]
+
+
+@pytest.mark.parametrize("name", sorted(STANDARDS))
+def test_a_shared_standard_hands_each_result_its_own_thresholds(name):
+    """make_standard shares one instance per name, dtype, API and overrides (one is asked for every judged row):
+    overrides make another, and a result whose thresholds a caller changes leaves the next result's alone."""
+    dtype, same = (torch.float8_e4m3fn, "fp8_e4m3") if name == "quantization" else (torch.bfloat16, "bf16")
+    std = make_standard(name, dtype, "linear")
+    assert make_standard(name, same, "linear") is std
+    assert make_standard(name, torch.float32, "linear") is not std
+    src = torch.linspace(-2, 2, 64, dtype=torch.float64)
+    t = src.to(dtype)
+
+    def judge():
+        if name == "quantization":
+            return std(t, src.float())
+        return std(t, t) if name == "dropout" else std(t, t, src * (1 + 1e-3))
+    first = judge()
+    before = dict(first.thresholds)
+    first.thresholds.clear()
+    second = judge()
+    assert second.thresholds == before and second.thresholds is not first.thresholds
+    if name == "benchmark":
+        tight = make_standard(name, torch.bfloat16, "linear", max_rel_err=1.5)
+        assert tight is not std and tight.ratios["max_rel_err"] == 1.5 != std.ratios["max_rel_err"]
