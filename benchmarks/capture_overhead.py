@@ -10,6 +10,14 @@ A 4-layer pre-LN transformer block stack written with explicit APIs, forward+bac
 Prints per-mode median ms per iteration, the ratio to no capture, records per step and microseconds per record, and the
 physical floor: the bytes of the tensors captured per step, read once at the measured single-thread read bandwidth.
 msprobe runs in a subprocess (its API wrapping is global and cannot be undone in-process).
+
+    python benchmarks/capture_overhead.py --against /tmp/wt_old [--size calls --modes msprobe-ci,isolated-device]
+
+``--against PATH`` times this checkout against another one (a ``git worktree`` of an earlier revision, whose
+``msprobe_ci``, ``checkers`` and benchmark its workers import): each round runs both workers of a mode **at the same
+time, one pinned to each CPU core** (the cores swapped every round), so the machine's drift, which moves one
+process's timings by +-25% within minutes here, touches both alike; it prints each round's ratio ours / theirs
+and their median.
 """
 
 from __future__ import annotations
@@ -208,6 +216,8 @@ def main():
                                    "(benchmarks/floors.py reads it)")
     ap.add_argument("--isolate-budget", type=float, default=FACTOR,
                     help="the factor of the budgeted-device/budgeted-upcast modes (run when --modes names them)")
+    ap.add_argument("--against", metavar="PATH", help="another checkout (an earlier revision's worktree): its "
+                                                       "workers and ours run side by side, one per core")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     FACTOR = args.isolate_budget
@@ -215,6 +225,9 @@ def main():
     iters = args.iters or (20 if args.size == "small" else 8)
     if args.worker:
         print(json.dumps(_time_mode(args.worker, args.size, iters, dtype=args.dtype)))
+        return
+    if args.against:
+        _against(args, iters)
         return
     try:
         import msprobe  # noqa: F401
@@ -258,6 +271,71 @@ def main():
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=1)
+
+
+def _worker(root: str | None, args, mode: str, iters: int, core: int | None) -> subprocess.Popen:
+    """One timing worker of ``mode``: this checkout's (``root`` None) or the one at ``root`` (its benchmark script,
+    its ``msprobe_ci`` and the ``checkers``/``pytest_plugin`` packages an install maps into it), pinned to ``core``."""
+    flags = ["--size", args.size, "--iters", str(iters), "--dtype", args.dtype, "--isolate-budget", str(FACTOR),
+             "--worker", mode]
+    env = dict(os.environ)
+    if root is None:
+        cmd, cwd = [sys.executable, __file__, *flags], None
+    else:
+        root = os.path.abspath(root)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        boot = ("import sys, runpy, msprobe_ci; "
+                "assert msprobe_ci.__file__.startswith(sys.argv[1]), msprobe_ci.__file__; "
+                "msprobe_ci.__path__.append(sys.argv[1]); sys.argv = sys.argv[2:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')")
+        cmd, cwd = [sys.executable, "-c", boot, root, os.path.join(root, "benchmarks", "capture_overhead.py"),
+                    *flags], root
+
+    def pin():
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=pin)
+
+
+def _against(args, iters: int) -> None:
+    """``--against``: this checkout's workers and the other's, side by side (see the module docstring)."""
+    modes = (args.modes or "msprobe-ci,isolated-device").split(",")
+    cores = sorted(os.sched_getaffinity(0))
+    side = len(cores) >= 2
+    ratios: dict = {m: [] for m in modes}
+    pairs: dict = {m: [] for m in modes}
+
+    def finish(p: subprocess.Popen, m: str) -> float:
+        out, err = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"worker {m} failed:\n{err[-3000:]}")
+        return json.loads(out.strip().splitlines()[-1])[0]
+
+    for r in range(args.rounds):
+        swap = r % 2 == 1
+        for m in modes:
+            if side:  # at the same time, one per core, swapped every round
+                ours_core, theirs_core = (cores[1], cores[0]) if swap else (cores[0], cores[1])
+                procs = [_worker(None, args, m, iters, ours_core),
+                         _worker(args.against, args, m, iters, theirs_core)]
+                ours, theirs = (finish(p, m) for p in procs)
+            elif swap:  # one core: one after the other, the order swapped every round
+                theirs = finish(_worker(args.against, args, m, iters, None), m)
+                ours = finish(_worker(None, args, m, iters, None), m)
+            else:
+                ours = finish(_worker(None, args, m, iters, None), m)
+                theirs = finish(_worker(args.against, args, m, iters, None), m)
+            pairs[m].append((ours, theirs))
+            ratios[m].append(ours / theirs)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    print(f"size={args.size}, {args.dtype}, 1 thread, {args.rounds} rounds x {iters} iters; ours = {here}, "
+          f"theirs = {os.path.abspath(args.against)} ({'side by side, one core each' if side else 'in turn'})")
+    for m in modes:
+        ours = statistics.median([a for a, _ in pairs[m]])
+        theirs = statistics.median([b for _, b in pairs[m]])
+        print(f"{m:>19}: ours/theirs {statistics.median(ratios[m]):.3f} (rounds: "
+              f"{', '.join(f'{x:.3f}' for x in ratios[m])}); ms/iter ours {ours:.1f}, theirs {theirs:.1f}")
 
 
 if __name__ == "__main__":
