@@ -69,6 +69,15 @@ def lookup(value: Any) -> DType | None:
     ``None`` for integer, bool, complex and unknown dtypes."""
     if value is None:
         return None
+    try:
+        return _lookup(value)
+    except TypeError:  # unhashable
+        return _INDEX.get(str(value).lower())
+
+
+@functools.lru_cache(maxsize=256)
+def _lookup(value: Any) -> DType | None:
+    """:func:`lookup`, memoised (the judge asks it for every judged row; a spelling is read once)."""
     return _INDEX.get(str(value).lower())
 
 
@@ -100,18 +109,6 @@ def roundoff(*dtypes: Any) -> float:
 
 def checker_key(value: Any) -> str:
     """The checkers' threshold key: the short name of a floating dtype, else ``bool``, ``complex`` or ``int``."""
-    try:
-        return _checker_key(value)
-    except TypeError:  # unhashable
-        return _key_of(value)
-
-
-@functools.lru_cache(maxsize=256)
-def _checker_key(value: Any) -> str:
-    return _key_of(value)
-
-
-def _key_of(value: Any) -> str:
     d = lookup(value)
     if d is not None:
         return d.short

@@ -133,17 +133,26 @@ def reference(func, args: tuple, kwargs: dict, dtype: torch.dtype | None, device
     k = {key: cast(v, conv) for key, v in kwargs.items()}
     if dtype is not None and isinstance(k.get("dtype"), torch.dtype) and k["dtype"].is_floating_point:
         k["dtype"] = dtype
-    with torch.set_grad_enabled(grad), forked_rng(device):
-        if context is None and perturb is None:
-            out = func(*a, **k)
-        else:
-            with contextlib.ExitStack() as stack:
-                if context is not None:
-                    stack.enter_context(context())
-                if perturb is not None:
-                    budget_modes(stack, perturb, func)
-                out = func(*a, **k)
+    with torch.set_grad_enabled(grad), forked_rng(device), _modes(context, perturb, func, True):
+        out = func(*a, **k)
     return leaves, out, (a, k)
+
+
+def _modes(context, perturb: tuple | None, func: Any, forward: bool):
+    """The contexts a run enters beside its grad mode and RNG fork: ``context()`` and a budget's modes
+    (:func:`budget_modes`), in that order; a no-op context where there are none (most runs: no stack to build)."""
+    if context is None and perturb is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    try:
+        if context is not None:
+            stack.enter_context(context())
+        if perturb is not None:
+            budget_modes(stack, perturb, func, forward=forward)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
 
 
 def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, retain: bool = True) -> list:
@@ -164,16 +173,8 @@ def vjp(outs: Any, leaves: list, grad_out: dict, context=None, perturb=None, ret
     pos = [j for j, x in enumerate(leaves) if x is not None]
     if not keep or not pos:
         return [None] * len(leaves)
-    if context is None and perturb is None:
+    with _modes(context, perturb, None, False):
         got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True, retain_graph=retain)
-    else:
-        with contextlib.ExitStack() as stack:
-            if context is not None:
-                stack.enter_context(context())
-            if perturb is not None:
-                budget_modes(stack, perturb, forward=False)
-            got = torch.autograd.grad(keep, [leaves[j] for j in pos], grads, allow_unused=True,
-                                      retain_graph=retain)
     out: list = [None] * len(leaves)
     for j, g in zip(pos, got):
         out[j] = g
